@@ -1,0 +1,15 @@
+"""The mla-kpool Mojo package: CPU and GPU kernels of the k-pooled sparse-attention indexer.
+
+Registers three graph ops, under the names MAX 26.7 gives its GPU-only
+builtins, so that a graph loading this package runs them on CPU and GPU:
+
+- `mo.mla.kpool.ring_close` (`ring_close.mojo`): closes each request's
+  pending pool from the tail ring plus this call's leading tokens.
+- `mo.mla.kpool.compress` (`compress.mojo`): pools every pool made entirely
+  of this call's tokens.
+- `mo.mla.kpool.seed_tail` (`seed_tail.mojo`): stashes the trailing
+  incomplete tokens into the ring.
+
+All three share the per-channel pooling routine in `pooling.mojo`, so a pool
+comes out bitwise identical whichever writer builds it.
+"""

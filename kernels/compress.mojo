@@ -1,0 +1,340 @@
+"""`mo.mla.kpool.compress`: pool every pool made entirely of this call's tokens.
+
+Request `b` (64-bit arithmetic, `start`, `n`, `c` as in `ring_close`) builds
+pools `P` from `first = ceil(c / kpool)` up to `floor((c + n) / kpool)`
+(exclusive); member `q` of pool `P` is row `start + P * kpool + q - c` of `k`
+and `gate`, and pool `P` lands at output row
+`pool_row_offsets[b] + P - first`.
+
+The kernel walks output rows, not requests: row `i` belongs to the request
+`b` with `pool_row_offsets[b] <= i < pool_row_offsets[b + 1]`, and holds that
+request's pool `first + (i - pool_row_offsets[b])` if the request has that
+many pools, else zeros. Rows outside every span (past
+`pool_row_offsets[batch]` in particular) are zero. So every row is written
+exactly once, whatever `pool_row_offsets` says, and nothing can land outside
+the output: offsets that disagree with the true counts truncate a request's
+pools to its own span. Offsets that decrease make the row-to-request mapping
+unspecified (each row still holds zeros or some request's pool).
+"""
+
+import extensibility
+from extensibility import InputTensor, OutputTensor
+from max.gpu.host import DeviceContext
+from max.gpu import block_idx, thread_idx, grid_dim
+from max.algorithm import sync_parallelize
+from std.math import ceildiv, min
+from std.sys import num_physical_cores
+
+from .pooling import cpu_pool_row, pool_channels
+from .ragged import Ptr, full_pools, read_index, token_span
+from .ring_close import GPU_MAX_BLOCK
+
+
+@always_inline
+def last_span_at[
+    dtype: DType
+](pool_row_offsets: Ptr[dtype], batch: Int, row: Int) -> Int:
+    """The last `b` in `[0, batch]` with `pool_row_offsets[b] <= row`, else -1.
+
+    A binary search, exact when the offsets never decrease.
+    """
+    var lo = 0
+    var hi = batch + 1
+    while lo < hi:
+        var mid = (lo + hi) // 2
+        if read_index(pool_row_offsets, mid) <= row:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@always_inline
+def owner(last_span: Int, batch: Int) -> Int:
+    """The request owning a row whose last span start is `last_span`, or -1.
+
+    -1 (before the first span) and `batch` (past the last) own nothing.
+    """
+    return last_span if last_span < batch else -1
+
+
+@always_inline
+def pool_row_of[
+    offset_dtype: DType,
+    pool_offset_dtype: DType,
+    length_dtype: DType,
+    kpool: Int,
+](
+    input_row_offsets: Ptr[offset_dtype],
+    pool_row_offsets: Ptr[pool_offset_dtype],
+    cache_lengths: Ptr[length_dtype],
+    b: Int,
+    row: Int,
+    total_tokens: Int,
+) -> Int:
+    """First `k` row of the pool request `b` writes at output `row`, or -1.
+
+    -1 when the row lies past the request's pools, before its span, or the
+    request's metadata does not address this call's rows.
+    """
+    if b < 0:
+        return -1
+    var span = token_span(input_row_offsets, b, total_tokens)
+    var c = read_index(cache_lengths, b)
+    var j = row - read_index(pool_row_offsets, b)
+    if not span[2] or c < 0 or j < 0 or row >= read_index(pool_row_offsets, b + 1):
+        return -1
+    var pools = full_pools[kpool](c, span[1])
+    if j >= pools[1]:
+        return -1
+    return span[0] + (pools[0] + j) * kpool - c
+
+
+def compress_cpu[
+    dtype: DType,
+    offset_dtype: DType,
+    pool_offset_dtype: DType,
+    length_dtype: DType,
+    kpool: Int,
+    head_dim: Int,
+](
+    pooled: Ptr[dtype],
+    k: Ptr[dtype],
+    gate: Ptr[dtype],
+    ape: Ptr[DType.float32],
+    input_row_offsets: Ptr[offset_dtype],
+    pool_row_offsets: Ptr[pool_offset_dtype],
+    cache_lengths: Ptr[length_dtype],
+    batch: Int,
+    total_tokens: Int,
+    out_rows: Int,
+):
+    """CPU compress: output rows split evenly over the cores.
+
+    Each worker finds the owner of its first row by binary search, then
+    walks forward, so a long prefill and many short decodes balance alike.
+
+    Parameters:
+        dtype: Key dtype.
+        offset_dtype: Integer dtype of `input_row_offsets`.
+        pool_offset_dtype: Integer dtype of `pool_row_offsets`.
+        length_dtype: Integer dtype of `cache_lengths`.
+        kpool: Tokens per pool.
+        head_dim: Channels per key.
+
+    Args:
+        pooled: Output `[out_rows, head_dim]`.
+        k: `[total_tokens, head_dim]` keys.
+        gate: `[total_tokens, head_dim]` gate scores.
+        ape: `[kpool, head_dim]` float32.
+        input_row_offsets: `[batch + 1]` token row offsets.
+        pool_row_offsets: `[batch + 1]` pool row offsets.
+        cache_lengths: `[batch]` cached-prefix lengths.
+        batch: Requests.
+        total_tokens: Rows of `k`.
+        out_rows: Rows of `pooled` (`total_tokens // kpool`).
+    """
+
+    def write_rows(lo: Int, hi: Int) {imm}:
+        var last = last_span_at(pool_row_offsets, batch, lo)
+        for row in range(lo, hi):
+            # Rows ascend, so the span start only moves forward.
+            while last < batch and read_index(pool_row_offsets, last + 1) <= row:
+                last += 1
+            var first = pool_row_of[
+                offset_dtype, pool_offset_dtype, length_dtype, kpool
+            ](
+                input_row_offsets,
+                pool_row_offsets,
+                cache_lengths,
+                owner(last, batch),
+                row,
+                total_tokens,
+            )
+            var dest = pooled.unsafe_offset(row * head_dim)
+            if first < 0:
+                for ch in range(head_dim):
+                    dest[unsafe_offset=ch] = 0
+            else:
+                var member0 = first * head_dim
+                cpu_pool_row[dtype, kpool, head_dim](
+                    k,
+                    gate,
+                    0,
+                    k.unsafe_offset(member0),
+                    gate.unsafe_offset(member0),
+                    ape,
+                    dest,
+                )
+
+    var work = out_rows * kpool * head_dim
+    var workers = min(num_physical_cores(), out_rows)
+    if workers <= 1 or work < 1 << 16:
+        write_rows(0, out_rows)
+        return
+    var per_worker = ceildiv(out_rows, workers)
+
+    def write_share(w: Int) {imm}:
+        write_rows(w * per_worker, min((w + 1) * per_worker, out_rows))
+
+    sync_parallelize(write_share, workers)
+
+
+def compress_gpu[
+    dtype: DType,
+    offset_dtype: DType,
+    pool_offset_dtype: DType,
+    length_dtype: DType,
+    kpool: Int,
+    head_dim: Int,
+](
+    pooled: Ptr[dtype],
+    k: Ptr[dtype],
+    gate: Ptr[dtype],
+    ape: Ptr[DType.float32],
+    input_row_offsets: Ptr[offset_dtype],
+    pool_row_offsets: Ptr[pool_offset_dtype],
+    cache_lengths: Ptr[length_dtype],
+    batch: Int,
+    total_tokens: Int,
+    out_rows: Int,
+    ctx: DeviceContext,
+) raises:
+    """GPU compress: one block per output row, one thread per channel.
+
+    Parameters and Args are those of `compress_cpu`, plus `ctx`.
+    """
+    if out_rows == 0:
+        return
+    comptime block = min(head_dim, GPU_MAX_BLOCK)
+    var batch64 = Int64(batch)
+    var tokens64 = Int64(total_tokens)
+
+    def kpool_compress_kernel() {var}:
+        var row = Int(block_idx.x)
+        var b = owner(last_span_at(pool_row_offsets, Int(batch64), row), Int(batch64))
+        var first = pool_row_of[
+            offset_dtype, pool_offset_dtype, length_dtype, kpool
+        ](input_row_offsets, pool_row_offsets, cache_lengths, b, row, Int(tokens64))
+        var dest = pooled.unsafe_offset(row * head_dim)
+        if first < 0:
+            for ch in range(Int(thread_idx.x), head_dim, block):
+                dest[unsafe_offset=ch] = 0
+            return
+        var member0 = first * head_dim
+        for ch in range(Int(thread_idx.x), head_dim, block):
+            dest[unsafe_offset=ch] = pool_channels[dtype, 1, kpool](
+                k,
+                gate,
+                0,
+                k.unsafe_offset(member0),
+                gate.unsafe_offset(member0),
+                ape,
+                head_dim,
+                ch,
+            )
+
+    ctx.enqueue_function(kpool_compress_kernel, grid_dim=out_rows, block_dim=block)
+
+
+@extensibility.register("mo.mla.kpool.compress")
+struct MLAKPoolCompress:
+    """Registers the `mo.mla.kpool.compress` graph op (CPU and GPU)."""
+
+    @staticmethod
+    def execute[
+        *,
+        head_dim: Int,
+        kpool: Int,
+        target: StaticString,
+    ](
+        pooled: OutputTensor[rank=2, ...],
+        k: InputTensor[dtype=pooled.dtype, rank=2, ...],
+        gate: InputTensor[dtype=pooled.dtype, rank=2, ...],
+        ape: InputTensor[dtype=DType.float32, rank=2, ...],
+        input_row_offsets: InputTensor[rank=1, ...],
+        pool_row_offsets: InputTensor[rank=1, ...],
+        cache_lengths: InputTensor[rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        """Pools every complete pool made only of this call's tokens.
+
+        Parameters:
+            head_dim: Channels per key; also the GPU block width (capped at
+                1024, threads then stride over channels).
+            kpool: Tokens per pool.
+            target: "cpu" or "gpu", filled in by the graph compiler.
+
+        Args:
+            pooled: Output `[total_tokens // kpool, head_dim]`, dtype of `k`:
+                request `b`'s pools at rows from `pool_row_offsets[b]`; rows
+                past `pool_row_offsets[batch]` are zero. The row count is an
+                upper bound on the pool count, which is data-dependent.
+            k: `[total_tokens, head_dim]` this call's keys.
+            gate: `[total_tokens, head_dim]` this call's gate scores.
+            ape: `[kpool, head_dim]` float32 within-pool position embedding.
+            input_row_offsets: `[batch + 1]` token row offsets.
+            pool_row_offsets: `[batch + 1]` exclusive prefix sum of each
+                request's pool count.
+            cache_lengths: `[batch]` cached-prefix length per request.
+            ctx: Device context.
+
+        Raises:
+            Error: If the operand shapes disagree with `head_dim`/`kpool`.
+        """
+        var batch = cache_lengths.dim_size(0)
+        var total_tokens = k.dim_size(0)
+        var out_rows = pooled.dim_size(0)
+        if (
+            pooled.dim_size(1) != head_dim
+            or k.dim_size(1) != head_dim
+            or gate.dim_size(1) != head_dim
+            or gate.dim_size(0) != total_tokens
+            or ape.dim_size(0) != kpool
+            or ape.dim_size(1) != head_dim
+            or out_rows > total_tokens // kpool
+            or input_row_offsets.dim_size(0) != batch + 1
+            or pool_row_offsets.dim_size(0) != batch + 1
+        ):
+            raise Error("mo.mla.kpool.compress: operand shapes disagree")
+        comptime if target == "cpu":
+            compress_cpu[
+                pooled.dtype,
+                input_row_offsets.dtype,
+                pool_row_offsets.dtype,
+                cache_lengths.dtype,
+                kpool,
+                head_dim,
+            ](
+                pooled.unsafe_ptr(),
+                k.unsafe_ptr(),
+                gate.unsafe_ptr(),
+                ape.unsafe_ptr(),
+                input_row_offsets.unsafe_ptr(),
+                pool_row_offsets.unsafe_ptr(),
+                cache_lengths.unsafe_ptr(),
+                batch,
+                total_tokens,
+                out_rows,
+            )
+        else:
+            compress_gpu[
+                pooled.dtype,
+                input_row_offsets.dtype,
+                pool_row_offsets.dtype,
+                cache_lengths.dtype,
+                kpool,
+                head_dim,
+            ](
+                pooled.unsafe_ptr(),
+                k.unsafe_ptr(),
+                gate.unsafe_ptr(),
+                ape.unsafe_ptr(),
+                input_row_offsets.unsafe_ptr(),
+                pool_row_offsets.unsafe_ptr(),
+                cache_lengths.unsafe_ptr(),
+                batch,
+                total_tokens,
+                out_rows,
+                ctx,
+            )

@@ -1,0 +1,72 @@
+"""Reading ragged per-request metadata without trusting it.
+
+A serving pipeline builds `input_row_offsets`, `cache_lengths` and
+`slot_idx` elsewhere; a wrong value must never turn into an out-of-bounds
+read or write. Every kernel reads its request's metadata through these
+helpers, which widen each index to 64 bits (so `c + n` past 2^32 cannot
+wrap) and report whether the request is safe to touch.
+"""
+
+comptime Ptr[dtype: DType] = Pointer[Scalar[dtype], MutAnyOrigin]
+"""Raw element pointer every kernel works through (tensor data, any origin)."""
+
+
+@always_inline
+def read_index[dtype: DType](ptr: Ptr[dtype], i: Int) -> Int:
+    """Reads entry `i` of a uint32/int32/int64/uint64 index tensor as `Int`.
+
+    A uint64 past 2^63 reads negative, which every caller rejects.
+    """
+    return Int(ptr[unsafe_offset=i])
+
+
+@always_inline
+def token_span[
+    dtype: DType
+](
+    input_row_offsets: Ptr[dtype], b: Int, total_tokens: Int
+) -> Tuple[Int, Int, Bool]:
+    """Request `b`'s token rows `[start, start + n)` and whether they are valid.
+
+    Valid means `0 <= start <= end <= total_tokens`: decreasing offsets or
+    offsets past the call's tokens make the request untouchable.
+
+    Returns:
+        `(start, n, ok)`; `n` is 0 when not `ok`.
+    """
+    var start = read_index(input_row_offsets, b)
+    var end = read_index(input_row_offsets, b + 1)
+    var ok = 0 <= start and start <= end and end <= total_tokens
+    return (start, end - start if ok else 0, ok)
+
+
+@always_inline
+def slot_ok(slot: Int, max_slots: Int) -> Bool:
+    """Whether a ring slot index addresses a slot of the ring."""
+    return 0 <= slot and slot < max_slots
+
+
+@always_inline
+def pending_pool[kpool: Int](cache_length: Int, new_tokens: Int) -> Int:
+    """The pool id `ring_close` closes for one request, or -1.
+
+    The pending pool `p = c // kpool` holds `r = c % kpool` ring members; it
+    closes when this call brings the other `kpool - r`.
+    """
+    var r = cache_length % kpool
+    var p = cache_length // kpool
+    if cache_length < 0 or r == 0 or cache_length + new_tokens < (p + 1) * kpool:
+        return -1
+    return p
+
+
+@always_inline
+def full_pools[kpool: Int](cache_length: Int, new_tokens: Int) -> Tuple[Int, Int]:
+    """The pools made entirely of this call's tokens: `(first_pool, count)`.
+
+    `first_pool = ceil(c / kpool)`; `count = floor((c + n) / kpool) -
+    first_pool`, at least 0.
+    """
+    var first = (cache_length + kpool - 1) // kpool
+    var count = (cache_length + new_tokens) // kpool - first
+    return (first, max(count, 0))
