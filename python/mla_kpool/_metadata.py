@@ -1,0 +1,162 @@
+"""Host-side check of ragged batch metadata before it reaches the writers.
+
+The kernels tolerate bad metadata (they skip the request and never touch memory
+out of bounds), which also means they hide it. :func:`check_metadata` is the
+strict counterpart for callers and tests: it names the first thing wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["check_metadata"]
+
+
+def _require_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _index_array(name: str, values: np.ndarray | Sequence[int]) -> list[int]:
+    arr = np.asarray(values)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must have an integer dtype, got {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be rank 1, got shape {arr.shape}")
+    # Python ints: uint32 / uint64 values never wrap and int32 negatives stay
+    # negative, so every comparison below is exact.
+    return [int(v) for v in arr]
+
+
+def _pool_count(c: int, n: int, kpool: int) -> int:
+    return max(0, (c + n) // kpool - -(-c // kpool))
+
+
+def check_metadata(
+    input_row_offsets: np.ndarray,
+    cache_lengths: np.ndarray,
+    slot_idx: np.ndarray,
+    *,
+    total_tokens: int,
+    max_slots: int,
+    kpool: int | None = None,
+    pool_row_offsets: np.ndarray | None = None,
+) -> None:
+    """Validates one call's ragged metadata; raises on the first problem found.
+
+    Whole-array problems are checked first (dtype, rank, lengths, first
+    offsets), then requests in batch order, so the message names the first
+    offending request and field, with the expected and the given value::
+
+        ValueError: request 3: input_row_offsets[4]=17 < input_row_offsets[3]=20
+        (offsets must be non-decreasing)
+
+    Rules: `input_row_offsets` starts at 0, is non-decreasing and ends at most
+    at `total_tokens` (trailing unused rows of `k` are allowed);
+    `cache_lengths >= 0`; `0 <= slot_idx < max_slots`, and no two requests
+    share a slot (both would write one ring slot, even a request with no new
+    tokens). If `pool_row_offsets` is given it must equal the exclusive prefix
+    sum of each request's pool count
+    `max(0, floor((c + n) / kpool) - ceil(c / kpool))`, which needs `kpool`.
+    All arithmetic is on Python ints, so uint32 `c + n` past 2^32 is exact.
+
+    Args:
+        input_row_offsets: Token row offsets `[batch + 1]`, integer dtype.
+        cache_lengths: Cached-prefix lengths `[batch]`, integer dtype.
+        slot_idx: Ring slot per request `[batch]`, integer dtype.
+        total_tokens: Rows of `k` this call (`k.shape[0]`), `>= 0`.
+        max_slots: Slots in the ring (`tail.shape[0]`), `>= 0`.
+        kpool: Tokens per pool, `>= 1`; required with `pool_row_offsets`.
+        pool_row_offsets: Output row offsets of `compress` `[batch + 1]`,
+            integer dtype.
+
+    Raises:
+        TypeError: an index array without an integer dtype, or `kpool`,
+            `total_tokens` or `max_slots` not an int.
+        ValueError: anything else listed above; the message names the field
+            (and the request, for per-request problems).
+    """
+    total_tokens = _require_int("total_tokens", total_tokens, 0)
+    max_slots = _require_int("max_slots", max_slots, 0)
+    if kpool is not None:
+        kpool = _require_int("kpool", kpool, 1)
+
+    offsets = _index_array("input_row_offsets", input_row_offsets)
+    cache = _index_array("cache_lengths", cache_lengths)
+    slots = _index_array("slot_idx", slot_idx)
+    pools = None
+    if pool_row_offsets is not None:
+        if kpool is None:
+            raise ValueError("kpool is required to check pool_row_offsets")
+        pools = _index_array("pool_row_offsets", pool_row_offsets)
+
+    batch = len(cache)
+    if len(offsets) != batch + 1:
+        raise ValueError(
+            f"input_row_offsets has {len(offsets)} entries, expected "
+            f"batch + 1 = {batch + 1} (cache_lengths has {batch})"
+        )
+    if len(slots) != batch:
+        raise ValueError(
+            f"slot_idx has {len(slots)} entries, expected batch = {batch} "
+            f"(cache_lengths has {batch})"
+        )
+    if pools is not None and len(pools) != batch + 1:
+        raise ValueError(
+            f"pool_row_offsets has {len(pools)} entries, expected "
+            f"batch + 1 = {batch + 1} (cache_lengths has {batch})"
+        )
+    if offsets[0] != 0:
+        raise ValueError(
+            f"input_row_offsets[0]={offsets[0]}, expected 0 (ragged offsets "
+            f"start at row 0)"
+        )
+    if pools is not None and pools[0] != 0:
+        raise ValueError(f"pool_row_offsets[0]={pools[0]}, expected 0")
+
+    first_user: dict[int, int] = {}
+    for b in range(batch):
+        start, end = offsets[b], offsets[b + 1]
+        c, s = cache[b], slots[b]
+        where = f"request {b}: "
+        if end < start:
+            raise ValueError(
+                f"{where}input_row_offsets[{b + 1}]={end} < "
+                f"input_row_offsets[{b}]={start} "
+                f"(offsets must be non-decreasing)"
+            )
+        if end > total_tokens:
+            raise ValueError(
+                f"{where}input_row_offsets[{b + 1}]={end} > "
+                f"total_tokens={total_tokens}"
+            )
+        if c < 0:
+            raise ValueError(f"{where}cache_lengths[{b}]={c} < 0")
+        if s < 0:
+            raise ValueError(f"{where}slot_idx[{b}]={s} < 0")
+        if s >= max_slots:
+            raise ValueError(
+                f"{where}slot_idx[{b}]={s} >= max_slots={max_slots}"
+            )
+        if s in first_user:
+            other = first_user[s]
+            raise ValueError(
+                f"{where}slot_idx[{b}]={s} duplicates slot_idx[{other}]={s} "
+                f"(two requests would write one ring slot)"
+            )
+        first_user[s] = b
+        if pools is not None:
+            count = _pool_count(c, end - start, kpool)
+            expected = pools[b] + count
+            if pools[b + 1] != expected:
+                raise ValueError(
+                    f"{where}pool_row_offsets[{b + 1}]={pools[b + 1]}, "
+                    f"expected {expected} "
+                    f"(pool_row_offsets[{b}]={pools[b]} + {count} "
+                    f"pools for c={c}, n={end - start}, kpool={kpool})"
+                )
