@@ -1,0 +1,235 @@
+"""Graph-build checks shared by the op wrappers in :mod:`mla_kpool.graph`.
+
+Every check raises before any op is added to the graph, with a message that
+starts with the offending argument's name, so a wrong operand fails where the
+caller wrote it instead of deep inside the graph compiler or, worse, as an
+out-of-bounds access at run time.
+
+Error kinds: ``TypeError`` when a value is the wrong kind of thing (not a
+graph value, a tensor where a buffer is needed, a non-integer index tensor,
+a non-integer ``kpool``); ``ValueError`` for a wrong rank, shape, float dtype
+or device.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+
+from max.dtype import DType
+from max.graph import BufferValue, DeviceRef, Dim, TensorValue
+from max.graph.dim import StaticDim
+
+#: Key/gate/tail dtypes the kernels are instantiated for.
+FLOAT_DTYPES: tuple[DType, ...] = (DType.float32, DType.bfloat16, DType.float16)
+
+#: Index dtypes the kernels read (uint32 is MAX's convention).
+INDEX_DTYPES: tuple[DType, ...] = (
+    DType.uint32,
+    DType.int32,
+    DType.int64,
+    DType.uint64,
+)
+
+
+def fmt_shape(shape: Iterable[Dim]) -> str:
+    """Formats a graph shape as ``[8, 2, 4, head_dim]``."""
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _dtype_names(dtypes: Iterable[DType]) -> str:
+    return ", ".join(d.name for d in dtypes)
+
+
+def check_kpool(kpool: object) -> int:
+    """Returns ``kpool`` as an ``int``, checked to be a positive integer."""
+    if isinstance(kpool, bool) or not isinstance(kpool, numbers.Integral):
+        raise TypeError(
+            f"kpool must be an int, got {type(kpool).__name__} {kpool!r}"
+        )
+    if kpool < 1:
+        raise ValueError(f"kpool must be at least 1, got {kpool}")
+    return int(kpool)
+
+
+def check_tensor(name: str, value: object) -> TensorValue:
+    """Checks that ``value`` is a graph tensor (not a buffer or array)."""
+    if not isinstance(value, TensorValue):
+        raise TypeError(
+            f"{name} must be a max.graph.TensorValue, got"
+            f" {type(value).__name__}"
+        )
+    return value
+
+
+def check_buffer(name: str, value: object) -> BufferValue:
+    """Checks that ``value`` is a graph buffer.
+
+    The ring must be a ``BufferValue``: it persists across calls, so the
+    writers mutate it in place, which MAX only allows on buffers.
+    """
+    if not isinstance(value, BufferValue):
+        raise TypeError(
+            f"{name} must be a max.graph.BufferValue (the ring is updated in"
+            f" place), got {type(value).__name__}"
+        )
+    return value
+
+
+def check_keys(k: object, gate: object) -> tuple[TensorValue, TensorValue, int]:
+    """Checks ``k`` and ``gate`` and returns them with the static head_dim.
+
+    Raises:
+        TypeError: If either is not a ``TensorValue``.
+        ValueError: If either is not rank 2, head_dim is not static, the
+            dtype is not float32/bfloat16/float16, or ``gate`` differs from
+            ``k`` in shape or dtype.
+    """
+    k = check_tensor("k", k)
+    gate = check_tensor("gate", gate)
+    if k.rank != 2:
+        raise ValueError(
+            f"k must be rank 2 [total_tokens, head_dim], got rank {k.rank}"
+            f" {fmt_shape(k.shape)}"
+        )
+    head_dim_dim = k.shape[1]
+    if not isinstance(head_dim_dim, StaticDim):
+        raise ValueError(
+            "k must have a static head_dim (it is a kernel parameter), got"
+            f" {fmt_shape(k.shape)}"
+        )
+    head_dim = int(head_dim_dim)
+    if head_dim < 1:
+        raise ValueError(f"k must have head_dim >= 1, got {fmt_shape(k.shape)}")
+    if k.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"k dtype must be one of {_dtype_names(FLOAT_DTYPES)}, got"
+            f" {k.dtype.name}"
+        )
+    if (
+        gate.rank != 2
+        or gate.shape[1] != head_dim
+        or _differ(gate.shape[0], k.shape[0])
+    ):
+        raise ValueError(
+            f"gate must have the shape of k {fmt_shape(k.shape)}, got"
+            f" {fmt_shape(gate.shape)}"
+        )
+    if gate.dtype != k.dtype:
+        raise ValueError(
+            f"gate dtype must match k ({k.dtype.name}), got {gate.dtype.name}"
+        )
+    return k, gate, head_dim
+
+
+def check_tail(
+    tail: object, kpool: int, head_dim: int, dtype: DType
+) -> BufferValue:
+    """Checks the ring ``[max_slots, 2, ring, head_dim]``.
+
+    ``ring`` is ``kpool`` for the documented op; a positive multiple of
+    ``kpool`` (a ring of several pools) is accepted as well.
+    """
+    tail = check_buffer("tail", tail)
+    shape = tail.shape
+    ring = shape[2] if tail.rank == 4 else None
+    ok = (
+        tail.rank == 4
+        and shape[1] == 2
+        and shape[3] == head_dim
+        and isinstance(ring, StaticDim)
+        and int(ring) > 0
+        and int(ring) % kpool == 0
+    )
+    if not ok:
+        ring_text = f"kpool={kpool}"
+        if kpool > 1:
+            ring_text += f" (or a multiple of {kpool})"
+        raise ValueError(
+            f"tail must be [max_slots, 2, {ring_text}, head_dim={head_dim}],"
+            f" got {fmt_shape(shape)}"
+        )
+    if tail.dtype != dtype:
+        raise ValueError(
+            f"tail dtype must match k ({dtype.name}), got {tail.dtype.name}"
+        )
+    return tail
+
+
+def check_ape(ape: object, kpool: int, head_dim: int) -> TensorValue:
+    """Checks the within-pool position embedding ``[kpool, head_dim]`` f32."""
+    ape = check_tensor("ape", ape)
+    if (
+        ape.rank != 2
+        or ape.shape[0] != kpool
+        or ape.shape[1] != head_dim
+        or ape.dtype != DType.float32
+    ):
+        raise ValueError(
+            f"ape must be [kpool={kpool}, head_dim={head_dim}] float32, got"
+            f" {fmt_shape(ape.shape)} {ape.dtype.name}"
+        )
+    return ape
+
+
+def check_index(name: str, value: object, what: str) -> TensorValue:
+    """Checks a rank-1 integer index tensor; ``what`` names its extent."""
+    value = check_tensor(name, value)
+    if value.rank != 1:
+        raise ValueError(
+            f"{name} must be rank 1 [{what}], got rank {value.rank}"
+            f" {fmt_shape(value.shape)}"
+        )
+    if value.dtype not in INDEX_DTYPES:
+        raise TypeError(
+            f"{name} must have an integer dtype"
+            f" ({_dtype_names(INDEX_DTYPES)}), got {value.dtype.name}"
+        )
+    return value
+
+
+def _differ(a: Dim, b: Dim) -> bool:
+    """Whether two dims are provably different.
+
+    Static dims compare by value; symbolic ones only when their difference
+    folds to a constant (``batch + 1`` vs ``batch``). Unrelated symbols may be
+    equal at run time, so they never count as different.
+    """
+    diff = Dim(a) - Dim(b)
+    return isinstance(diff, StaticDim) and int(diff) != 0
+
+
+def check_batch(
+    cache_lengths: TensorValue, **others: tuple[TensorValue, int]
+) -> None:
+    """Checks that every per-request tensor agrees with ``cache_lengths``.
+
+    Args:
+        cache_lengths: The reference: its length is ``batch``.
+        **others: ``name=(tensor, extra)`` where the tensor should be
+            ``[batch + extra]`` (1 for row-offset arrays, 0 otherwise).
+    """
+    batch = cache_lengths.shape[0]
+    for name, (value, extra) in others.items():
+        expected = batch + extra
+        if _differ(value.shape[0], expected):
+            want = "[batch + 1]" if extra else "[batch]"
+            if isinstance(expected, StaticDim):
+                want += f" = [{expected}]"
+            raise ValueError(
+                f"{name} must be {want} to match cache_lengths"
+                f" {fmt_shape(cache_lengths.shape)}, got"
+                f" {fmt_shape(value.shape)}"
+            )
+
+
+def check_devices(
+    device: DeviceRef, reference: str, **values: TensorValue | BufferValue
+) -> None:
+    """Checks that every operand lives on ``device`` (that of ``reference``)."""
+    for name, value in values.items():
+        if value.device != device:
+            raise ValueError(
+                f"{name} must be on {device} (the device of {reference}), got"
+                f" {value.device}"
+            )

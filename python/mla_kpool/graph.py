@@ -1,0 +1,431 @@
+"""Graph API of the k-pool writers, drop-ins for ``max.nn.kernels``.
+
+A pool is ``kpool`` consecutive tokens of one request collapsed to one key,
+``pooled[ch] = sum_q softmax_q(gate[q, ch] + ape[q, ch]) * k[q, ch]``.
+Serving brings a request's tokens over many calls, so three writers run on
+every call, in this order:
+
+1. :func:`ring_close` closes the pool the per-request ``tail`` ring partly
+   holds, once this call brings its missing members.
+2. :func:`compress` builds every pool made only of this call's tokens.
+3. :func:`seed_tail` stashes the trailing incomplete tokens into the ring.
+
+:func:`kpool_step` runs the three in that order, with :func:`pool_row_offsets`
+in between. Each wrapper checks every operand first and then adds exactly one
+custom op (``mo.mla.kpool.<verb>``); the graph must be built or loaded with
+``custom_extensions=[mla_kpool.KERNELS]`` so that this package's CPU+GPU
+kernels replace MAX's GPU-only builtins of the same names.
+
+Index tensors (``input_row_offsets``, ``cache_lengths``, ``slot_idx``,
+``pool_row_offsets``) are rank 1, uint32 by MAX's convention; int32, int64
+and uint64 are accepted too.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from max.dtype import DType
+from max.graph import BufferValue, TensorType, TensorValue, ops
+
+from . import _validate as v
+
+
+def _check_common(
+    k: object,
+    gate: object,
+    input_row_offsets: object,
+    cache_lengths: object,
+    kpool: object,
+) -> tuple[int, TensorValue, TensorValue, TensorValue, TensorValue, int]:
+    kpool = v.check_kpool(kpool)
+    k, gate, head_dim = v.check_keys(k, gate)
+    input_row_offsets = v.check_index(
+        "input_row_offsets", input_row_offsets, "batch + 1"
+    )
+    cache_lengths = v.check_index("cache_lengths", cache_lengths, "batch")
+    return kpool, k, gate, input_row_offsets, cache_lengths, head_dim
+
+
+def ring_close(
+    tail: BufferValue,
+    k: TensorValue,
+    gate: TensorValue,
+    ape: TensorValue,
+    input_row_offsets: TensorValue,
+    cache_lengths: TensorValue,
+    slot_idx: TensorValue,
+    kpool: int,
+) -> tuple[TensorValue, TensorValue]:
+    """Closes each request's pending pool from the ring plus this call's tokens.
+
+    Request ``b`` with ``c = cache_lengths[b]`` has ``r = c % kpool`` members
+    of pool ``p = c // kpool`` in the ring. When this call brings the other
+    ``kpool - r`` (its first rows), the pool is built from ring members
+    ``q < r`` and this call's rows for ``q >= r``. At most one pool per
+    request can be pending, so the outputs have one row per request.
+
+    Args:
+        tail: The ring, ``[max_slots, 2, ring, head_dim]``, dtype of ``k``;
+            plane 0 keys, plane 1 gate scores, position ``pos`` at
+            ``pos % ring``. ``ring`` is ``kpool`` (documented) or a multiple
+            of it. Read only, but a buffer: MAX only passes persistent state
+            as buffers, and that also orders this op before :func:`seed_tail`.
+        k: This call's keys, ``[total_tokens, head_dim]``, float32, bfloat16
+            or float16; ``head_dim`` static.
+        gate: This call's gate scores, same shape and dtype as ``k``.
+        ape: Within-pool position embedding, ``[kpool, head_dim]``, float32.
+        input_row_offsets: Token row offsets per request, ``[batch + 1]``.
+        cache_lengths: Tokens already seen per request, ``[batch]``.
+        slot_idx: Ring slot per request, ``[batch]``.
+        kpool: Tokens per pool.
+
+    Returns:
+        ``(pooled, closed_pool)``: ``pooled`` ``[batch, head_dim]`` in the
+        dtype of ``k`` (zero where nothing closed), ``closed_pool``
+        ``[batch]`` int32, the pool id closed or ``-1``. ``batch`` is
+        ``cache_lengths.shape[0]``.
+
+    Raises:
+        TypeError: If ``tail`` is not a ``BufferValue``, another operand is not
+            a ``TensorValue``, ``kpool`` is not an int, or an index tensor
+            has a non-integer dtype.
+        ValueError: If ``kpool < 1``, a rank, shape, dtype or device is wrong,
+            or the static batch sizes disagree.
+    """
+    kpool, k, gate, input_row_offsets, cache_lengths, head_dim = _check_common(
+        k, gate, input_row_offsets, cache_lengths, kpool
+    )
+    tail = v.check_tail(tail, kpool, head_dim, k.dtype)
+    ape = v.check_ape(ape, kpool, head_dim)
+    slot_idx = v.check_index("slot_idx", slot_idx, "batch")
+    v.check_batch(
+        cache_lengths,
+        input_row_offsets=(input_row_offsets, 1),
+        slot_idx=(slot_idx, 0),
+    )
+    v.check_devices(
+        k.device,
+        "k",
+        tail=tail,
+        gate=gate,
+        ape=ape,
+        input_row_offsets=input_row_offsets,
+        cache_lengths=cache_lengths,
+        slot_idx=slot_idx,
+    )
+
+    batch = cache_lengths.shape[0]
+    results = ops.inplace_custom(
+        "mo.mla.kpool.ring_close",
+        device=k.device,
+        values=[
+            tail,
+            k,
+            gate,
+            ape,
+            input_row_offsets,
+            cache_lengths,
+            slot_idx,
+        ],
+        out_types=[
+            TensorType(k.dtype, [batch, head_dim], device=k.device),
+            TensorType(DType.int32, [batch], device=k.device),
+        ],
+        parameters={"head_dim": head_dim, "kpool": kpool},
+    )
+    return results[0].tensor, results[1].tensor
+
+
+def compress(
+    k: TensorValue,
+    gate: TensorValue,
+    ape: TensorValue,
+    input_row_offsets: TensorValue,
+    pool_row_offsets: TensorValue,
+    cache_lengths: TensorValue,
+    kpool: int,
+) -> TensorValue:
+    """Builds every pool made entirely of this call's tokens.
+
+    Request ``b`` builds pools ``ceil(c / kpool)`` up to (excluding)
+    ``(c + n) // kpool`` and writes them from row ``pool_row_offsets[b]``
+    on; the leading tokens that finish a pending pool are left to
+    :func:`ring_close`, the trailing ones to :func:`seed_tail`.
+
+    Args:
+        k: This call's keys, ``[total_tokens, head_dim]``, float32, bfloat16
+            or float16; ``head_dim`` static.
+        gate: This call's gate scores, same shape and dtype as ``k``.
+        ape: Within-pool position embedding, ``[kpool, head_dim]``, float32.
+        input_row_offsets: Token row offsets per request, ``[batch + 1]``.
+        pool_row_offsets: Output row offsets per request, ``[batch + 1]``,
+            the exclusive prefix sum of the per-request pool counts (see
+            :func:`pool_row_offsets`).
+        cache_lengths: Tokens already seen per request, ``[batch]``.
+        kpool: Tokens per pool.
+
+    Returns:
+        ``[total_tokens // kpool, head_dim]`` pooled keys in the dtype of
+        ``k``. The row count is an upper bound, because the real count depends
+        on runtime values and a graph output shape cannot; rows past
+        ``pool_row_offsets[batch]`` are zero.
+
+    Raises:
+        TypeError: If an operand is not a ``TensorValue``, ``kpool`` is not an
+            int, or an index tensor has a non-integer dtype.
+        ValueError: If ``kpool < 1``, a rank, shape, dtype or device is wrong,
+            or the static batch sizes disagree.
+    """
+    kpool, k, gate, input_row_offsets, cache_lengths, head_dim = _check_common(
+        k, gate, input_row_offsets, cache_lengths, kpool
+    )
+    ape = v.check_ape(ape, kpool, head_dim)
+    pool_row_offsets = v.check_index(
+        "pool_row_offsets", pool_row_offsets, "batch + 1"
+    )
+    v.check_batch(
+        cache_lengths,
+        input_row_offsets=(input_row_offsets, 1),
+        pool_row_offsets=(pool_row_offsets, 1),
+    )
+    v.check_devices(
+        k.device,
+        "k",
+        gate=gate,
+        ape=ape,
+        input_row_offsets=input_row_offsets,
+        pool_row_offsets=pool_row_offsets,
+        cache_lengths=cache_lengths,
+    )
+
+    return ops.custom(
+        "mo.mla.kpool.compress",
+        device=k.device,
+        values=[
+            k,
+            gate,
+            ape,
+            input_row_offsets,
+            pool_row_offsets,
+            cache_lengths,
+        ],
+        out_types=[
+            TensorType(
+                k.dtype, [k.shape[0] // kpool, head_dim], device=k.device
+            )
+        ],
+        parameters={"head_dim": head_dim, "kpool": kpool},
+    )[0].tensor
+
+
+def seed_tail(
+    tail: BufferValue,
+    k: TensorValue,
+    gate: TensorValue,
+    input_row_offsets: TensorValue,
+    cache_lengths: TensorValue,
+    slot_idx: TensorValue,
+    kpool: int,
+) -> None:
+    """Stashes each request's trailing incomplete tokens into the ring.
+
+    Positions from ``max(c, ((c + n) // kpool) * kpool)`` to ``c + n`` are
+    written to ``tail[s, :, pos % ring]``; nothing below ``c`` is written.
+    Must come after :func:`ring_close` in the same call, which reads ring
+    slots this op can overwrite; MAX keeps in-place ops on one device in
+    program order, so calling them in that order is enough.
+
+    Args:
+        tail: The ring, ``[max_slots, 2, ring, head_dim]``, dtype of ``k``,
+            updated in place; ``ring`` is ``kpool`` or a multiple of it.
+        k: This call's keys, ``[total_tokens, head_dim]``, float32, bfloat16
+            or float16; ``head_dim`` static.
+        gate: This call's gate scores, same shape and dtype as ``k``.
+        input_row_offsets: Token row offsets per request, ``[batch + 1]``.
+        cache_lengths: Tokens already seen per request, ``[batch]``.
+        slot_idx: Ring slot per request, ``[batch]``.
+        kpool: Tokens per pool.
+
+    Raises:
+        TypeError: If ``tail`` is not a ``BufferValue``, another operand is not
+            a ``TensorValue``, ``kpool`` is not an int, or an index tensor
+            has a non-integer dtype.
+        ValueError: If ``kpool < 1``, a rank, shape, dtype or device is wrong,
+            or the static batch sizes disagree.
+    """
+    kpool, k, gate, input_row_offsets, cache_lengths, head_dim = _check_common(
+        k, gate, input_row_offsets, cache_lengths, kpool
+    )
+    tail = v.check_tail(tail, kpool, head_dim, k.dtype)
+    slot_idx = v.check_index("slot_idx", slot_idx, "batch")
+    v.check_batch(
+        cache_lengths,
+        input_row_offsets=(input_row_offsets, 1),
+        slot_idx=(slot_idx, 0),
+    )
+    v.check_devices(
+        k.device,
+        "k",
+        tail=tail,
+        gate=gate,
+        input_row_offsets=input_row_offsets,
+        cache_lengths=cache_lengths,
+        slot_idx=slot_idx,
+    )
+
+    ops.inplace_custom(
+        "mo.mla.kpool.seed_tail",
+        device=k.device,
+        values=[
+            tail,
+            k,
+            gate,
+            input_row_offsets,
+            cache_lengths,
+            slot_idx,
+        ],
+        parameters={"head_dim": head_dim, "kpool": kpool},
+    )
+
+
+def _first_pool(cache_lengths: TensorValue, kpool: int) -> TensorValue:
+    """``ceil(c / kpool)`` per request, int64: the first pool compress owns."""
+    c = cache_lengths.cast(DType.int64)
+    return (c + (kpool - 1)) // kpool
+
+
+def pool_row_offsets(
+    input_row_offsets: TensorValue, cache_lengths: TensorValue, kpool: int
+) -> TensorValue:
+    """Computes the ``pool_row_offsets`` operand of :func:`compress`.
+
+    Request ``b`` with ``n`` new tokens and ``c`` cached ones gets
+    ``max(0, (c + n) // kpool - ceil(c / kpool))`` rows; the result is the
+    exclusive prefix sum of those counts. The arithmetic is int64 because
+    ``c + n`` can pass 2^32. Bad metadata, a negative span
+    (``input_row_offsets`` going down) or a negative cache length, counts
+    zero pools.
+
+    Args:
+        input_row_offsets: Token row offsets per request, ``[batch + 1]``.
+        cache_lengths: Tokens already seen per request, ``[batch]``.
+        kpool: Tokens per pool.
+
+    Returns:
+        ``[batch + 1]`` uint32, ``batch`` being ``cache_lengths.shape[0]``;
+        entry 0 is 0 and the last entry is the call's pool count.
+
+    Raises:
+        TypeError: If an operand is not a ``TensorValue``, ``kpool`` is not an
+            int, or an index tensor has a non-integer dtype.
+        ValueError: If ``kpool < 1``, a rank, shape or device is wrong, or the
+            static batch sizes disagree.
+    """
+    kpool = v.check_kpool(kpool)
+    input_row_offsets = v.check_index(
+        "input_row_offsets", input_row_offsets, "batch + 1"
+    )
+    cache_lengths = v.check_index("cache_lengths", cache_lengths, "batch")
+    v.check_batch(cache_lengths, input_row_offsets=(input_row_offsets, 1))
+    device = cache_lengths.device
+    v.check_devices(
+        device, "cache_lengths", input_row_offsets=input_row_offsets
+    )
+
+    zero = ops.constant(0, DType.int64, device=device)
+    offsets = input_row_offsets.cast(DType.int64)
+    # `input_row_offsets` has its own length symbol; one span per request makes
+    # the spans as long as `cache_lengths` at run time, which the rebind
+    # asserts so the elementwise ops below see one shape.
+    n = (offsets[1:] - offsets[:-1]).rebind(
+        cache_lengths.shape, "input_row_offsets must be [batch + 1]"
+    )
+    c = cache_lengths.cast(DType.int64)
+    counts = ops.max((c + n) // kpool - _first_pool(cache_lengths, kpool), zero)
+    # Bad metadata (a span that goes backwards, a negative int32 length)
+    # owns no pools, as in the reference and the compress kernel.
+    counts = ops.where((n < 0) | (c < 0), zero, counts)
+    prefix = ops.concat([zero.reshape([1]), ops.cumsum(counts, axis=0)], axis=0)
+    return prefix.cast(DType.uint32)
+
+
+class KPoolStep(NamedTuple):
+    """Outputs of one :func:`kpool_step` call.
+
+    Attributes:
+        ring_pooled: ``[batch, head_dim]``, dtype of ``k``: the pool each
+            request closed from the ring (zero where none).
+        ring_closed_pool: ``[batch]`` int32: its pool id, or ``-1``.
+        pooled: ``[total_tokens // kpool, head_dim]``, dtype of ``k``: the
+            pools built from this call's tokens, request ``b``'s from row
+            ``pool_row_offsets[b]``.
+        pool_row_offsets: ``[batch + 1]`` uint32, see
+            :func:`pool_row_offsets`.
+        first_pool: ``[batch]`` int64, ``ceil(cache_lengths / kpool)``: the
+            pool id of request ``b``'s first row in ``pooled``, so row
+            ``pool_row_offsets[b] + j`` is pool ``first_pool[b] + j``. int64
+            because it is derived from 64-bit position arithmetic.
+    """
+
+    ring_pooled: TensorValue
+    ring_closed_pool: TensorValue
+    pooled: TensorValue
+    pool_row_offsets: TensorValue
+    first_pool: TensorValue
+
+
+def kpool_step(
+    tail: BufferValue,
+    k: TensorValue,
+    gate: TensorValue,
+    ape: TensorValue,
+    input_row_offsets: TensorValue,
+    cache_lengths: TensorValue,
+    slot_idx: TensorValue,
+    kpool: int,
+) -> KPoolStep:
+    """Runs one call's three writers on one ring: close, compress, seed.
+
+    Together they produce every pool that this call completes exactly once:
+    the pending pool (if finished) in ``ring_pooled``, the rest in
+    ``pooled``; afterwards the ring holds the tokens of the pool still
+    filling. The order matters: :func:`seed_tail` may overwrite ring slots
+    that :func:`ring_close` reads. Both are in-place ops on ``tail``'s
+    device, which MAX chains in program order, so issuing ring_close first
+    is what sequences them. :func:`compress` reads no ring and is unordered.
+
+    Args:
+        tail: The ring, ``[max_slots, 2, ring, head_dim]``, dtype of ``k``,
+            updated in place; ``ring`` is ``kpool`` or a multiple of it.
+        k: This call's keys, ``[total_tokens, head_dim]``, float32, bfloat16
+            or float16; ``head_dim`` static.
+        gate: This call's gate scores, same shape and dtype as ``k``.
+        ape: Within-pool position embedding, ``[kpool, head_dim]``, float32.
+        input_row_offsets: Token row offsets per request, ``[batch + 1]``.
+        cache_lengths: Tokens already seen per request, ``[batch]``.
+        slot_idx: Ring slot per request, ``[batch]``.
+        kpool: Tokens per pool.
+
+    Returns:
+        A :class:`KPoolStep`.
+
+    Raises:
+        TypeError: As :func:`ring_close`.
+        ValueError: As :func:`ring_close`.
+    """
+    ring_pooled, ring_closed_pool = ring_close(
+        tail, k, gate, ape, input_row_offsets, cache_lengths, slot_idx, kpool
+    )
+    offsets = pool_row_offsets(input_row_offsets, cache_lengths, kpool)
+    pooled = compress(
+        k, gate, ape, input_row_offsets, offsets, cache_lengths, kpool
+    )
+    seed_tail(tail, k, gate, input_row_offsets, cache_lengths, slot_idx, kpool)
+    return KPoolStep(
+        ring_pooled=ring_pooled,
+        ring_closed_pool=ring_closed_pool,
+        pooled=pooled,
+        pool_row_offsets=offsets,
+        first_pool=_first_pool(cache_lengths, kpool),
+    )
