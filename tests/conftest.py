@@ -1,0 +1,41 @@
+"""Shared fixtures: the devices every kernel test runs on."""
+
+from __future__ import annotations
+
+import pytest
+from max import driver
+from max.graph import DeviceRef
+
+_HAS_GPU = driver.accelerator_count() > 0
+
+#: Parametrization for tests that run on every device: the CPU always, the
+#: first accelerator when there is one (a visible skip otherwise, so a CPU-only
+#: run says what it did not cover).
+DEVICES = [
+    pytest.param(DeviceRef.CPU(), id="cpu"),
+    pytest.param(
+        DeviceRef.GPU(),
+        id="gpu",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                not _HAS_GPU,
+                reason="no accelerator (max.driver.accelerator_count() == 0)",
+            ),
+        ],
+    ),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device_ref(request: pytest.FixtureRequest) -> DeviceRef:
+    """The graph device of the current parametrization."""
+    return request.param
+
+
+@pytest.fixture
+def driver_device(device_ref: DeviceRef) -> driver.Device:
+    """The ``max.driver`` device matching :func:`device_ref`."""
+    if device_ref.is_cpu():
+        return driver.CPU()
+    return driver.Accelerator()
