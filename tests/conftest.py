@@ -6,6 +6,8 @@ import pytest
 from max import driver
 from max.graph import DeviceRef
 
+from mla_kpool.runner import Runner
+
 _HAS_GPU = driver.accelerator_count() > 0
 
 #: Parametrization for tests that run on every device: the CPU always, the
@@ -27,6 +29,13 @@ DEVICES = [
 ]
 
 
+#: The same two devices by name, for :class:`mla_kpool.runner.Runner`.
+DEVICE_NAMES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("gpu", id="gpu", marks=DEVICES[1].marks),
+]
+
+
 @pytest.fixture(params=DEVICES)
 def device_ref(request: pytest.FixtureRequest) -> DeviceRef:
     """The graph device of the current parametrization."""
@@ -39,3 +48,19 @@ def driver_device(device_ref: DeviceRef) -> driver.Device:
     if device_ref.is_cpu():
         return driver.CPU()
     return driver.Accelerator()
+
+
+_RUNNERS: dict[str, Runner] = {}
+
+
+def get_runner(device: str) -> Runner:
+    """The session's one :class:`Runner` per device (models cached inside)."""
+    if device not in _RUNNERS:
+        _RUNNERS[device] = Runner(device)
+    return _RUNNERS[device]
+
+
+@pytest.fixture(params=DEVICE_NAMES)
+def runner(request: pytest.FixtureRequest) -> Runner:
+    """A compile-once runner on each device (GPU skipped without one)."""
+    return get_runner(request.param)

@@ -1,0 +1,345 @@
+"""Compile-once, run-many execution of the k-pool writers on NumPy data.
+
+The demo, the benchmark and the tests all need the same thing: build a small
+MAX graph around one writer (or the three-writer step), compile it once per
+configuration, and call it many times with NumPy arrays of any batch and
+token count. Graph dims that vary per call are symbolic (``"tokens"``,
+``"batch"``, ``"offsets"``, ``"slots"``), so one compiled model serves every
+batch shape; only dtype, ``kpool``, ``head_dim``, the ring length and the
+index dtypes (compile-time parameters of the kernels) pick a new model.
+
+The ring is persistent state, so it lives in a ``max.driver.Buffer`` that
+the caller owns (:meth:`Runner.new_ring`) and the in-place ops update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from max import driver
+from max.driver import Buffer
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+from max.graph import BufferType, DeviceRef, Graph, TensorType
+
+from . import graph as kpool_graph
+from ._paths import KERNELS
+from .buffers import to_buffer, to_max_dtype, to_numpy
+
+
+@dataclass(frozen=True)
+class ModelKey:
+    """What a compiled model is specialized on.
+
+    Attributes:
+        kind: ``"ring_close"``, ``"compress"``, ``"seed_tail"`` or ``"step"``.
+        dtype: Key dtype (``k``, ``gate``, ``tail``, pooled outputs).
+        kpool: Tokens per pool.
+        head_dim: Channels per key.
+        ring_len: Ring length ``R`` (``kpool`` or a multiple); 0 for compress.
+        index_dtypes: Dtypes of the index operands, in argument order.
+    """
+
+    kind: str
+    dtype: DType
+    kpool: int
+    head_dim: int
+    ring_len: int
+    index_dtypes: tuple[DType, ...]
+
+
+def _index_array(values: npt.ArrayLike) -> np.ndarray:
+    """An index operand as an array; Python lists become uint32 (MAX's)."""
+    if isinstance(values, np.ndarray):
+        return values
+    return np.asarray(values, dtype=np.uint32)
+
+
+class Runner:
+    """Runs the k-pool writers on one device, caching a model per config.
+
+    Args:
+        device: ``"cpu"`` or ``"gpu"`` (the first accelerator).
+
+    Raises:
+        RuntimeError: From MAX, if ``"gpu"`` is asked for without one.
+    """
+
+    def __init__(self, device: str = "cpu") -> None:
+        if device not in ("cpu", "gpu"):
+            raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
+        self.device_name = device
+        self.device: driver.Device = (
+            driver.CPU() if device == "cpu" else driver.Accelerator()
+        )
+        self._ref = DeviceRef.CPU() if device == "cpu" else DeviceRef.GPU()
+        devices = (
+            [driver.CPU()] if device == "cpu" else [driver.CPU(), self.device]
+        )
+        self._session = InferenceSession(devices=devices)
+        self._models: dict[ModelKey, Model] = {}
+
+    # -- buffers ---------------------------------------------------------
+
+    def new_ring(
+        self,
+        max_slots: int,
+        ring_len: int,
+        head_dim: int,
+        dtype: npt.DTypeLike,
+        fill: npt.ArrayLike | None = None,
+    ) -> Buffer:
+        """A ring buffer ``[max_slots, 2, ring_len, head_dim]`` on the device.
+
+        Args:
+            max_slots: Ring slots.
+            ring_len: Members per slot (``kpool`` or a multiple of it).
+            head_dim: Channels per key.
+            dtype: Key dtype (NumPy, or ``ml_dtypes.bfloat16``).
+            fill: Initial contents (broadcast); zeros when ``None``.
+
+        Returns:
+            A new buffer the in-place writers update.
+        """
+        shape = (max_slots, 2, ring_len, head_dim)
+        host = np.zeros(shape, dtype=dtype)
+        if fill is not None:
+            host[...] = fill
+        return to_buffer(host, self.device)
+
+    def to_device(self, array: npt.ArrayLike) -> Buffer:
+        """Copies an array to this runner's device."""
+        return to_buffer(array, self.device)
+
+    @staticmethod
+    def read(buffer: Buffer) -> np.ndarray:
+        """Copies a buffer (a ring, say) back to a NumPy array."""
+        return to_numpy(buffer)
+
+    # -- models ----------------------------------------------------------
+
+    def model(self, key: ModelKey) -> Model:
+        """The compiled model for ``key``, compiling it on first use."""
+        model = self._models.get(key)
+        if model is None:
+            model = self._session.load(self._build(key))
+            self._models[key] = model
+        return model
+
+    @property
+    def compiled_models(self) -> int:
+        """How many distinct models this runner has compiled."""
+        return len(self._models)
+
+    def _build(self, key: ModelKey) -> Graph:
+        dev = self._ref
+        hd, kp, dt = key.head_dim, key.kpool, key.dtype
+        ring = BufferType(dt, ["slots", 2, key.ring_len, hd], dev)
+        rows = TensorType(dt, ["tokens", hd], dev)
+        ape = TensorType(DType.float32, [kp, hd], dev)
+        off_dt, *rest = key.index_dtypes
+        offsets = TensorType(off_dt, ["offsets"], dev)
+        name = f"mla_kpool_{key.kind}_{dt}_k{kp}_d{hd}_r{key.ring_len}"
+
+        if key.kind == "compress":
+            pool_dt, len_dt = rest
+            inputs: list[Any] = [
+                rows,
+                rows,
+                ape,
+                offsets,
+                TensorType(pool_dt, ["offsets"], dev),
+                TensorType(len_dt, ["batch"], dev),
+            ]
+        else:
+            len_dt, slot_dt = rest
+            per_request = [
+                TensorType(len_dt, ["batch"], dev),
+                TensorType(slot_dt, ["batch"], dev),
+            ]
+            if key.kind == "seed_tail":
+                inputs = [ring, rows, rows, offsets, *per_request]
+            else:
+                inputs = [ring, rows, rows, ape, offsets, *per_request]
+
+        with Graph(name, input_types=inputs, custom_extensions=[KERNELS]) as g:
+            x = [
+                value.buffer
+                if i == 0 and key.kind != "compress"
+                else value.tensor
+                for i, value in enumerate(g.inputs)
+            ]
+            if key.kind == "ring_close":
+                g.output(*kpool_graph.ring_close(*x, kp))
+            elif key.kind == "compress":
+                g.output(kpool_graph.compress(*x, kp))
+            elif key.kind == "seed_tail":
+                kpool_graph.seed_tail(*x, kp)
+                g.output()
+            elif key.kind == "step":
+                g.output(*kpool_graph.kpool_step(*x, kp))
+            else:
+                raise ValueError(f"unknown kind {key.kind!r}")
+        return g
+
+    # -- calls -----------------------------------------------------------
+
+    def _run(
+        self,
+        kind: str,
+        kpool: int,
+        k: np.ndarray,
+        ring: Buffer | None,
+        tensors: list[np.ndarray],
+        indices: list[npt.ArrayLike],
+    ) -> list[np.ndarray]:
+        index_arrays = [_index_array(i) for i in indices]
+        key = ModelKey(
+            kind=kind,
+            dtype=to_max_dtype(k.dtype),
+            kpool=int(kpool),
+            head_dim=int(k.shape[1]),
+            ring_len=int(ring.shape[2]) if ring is not None else 0,
+            index_dtypes=tuple(to_max_dtype(a.dtype) for a in index_arrays),
+        )
+        model = self.model(key)
+        args: list[Buffer] = [] if ring is None else [ring]
+        args += [self.to_device(a) for a in tensors]
+        args += [self.to_device(a) for a in index_arrays]
+        return [to_numpy(out) for out in model.execute(*args)]
+
+    def ring_close(
+        self,
+        tail: Buffer,
+        k: np.ndarray,
+        gate: np.ndarray,
+        ape: np.ndarray,
+        input_row_offsets: npt.ArrayLike,
+        cache_lengths: npt.ArrayLike,
+        slot_idx: npt.ArrayLike,
+        kpool: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Runs ``mo.mla.kpool.ring_close``; see :func:`mla_kpool.ring_close`.
+
+        Returns:
+            ``(pooled, closed_pool)``: ``[batch, head_dim]`` in k's dtype and
+            ``[batch]`` int32.
+        """
+        pooled, closed = self._run(
+            "ring_close",
+            kpool,
+            k,
+            tail,
+            [k, gate, np.asarray(ape, np.float32)],
+            [input_row_offsets, cache_lengths, slot_idx],
+        )
+        return pooled, closed
+
+    def compress(
+        self,
+        k: np.ndarray,
+        gate: np.ndarray,
+        ape: np.ndarray,
+        input_row_offsets: npt.ArrayLike,
+        pool_row_offsets: npt.ArrayLike,
+        cache_lengths: npt.ArrayLike,
+        kpool: int,
+    ) -> np.ndarray:
+        """Runs ``mo.mla.kpool.compress``; see :func:`mla_kpool.compress`.
+
+        Returns:
+            ``[total_tokens // kpool, head_dim]`` pooled keys in k's dtype.
+        """
+        (pooled,) = self._run(
+            "compress",
+            kpool,
+            k,
+            None,
+            [k, gate, np.asarray(ape, np.float32)],
+            [input_row_offsets, pool_row_offsets, cache_lengths],
+        )
+        return pooled
+
+    def seed_tail(
+        self,
+        tail: Buffer,
+        k: np.ndarray,
+        gate: np.ndarray,
+        input_row_offsets: npt.ArrayLike,
+        cache_lengths: npt.ArrayLike,
+        slot_idx: npt.ArrayLike,
+        kpool: int,
+    ) -> None:
+        """Runs ``mo.mla.kpool.seed_tail`` on ``tail`` in place."""
+        self._run(
+            "seed_tail",
+            kpool,
+            k,
+            tail,
+            [k, gate],
+            [input_row_offsets, cache_lengths, slot_idx],
+        )
+
+    def step(
+        self,
+        tail: Buffer,
+        k: np.ndarray,
+        gate: np.ndarray,
+        ape: np.ndarray,
+        input_row_offsets: npt.ArrayLike,
+        cache_lengths: npt.ArrayLike,
+        slot_idx: npt.ArrayLike,
+        kpool: int,
+    ) -> StepResult:
+        """Runs :func:`mla_kpool.kpool_step` (all three writers) on ``tail``.
+
+        Returns:
+            The step's outputs as NumPy arrays; ``tail`` is updated in place.
+        """
+        outs = self._run(
+            "step",
+            kpool,
+            k,
+            tail,
+            [k, gate, np.asarray(ape, np.float32)],
+            [input_row_offsets, cache_lengths, slot_idx],
+        )
+        return StepResult(*outs)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One :meth:`Runner.step` call's outputs, as NumPy arrays.
+
+    See :class:`mla_kpool.KPoolStep` for the meaning of each.
+
+    Attributes:
+        ring_pooled: ``[batch, head_dim]`` pool each request closed.
+        ring_closed_pool: ``[batch]`` int32 its pool id, or -1.
+        pooled: ``[total_tokens // kpool, head_dim]`` pools of new tokens.
+        pool_row_offsets: ``[batch + 1]`` uint32 row of request b's first pool.
+        first_pool: ``[batch]`` int64 pool id of that row.
+    """
+
+    ring_pooled: np.ndarray
+    ring_closed_pool: np.ndarray
+    pooled: np.ndarray
+    pool_row_offsets: np.ndarray
+    first_pool: np.ndarray
+
+    def pools(self) -> list[dict[int, np.ndarray]]:
+        """Every pool this call produced, per request: ``{pool_id: key}``."""
+        batch = self.ring_closed_pool.shape[0]
+        out: list[dict[int, np.ndarray]] = [{} for _ in range(batch)]
+        for b in range(batch):
+            closed = int(self.ring_closed_pool[b])
+            if closed >= 0:
+                out[b][closed] = self.ring_pooled[b]
+            lo = int(self.pool_row_offsets[b])
+            hi = int(self.pool_row_offsets[b + 1])
+            for j in range(hi - lo):
+                out[b][int(self.first_pool[b]) + j] = self.pooled[lo + j]
+        return out
