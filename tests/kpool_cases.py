@@ -1,0 +1,104 @@
+"""Configurations and helpers shared by the kernel test files.
+
+Every distinct (kind, dtype, kpool, head_dim, ring length, index dtypes)
+compiles one MAX model (20-40 s cold on a 2-core machine), so the suite draws
+its kernel configurations from the short lists below and shares one
+:class:`mla_kpool.runner.Runner` per device (``conftest.get_runner``).
+Add a configuration only when a test needs a combination none of these has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+
+#: SPEC section 6: tolerance against the float64 oracle, relative to the
+#: magnitude of the pooled members (a pooled key is a convex combination of
+#: them, so that is the scale its rounding error lives on).
+TOLERANCE = {F32: 1e-5, F16: 2e-3, BF16: 1.6e-2}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One compiled writer configuration."""
+
+    dtype: np.dtype
+    kpool: int
+    head_dim: int
+
+    @property
+    def id(self) -> str:
+        """Readable pytest id, e.g. ``bfloat16-k4-d128``."""
+        return f"{self.dtype.name}-k{self.kpool}-d{self.head_dim}"
+
+
+#: The configuration most tests use: float32, GLM-5-Next's indexer shape.
+MAIN = Config(F32, 4, 128)
+
+#: Step (three-writer) models the suite compiles. Together they cover every
+#: dtype, kpool 1, 2, 3, 4, 16, 128 and head_dim 1, 32, 64, 96, 128, 1088
+#: (above the 1024-thread GPU block limit).
+STEP_CONFIGS = [
+    MAIN,
+    Config(BF16, 4, 128),
+    Config(F16, 16, 32),
+    Config(F32, 1, 32),
+    Config(F32, 3, 32),
+    Config(BF16, 128, 32),
+    Config(F32, 2, 64),
+    Config(F16, 4, 96),
+    Config(F32, 4, 1),
+    Config(BF16, 2, 1088),
+]
+
+
+def random_rows(
+    rng: np.random.Generator,
+    tokens: int,
+    head_dim: int,
+    dtype: np.dtype,
+    gate_scale: float = 4.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Random ``(k, gate)`` rows; gates spread wide so members differ."""
+    k = rng.standard_normal((tokens, head_dim)).astype(dtype)
+    gate = (gate_scale * rng.standard_normal((tokens, head_dim))).astype(dtype)
+    return k, gate
+
+
+def random_ape(
+    rng: np.random.Generator, kpool: int, head_dim: int, scale: float = 2.0
+) -> np.ndarray:
+    """A float32 ape wide enough that a wrong ape row changes the answer."""
+    return (scale * rng.standard_normal((kpool, head_dim))).astype(np.float32)
+
+
+def assert_pooled_close(
+    actual: np.ndarray,
+    expected: np.ndarray,
+    dtype: np.dtype,
+    scale: float,
+    what: str = "pooled",
+) -> None:
+    """Asserts kernel output matches the float64 oracle within SPEC tolerance.
+
+    Args:
+        actual: Kernel output (any float dtype).
+        expected: Oracle output, float64.
+        dtype: The key dtype the kernel ran in (picks the tolerance).
+        scale: Largest member magnitude (``max |k|`` over the inputs).
+        what: Name for the failure message.
+    """
+    tol = TOLERANCE[np.dtype(dtype)]
+    np.testing.assert_allclose(
+        np.asarray(actual, dtype=np.float64),
+        expected,
+        rtol=tol,
+        atol=tol * max(scale, 1e-30),
+        err_msg=f"{what} ({np.dtype(dtype).name}) differs from the oracle",
+    )
