@@ -21,3 +21,6 @@ def find_kernels() -> Path:
 
 
 KERNELS: Path = find_kernels()
+
+#: No-op kernels with the real ops' names and signatures (benchmark floor).
+NOOP_KERNELS: Path = _HERE / "bench_noop"

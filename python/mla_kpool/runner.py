@@ -15,6 +15,7 @@ the caller owns (:meth:`Runner.new_ring`) and the in-place ops update.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,15 +64,19 @@ class Runner:
 
     Args:
         device: ``"cpu"`` or ``"gpu"`` (the first accelerator).
+        kernels: The Mojo package that implements the ops; the benchmark
+            passes its no-op stand-ins here to measure MAX's own floor.
 
     Raises:
+        ValueError: If ``device`` is neither.
         RuntimeError: From MAX, if ``"gpu"`` is asked for without one.
     """
 
-    def __init__(self, device: str = "cpu") -> None:
+    def __init__(self, device: str = "cpu", kernels: Path = KERNELS) -> None:
         if device not in ("cpu", "gpu"):
             raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
         self.device_name = device
+        self.kernels = kernels
         self.device: driver.Device = (
             driver.CPU() if device == "cpu" else driver.Accelerator()
         )
@@ -165,7 +170,9 @@ class Runner:
             else:
                 inputs = [ring, rows, rows, ape, offsets, *per_request]
 
-        with Graph(name, input_types=inputs, custom_extensions=[KERNELS]) as g:
+        with Graph(
+            name, input_types=inputs, custom_extensions=[self.kernels]
+        ) as g:
             x = [
                 value.buffer
                 if i == 0 and key.kind != "compress"
@@ -187,7 +194,36 @@ class Runner:
 
     # -- calls -----------------------------------------------------------
 
-    def _run(
+    @staticmethod
+    def operands(
+        kind: str,
+        *,
+        k: np.ndarray,
+        gate: np.ndarray,
+        input_row_offsets: npt.ArrayLike,
+        cache_lengths: npt.ArrayLike,
+        tail: Buffer | None = None,
+        ape: np.ndarray | None = None,
+        slot_idx: npt.ArrayLike | None = None,
+        pool_row_offsets: npt.ArrayLike | None = None,
+    ) -> tuple[Buffer | None, list[np.ndarray], list[npt.ArrayLike]]:
+        """A kind's operands in the op's argument order.
+
+        Returns:
+            ``(ring, float operands, index operands)`` for :meth:`prepare`.
+        """
+        if kind == "compress":
+            return (
+                None,
+                [k, gate, np.asarray(ape, np.float32)],
+                [input_row_offsets, pool_row_offsets, cache_lengths],
+            )
+        per_request = [input_row_offsets, cache_lengths, slot_idx]
+        if kind == "seed_tail":
+            return tail, [k, gate], per_request
+        return tail, [k, gate, np.asarray(ape, np.float32)], per_request
+
+    def prepare(
         self,
         kind: str,
         kpool: int,
@@ -195,7 +231,25 @@ class Runner:
         ring: Buffer | None,
         tensors: list[np.ndarray],
         indices: list[npt.ArrayLike],
-    ) -> list[np.ndarray]:
+    ) -> tuple[Model, list[Buffer]]:
+        """The compiled model for one call and its operands on the device.
+
+        The benchmark times ``model.execute(*operands)`` on these directly,
+        so host-to-device copies stay out of the measurement.
+
+        Args:
+            kind: ``"ring_close"``, ``"compress"``, ``"seed_tail"`` or
+                ``"step"``.
+            kpool: Tokens per pool.
+            k: This call's keys (gives dtype and head_dim).
+            ring: The ring buffer, for every kind but compress.
+            tensors: The float operands in argument order.
+            indices: The index operands in argument order (lists become
+                uint32).
+
+        Returns:
+            ``(model, operands)``.
+        """
         index_arrays = [_index_array(i) for i in indices]
         key = ModelKey(
             kind=kind,
@@ -205,10 +259,16 @@ class Runner:
             ring_len=int(ring.shape[2]) if ring is not None else 0,
             index_dtypes=tuple(to_max_dtype(a.dtype) for a in index_arrays),
         )
-        model = self.model(key)
         args: list[Buffer] = [] if ring is None else [ring]
         args += [self.to_device(a) for a in tensors]
         args += [self.to_device(a) for a in index_arrays]
+        return self.model(key), args
+
+    def _run(self, kind: str, kpool: int, **operands: Any) -> list[np.ndarray]:
+        ring, tensors, indices = self.operands(kind, **operands)
+        model, args = self.prepare(
+            kind, kpool, operands["k"], ring, tensors, indices
+        )
         return [to_numpy(out) for out in model.execute(*args)]
 
     def ring_close(
@@ -231,10 +291,13 @@ class Runner:
         pooled, closed = self._run(
             "ring_close",
             kpool,
-            k,
-            tail,
-            [k, gate, np.asarray(ape, np.float32)],
-            [input_row_offsets, cache_lengths, slot_idx],
+            tail=tail,
+            k=k,
+            gate=gate,
+            ape=ape,
+            input_row_offsets=input_row_offsets,
+            cache_lengths=cache_lengths,
+            slot_idx=slot_idx,
         )
         return pooled, closed
 
@@ -256,10 +319,12 @@ class Runner:
         (pooled,) = self._run(
             "compress",
             kpool,
-            k,
-            None,
-            [k, gate, np.asarray(ape, np.float32)],
-            [input_row_offsets, pool_row_offsets, cache_lengths],
+            k=k,
+            gate=gate,
+            ape=ape,
+            input_row_offsets=input_row_offsets,
+            pool_row_offsets=pool_row_offsets,
+            cache_lengths=cache_lengths,
         )
         return pooled
 
@@ -277,10 +342,12 @@ class Runner:
         self._run(
             "seed_tail",
             kpool,
-            k,
-            tail,
-            [k, gate],
-            [input_row_offsets, cache_lengths, slot_idx],
+            tail=tail,
+            k=k,
+            gate=gate,
+            input_row_offsets=input_row_offsets,
+            cache_lengths=cache_lengths,
+            slot_idx=slot_idx,
         )
 
     def step(
@@ -302,10 +369,13 @@ class Runner:
         outs = self._run(
             "step",
             kpool,
-            k,
-            tail,
-            [k, gate, np.asarray(ape, np.float32)],
-            [input_row_offsets, cache_lengths, slot_idx],
+            tail=tail,
+            k=k,
+            gate=gate,
+            ape=ape,
+            input_row_offsets=input_row_offsets,
+            cache_lengths=cache_lengths,
+            slot_idx=slot_idx,
         )
         return StepResult(*outs)
 

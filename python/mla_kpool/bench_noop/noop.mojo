@@ -1,0 +1,70 @@
+"""Empty-bodied registrations with the real k-pool ops' signatures."""
+
+import extensibility
+from extensibility import InputTensor, OutputTensor
+from extensibility import _MutableInputTensor as MutableInputTensor
+from max.gpu.host import DeviceContext
+
+
+@extensibility.register("mo.mla.kpool.ring_close")
+struct NoopRingClose:
+    """`mo.mla.kpool.ring_close` that leaves its outputs unwritten."""
+
+    @staticmethod
+    def execute[
+        *, head_dim: Int, kpool: Int, target: StaticString
+    ](
+        pooled: OutputTensor[rank=2, ...],
+        closed_pool: OutputTensor[dtype=DType.int32, rank=1, ...],
+        tail: MutableInputTensor[dtype=pooled.dtype, rank=4, ...],
+        k: InputTensor[dtype=pooled.dtype, rank=2, ...],
+        gate: InputTensor[dtype=pooled.dtype, rank=2, ...],
+        ape: InputTensor[dtype=DType.float32, rank=2, ...],
+        input_row_offsets: InputTensor[rank=1, ...],
+        cache_lengths: InputTensor[rank=1, ...],
+        slot_idx: InputTensor[rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        """Does nothing: the framework floor of a ring_close call."""
+        pass
+
+
+@extensibility.register("mo.mla.kpool.compress")
+struct NoopCompress:
+    """`mo.mla.kpool.compress` that leaves its output unwritten."""
+
+    @staticmethod
+    def execute[
+        *, head_dim: Int, kpool: Int, target: StaticString
+    ](
+        pooled: OutputTensor[rank=2, ...],
+        k: InputTensor[dtype=pooled.dtype, rank=2, ...],
+        gate: InputTensor[dtype=pooled.dtype, rank=2, ...],
+        ape: InputTensor[dtype=DType.float32, rank=2, ...],
+        input_row_offsets: InputTensor[rank=1, ...],
+        pool_row_offsets: InputTensor[rank=1, ...],
+        cache_lengths: InputTensor[rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        """Does nothing: the framework floor of a compress call."""
+        pass
+
+
+@extensibility.register("mo.mla.kpool.seed_tail")
+struct NoopSeedTail:
+    """`mo.mla.kpool.seed_tail` that leaves the ring untouched."""
+
+    @staticmethod
+    def execute[
+        *, head_dim: Int, kpool: Int, target: StaticString
+    ](
+        tail: MutableInputTensor[rank=4, ...],
+        k: InputTensor[dtype=tail.dtype, rank=2, ...],
+        gate: InputTensor[dtype=tail.dtype, rank=2, ...],
+        input_row_offsets: InputTensor[rank=1, ...],
+        cache_lengths: InputTensor[rank=1, ...],
+        slot_idx: InputTensor[rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        """Does nothing: the framework floor of a seed_tail call."""
+        pass
