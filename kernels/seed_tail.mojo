@@ -20,11 +20,24 @@ from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 from max.gpu import block_idx, thread_idx
 from max.algorithm import sync_parallelize
+from std.algorithm import vectorize
 from std.math import ceildiv, min
-from std.sys import num_physical_cores
+from std.sys import num_physical_cores, simd_width_of
 
 from .ragged import Ptr, read_index, slot_ok, token_span
 from .ring_close import GPU_MAX_BLOCK
+
+
+@always_inline
+def copy_row[
+    dtype: DType, head_dim: Int
+](dest: Ptr[dtype], src: Ptr[dtype]):
+    """Copies one `head_dim` row with full-width SIMD moves (CPU)."""
+
+    def chunk[width: Int](ch: Int) {imm}:
+        dest.unsafe_store[width=width](ch, src.unsafe_load[width=width](ch))
+
+    vectorize[simd_width_of[dtype]()](head_dim, chunk)
 
 
 @always_inline
@@ -91,9 +104,12 @@ def seed_tail_cpu[
         for pos in range(stash[0], stash[1]):
             var src = (span[0] + pos - c) * head_dim
             var dst = (pos % ring_len) * head_dim
-            for ch in range(head_dim):
-                ring_key[unsafe_offset=dst + ch] = k[unsafe_offset=src + ch]
-                ring_gate[unsafe_offset=dst + ch] = gate[unsafe_offset=src + ch]
+            copy_row[dtype, head_dim](
+                ring_key.unsafe_offset(dst), k.unsafe_offset(src)
+            )
+            copy_row[dtype, head_dim](
+                ring_gate.unsafe_offset(dst), gate.unsafe_offset(src)
+            )
 
     var work = batch * ring_len * head_dim
     var workers = min(num_physical_cores(), batch)

@@ -65,14 +65,17 @@ class Runner:
     Args:
         device: ``"cpu"`` or ``"gpu"`` (the first accelerator).
         kernels: The Mojo package that implements the ops; the benchmark
-            passes its no-op stand-ins here to measure MAX's own floor.
+            passes its no-op stand-ins here to measure MAX's own floor, and
+            ``None`` to use MAX's builtins (GPU only).
 
     Raises:
         ValueError: If ``device`` is neither.
         RuntimeError: From MAX, if ``"gpu"`` is asked for without one.
     """
 
-    def __init__(self, device: str = "cpu", kernels: Path = KERNELS) -> None:
+    def __init__(
+        self, device: str = "cpu", kernels: Path | None = KERNELS
+    ) -> None:
         if device not in ("cpu", "gpu"):
             raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
         self.device_name = device
@@ -171,7 +174,9 @@ class Runner:
                 inputs = [ring, rows, rows, ape, offsets, *per_request]
 
         with Graph(
-            name, input_types=inputs, custom_extensions=[self.kernels]
+            name,
+            input_types=inputs,
+            custom_extensions=[self.kernels] if self.kernels else [],
         ) as g:
             x = [
                 value.buffer
