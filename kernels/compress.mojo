@@ -82,7 +82,12 @@ def pool_row_of[
     var span = token_span(input_row_offsets, b, total_tokens)
     var c = read_index(cache_lengths, b)
     var j = row - read_index(pool_row_offsets, b)
-    if not span[2] or c < 0 or j < 0 or row >= read_index(pool_row_offsets, b + 1):
+    if (
+        not span[2]
+        or c < 0
+        or j < 0
+        or row >= read_index(pool_row_offsets, b + 1)
+    ):
         return -1
     var pools = full_pools[kpool](c, span[1])
     if j >= pools[1]:
@@ -139,7 +144,9 @@ def compress_cpu[
         var last = last_span_at(pool_row_offsets, batch, lo)
         for row in range(lo, hi):
             # Rows ascend, so the span start only moves forward.
-            while last < batch and read_index(pool_row_offsets, last + 1) <= row:
+            while (
+                last < batch and read_index(pool_row_offsets, last + 1) <= row
+            ):
                 last += 1
             var first = pool_row_of[
                 offset_dtype, pool_offset_dtype, length_dtype, kpool
@@ -212,10 +219,19 @@ def compress_gpu[
 
     def kpool_compress_kernel() {var}:
         var row = Int(block_idx.x)
-        var b = owner(last_span_at(pool_row_offsets, Int(batch64), row), Int(batch64))
+        var b = owner(
+            last_span_at(pool_row_offsets, Int(batch64), row), Int(batch64)
+        )
         var first = pool_row_of[
             offset_dtype, pool_offset_dtype, length_dtype, kpool
-        ](input_row_offsets, pool_row_offsets, cache_lengths, b, row, Int(tokens64))
+        ](
+            input_row_offsets,
+            pool_row_offsets,
+            cache_lengths,
+            b,
+            row,
+            Int(tokens64),
+        )
         var dest = pooled.unsafe_offset(row * head_dim)
         if first < 0:
             for ch in range(Int(thread_idx.x), head_dim, block):
@@ -234,7 +250,9 @@ def compress_gpu[
                 ch,
             )
 
-    ctx.enqueue_function(kpool_compress_kernel, grid_dim=out_rows, block_dim=block)
+    ctx.enqueue_function(
+        kpool_compress_kernel, grid_dim=out_rows, block_dim=block
+    )
 
 
 @extensibility.register("mo.mla.kpool.compress")

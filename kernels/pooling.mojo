@@ -101,7 +101,11 @@ def pool_channels[
         var s: SIMD[ACCUM, width]
         if q < split:
             s = _member[dtype, width](
-                ring_key, ring_gate, ape, q * row_stride + ch, q * row_stride + ch
+                ring_key,
+                ring_gate,
+                ape,
+                q * row_stride + ch,
+                q * row_stride + ch,
             )[0]
         else:
             s = _member[dtype, width](
@@ -119,7 +123,11 @@ def pool_channels[
         var member: Tuple[SIMD[ACCUM, width], SIMD[ACCUM, width]]
         if q < split:
             member = _member[dtype, width](
-                ring_key, ring_gate, ape, q * row_stride + ch, q * row_stride + ch
+                ring_key,
+                ring_gate,
+                ape,
+                q * row_stride + ch,
+                q * row_stride + ch,
             )
         else:
             member = _member[dtype, width](

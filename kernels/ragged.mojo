@@ -23,9 +23,9 @@ def read_index[dtype: DType](ptr: Ptr[dtype], i: Int) -> Int:
 @always_inline
 def token_span[
     dtype: DType
-](
-    input_row_offsets: Ptr[dtype], b: Int, total_tokens: Int
-) -> Tuple[Int, Int, Bool]:
+](input_row_offsets: Ptr[dtype], b: Int, total_tokens: Int) -> Tuple[
+    Int, Int, Bool
+]:
     """Request `b`'s token rows `[start, start + n)` and whether they are valid.
 
     Valid means `0 <= start <= end <= total_tokens`: decreasing offsets or
@@ -55,13 +55,19 @@ def pending_pool[kpool: Int](cache_length: Int, new_tokens: Int) -> Int:
     """
     var r = cache_length % kpool
     var p = cache_length // kpool
-    if cache_length < 0 or r == 0 or cache_length + new_tokens < (p + 1) * kpool:
+    if (
+        cache_length < 0
+        or r == 0
+        or cache_length + new_tokens < (p + 1) * kpool
+    ):
         return -1
     return p
 
 
 @always_inline
-def full_pools[kpool: Int](cache_length: Int, new_tokens: Int) -> Tuple[Int, Int]:
+def full_pools[
+    kpool: Int
+](cache_length: Int, new_tokens: Int) -> Tuple[Int, Int]:
     """The pools made entirely of this call's tokens: `(first_pool, count)`.
 
     `first_pool = ceil(c / kpool)`; `count = floor((c + n) / kpool) -

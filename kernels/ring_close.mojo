@@ -198,7 +198,9 @@ def ring_close_gpu[
         if thread_idx.x == 0:
             closed_pool[unsafe_offset=b] = Int32(p)
 
-    ctx.enqueue_function(kpool_ring_close_kernel, grid_dim=batch, block_dim=block)
+    ctx.enqueue_function(
+        kpool_ring_close_kernel, grid_dim=batch, block_dim=block
+    )
 
 
 @extensibility.register("mo.mla.kpool.ring_close")

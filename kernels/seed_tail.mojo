@@ -29,9 +29,7 @@ from .ring_close import GPU_MAX_BLOCK
 
 
 @always_inline
-def copy_row[
-    dtype: DType, head_dim: Int
-](dest: Ptr[dtype], src: Ptr[dtype]):
+def copy_row[dtype: DType, head_dim: Int](dest: Ptr[dtype], src: Ptr[dtype]):
     """Copies one `head_dim` row with full-width SIMD moves (CPU)."""
 
     def chunk[width: Int](ch: Int) {imm}:
@@ -175,7 +173,9 @@ def seed_tail_gpu[
                 ring_key[unsafe_offset=dst + ch] = k[unsafe_offset=src + ch]
                 ring_gate[unsafe_offset=dst + ch] = gate[unsafe_offset=src + ch]
 
-    ctx.enqueue_function(kpool_seed_tail_kernel, grid_dim=batch, block_dim=block)
+    ctx.enqueue_function(
+        kpool_seed_tail_kernel, grid_dim=batch, block_dim=block
+    )
 
 
 @extensibility.register("mo.mla.kpool.seed_tail")
