@@ -32,6 +32,7 @@ import numpy as np
 __all__ = [
     "compress",
     "compress_ambiguous_rows",
+    "compress_candidates",
     "pool",
     "pool_row_offsets",
     "pool_sequence",
@@ -426,9 +427,10 @@ def compress(
     request writes pool `j` only inside its own span
     `[pool_row_offsets[b], pool_row_offsets[b+1])` and inside the output, so
     wrong `pool_row_offsets` truncate rather than overflow. If
-    `pool_row_offsets` decreases somewhere, spans overlap; this oracle then
-    keeps the last claiming request's pool, while the kernels may keep any
-    claimant: see :func:`compress_ambiguous_rows`.
+    `pool_row_offsets` decreases somewhere, spans overlap or leave holes;
+    this oracle then keeps the last claiming request's pool, while the
+    kernels only promise zeros or some request's pool in each row: see
+    :func:`compress_ambiguous_rows` and :func:`compress_candidates`.
 
     Args:
         k: Keys `[total_tokens, head_dim]`, any float dtype.
@@ -475,10 +477,14 @@ def compress_ambiguous_rows(
     kpool: int,
     total_tokens: int,
 ) -> np.ndarray:
-    """Marks `compress` output rows that two or more requests write.
+    """Marks `compress` output rows whose content the spec leaves open.
 
-    Only possible when `pool_row_offsets` is not non-decreasing. The kernels
-    may keep any claimant's pool there, so tests skip these rows.
+    With non-decreasing `pool_row_offsets` every row is determined (each
+    request's pools truncated to its own span, zeros elsewhere) and nothing
+    is marked. When the offsets decrease somewhere, spans overlap or leave
+    holes and the kernels only promise that each row holds zeros or some
+    request's pool, never an out-of-bounds write: every row is marked, and
+    tests check those rows with :func:`compress_row_candidates` instead.
 
     Args:
         input_row_offsets: `[batch + 1]`, any integer dtype.
@@ -488,21 +494,75 @@ def compress_ambiguous_rows(
         total_tokens: Rows of `k` (`k.shape[0]`).
 
     Returns:
-        bool `[total_tokens // kpool]`, True where 2+ requests write.
+        bool `[total_tokens // kpool]`, all False or all True.
 
     Raises:
         TypeError: if an index array is not integer or `kpool` is not an int.
         ValueError: on `kpool < 1` or inconsistent shapes.
     """
     kpool = _check_kpool(kpool)
-    plan = _compress_plan(
+    _compress_plan(
         input_row_offsets, pool_row_offsets, cache_lengths, kpool, total_tokens
     )
-    claims = np.zeros(total_tokens // kpool, dtype=np.int64)
-    for _, o_b, _, js in plan:
-        if js:
-            claims[o_b + js.start : o_b + js.stop] += 1
-    return claims >= 2
+    offsets = [int(o) for o in np.asarray(pool_row_offsets).reshape(-1)]
+    monotone = all(
+        a <= b for a, b in zip(offsets[:-1], offsets[1:], strict=True)
+    )
+    return np.full(total_tokens // kpool, not monotone, dtype=bool)
+
+
+def compress_candidates(
+    k: np.ndarray,
+    gate: np.ndarray,
+    ape: np.ndarray,
+    input_row_offsets: np.ndarray,
+    cache_lengths: np.ndarray,
+    kpool: int,
+) -> np.ndarray:
+    """Every pool any request of the call could write, plus the zero row.
+
+    What a `compress` row may hold when :func:`compress_ambiguous_rows`
+    marks it: the pools of all requests whose offsets address the call's
+    rows, whatever `pool_row_offsets` says.
+
+    Args:
+        k: Keys `[total_tokens, head_dim]`, any float dtype.
+        gate: Gate scores `[total_tokens, head_dim]`.
+        ape: Position embedding `[kpool, head_dim]`.
+        input_row_offsets: `[batch + 1]`, any integer dtype.
+        cache_lengths: `[batch]`, any integer dtype.
+        kpool: Tokens per pool, `>= 1`.
+
+    Returns:
+        float64 `[candidates, head_dim]`; row 0 is the zero row.
+
+    Raises:
+        TypeError: if an index array is not integer or `kpool` is not an int.
+        ValueError: on `kpool < 1` or inconsistent shapes.
+    """
+    kpool = _check_kpool(kpool)
+    k, gate = _keys_and_gates(k, gate)
+    total_tokens, head_dim = k.shape
+    ape = _ape(ape, kpool, head_dim)
+    offsets, cache, _ = _batch_metadata(input_row_offsets, cache_lengths)
+    found = [np.zeros((1, head_dim))]
+    for b in range(len(cache)):
+        start, end, c = offsets[b], offsets[b + 1], cache[b]
+        if not _offsets_ok(start, end, total_tokens):
+            continue
+        count = _pool_count(c, end - start, kpool)
+        if count == 0:
+            continue
+        first_row = start + _ceil_div(c, kpool) * kpool - c
+        rows = slice(first_row, first_row + count * kpool)
+        found.append(
+            _pool_blocks(
+                k[rows].reshape(count, kpool, head_dim),
+                gate[rows].reshape(count, kpool, head_dim),
+                ape,
+            )
+        )
+    return np.concatenate(found)
 
 
 def seed_tail(
