@@ -1,27 +1,71 @@
-"""Command line: ``python -m mla_kpool {demo,bench}`` (placeholder)."""
+"""Command line: ``python -m mla_kpool {demo,bench}`` (also ``mla-kpool``).
+
+Each subcommand lives in a module of this package (``mla_kpool.demo``,
+``mla_kpool.bench``) that provides ``DESCRIPTION`` (a sentence),
+``add_arguments(parser)`` and ``run(args) -> int`` (the exit status). A
+subcommand whose module does not exist yet is listed and answers with exit
+status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
+from types import ModuleType
+
+#: Subcommand name -> (module, one-line help).
+COMMANDS = {
+    "demo": (
+        "mla_kpool.demo",
+        "run a serving workload through the writers, check every pool",
+    ),
+    "bench": ("mla_kpool.bench", "time the writers"),
+}
+
+
+def _module(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name != name:
+            raise
+        return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parses the command line; every subcommand is still a stub.
+    """Parses the command line and runs the subcommand.
+
+    Args:
+        argv: Arguments after the program name (``sys.argv[1:]`` if ``None``).
 
     Returns:
-        The process exit status: 2, since nothing is implemented yet.
+        The subcommand's exit status (2 for a usage error or a subcommand
+        that is not implemented yet).
     """
     parser = argparse.ArgumentParser(
-        prog="mla-kpool", description="k-pool indexer kernels for MAX."
+        prog="python -m mla_kpool",
+        description="k-pooled indexer kernels for MAX, on CPU and GPU.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="run the writers on a small example")
-    sub.add_parser("bench", help="time the writers")
+    modules: dict[str, ModuleType | None] = {}
+    for command, (module_name, help_text) in COMMANDS.items():
+        module = _module(module_name)
+        modules[command] = module
+        sub_parser = sub.add_parser(
+            command,
+            help=help_text,
+            description=getattr(module, "DESCRIPTION", help_text),
+        )
+        if module is not None:
+            module.add_arguments(sub_parser)
     args = parser.parse_args(argv)
-    print(f"mla-kpool {args.command}: not implemented yet", file=sys.stderr)
-    return 2
+    module = modules[args.command]
+    if module is None:
+        print(f"mla-kpool {args.command}: not implemented yet", file=sys.stderr)
+        return 2
+    return int(module.run(args))
 
 
 if __name__ == "__main__":

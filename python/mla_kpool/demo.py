@@ -1,0 +1,967 @@
+"""``python -m mla_kpool demo``: a serving workload, checked pool by pool.
+
+The demo plays a serving engine's indexer for a batch of requests: chunked
+prefill and multi-token decode steps, batched under a token budget, with
+requests joining as ring slots free up. Every call goes through the composed
+step (:meth:`mla_kpool.runner.Runner.step`: ring_close, compress, seed_tail
+on one persistent ring). Each request's keys and gates are drawn from a seed
+of its own, so when a request finishes the NumPy oracle
+(:func:`mla_kpool.reference.pool_sequence`) recomputes its whole sequence in
+one shot and every pool the calls produced is checked against it: each pool
+exactly once, none missing, none extra, each within the SPEC tolerance of
+the key dtype, relative to the largest ``|k|`` among the pool's members.
+
+Exit status: 0 when every check passes, 1 when one fails (the failures are
+printed), 2 for a usage error such as a bad ``--schedule`` file.
+``--inject-fault`` corrupts one ring member or one key behind the oracle's
+back, so a run that exits 0 with it would prove the check blind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import IO, TYPE_CHECKING, Any
+
+import ml_dtypes
+import numpy as np
+
+from . import reference
+from .workload import (
+    Entry,
+    Plan,
+    Request,
+    ScheduleError,
+    generate_requests,
+    load_schedule,
+    plan,
+    schedule,
+)
+
+if TYPE_CHECKING:
+    from .runner import Runner
+
+#: Key dtypes by their command-line name.
+DTYPES = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+}
+
+#: SPEC section 6: tolerance against the float64 oracle, relative to the
+#: largest member magnitude of the pool (a pooled key is a convex
+#: combination of its members, so that is the scale its rounding lives on).
+TOLERANCE = {
+    DTYPES["float32"]: 1e-5,
+    DTYPES["float16"]: 2e-3,
+    DTYPES["bfloat16"]: 1.6e-2,
+}
+
+#: GLM-5-Next indexer shapes, the default configuration.
+DEFAULT_DTYPE = "bfloat16"
+DEFAULT_KPOOL = 4
+DEFAULT_HEAD_DIM = 128
+DEFAULT_REQUESTS = 32
+DEFAULT_MAX_RUNNING = 16
+
+#: Gate scores spread this wide (standard deviations) so that pool members
+#: get clearly different softmax weights and a wrong member shows.
+GATE_SCALE = 3.0
+
+#: Failures listed per request before the rest are only counted.
+MAX_LISTED = 5
+
+
+class DemoError(Exception):
+    """A usage problem: bad option combination, no GPU, bad schedule."""
+
+
+# --------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer, got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer, got {text!r}"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+DESCRIPTION = (
+    "Run a seeded serving workload (chunked prefill, decode steps, requests "
+    "joining and leaving) through the three k-pool writers and check every "
+    "pool of every request against the float64 oracle."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the demo's options to ``parser``.
+
+    Args:
+        parser: The ``demo`` subcommand's parser (or a standalone one).
+    """
+    parser.add_argument(
+        "--seed", type=_non_negative, default=0, help="workload seed (0)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        help=f"key dtype ({DEFAULT_DTYPE})",
+    )
+    parser.add_argument(
+        "--kpool", type=_positive, help=f"tokens per pool ({DEFAULT_KPOOL})"
+    )
+    parser.add_argument(
+        "--head-dim",
+        type=_positive,
+        help=f"channels per key ({DEFAULT_HEAD_DIM})",
+    )
+    parser.add_argument(
+        "--requests",
+        type=_positive,
+        help=f"requests to generate ({DEFAULT_REQUESTS}); not with --schedule",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "gpu"],
+        default="cpu",
+        help="where the kernels run (cpu)",
+    )
+    parser.add_argument(
+        "--token-budget",
+        type=_positive,
+        default=2048,
+        help="most tokens per call (2048)",
+    )
+    parser.add_argument(
+        "--max-running",
+        type=_positive,
+        help=(
+            "most requests in flight at once, which is the number of ring "
+            f"slots ({DEFAULT_MAX_RUNNING})"
+        ),
+    )
+    parser.add_argument(
+        "--chunk",
+        type=_positive,
+        default=512,
+        help="prefill chunk size (512)",
+    )
+    parser.add_argument(
+        "--schedule",
+        metavar="FILE",
+        help="JSON workload: requests and, optionally, every call's batch",
+    )
+    parser.add_argument(
+        "--inject-fault",
+        nargs="?",
+        const="ring",
+        choices=["ring", "key"],
+        help=(
+            "corrupt one ring member (default) or one key row that the "
+            "kernels see but the oracle does not; the check must then fail"
+        ),
+    )
+    parser.add_argument(
+        "--json", metavar="FILE", help="also write the summary as JSON"
+    )
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (it is shown only when stderr is a terminal)",
+    )
+
+
+def main(
+    argv: Sequence[str] | None = None, *, runner: Runner | None = None
+) -> int:
+    """Runs the demo with its own argument parser.
+
+    Args:
+        argv: The options (``sys.argv[1:]`` when ``None``).
+        runner: A runner to reuse (tests share one so models compile once);
+            a new one on ``--device`` when ``None``.
+
+    Returns:
+        The exit status: 0 all checks passed, 1 a check failed, 2 a usage
+        error.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m mla_kpool demo", description=DESCRIPTION
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv), runner=runner)
+
+
+# --------------------------------------------------------------------------
+# Configuration and plan
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """What one demo run does.
+
+    Attributes:
+        dtype: Key dtype.
+        kpool: Tokens per pool.
+        head_dim: Channels per key.
+        device: ``"cpu"`` or ``"gpu"``.
+        seed: Seed of the workload, the keys and the slot choice.
+        token_budget: Most tokens per call (generated batching only).
+        max_running: Ring slots: most requests in flight.
+        chunk: Prefill chunk (generated batching only).
+        schedule: The ``--schedule`` file, if any.
+    """
+
+    dtype: np.dtype
+    kpool: int
+    head_dim: int
+    device: str
+    seed: int
+    token_budget: int
+    max_running: int
+    chunk: int
+    schedule: str | None
+
+
+def _pick(name: str, option: Any, in_file: Any, default: Any, path: Any) -> Any:
+    """The command line's value, else the schedule file's, else the default."""
+    if option is not None and in_file is not None and option != in_file:
+        flag = "--" + name.replace("_", "-")
+        raise DemoError(
+            f"{flag} {option} disagrees with {path}, which has "
+            f'"{name}": {json.dumps(in_file)}'
+        )
+    for value in (option, in_file):
+        if value is not None:
+            return value
+    return default
+
+
+def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
+    """Resolves the options (and the schedule file) into a config and plan.
+
+    Args:
+        args: Parsed options (see :func:`add_arguments`).
+
+    Returns:
+        ``(config, plan)``.
+
+    Raises:
+        DemoError: If options conflict or the schedule is bad.
+    """
+    loaded = None
+    if args.schedule is not None:
+        if args.requests is not None:
+            raise DemoError(
+                "--requests and --schedule exclude each other (the schedule "
+                "lists its requests)"
+            )
+        try:
+            loaded = load_schedule(args.schedule)
+        except ScheduleError as err:
+            raise DemoError(str(err)) from err
+
+    def pick(name: str, default: Any) -> Any:
+        in_file = getattr(loaded, name) if loaded else None
+        return _pick(name, getattr(args, name), in_file, default, args.schedule)
+
+    config = Config(
+        dtype=DTYPES[pick("dtype", DEFAULT_DTYPE)],
+        kpool=pick("kpool", DEFAULT_KPOOL),
+        head_dim=pick("head_dim", DEFAULT_HEAD_DIM),
+        device=args.device,
+        seed=args.seed,
+        token_budget=args.token_budget,
+        max_running=pick("max_running", DEFAULT_MAX_RUNNING),
+        chunk=args.chunk,
+        schedule=args.schedule,
+    )
+    rng = np.random.default_rng([config.seed, 0])
+    if loaded is None:
+        requests: Sequence[Request] = generate_requests(
+            rng,
+            args.requests or DEFAULT_REQUESTS,
+            config.kpool,
+            chunk=config.chunk,
+        )
+    else:
+        requests = loaded.requests
+    if loaded is not None and loaded.calls is not None:
+        calls: Sequence[Sequence[tuple[int, int]]] = loaded.calls
+    else:
+        calls = schedule(
+            requests,
+            rng,
+            token_budget=config.token_budget,
+            max_running=config.max_running,
+            chunk=config.chunk,
+        )
+    try:
+        return config, plan(requests, calls, config.max_running, rng)
+    except ScheduleError as err:
+        where = f"{args.schedule}: " if args.schedule else ""
+        raise DemoError(f"{where}{err}") from err
+
+
+# --------------------------------------------------------------------------
+# Keys and faults
+# --------------------------------------------------------------------------
+
+
+def request_rows(
+    seed: int, index: int, length: int, head_dim: int, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """The keys and gates of request ``index``'s whole sequence.
+
+    Drawn from a seed of their own, so the oracle can recompute them and a
+    request's data does not depend on how it is batched.
+
+    Returns:
+        ``(k, gate)``, each ``[length, head_dim]`` in ``dtype``.
+    """
+    rng = np.random.default_rng([seed, 1, index])
+    k = rng.standard_normal((length, head_dim)).astype(dtype)
+    gate = GATE_SCALE * rng.standard_normal((length, head_dim))
+    return k, gate.astype(dtype)
+
+
+def make_ape(seed: int, kpool: int, head_dim: int) -> np.ndarray:
+    """The float32 within-pool position embedding ``[kpool, head_dim]``."""
+    rng = np.random.default_rng([seed, 2])
+    return rng.standard_normal((kpool, head_dim)).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One deliberate corruption the oracle does not know about.
+
+    Attributes:
+        kind: ``"ring"``: a ring member's key is changed just before the
+            call that closes its pool; ``"key"``: one row of ``k`` is
+            changed in the call that brings it.
+        call: The call it happens in.
+        entry: The request's batch position in that call.
+        request: The request.
+        position: The token position whose key is changed.
+        pool: The pool that must then fail the check.
+    """
+
+    kind: str
+    call: int
+    entry: int
+    request: int
+    position: int
+    pool: int
+
+    def describe(self, slot: int) -> str:
+        """A one-line account of the fault."""
+        where = (
+            f"ring member at position {self.position} (slot {slot}), read "
+            f"by ring_close"
+            if self.kind == "ring"
+            else f"key row of position {self.position} as sent to the step"
+        )
+        return (
+            f"{where}, request {self.request}, call {self.call}: pool "
+            f"{self.pool} must fail"
+        )
+
+
+def place_fault(plan_: Plan, kind: str, kpool: int) -> Fault | None:
+    """Finds where to inject a fault that the check must see.
+
+    Calls are searched from the middle of the run on, then from the start.
+
+    Args:
+        plan_: The run.
+        kind: ``"ring"`` (a call where ring_close closes a pending pool) or
+            ``"key"`` (a call bringing a token of a complete pool).
+        kpool: Tokens per pool.
+
+    Returns:
+        The fault, or ``None`` if the run offers no such place.
+    """
+    count = len(plan_.calls)
+    for c in [*range(count // 2, count), *range(count // 2)]:
+        for b, e in enumerate(plan_.calls[c]):
+            length = plan_.requests[e.request].length
+            cl, n = e.cache_length, e.tokens
+            if kind == "ring":
+                pending = cl // kpool
+                if cl % kpool and cl + n >= (pending + 1) * kpool:
+                    pos = pending * kpool
+                    return Fault(kind, c, b, e.request, pos, pending)
+            elif n and cl < length // kpool * kpool:
+                return Fault(kind, c, b, e.request, cl, cl // kpool)
+    return None
+
+
+# --------------------------------------------------------------------------
+# Running and checking
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class _Live:
+    """What the demo tracks for a request in flight."""
+
+    slot: int
+    k: np.ndarray
+    gate: np.ndarray
+    #: pool id -> (pooled key, call, writer)
+    pools: dict[int, tuple[np.ndarray, int, str]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Totals:
+    ring_close: int = 0
+    compress: int = 0
+    max_abs_error: float = 0.0
+    worst_ratio: float = 0.0
+    checked_pools: int = 0
+    problems: list[str] = field(default_factory=list)
+    call_seconds: list[float] = field(default_factory=list)
+
+
+def check_request(
+    index: int,
+    request: Request,
+    live: _Live,
+    ape: np.ndarray,
+    kpool: int,
+    tolerance: float,
+) -> tuple[float, float, int, list[str]]:
+    """Checks one finished request's pools against the one-shot oracle.
+
+    Args:
+        index: The request's number (for messages).
+        request: The request.
+        live: Its keys, gates and the pools the calls produced.
+        ape: The position embedding.
+        kpool: Tokens per pool.
+        tolerance: Relative tolerance of the key dtype.
+
+    Returns:
+        ``(max_abs_error, worst error / allowed error, pools checked,
+        problems)``; ``problems`` is empty when the request passed.
+    """
+    name = f"request {index} (slot {live.slot})"
+    problems = list(live.problems)
+    first = request.cached_prefix // kpool
+    last = request.length // kpool  # exclusive
+    expected = reference.pool_sequence(live.k, live.gate, ape, kpool)
+    extra = sorted(p for p in live.pools if not first <= p < last)
+    missing = [p for p in range(first, last) if p not in live.pools]
+    for p in extra:
+        _, call, writer = live.pools[p]
+        problems.append(
+            f"{name}: pool {p} from {writer} in call {call} does not exist "
+            f"(the request owns pools {first}..{last - 1})"
+        )
+    if missing:
+        shown = ", ".join(map(str, missing[:10]))
+        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        problems.append(
+            f"{name}: {len(missing)} pools never came out: {shown}{more}"
+        )
+    ids = [p for p in range(first, last) if p in live.pools]
+    if not ids:
+        return 0.0, 0.0, 0, problems
+    got = np.stack([live.pools[p][0] for p in ids]).astype(np.float64)
+    want = expected[ids]
+    members = np.abs(live.k[: last * kpool].astype(np.float64))
+    scale = members.reshape(last, kpool, -1).max(axis=(1, 2))[ids]
+    allowed = tolerance * np.maximum(scale, np.finfo(np.float64).tiny)
+    err = np.abs(got - want).max(axis=1)
+    ratio = err / allowed
+    bad = np.flatnonzero(~(err <= allowed))  # NaN counts as bad
+    for j in bad[:MAX_LISTED]:
+        p = ids[j]
+        _, call, writer = live.pools[p]
+        problems.append(
+            f"{name}: pool {p} (positions {p * kpool}..{(p + 1) * kpool - 1}"
+            f", {writer}, call {call}) differs from the oracle: max |err| "
+            f"{err[j]:.4g} > {allowed[j]:.4g} ({tolerance:g} x max |k| "
+            f"{scale[j]:.4g})"
+        )
+    if len(bad) > MAX_LISTED:
+        problems.append(
+            f"{name}: {len(bad) - MAX_LISTED} more pools differ from the oracle"
+        )
+    max_err = float(np.nanmax(err)) if not np.isnan(err).all() else np.nan
+    worst = float(np.max(ratio)) if not np.isnan(ratio).any() else np.inf
+    return max_err, worst, len(ids), problems
+
+
+def _restore_ring(
+    runner: Runner,
+    ring: Any,
+    restores: list[tuple[Entry, _Live]],
+    fault: tuple[int, int, float] | None,
+    kpool: int,
+) -> Any:
+    """Writes cached-prefix members (and a ring fault) into the ring.
+
+    A prefix cache keeps the complete pools of a prefix, but the members
+    of a partial last pool live only in the ring, so an engine admitting a
+    request whose cached prefix ends mid-pool must put them back into the
+    request's new slot. The demo does it host-side: read, patch, upload.
+    """
+    host = runner.read(ring)
+    for e, live in restores:
+        for pos in range(
+            e.cache_length - e.cache_length % kpool, e.cache_length
+        ):
+            host[e.slot, 0, pos % kpool] = live.k[pos]
+            host[e.slot, 1, pos % kpool] = live.gate[pos]
+    if fault is not None:
+        slot, pos, delta = fault
+        member = host[slot, 0, pos % kpool].astype(np.float64)
+        host[slot, 0, pos % kpool] = (member + delta).astype(host.dtype)
+    return runner.to_device(host)
+
+
+class _Progress:
+    """A one-line progress bar on a terminal; silent elsewhere."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int, stream: IO[str], enabled: bool) -> None:
+        self.total = max(total, 1)
+        self.stream = stream
+        self.enabled = enabled and stream.isatty()
+        self._last = 0.0
+
+    def update(self, calls: int, finished: int, requests: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if calls < self.total and now - self._last < 0.1:
+            return
+        self._last = now
+        filled = self.WIDTH * calls // self.total
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        self.stream.write(
+            f"\r[{bar}] call {calls}/{self.total}, "
+            f"{finished}/{requests} requests checked"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def execute(
+    config: Config,
+    plan_: Plan,
+    runner: Runner,
+    fault: Fault | None,
+    progress: _Progress,
+) -> _Totals:
+    """Runs every call of the plan through the step and checks each request.
+
+    Args:
+        config: The run's configuration.
+        plan_: The calls.
+        runner: Where the step runs.
+        fault: A fault to inject, or ``None``.
+        progress: Progress display.
+
+    Returns:
+        Counts, errors, timings and problems.
+    """
+    kpool, head_dim, dtype = config.kpool, config.head_dim, config.dtype
+    ape = make_ape(config.seed, kpool, head_dim)
+    tolerance = TOLERANCE[dtype]
+    ring = runner.new_ring(plan_.max_slots, kpool, head_dim, dtype)
+    live: dict[int, _Live] = {}
+    totals = _Totals()
+    finished = 0
+    for c, call in enumerate(plan_.calls):
+        for e in call:
+            if e.admitted:
+                length = plan_.requests[e.request].length
+                k, gate = request_rows(
+                    config.seed, e.request, length, head_dim, dtype
+                )
+                live[e.request] = _Live(e.slot, k, gate)
+        here = fault if fault is not None and fault.call == c else None
+        delta = 0.0
+        if here is not None:
+            rows = live[here.request].k.astype(np.float64)
+            delta = 8.0 * max(1.0, float(np.abs(rows).max()))
+        restores = [
+            (e, live[e.request])
+            for e in call
+            if e.admitted and e.cache_length % kpool
+        ]
+        ring_fault = None
+        if here is not None and here.kind == "ring":
+            ring_fault = (call[here.entry].slot, here.position, delta)
+        if restores or ring_fault:
+            ring = _restore_ring(runner, ring, restores, ring_fault, kpool)
+
+        rows = [
+            (live[e.request], slice(e.cache_length, e.cache_length + e.tokens))
+            for e in call
+        ]
+        k = np.concatenate([state.k[span] for state, span in rows])
+        gate = np.concatenate([state.gate[span] for state, span in rows])
+        offsets = np.zeros(len(call) + 1, np.uint32)
+        offsets[1:] = np.cumsum([e.tokens for e in call])
+        if here is not None and here.kind == "key":
+            row = int(offsets[here.entry])
+            k[row] = (k[row].astype(np.float64) + delta).astype(dtype)
+        cache = np.array([e.cache_length for e in call], np.uint32)
+        slots = np.array([e.slot for e in call], np.uint32)
+
+        start = time.perf_counter()
+        out = runner.step(ring, k, gate, ape, offsets, cache, slots, kpool)
+        totals.call_seconds.append(time.perf_counter() - start)
+
+        _collect(c, call, out, live, totals)
+        for e in call:
+            if not e.finished:
+                continue
+            err, ratio, checked, problems = check_request(
+                e.request,
+                plan_.requests[e.request],
+                live.pop(e.request),
+                ape,
+                kpool,
+                tolerance,
+            )
+            totals.max_abs_error = max(totals.max_abs_error, err)
+            totals.worst_ratio = max(totals.worst_ratio, ratio)
+            totals.checked_pools += checked
+            totals.problems += problems
+            finished += 1
+        progress.update(c + 1, finished, len(plan_.requests))
+    progress.close()
+    return totals
+
+
+def _collect(
+    c: int,
+    call: Sequence[Entry],
+    out: Any,
+    live: dict[int, _Live],
+    totals: _Totals,
+) -> None:
+    """Files one call's pools under their requests, noting duplicates."""
+    closed = out.ring_closed_pool
+    offsets = [int(o) for o in out.pool_row_offsets]
+    rows = out.pooled.shape[0]
+    for b, e in enumerate(call):
+        state = live[e.request]
+        name = f"request {e.request} (slot {e.slot})"
+        produced: list[tuple[int, np.ndarray, str]] = []
+        if int(closed[b]) >= 0:
+            produced.append((int(closed[b]), out.ring_pooled[b], "ring_close"))
+            totals.ring_close += 1
+        lo, hi = offsets[b], offsets[b + 1]
+        if not 0 <= lo <= hi <= rows:
+            state.problems.append(
+                f"{name}: call {c}: pool_row_offsets[{b}:{b + 2}] = "
+                f"[{lo}, {hi}] is outside the {rows} output rows"
+            )
+            continue
+        first = int(out.first_pool[b])
+        for j in range(hi - lo):
+            produced.append((first + j, out.pooled[lo + j], "compress"))
+        totals.compress += hi - lo
+        for pool, key, writer in produced:
+            if pool in state.pools:
+                _, before, other = state.pools[pool]
+                state.problems.append(
+                    f"{name}: pool {pool} came out twice: {other} in call "
+                    f"{before}, {writer} in call {c}"
+                )
+                continue
+            state.pools[pool] = (key, c, writer)
+
+
+# --------------------------------------------------------------------------
+# Summary
+# --------------------------------------------------------------------------
+
+
+def summarize(
+    config: Config,
+    plan_: Plan,
+    totals: _Totals,
+    compile_s: float,
+    wall_s: float,
+    fault: str | None,
+) -> dict[str, Any]:
+    """The run's numbers, as written by ``--json``."""
+    reqs = plan_.requests
+    prefill = decode = 0
+    for call in plan_.calls:
+        for e in call:
+            prompt = reqs[e.request].prompt
+            end = e.cache_length + e.tokens
+            prefill += max(0, min(end, prompt) - e.cache_length)
+            decode += max(0, end - max(e.cache_length, prompt))
+    tokens = prefill + decode
+    step_s = sum(totals.call_seconds)
+    calls = len(plan_.calls)
+    return {
+        "ok": not totals.problems,
+        "config": {
+            "dtype": config.dtype.name,
+            "kpool": config.kpool,
+            "head_dim": config.head_dim,
+            "device": config.device,
+            "seed": config.seed,
+            "token_budget": None if config.schedule else config.token_budget,
+            "max_running": config.max_running,
+            "chunk": None if config.schedule else config.chunk,
+            "schedule": config.schedule,
+        },
+        "requests": len(reqs),
+        "requests_with_cached_prefix": sum(r.cached_prefix > 0 for r in reqs),
+        "tokens": tokens,
+        "prefill_tokens": prefill,
+        "decode_tokens": decode,
+        "cached_prefix_tokens": sum(r.cached_prefix for r in reqs),
+        "calls": calls,
+        "max_batch": max(len(call) for call in plan_.calls),
+        "max_call_tokens": max(
+            sum(e.tokens for e in call) for call in plan_.calls
+        ),
+        "slot_reuses": plan_.slot_reuses,
+        "pools": totals.ring_close + totals.compress,
+        "pools_expected": sum(
+            r.length // config.kpool - r.cached_prefix // config.kpool
+            for r in reqs
+        ),
+        "pools_ring_close": totals.ring_close,
+        "pools_compress": totals.compress,
+        "pools_checked": totals.checked_pools,
+        "max_abs_error": totals.max_abs_error,
+        "max_error_over_tolerance": totals.worst_ratio,
+        "tolerance": TOLERANCE[config.dtype],
+        "mean_call_seconds": step_s / calls,
+        "median_call_seconds": statistics.median(totals.call_seconds),
+        "tokens_per_second": tokens / step_s if step_s > 0 else None,
+        "compile_seconds": compile_s,
+        "wall_seconds": wall_s,
+        "fault": fault,
+        "problems": totals.problems,
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The summary table the demo prints."""
+    cfg = s["config"]
+    head = (
+        f"mla-kpool demo: {cfg['dtype']}, kpool {cfg['kpool']}, head_dim "
+        f"{cfg['head_dim']}, {cfg['device']}, seed {cfg['seed']}"
+    )
+    if cfg["schedule"]:
+        head += f", schedule {cfg['schedule']}"
+    batching = (
+        f"token budget {cfg['token_budget']}, chunk {cfg['chunk']}, "
+        if cfg["token_budget"]
+        else ""
+    )
+    tps = s["tokens_per_second"]
+    rows = [
+        (
+            "requests",
+            f"{s['requests']}",
+            f"{s['requests_with_cached_prefix']} with a cached prefix, "
+            f"{cfg['max_running']} ring slots, {s['slot_reuses']} slot reuses",
+        ),
+        (
+            "tokens",
+            f"{s['tokens']}",
+            f"prefill {s['prefill_tokens']}, decode {s['decode_tokens']}; "
+            f"cached prefix {s['cached_prefix_tokens']} not sent",
+        ),
+        (
+            "calls",
+            f"{s['calls']}",
+            f"{batching}max batch {s['max_batch']}, max tokens "
+            f"{s['max_call_tokens']}",
+        ),
+        (
+            "pools",
+            f"{s['pools']}",
+            f"expected {s['pools_expected']}, checked {s['pools_checked']}",
+        ),
+        ("  closed by ring_close", f"{s['pools_ring_close']}", ""),
+        ("  built by compress", f"{s['pools_compress']}", ""),
+        (
+            "max abs error vs oracle",
+            f"{s['max_abs_error']:.3g}",
+            f"worst pool at {s['max_error_over_tolerance']:.3g} of its "
+            f"tolerance ({s['tolerance']:g} x max |k|)",
+        ),
+        (
+            "mean time per call",
+            f"{1e3 * s['mean_call_seconds']:.3f} ms",
+            f"median {1e3 * s['median_call_seconds']:.3f} ms",
+        ),
+        (
+            "tokens per second",
+            f"{tps:,.0f}" if tps else "-",
+            "tokens / time in Runner.step (copies in and out included)",
+        ),
+        ("compile", f"{s['compile_seconds']:.1f} s", "step model, once"),
+        ("wall time", f"{s['wall_seconds']:.1f} s", "everything"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    value = max(len(r[1]) for r in rows)
+    lines = [head, "-" * len(head)]
+    for label, val, note in rows:
+        note = f"  ({note})" if note else ""
+        lines.append(f"{label:<{width}}  {val:>{value}}{note}")
+    lines.append("-" * len(head))
+    if s["ok"]:
+        lines.append(
+            "result: OK, every pool of every request came out exactly once "
+            "and matches the oracle"
+        )
+    else:
+        lines.append(f"result: FAILED, {len(s['problems'])} problems (above)")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
+    """Runs the demo for parsed options.
+
+    Args:
+        args: Options from :func:`add_arguments`.
+        runner: A runner to reuse; a new one on ``args.device`` when
+            ``None``. Its device must match ``args.device``.
+
+    Returns:
+        The exit status: 0 all checks passed, 1 a check failed, 2 a usage
+        error (printed to stderr).
+    """
+    started = time.perf_counter()
+    out, err = sys.stdout, sys.stderr
+    try:
+        config, plan_ = build_plan(args)
+        fault = None
+        if args.inject_fault:
+            fault = place_fault(plan_, args.inject_fault, config.kpool)
+            if fault is None:
+                raise DemoError(
+                    f"--inject-fault {args.inject_fault}: no call in this "
+                    f"workload offers a place for it"
+                )
+        runner = _get_runner(config.device, runner)
+    except DemoError as e:
+        print(f"mla-kpool demo: error: {e}", file=err)
+        return 2
+
+    from max.dtype import DType
+
+    from .buffers import to_max_dtype
+    from .runner import ModelKey
+
+    print(
+        f"compiling the step model ({config.dtype.name}, kpool "
+        f"{config.kpool}, head_dim {config.head_dim}) on {config.device}...",
+        file=err,
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    runner.model(
+        ModelKey(
+            kind="step",
+            dtype=to_max_dtype(config.dtype),
+            kpool=config.kpool,
+            head_dim=config.head_dim,
+            ring_len=config.kpool,
+            index_dtypes=(DType.uint32,) * 3,
+        )
+    )
+    compile_s = time.perf_counter() - t0
+
+    described = None
+    if fault is not None:
+        slot = plan_.calls[fault.call][fault.entry].slot
+        described = fault.describe(slot)
+        print(f"injecting a fault: {described}", file=err)
+    progress = _Progress(len(plan_.calls), err, not args.no_progress)
+    totals = execute(config, plan_, runner, fault, progress)
+    summary = summarize(
+        config,
+        plan_,
+        totals,
+        compile_s,
+        time.perf_counter() - started,
+        described,
+    )
+    for problem in totals.problems:
+        print(f"FAIL {problem}", file=out)
+    print(format_summary(summary), file=out)
+    if fault is not None:
+        caught = any(
+            p.startswith(f"request {fault.request} ")
+            and f"pool {fault.pool} " in p
+            for p in totals.problems
+        )
+        print(
+            f"injected fault {'caught' if caught else 'NOT caught'}: "
+            f"{described}",
+            file=out,
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+            f.write("\n")
+    return 0 if summary["ok"] else 1
+
+
+def _get_runner(device: str, runner: Runner | None) -> Runner:
+    if runner is not None:
+        if runner.device_name != device:
+            raise DemoError(
+                f"the runner given is on {runner.device_name}, not {device}"
+            )
+        return runner
+    from max import driver
+
+    from .runner import Runner
+
+    if device == "gpu" and driver.accelerator_count() == 0:
+        raise DemoError("--device gpu: no accelerator found (try --device cpu)")
+    return Runner(device)

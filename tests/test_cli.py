@@ -1,0 +1,404 @@
+"""The command line: ``python -m mla_kpool demo`` and its workloads.
+
+The demo runs in-process on small workloads with the suite's shared CPU
+runner, on two step models the suite compiles anyway (bfloat16 and float32
+at kpool 4, head_dim 128), so it adds no compile. Its counts are checked
+against numbers derived here from the schedule and the SPEC (pools per
+request, pools ring_close must close), not against the demo's own
+bookkeeping. ``--inject-fault`` must make it fail on exactly the corrupted
+pool; bad schedule files must give a usage error that says what is wrong.
+The scheduler and slot planner are checked directly, with no kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from max import driver
+
+from conftest import get_runner
+from mla_kpool import __main__ as cli
+from mla_kpool import demo, workload
+
+KPOOL = 4
+
+#: A small bfloat16 / kpool 4 / head_dim 128 workload that covers what the
+#: generated one does: a cached prefix ending mid-pool (ring restored on
+#: admission), a prompt shorter than a pool, a request joining in a slot
+#: another one freed (max_running 3), an entry bringing no tokens, and
+#: decode steps of 1-4 tokens mixed with prefill chunks.
+SMALL = {
+    "kpool": KPOOL,
+    "head_dim": 128,
+    "dtype": "bfloat16",
+    "max_running": 3,
+    "requests": [
+        {"prompt": 10, "generate": 5},
+        {"prompt": 700, "generate": 3, "cached_prefix": 6},
+        {"prompt": 3},
+        {"prompt": 9, "generate": 4},
+    ],
+    "calls": [
+        [[0, 6], [1, 512], [2, 3]],
+        [[0, 4], [1, 182], [3, 5]],
+        [[0, 2], [1, 2], [3, 0]],
+        [[3, 4], [0, 3], [1, 1]],
+        [[3, 4]],
+    ],
+}
+
+
+def expected_counts(sched: dict[str, Any]) -> dict[str, int]:
+    """Counts a correct run must report, derived from the SPEC alone."""
+    kpool = sched["kpool"]
+    reqs = sched["requests"]
+    seen = [r.get("cached_prefix", 0) for r in reqs]
+    ring_close = 0
+    for call in sched["calls"]:
+        for i, n in call:
+            c = seen[i]
+            # SPEC 3: a pending pool (c % kpool != 0) closes when the call
+            # brings the rest of it.
+            if c % kpool and c + n >= (c // kpool + 1) * kpool:
+                ring_close += 1
+            seen[i] += n
+    length = [r["prompt"] + r.get("generate", 0) for r in reqs]
+    prefix = [r.get("cached_prefix", 0) for r in reqs]
+    pools = sum(
+        length[i] // kpool - prefix[i] // kpool for i in range(len(reqs))
+    )
+    return {
+        "requests": len(reqs),
+        "tokens": sum(length) - sum(prefix),
+        "calls": len(sched["calls"]),
+        "pools": pools,
+        "ring_close": ring_close,
+        "compress": pools - ring_close,
+    }
+
+
+def write(tmp_path: Path, data: Any, name: str = "schedule.json") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def table(stdout: str) -> dict[str, str]:
+    """The summary table's rows: label -> value (first column)."""
+    rows = {}
+    for line in stdout.splitlines():
+        m = re.match(r"^\s*([a-z_ ]+?)\s{2,}(\S+( ms| s)?)", line)
+        if m:
+            rows[m.group(1).strip()] = m.group(2)
+    return rows
+
+
+def run_demo(argv: list[str]) -> int:
+    return demo.main(["--no-progress", *argv], runner=get_runner("cpu"))
+
+
+# --------------------------------------------------------------------------
+# Demo runs
+# --------------------------------------------------------------------------
+
+
+def test_small_schedule_counts_every_pool(tmp_path, capsys):
+    path = write(tmp_path, SMALL)
+    out_json = tmp_path / "summary.json"
+    status = run_demo(["--schedule", str(path), "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    want = expected_counts(SMALL)
+    rows = table(out)
+    assert int(rows["requests"]) == want["requests"]
+    assert int(rows["tokens"]) == want["tokens"] == 728
+    assert int(rows["calls"]) == want["calls"]
+    assert int(rows["pools"]) == want["pools"] == 180
+    assert int(rows["closed by ring_close"]) == want["ring_close"]
+    assert int(rows["built by compress"]) == want["compress"]
+    assert "result: OK" in out
+    assert "FAIL" not in out
+
+    summary = json.loads(out_json.read_text())
+    assert summary["ok"] is True
+    assert summary["pools_checked"] == want["pools"]
+    assert summary["pools_expected"] == want["pools"]
+    # Request 3 joins after request 2 left, in the only free slot.
+    assert summary["slot_reuses"] == 1
+    assert summary["decode_tokens"] == 5 + 3 + 4
+    assert summary["max_error_over_tolerance"] < 1.0
+    assert summary["config"]["dtype"] == "bfloat16"
+
+
+def test_generated_workload_float32(tmp_path, capsys):
+    out_json = tmp_path / "summary.json"
+    argv = ["--requests", "4", "--seed", "7", "--dtype", "float32"]
+    status = run_demo([*argv, "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    s = json.loads(out_json.read_text())
+    assert s["requests"] == 4
+    assert s["config"] == {
+        "dtype": "float32",
+        "kpool": 4,
+        "head_dim": 128,
+        "device": "cpu",
+        "seed": 7,
+        "token_budget": 2048,
+        "max_running": 16,
+        "chunk": 512,
+        "schedule": None,
+    }
+    assert s["pools"] == s["pools_expected"] == s["pools_checked"] > 0
+    assert s["pools_ring_close"] > 0
+    assert s["tokens"] == s["prefill_tokens"] + s["decode_tokens"]
+    assert s["max_call_tokens"] <= 2048
+    # float32 keys: the oracle's tolerance is 1e-5 relative.
+    assert s["max_error_over_tolerance"] < 1.0
+    assert int(table(out)["pools"]) == s["pools_expected"]
+
+
+@pytest.mark.parametrize("kind", ["ring", "key"])
+def test_injected_fault_fails_on_that_pool(tmp_path, capsys, kind):
+    path = write(tmp_path, SMALL)
+    status = run_demo(["--schedule", str(path), "--inject-fault", kind])
+    captured = capsys.readouterr()
+    assert status == 1, captured.out
+    m = re.search(
+        r"injecting a fault: .*request (\d+), call \d+: pool (\d+) must fail",
+        captured.err,
+    )
+    assert m, captured.err
+    request, pool = m.groups()
+    lines = captured.out.splitlines()
+    fails = [line for line in lines if line.startswith("FAIL ")]
+    # One corrupted member or key spoils exactly one pool.
+    assert len(fails) == 1, fails
+    assert fails[0].startswith(f"FAIL request {request} (slot ")
+    assert f"pool {pool} (" in fails[0]
+    assert "differs from the oracle" in fails[0]
+    assert "injected fault caught" in captured.out
+    assert "result: FAILED" in captured.out
+
+
+# --------------------------------------------------------------------------
+# Usage errors: clear message, exit status 2, nothing compiled or run
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BadSchedule:
+    id: str
+    data: Any
+    message: str
+
+
+def _small(**changes: Any) -> dict[str, Any]:
+    return {**SMALL, **changes}
+
+
+BAD_SCHEDULES = [
+    BadSchedule("not-json", '{"requests": [', "not valid JSON"),
+    BadSchedule("not-object", "[1, 2]", "must be a JSON object"),
+    BadSchedule("no-requests", {"calls": []}, 'needs "requests"'),
+    BadSchedule(
+        "unknown-key",
+        {"requests": [{"promt": 3}]},
+        "requests[0]: unknown key 'promt'",
+    ),
+    BadSchedule(
+        "prompt-zero",
+        {"requests": [{"prompt": 0}]},
+        "requests[0].prompt must be >= 1, got 0",
+    ),
+    BadSchedule(
+        "prefix-not-below-prompt",
+        {"requests": [{"prompt": 8, "cached_prefix": 8}]},
+        "requests[0].cached_prefix must be < prompt (8)",
+    ),
+    BadSchedule(
+        "bad-dtype",
+        {"dtype": "int8", "requests": [{"prompt": 8}]},
+        "dtype must be one of",
+    ),
+    BadSchedule(
+        "pair-not-pair",
+        {"requests": [{"prompt": 8}], "calls": [[[0]]]},
+        "calls[0][0] must be a [request, tokens] pair",
+    ),
+    BadSchedule(
+        "unknown-request",
+        {"requests": [{"prompt": 8}], "calls": [[[0, 8], [1, 1]]]},
+        "calls[0][1]: request 1 does not exist",
+    ),
+    BadSchedule(
+        "too-many-tokens",
+        {"requests": [{"prompt": 8}], "calls": [[[0, 9]]]},
+        "calls[0][0]: request 0 brings 9 tokens but has 8 left",
+    ),
+    BadSchedule(
+        "unfinished",
+        {"requests": [{"prompt": 8, "generate": 2}], "calls": [[[0, 8]]]},
+        "request 0 gets 8 of its 10 new tokens",
+    ),
+    BadSchedule(
+        "twice-in-a-call",
+        {"requests": [{"prompt": 8}], "calls": [[[0, 4], [0, 4]]]},
+        "calls[0][1]: request 0 is already in calls[0]",
+    ),
+    BadSchedule(
+        "after-finishing",
+        {"requests": [{"prompt": 8}], "calls": [[[0, 8]], [[0, 0]]]},
+        "calls[1][0]: request 0 has already finished",
+    ),
+    BadSchedule(
+        "empty-call",
+        {"requests": [{"prompt": 8}], "calls": [[[0, 8]], []]},
+        "calls[1] is empty",
+    ),
+    BadSchedule(
+        "no-free-slot",
+        _small(max_running=2),
+        "calls[0][2]: request 2 needs a ring slot but all 2 are held",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", BAD_SCHEDULES, ids=lambda c: c.id)
+def test_bad_schedule_is_a_usage_error(tmp_path, capsys, case):
+    path = write(tmp_path, case.data)
+    status = cli.main(["demo", "--schedule", str(path)])
+    captured = capsys.readouterr()
+    assert status == 2
+    assert captured.err.startswith(f"mla-kpool demo: error: {path}: ")
+    assert case.message in captured.err
+    assert captured.out == ""
+
+
+def test_missing_schedule_file(tmp_path, capsys):
+    path = tmp_path / "nowhere.json"
+    assert cli.main(["demo", "--schedule", str(path)]) == 2
+    assert "cannot read: No such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--requests", "3"], "--requests and --schedule exclude each other"),
+        (
+            ["--kpool", "8"],
+            '--kpool 8 disagrees with {path}, which has "kpool"',
+        ),
+        (["--dtype", "float32"], "--dtype float32 disagrees with {path}"),
+    ],
+    ids=["requests", "kpool", "dtype"],
+)
+def test_options_conflicting_with_schedule(tmp_path, capsys, argv, message):
+    path = write(tmp_path, SMALL)
+    assert cli.main(["demo", "--schedule", str(path), *argv]) == 2
+    assert message.format(path=path) in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    driver.accelerator_count() > 0, reason="this machine has an accelerator"
+)
+def test_gpu_without_accelerator(capsys):
+    assert cli.main(["demo", "--device", "gpu", "--requests", "1"]) == 2
+    assert "no accelerator found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--kpool", "0"], ["--dtype", "int8"]])
+def test_bad_option_values_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", *argv])
+    assert exc.value.code == 2
+    assert "error: argument" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# Scheduler and slot planner (no kernels)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_generated_schedule_is_a_serving_loop(seed):
+    rng = np.random.default_rng(seed)
+    reqs = workload.generate_requests(rng, 40, KPOOL, chunk=512)
+    budget, running, chunk = 1024, 6, 256
+    calls = workload.schedule(
+        reqs, rng, token_budget=budget, max_running=running, chunk=chunk
+    )
+    plan = workload.plan(reqs, calls, running, rng)
+    where = f"seed {seed}"
+    done = [0] * len(reqs)
+    holder: dict[int, int] = {}  # slot -> request holding it
+    slot_is_position = 0
+    mixed_calls = 0
+    for call in plan.calls:
+        assert sum(e.tokens for e in call) <= budget, where
+        assert len({e.slot for e in call}) == len(call), where
+        kinds = set()
+        for b, e in enumerate(call):
+            r = reqs[e.request]
+            assert 0 <= e.slot < running, where
+            assert e.cache_length == r.cached_prefix + done[e.request], where
+            if e.admitted:
+                assert e.slot not in holder, f"{where}: slot {e.slot} busy"
+                holder[e.slot] = e.request
+            assert holder[e.slot] == e.request, where
+            if e.cache_length >= r.prompt:  # decoding
+                assert 1 <= e.tokens <= 4, where
+                kinds.add("decode")
+            else:  # prefill never runs past the prompt
+                assert 1 <= e.tokens <= chunk, where
+                assert e.cache_length + e.tokens <= r.prompt, where
+                kinds.add("prefill")
+            done[e.request] += e.tokens
+            slot_is_position += e.slot == b
+            assert e.finished == (done[e.request] == r.new_tokens), where
+        mixed_calls += kinds == {"decode", "prefill"}
+        for e in call:
+            if e.finished:
+                del holder[e.slot]
+    assert done == [r.new_tokens for r in reqs], where
+    assert not holder, where
+    assert plan.slot_reuses >= len(reqs) - running, where
+    assert mixed_calls > 0, where
+    entries = sum(len(call) for call in plan.calls)
+    assert slot_is_position < entries / 2, where
+
+
+def test_generated_requests_span_short_and_long():
+    rng = np.random.default_rng(0)
+    reqs = workload.generate_requests(rng, 32, KPOOL, chunk=512)
+    prompts = sorted(r.prompt for r in reqs)
+    assert prompts[0] == 1
+    assert KPOOL - 1 in prompts and 512 in prompts
+    assert prompts[-1] >= 2000
+    cached = [r for r in reqs if r.cached_prefix]
+    assert cached and all(r.cached_prefix < r.prompt for r in cached)
+    again = workload.generate_requests(np.random.default_rng(0), 32, KPOOL)
+    assert again == reqs
+
+
+def test_fault_placement_targets_a_closing_pool():
+    sched = workload.parse_schedule(SMALL)
+    plan = workload.plan(
+        sched.requests, sched.calls, 3, np.random.default_rng(0)
+    )
+    fault = demo.place_fault(plan, "ring", KPOOL)
+    e = plan.calls[fault.call][fault.entry]
+    c, n = e.cache_length, e.tokens
+    assert c % KPOOL and c + n >= (c // KPOOL + 1) * KPOOL
+    assert fault.pool == c // KPOOL
+    assert fault.position == fault.pool * KPOOL  # member 0, in the ring
+    key = demo.place_fault(plan, "key", KPOOL)
+    e = plan.calls[key.call][key.entry]
+    assert key.position == e.cache_length
+    assert key.pool == e.cache_length // KPOOL
