@@ -2,9 +2,7 @@
 
 Each subcommand lives in a module of this package (``mla_kpool.demo``,
 ``mla_kpool.bench``) that provides ``DESCRIPTION`` (a sentence),
-``add_arguments(parser)`` and ``run(args) -> int`` (the exit status). A
-subcommand whose module does not exist yet is listed and answers with exit
-status 2.
+``add_arguments(parser)`` and ``run(args) -> int`` (the exit status).
 """
 
 from __future__ import annotations
@@ -25,15 +23,6 @@ COMMANDS = {
 }
 
 
-def _module(name: str) -> ModuleType | None:
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as err:
-        if err.name != name:
-            raise
-        return None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parses the command line and runs the subcommand.
 
@@ -41,31 +30,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments after the program name (``sys.argv[1:]`` if ``None``).
 
     Returns:
-        The subcommand's exit status (2 for a usage error or a subcommand
-        that is not implemented yet).
+        The subcommand's exit status (2 for a usage error).
     """
     parser = argparse.ArgumentParser(
         prog="python -m mla_kpool",
         description="k-pooled indexer kernels for MAX, on CPU and GPU.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    modules: dict[str, ModuleType | None] = {}
+    modules: dict[str, ModuleType] = {}
     for command, (module_name, help_text) in COMMANDS.items():
-        module = _module(module_name)
+        module = importlib.import_module(module_name)
         modules[command] = module
         sub_parser = sub.add_parser(
             command,
             help=help_text,
             description=getattr(module, "DESCRIPTION", help_text),
         )
-        if module is not None:
-            module.add_arguments(sub_parser)
+        module.add_arguments(sub_parser)
     args = parser.parse_args(argv)
-    module = modules[args.command]
-    if module is None:
-        print(f"mla-kpool {args.command}: not implemented yet", file=sys.stderr)
-        return 2
-    return int(module.run(args))
+    return int(modules[args.command].run(args))
 
 
 if __name__ == "__main__":

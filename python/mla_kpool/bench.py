@@ -1,0 +1,464 @@
+"""``python -m mla_kpool bench``: per-call time of each writer, with its floors.
+
+For every configuration (op, dtype, batch, kpool, head_dim, device) one run
+measures, on the same inputs:
+
+- ``median_us`` (and ``p10_us``/``p90_us``): the op's per-call time through
+  MAX after warm-up (``Model.execute`` on operands already on the device);
+- ``bytes``: what the op must read plus write (see :func:`op_bytes`), and
+  ``gbps = bytes / median``;
+- ``numpy_median_us``: a vectorized NumPy twin of the op (float32 math);
+- ``floor_median_us``: the same graph with no-op kernels of the same names
+  and signatures (``mla_kpool/bench_noop``): MAX's own per-call cost;
+- ``memcpy_gbps``: ``np.copyto`` of a float32 buffer of ``bytes / 2``
+  bytes, counted as read plus write, the machine's copy bandwidth;
+- on a GPU, ``builtin_median_us``: MAX's own GPU builtins on the same graph.
+
+Workloads (per request, ``r = kpool // 2``): ``ring_close`` closes one pool
+with ``r`` members in the ring and ``kpool - r`` new tokens; ``compress``
+builds one pool from ``kpool`` new tokens; ``seed_tail`` stashes
+``kpool - 1`` new tokens; ``step`` brings ``2 * kpool`` tokens to a request
+with ``r`` pending (ring_close closes one pool, compress builds one, seed_tail
+stashes ``r`` tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from max.dtype import DType
+from tqdm import tqdm
+
+from ._paths import NOOP_KERNELS
+from .buffers import to_numpy_dtype
+from .runner import Runner
+
+DESCRIPTION = (
+    "Time ring_close, compress, seed_tail and the step against MAX's no-op"
+    " floor, a NumPy twin and memcpy bandwidth."
+)
+
+OPS = ("ring_close", "compress", "seed_tail", "step")
+BATCHES = (1, 64, 512, 4096)
+KPOOLS = (4, 16, 128)
+DTYPES = ("float32", "bfloat16")
+HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark configuration."""
+
+    op: str
+    dtype: str
+    batch: int
+    kpool: int
+    head_dim: int
+    device: str
+
+
+@dataclass
+class Workload:
+    """One call's inputs (NumPy) for a :class:`Case`."""
+
+    ring: np.ndarray
+    k: np.ndarray
+    gate: np.ndarray
+    ape: np.ndarray
+    input_row_offsets: np.ndarray
+    cache_lengths: np.ndarray
+    slot_idx: np.ndarray
+    pool_row_offsets: np.ndarray
+
+
+def _tokens_per_request(op: str, kpool: int) -> tuple[int, int]:
+    """``(pending ring members r, new tokens n)`` per request for ``op``."""
+    r = kpool // 2
+    if op == "ring_close":
+        return r, kpool - r
+    if op == "compress":
+        return 0, kpool
+    if op == "seed_tail":
+        return 0, kpool - 1
+    return r, 2 * kpool
+
+
+def make_workload(case: Case, seed: int = 0) -> Workload:
+    """Builds the inputs of one call of ``case`` (see the module docstring).
+
+    Requests sit at pool ids 1000 + b and use a shuffled slot each, so slots
+    are not the batch index.
+    """
+    rng = np.random.default_rng(seed)
+    dtype = to_numpy_dtype_name(case.dtype)
+    r, n = _tokens_per_request(case.op, case.kpool)
+    batch, kpool, hd = case.batch, case.kpool, case.head_dim
+    tokens = batch * n
+    cache = (1000 + np.arange(batch, dtype=np.int64)) * kpool + r
+    offsets = np.arange(batch + 1, dtype=np.int64) * n
+    first = -(-cache // kpool)
+    counts = np.maximum((cache + n) // kpool - first, 0)
+    return Workload(
+        ring=rng.standard_normal((batch, 2, kpool, hd)).astype(dtype),
+        k=rng.standard_normal((tokens, hd)).astype(dtype),
+        gate=(4 * rng.standard_normal((tokens, hd))).astype(dtype),
+        ape=rng.standard_normal((kpool, hd)).astype(np.float32),
+        input_row_offsets=offsets.astype(np.uint32),
+        cache_lengths=cache.astype(np.uint32),
+        slot_idx=rng.permutation(batch).astype(np.uint32),
+        pool_row_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(
+            np.uint32
+        ),
+    )
+
+
+def to_numpy_dtype_name(name: str) -> np.dtype:
+    """NumPy dtype (``ml_dtypes.bfloat16`` included) for a dtype name."""
+    return to_numpy_dtype(getattr(DType, name))
+
+
+def op_bytes(case: Case) -> int:
+    """Bytes ``case.op`` must read plus write for its workload.
+
+    Ring members read, rows of ``k`` and ``gate`` read, ``ape``, the pooled
+    rows and ``closed_pool`` written (``compress`` writes every output row:
+    rows past the last pool are zeroed), ring rows written by ``seed_tail``.
+    Index operands are left out (a few bytes per request).
+    """
+    es = to_numpy_dtype_name(case.dtype).itemsize
+    batch, kpool, hd = case.batch, case.kpool, case.head_dim
+    row = hd * es
+    ape = kpool * hd * 4
+    r, n = _tokens_per_request(case.op, kpool)
+    if case.op == "ring_close":
+        return batch * (2 * r * row + 2 * n * row + row + 4) + ape
+    if case.op == "compress":
+        return batch * (2 * n * row + row) + ape
+    if case.op == "seed_tail":
+        return batch * (2 * n * row) * 2
+    out_rows = (batch * n) // kpool
+    close = batch * (2 * r * row + 2 * (kpool - r) * row + row + 4)
+    build = batch * 2 * kpool * row + out_rows * row
+    stash = batch * 2 * r * row * 2
+    return close + build + stash + ape
+
+
+# -- vectorized NumPy twin --------------------------------------------------
+
+
+def _pool_np(
+    keys: np.ndarray, gates: np.ndarray, ape: np.ndarray
+) -> np.ndarray:
+    """Pools ``[pools, kpool, head_dim]`` members in float32."""
+    score = gates.astype(np.float32) + ape
+    score -= score.max(axis=1, keepdims=True)
+    weight = np.exp(score)
+    total = weight.sum(axis=1)
+    return (weight * keys.astype(np.float32)).sum(axis=1) / total
+
+
+def numpy_ring_close(w: Workload, kpool: int) -> tuple[np.ndarray, np.ndarray]:
+    """Vectorized ring_close (float32), valid metadata assumed."""
+    batch, hd = w.cache_lengths.shape[0], w.k.shape[1]
+    c = w.cache_lengths.astype(np.int64)
+    start = w.input_row_offsets[:-1].astype(np.int64)
+    n = w.input_row_offsets[1:].astype(np.int64) - start
+    r, p = c % kpool, c // kpool
+    closes = (r > 0) & (c + n >= (p + 1) * kpool)
+    q = np.arange(kpool)
+    from_ring = q[None, :] < r[:, None]
+    ring_len = w.ring.shape[2]
+    ring_idx = (p[:, None] * kpool + q[None, :]) % ring_len
+    rows = np.clip(start[:, None] + q[None, :] - r[:, None], 0, len(w.k) - 1)
+    slot = w.slot_idx.astype(np.int64)[:, None]
+    keys = np.where(from_ring[..., None], w.ring[slot, 0, ring_idx], w.k[rows])
+    gates = np.where(
+        from_ring[..., None], w.ring[slot, 1, ring_idx], w.gate[rows]
+    )
+    pooled = _pool_np(keys, gates, w.ape)
+    pooled[~closes] = 0
+    closed = np.where(closes, p, -1).astype(np.int32)
+    return pooled.astype(w.k.dtype).reshape(batch, hd), closed
+
+
+def numpy_compress(w: Workload, kpool: int) -> np.ndarray:
+    """Vectorized compress (float32), valid metadata assumed."""
+    c = w.cache_lengths.astype(np.int64)
+    start = w.input_row_offsets[:-1].astype(np.int64)
+    offsets = w.pool_row_offsets.astype(np.int64)
+    counts = np.diff(offsets)
+    out = np.zeros((len(w.k) // kpool, w.k.shape[1]), dtype=w.k.dtype)
+    owner = np.repeat(np.arange(len(c)), counts)
+    j = np.arange(offsets[-1]) - offsets[owner]
+    first_row = start[owner] + (-(-c[owner] // kpool) + j) * kpool - c[owner]
+    rows = first_row[:, None] + np.arange(kpool)[None, :]
+    out[: offsets[-1]] = _pool_np(w.k[rows], w.gate[rows], w.ape)
+    return out
+
+
+def numpy_seed_tail(w: Workload, kpool: int, ring: np.ndarray) -> None:
+    """Vectorized seed_tail (in place on ``ring``), valid metadata assumed."""
+    c = w.cache_lengths.astype(np.int64)
+    start = w.input_row_offsets[:-1].astype(np.int64)
+    n = w.input_row_offsets[1:].astype(np.int64) - start
+    ring_len = ring.shape[2]
+    lo = np.maximum(c, ((c + n) // kpool) * kpool - (ring_len - kpool))
+    count = np.maximum(c + n - lo, 0)
+    req = np.repeat(np.arange(len(c)), count)
+    pos = (
+        lo[req]
+        + np.arange(count.sum())
+        - np.repeat(np.cumsum(count) - count, count)
+    )
+    src = start[req] + pos - c[req]
+    slot = w.slot_idx.astype(np.int64)[req]
+    ring[slot, 0, pos % ring_len] = w.k[src]
+    ring[slot, 1, pos % ring_len] = w.gate[src]
+
+
+def numpy_call(case: Case, w: Workload) -> Callable[[], object]:
+    """A zero-argument callable running the NumPy twin of ``case.op``."""
+    ring = w.ring.copy()
+    if case.op == "ring_close":
+        return lambda: numpy_ring_close(w, case.kpool)
+    if case.op == "compress":
+        return lambda: numpy_compress(w, case.kpool)
+    if case.op == "seed_tail":
+        return lambda: numpy_seed_tail(w, case.kpool, ring)
+
+    def step() -> None:
+        numpy_ring_close(w, case.kpool)
+        numpy_compress(w, case.kpool)
+        numpy_seed_tail(w, case.kpool, ring)
+
+    return step
+
+
+# -- timing -----------------------------------------------------------------
+
+
+def time_call(
+    fn: Callable[[], object], *, warmup: int, min_reps: int, min_seconds: float
+) -> np.ndarray:
+    """Per-call seconds of ``fn`` after ``warmup`` calls.
+
+    Runs at least ``min_reps`` calls and at least ``min_seconds`` in all.
+    """
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    began = time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - began < min_seconds:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return np.asarray(times)
+
+
+def memcpy_gbps(nbytes: int, **timing: float) -> float:
+    """``np.copyto`` bandwidth for a float32 buffer of ``nbytes / 2`` bytes."""
+    count = max(nbytes // 8, 1)
+    src = np.ones(count, dtype=np.float32)
+    dst = np.empty_like(src)
+    seconds = np.median(time_call(lambda: np.copyto(dst, src), **timing))
+    return 2 * src.nbytes / seconds / 1e9
+
+
+class _ModelCall:
+    """A compiled op and its device operands, callable for timing."""
+
+    def __init__(self, runner: Runner, case: Case, w: Workload) -> None:
+        self._runner = runner
+        ring = None
+        if case.op != "compress":
+            ring = runner.new_ring(
+                case.batch, case.kpool, case.head_dim, w.k.dtype, fill=w.ring
+            )
+        self._ring, tensors, indices = runner.operands(
+            case.op,
+            k=w.k,
+            gate=w.gate,
+            ape=w.ape,
+            input_row_offsets=w.input_row_offsets,
+            cache_lengths=w.cache_lengths,
+            slot_idx=w.slot_idx,
+            pool_row_offsets=w.pool_row_offsets,
+            tail=ring,
+        )
+        self._model, self._args = runner.prepare(
+            case.op, case.kpool, w.k, self._ring, tensors, indices
+        )
+        self._sync = runner.device_name == "gpu"
+
+    def __call__(self) -> None:
+        self._model.execute(*self._args)
+        if self._sync:
+            self._runner.device.synchronize()
+
+
+@dataclass
+class Record:
+    """One configuration's measurements (the ``--json`` record)."""
+
+    op: str
+    device: str
+    dtype: str
+    batch: int
+    kpool: int
+    head_dim: int
+    median_us: float
+    p10_us: float
+    p90_us: float
+    bytes: int
+    gbps: float
+    numpy_median_us: float
+    floor_median_us: float
+    memcpy_gbps: float
+    builtin_median_us: float | None
+    cores: int
+
+
+def measure(
+    case: Case,
+    runners: dict[str, Runner | None],
+    timing: dict[str, float],
+) -> Record:
+    """Measures one configuration: the op, its floors and the NumPy twin."""
+    w = make_workload(case)
+    ours = time_call(_ModelCall(runners["ours"], case, w), **timing) * 1e6
+    floor = time_call(_ModelCall(runners["floor"], case, w), **timing) * 1e6
+    builtin = None
+    if runners.get("builtin") is not None:
+        builtin = float(
+            np.median(
+                time_call(_ModelCall(runners["builtin"], case, w), **timing)
+            )
+            * 1e6
+        )
+    numpy_us = time_call(numpy_call(case, w), **timing) * 1e6
+    nbytes = op_bytes(case)
+    median = float(np.median(ours))
+    return Record(
+        op=case.op,
+        device=case.device,
+        dtype=case.dtype,
+        batch=case.batch,
+        kpool=case.kpool,
+        head_dim=case.head_dim,
+        median_us=median,
+        p10_us=float(np.percentile(ours, 10)),
+        p90_us=float(np.percentile(ours, 90)),
+        bytes=nbytes,
+        gbps=nbytes / median / 1e3,
+        numpy_median_us=float(np.median(numpy_us)),
+        floor_median_us=float(np.median(floor)),
+        memcpy_gbps=memcpy_gbps(nbytes, **timing),
+        builtin_median_us=builtin,
+        cores=os.cpu_count() or 1,
+    )
+
+
+#: ``--quick``: the issue's three ring_close targets plus one mid-size case
+#: per other op, so CI-sized runs still exercise every op.
+QUICK = [
+    ("ring_close", "float32", 4096, 128),
+    ("ring_close", "float32", 64, 4),
+    ("ring_close", "float32", 4096, 16),
+    ("compress", "float32", 512, 16),
+    ("seed_tail", "float32", 512, 16),
+    ("step", "bfloat16", 64, 4),
+]
+
+
+def cases(args: argparse.Namespace, device: str) -> list[Case]:
+    """The configurations a run measures, from the command line."""
+    if args.quick:
+        return [Case(o, d, b, k, HEAD_DIM, device) for o, d, b, k in QUICK]
+    return [
+        Case(op, dtype, batch, kpool, args.head_dim, device)
+        for op in args.ops
+        for dtype in args.dtypes
+        for kpool in args.kpools
+        for batch in args.batches
+    ]
+
+
+def format_table(records: list[Record]) -> str:
+    """The human-readable results table."""
+    head = (
+        f"{'op':<10} {'dtype':<8} {'batch':>5} {'kpool':>5} "
+        f"{'median us':>10} {'p10-p90 us':>15} {'GB/s':>7} {'memcpy%':>7} "
+        f"{'floor us':>9} {'x floor':>7} {'numpy us':>10} {'x numpy':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in records:
+        lines.append(
+            f"{r.op:<10} {r.dtype:<8} {r.batch:>5} {r.kpool:>5} "
+            f"{r.median_us:>10.1f} {f'{r.p10_us:.0f}-{r.p90_us:.0f}':>15} "
+            f"{r.gbps:>7.2f} {100 * r.gbps / r.memcpy_gbps:>6.0f}% "
+            f"{r.floor_median_us:>9.1f} "
+            f"{r.median_us / r.floor_median_us:>7.2f} "
+            f"{r.numpy_median_us:>10.1f} "
+            f"{r.numpy_median_us / r.median_us:>8.1f}"
+            + (
+                f"  builtin {r.builtin_median_us:.1f} us"
+                if r.builtin_median_us is not None
+                else ""
+            )
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the ``bench`` options to ``parser``."""
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=DTYPES + ("float16",),
+        default=list(DTYPES),
+    )
+    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    parser.add_argument("--kpools", nargs="+", type=int, default=list(KPOOLS))
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
+    parser.add_argument(
+        "--quick", action="store_true", help="CI-sized subset (see QUICK)"
+    )
+    parser.add_argument("--json", metavar="FILE", help="write records here")
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=0.3,
+        help="measure each configuration at least this long",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the benchmark described by ``args``; returns the exit status."""
+    device = args.device
+    runners: dict[str, Runner | None] = {
+        "ours": Runner(device),
+        "floor": Runner(device, kernels=NOOP_KERNELS),
+        "builtin": Runner(device, kernels=None) if device == "gpu" else None,
+    }
+    timing = {"warmup": 3, "min_reps": 10, "min_seconds": args.min_seconds}
+    todo = cases(args, device)
+    records: list[Record] = []
+    for case in tqdm(todo, desc="bench", unit="config", file=sys.stderr):
+        records.append(measure(case, runners, timing))
+    cpu = platform.processor() or platform.machine()
+    print(f"mla-kpool bench on {device} ({cpu}, {os.cpu_count()} cores)")
+    print(format_table(records))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in records], f, indent=1)
+    return 0
