@@ -1,0 +1,201 @@
+"""A plain (non-editable) install carries the Mojo kernels and runs them.
+
+The wheel is built the way a user's ``pip install .`` builds it, but from a
+clean copy of the checkout (a stale ``build/`` in the repository would
+otherwise leak old files into it) and without build isolation or an index,
+so the test needs no network: setuptools >= 70.1 in this environment is
+enough (it is in the ``test`` extra). The wheel is then installed into a
+bare target directory, and a subprocess whose ``PYTHONPATH`` holds only that
+directory (MAX still comes from this environment) checks that
+``mla_kpool.KERNELS`` points inside it and that a graph built with it
+compiles and matches the oracle. That graph is the suite's MAIN
+configuration (float32, kpool 4, head_dim 128), one compile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kpool_cases import MAIN, assert_pooled_close, random_ape, random_rows
+from mla_kpool import reference as ref
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: What a clean checkout does not have: build outputs, caches, environments.
+_NOT_SOURCES = shutil.ignore_patterns(
+    ".git",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".pixi",
+    ".venv",
+    "venv",
+)
+
+#: (directory in the checkout, directory inside the wheel) of Mojo sources.
+MOJO_TREES = [
+    pytest.param("kernels", "mla_kpool/kernels", id="kernels"),
+    pytest.param(
+        "python/mla_kpool/bench_noop", "mla_kpool/bench_noop", id="bench_noop"
+    ),
+]
+
+
+def _pip(*args: str, cwd: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if proc.returncode != 0:
+        pytest.fail(
+            f"pip {' '.join(args)} failed ({proc.returncode}); building "
+            "offline needs setuptools>=70.1 here (pip install -e '.[test]')\n"
+            f"{proc.stdout}\n{proc.stderr}"
+        )
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel ``pip wheel`` builds from a clean copy of the checkout."""
+    tmp = tmp_path_factory.mktemp("packaging")
+    shutil.copytree(REPO, tmp / "src", ignore=_NOT_SOURCES)
+    _pip(
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "-w",
+        str(tmp / "dist"),
+        "./src",
+        cwd=tmp,
+    )
+    wheels = sorted((tmp / "dist").glob("mla_kpool-*.whl"))
+    assert len(wheels) == 1, f"expected one wheel, got {wheels}"
+    return wheels[0]
+
+
+@pytest.fixture(scope="module")
+def site(wheel: Path) -> Path:
+    """A directory the wheel is installed into, and nothing else."""
+    target = wheel.parent.parent / "site"
+    _pip(
+        "install",
+        "--no-deps",
+        "--no-index",
+        "--target",
+        str(target),
+        str(wheel),
+        cwd=wheel.parent,
+    )
+    return target
+
+
+@pytest.mark.parametrize(("source", "dest"), MOJO_TREES)
+def test_wheel_carries_mojo_sources(wheel: Path, source: str, dest: str):
+    sources = sorted((REPO / source).glob("*.mojo"))
+    assert REPO / source / "__init__.mojo" in sources, "not a Mojo package"
+    with zipfile.ZipFile(wheel) as zf:
+        shipped = {n for n in zf.namelist() if n.startswith(dest + "/")}
+        assert shipped == {f"{dest}/{p.name}" for p in sources}
+        for path in sources:
+            assert zf.read(f"{dest}/{path.name}") == path.read_bytes(), path
+
+
+def test_wheel_carries_every_python_module(wheel: Path):
+    modules = {p.name for p in (REPO / "python/mla_kpool").glob("*.py")}
+    with zipfile.ZipFile(wheel) as zf:
+        shipped = {
+            n.split("/", 1)[1]
+            for n in zf.namelist()
+            if n.startswith("mla_kpool/") and n.count("/") == 1
+        }
+        entry_points = next(
+            zf.read(n).decode()
+            for n in zf.namelist()
+            if n.endswith(".dist-info/entry_points.txt")
+        )
+    assert shipped == modules
+    assert "mla-kpool = mla_kpool.__main__:main" in entry_points
+
+
+def test_installed_wheel_compiles_and_runs(site: Path, tmp_path: Path):
+    """KERNELS points into the install, and its ring_close is right.
+
+    Four requests in ring slots that are not their batch index: two close
+    their pending pool 1 (c=5 with 3 new tokens, c=7 with 4), one has
+    nothing pending (c=8), one does not bring enough tokens (c=2, n=1).
+    """
+    seed = 6
+    rng = np.random.default_rng(seed)
+    dtype, kpool, head_dim = MAIN.dtype, MAIN.kpool, MAIN.head_dim
+    cache = np.array([5, 8, 2, 7], dtype=np.uint32)
+    new_tokens = [3, 2, 1, 4]
+    slots = np.array([2, 0, 3, 1], dtype=np.uint32)
+    offsets = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.uint32)
+    k, gate = random_rows(rng, int(offsets[-1]), head_dim, dtype)
+    # Every slot holds distinct values, so reading a wrong slot shows.
+    tail = rng.standard_normal((4, 2, kpool, head_dim)).astype(dtype)
+    ape = random_ape(rng, kpool, head_dim)
+    inputs = tmp_path / "inputs.npz"
+    outputs = tmp_path / "outputs.npz"
+    np.savez(
+        inputs,
+        tail=tail,
+        k=k,
+        gate=gate,
+        ape=ape,
+        offsets=offsets,
+        cache=cache,
+        slots=slots,
+    )
+
+    env = dict(os.environ, PYTHONPATH=str(site))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests" / "packaging_probe.py"),
+            str(inputs),
+            str(outputs),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"probe failed:\n{proc.stdout}{proc.stderr}"
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(found["module"]).is_relative_to(site / "mla_kpool"), found
+    kernels = Path(found["kernels"])
+    assert kernels == site / "mla_kpool" / "kernels", found
+    assert (kernels / "__init__.mojo").is_file()
+
+    got = np.load(outputs)
+    want_pooled, want_closed = ref.ring_close(
+        tail, k, gate, ape, offsets, cache, slots, kpool
+    )
+    assert want_closed.tolist() == [1, -1, -1, 1]
+    scale = float(max(np.abs(k).max(), np.abs(tail[:, 0]).max()))
+    for prefix, what in (("", "mla_kpool.ring_close"), ("max_", "MAX's")):
+        where = f"{what} wrapper, seed {seed}"
+        np.testing.assert_array_equal(
+            got[prefix + "closed"], want_closed, err_msg=where
+        )
+        assert_pooled_close(
+            got[prefix + "pooled"], want_pooled, dtype, scale, where
+        )
