@@ -1,0 +1,499 @@
+"""Seeded serving schedules through the composed step, pool for pool.
+
+Each schedule (see :mod:`schedules`) draws every request's whole sequence
+first, then feeds it through :meth:`Runner.step` over many calls: chunked
+prefill, single- and multi-token decode, requests joining late and leaving
+early, ring slots handed from a finished request to a new one, and requests
+resuming from a cached prefix that ends mid-pool (ring pre-seeded with the
+prefix's trailing members). Per schedule:
+
+- every call produces exactly the pools it completes, per request
+  (:func:`schedules.replay`), so every pool comes out exactly once;
+- after every call the device ring equals, bit for bit, the ring of the
+  float64 oracle served the same calls (unused entries start NaN, so a
+  stale read poisons a pool and a stray write shows);
+- every pool matches :func:`reference.pool_sequence` on the request's
+  whole sequence within SPEC tolerance, and is bitwise equal to the same
+  step model run once on the whole sequence with ``cache_lengths = 0``
+  (compress builds every pool then), whichever writer built it streaming.
+
+The last test shows the ordering hazard is real: a step that runs seed_tail
+before ring_close on the same ring closes a pool from overwritten members.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from max import driver
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+from max.graph import BufferType, DeviceRef, Graph, TensorType
+
+import mla_kpool
+import schedules as sch
+from conftest import DEVICE_NAMES, get_runner
+from kpool_cases import (
+    BF16,
+    F16,
+    F32,
+    MAIN,
+    STEP_CONFIGS,
+    TOLERANCE,
+    Config,
+    assert_pooled_close,
+)
+from mla_kpool import reference
+from mla_kpool.runner import Runner, StepResult
+
+#: Step models the schedules run on (all from STEP_CONFIGS): every dtype,
+#: kpool 1, 3, 4, 16, 128 and head_dim 32 and 128.
+STREAM_CONFIGS = [
+    MAIN,
+    Config(BF16, 4, 128),
+    Config(F16, 16, 32),
+    Config(F32, 1, 32),
+    Config(F32, 3, 32),
+    Config(BF16, 128, 32),
+]
+assert all(c in STEP_CONFIGS for c in STREAM_CONFIGS)
+KPOOL_128 = Config(BF16, 128, 32)
+
+SERVING = frozenset(
+    {
+        "chunked_prefill",
+        "single_token_decode",
+        "multi_token_decode",
+        "late_join",
+        "early_leave",
+        "slot_reuse",
+        "slot_not_row",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A family of schedules: how to build one, and what it must exercise."""
+
+    id: str
+    build: Callable[[int, Config], sch.Schedule]
+    seeds: tuple[int, ...]
+    configs: tuple[Config, ...]
+    features: frozenset[str]
+
+
+def _random(params: sch.ScheduleParams, name: str):
+    def build(seed: int, cfg: Config) -> sch.Schedule:
+        return sch.random_schedule(
+            seed, cfg.dtype, cfg.kpool, cfg.head_dim, params, name
+        )
+
+    return build
+
+
+def _interleaved(seed: int, cfg: Config) -> sch.Schedule:
+    return sch.interleaved_pair(seed, cfg.dtype, cfg.kpool, cfg.head_dim)
+
+
+SCENARIOS = [
+    Scenario(
+        "random",
+        _random(sch.ScheduleParams(), "random"),
+        tuple(range(6)),
+        tuple(STREAM_CONFIGS),
+        SERVING,
+    ),
+    # A prefix cache with 64-token blocks in front of kpool 128: resumed
+    # prefixes end mid-pool, the ring carrying 64 members (forced for the
+    # first two requests: 64 and 192).
+    Scenario(
+        "prefix_cache_64",
+        _random(
+            sch.ScheduleParams(
+                prefix_prob=0.7,
+                prefix_granularity=64,
+                max_prefix=640,
+                first_prefixes=(64, 192, 128),
+            ),
+            "prefix_cache_64",
+        ),
+        (0, 1),
+        (KPOOL_128,),
+        SERVING | {"mid_pool_prefix"},
+    ),
+    # Two requests in every call; row 0 on slot 5, row 1 on slot 0.
+    Scenario(
+        "interleaved",
+        _interleaved,
+        (0,),
+        tuple(STREAM_CONFIGS),
+        frozenset({"slot_not_row"}),
+    ),
+    # Request 0 resumes near position 5000 (pre-seeded ring, a few tokens
+    # short of a pool boundary) and decodes in multi-token chunks while
+    # other requests start fresh around it.
+    Scenario(
+        "long_decode",
+        _random(
+            sch.ScheduleParams(long_prefix=5000, prefix_prob=0.0),
+            "long_decode",
+        ),
+        (0,),
+        tuple(STREAM_CONFIGS),
+        frozenset({"past_4096", "multi_token_decode", "late_join"}),
+    ),
+]
+
+CASES = [
+    pytest.param(scn, cfg, seed, id=f"{scn.id}-{cfg.id}-seed{seed}")
+    for scn in SCENARIOS
+    for cfg in scn.configs
+    for seed in scn.seeds
+]
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    return a.view(f"u{a.dtype.itemsize}")
+
+
+class DeviceServer:
+    """A :data:`schedules.StepFn` on a compiled step, mirrored by the oracle.
+
+    After each call the device ring must equal the oracle server's ring bit
+    for bit (both start NaN and receive the same seeds and tokens).
+    """
+
+    def __init__(
+        self,
+        runner: Runner,
+        schedule: sch.Schedule,
+        step: Callable[..., StepResult] | None = None,
+        check_ring: bool = True,
+    ) -> None:
+        s = schedule
+        self.runner, self.schedule = runner, schedule
+        self.step = step or runner.step
+        self.ring = runner.new_ring(
+            s.max_slots, s.kpool, s.head_dim, s.dtype, fill=np.nan
+        )
+        self.oracle = sch.ReferenceServer(s)
+        self.check_ring = check_ring
+        self.calls = 0
+
+    def __call__(self, inputs: sch.CallInputs) -> list[dict[int, np.ndarray]]:
+        if inputs.ring_seeds:
+            host = self.runner.read(self.ring)
+            for seed in inputs.ring_seeds:
+                seed.apply(host)
+            self.ring = self.runner.to_device(host)
+        self.oracle(inputs)  # advances the mirror ring
+        result = self.step(
+            self.ring,
+            inputs.k,
+            inputs.gate,
+            self.schedule.ape,
+            inputs.input_row_offsets,
+            inputs.cache_lengths,
+            inputs.slot_idx,
+            self.schedule.kpool,
+        )
+        if self.check_ring:
+            ring = self.runner.read(self.ring)
+            bad = np.argwhere(
+                np.any(_bits(ring) != _bits(self.oracle.ring), axis=-1)
+            )
+            assert bad.size == 0, (
+                f"{self.schedule.describe()}: after call {self.calls} the "
+                f"ring differs from the oracle's at [slot, plane, index] "
+                f"{bad.tolist()[:8]}; batch rows (request, slot, "
+                f"cache_length, tokens): "
+                f"{self._rows(inputs)}"
+            )
+        self.calls += 1
+        return result.pools()
+
+    @staticmethod
+    def _rows(inputs: sch.CallInputs) -> list[tuple[int, int, int, int]]:
+        off = inputs.input_row_offsets
+        return [
+            (
+                rid,
+                int(inputs.slot_idx[b]),
+                int(inputs.cache_lengths[b]),
+                int(off[b + 1] - off[b]),
+            )
+            for b, rid in enumerate(inputs.rids)
+        ]
+
+
+def whole_sequence_pools(
+    runner: Runner, schedule: sch.Schedule
+) -> dict[int, dict[int, np.ndarray]]:
+    """Every request's pools from one step call with ``cache_lengths = 0``."""
+    s = schedule
+    inputs = s.whole_sequence_inputs()
+    scratch = runner.new_ring(
+        len(s.requests), s.kpool, s.head_dim, s.dtype, fill=np.nan
+    )
+    result = runner.step(
+        scratch,
+        inputs.k,
+        inputs.gate,
+        s.ape,
+        inputs.input_row_offsets,
+        inputs.cache_lengths,
+        inputs.slot_idx,
+        s.kpool,
+    )
+    assert np.all(result.ring_closed_pool == -1), s.describe()
+    return dict(zip(inputs.rids, result.pools(), strict=True))
+
+
+def _stack(pools: dict[int, np.ndarray], ids: range, head_dim: int):
+    if not ids:
+        return np.zeros((0, head_dim))
+    return np.stack([pools[p] for p in ids])
+
+
+def check_schedule(runner: Runner, schedule: sch.Schedule) -> int:
+    """Replays ``schedule`` and checks every pool; returns the pool count."""
+    s = schedule
+    streamed = sch.replay(s, DeviceServer(runner, s))
+    one_shot = whole_sequence_pools(runner, s)
+    total = 0
+    for r in s.requests:
+        ids = r.pool_ids(s.kpool)
+        total += len(ids)
+        got = _stack(streamed[r.rid], ids, s.head_dim)
+        where = (
+            f"{s.describe()}: request {r.rid} (slot {r.slot}, prefix "
+            f"{r.prefix}, fed to {r.fed}) pools {ids.start}..{ids.stop - 1}"
+        )
+        expected = reference.pool_sequence(r.keys, r.gates, s.ape, s.kpool)
+        assert_pooled_close(
+            got,
+            expected[ids.start : ids.stop],
+            s.dtype,
+            float(np.abs(r.keys.astype(np.float64)).max()),
+            what=where,
+        )
+        whole = _stack(one_shot[r.rid], ids, s.head_dim)
+        differ = [
+            p
+            for p, a, b in zip(ids, got, whole, strict=True)
+            if not np.array_equal(_bits(a), _bits(b))
+        ]
+        assert not differ, (
+            f"{where}: pools {differ} differ bitwise from compress on the "
+            "whole sequence"
+        )
+    return total
+
+
+@pytest.mark.parametrize(("scenario", "cfg", "seed"), CASES)
+@pytest.mark.parametrize("device", DEVICE_NAMES)
+def test_schedule(
+    scenario: Scenario, cfg: Config, seed: int, device: str
+) -> None:
+    schedule = scenario.build(seed, cfg)
+    features = schedule.features()
+    if cfg.kpool == 1:
+        features |= {"mid_pool_prefix"}  # no pool has a middle
+    missing = scenario.features - features
+    assert not missing, f"{schedule.describe()} never exercises {missing}"
+    assert check_schedule(get_runner(device), schedule) > 0
+
+
+def test_scenarios_cover_the_reported_patterns() -> None:
+    """The schedules do contain the cases they are named for."""
+    prefix = SCENARIOS[1].build(0, KPOOL_128)
+    assert any(r.prefix % 128 == 64 for r in prefix.requests)
+    pair = _interleaved(0, MAIN)
+    for call in pair.calls:
+        assert [(p.rid, pair.requests[p.rid].slot) for p in call.pieces] == [
+            (0, 5),
+            (1, 0),
+        ]
+    long = SCENARIOS[3].build(0, KPOOL_128)
+    head = long.requests[0]
+    assert head.prefix > 5000 and head.prefix % 128
+    assert head.fed // 128 > head.prefix // 128, "no pool closed past 5000"
+    assert sum(1 for r in long.requests if r.prefix == 0) >= 3
+
+
+# --------------------------------------------------------------------------
+# The harness itself, on the oracle (no kernels)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_oracle_replay_matches_pool_sequence(seed: int) -> None:
+    """The three oracle writers served a schedule reproduce pool_sequence."""
+    cfg = STREAM_CONFIGS[seed % len(STREAM_CONFIGS)]
+    s = sch.random_schedule(100 + seed, cfg.dtype, cfg.kpool, cfg.head_dim)
+    pools = sch.replay(s, sch.ReferenceServer(s))
+    for r in s.requests:
+        ids = r.pool_ids(s.kpool)
+        expected = reference.pool_sequence(r.keys, r.gates, s.ape, s.kpool)
+        np.testing.assert_allclose(
+            _stack(pools[r.rid], ids, s.head_dim),
+            expected[ids.start : ids.stop],
+            rtol=1e-12,
+            atol=1e-12,
+            err_msg=f"{s.describe()}: request {r.rid}",
+        )
+
+
+def test_replay_rejects_missing_and_duplicate_pools() -> None:
+    s = sch.interleaved_pair(3, F32, 4, 8)
+    oracle = sch.ReferenceServer(s)
+
+    def dropping(inputs):
+        rows = oracle(inputs)
+        for row in rows:
+            row.pop(min(row, default=None), None)
+        return rows
+
+    with pytest.raises(sch.PoolAccountingError, match="seed=3"):
+        sch.replay(s, dropping)
+
+    oracle2 = sch.ReferenceServer(s)
+
+    def repeating(inputs):
+        rows = oracle2(inputs)
+        for b, c in enumerate(inputs.cache_lengths):
+            if int(c) >= 4:
+                rows[b][int(c) // 4 - 1] = np.zeros(8)  # an old pool again
+        return rows
+
+    with pytest.raises(sch.PoolAccountingError, match="produced pools"):
+        sch.replay(s, repeating)
+
+
+# --------------------------------------------------------------------------
+# The ordering hazard (SPEC section 8)
+# --------------------------------------------------------------------------
+
+
+@functools.cache
+def swapped_step_model(device: str, cfg: Config) -> Model:
+    """A step that runs seed_tail BEFORE ring_close on the same ring."""
+    from mla_kpool.buffers import to_max_dtype
+
+    ref = DeviceRef.CPU() if device == "cpu" else DeviceRef.GPU()
+    dt, kp, hd = to_max_dtype(cfg.dtype), cfg.kpool, cfg.head_dim
+    rows = TensorType(dt, ["tokens", hd], ref)
+    index = [TensorType(DType.uint32, [d], ref) for d in ("offsets", "batch")]
+    inputs = [
+        BufferType(dt, ["slots", 2, kp, hd], ref),
+        rows,
+        rows,
+        TensorType(DType.float32, [kp, hd], ref),
+        index[0],
+        index[1],
+        index[1],
+    ]
+    with Graph(
+        f"mla_kpool_swapped_step_{cfg.id}",
+        input_types=inputs,
+        custom_extensions=[mla_kpool.KERNELS],
+    ) as g:
+        tail = g.inputs[0].buffer
+        k, gate, ape, offsets, cache, slots = (v.tensor for v in g.inputs[1:])
+        mla_kpool.seed_tail(tail, k, gate, offsets, cache, slots, kp)
+        ring_pooled, closed = mla_kpool.ring_close(
+            tail, k, gate, ape, offsets, cache, slots, kp
+        )
+        pool_rows = mla_kpool.pool_row_offsets(offsets, cache, kp)
+        pooled = mla_kpool.compress(k, gate, ape, offsets, pool_rows, cache, kp)
+        g.output(ring_pooled, closed, pooled, pool_rows)
+    devices = [driver.CPU()]
+    if device == "gpu":
+        devices.append(driver.Accelerator())
+    # The graph carries the kernels; naming them to the session as well
+    # registers every op twice, which MAX refuses to compile.
+    return InferenceSession(devices=devices).load(g)
+
+
+def _swapped_step(runner: Runner, cfg: Config):
+    model = swapped_step_model(runner.device_name, cfg)
+
+    def step(tail, k, gate, ape, offsets, cache, slots, kpool):
+        args = [k, gate, np.asarray(ape, np.float32), offsets, cache, slots]
+        outs = model.execute(tail, *(runner.to_device(a) for a in args))
+        ring_pooled, closed, pooled, pool_rows = (runner.read(o) for o in outs)
+        first = -(-np.asarray(cache, np.int64) // kpool)
+        return StepResult(ring_pooled, closed, pooled, pool_rows, first)
+
+    return step
+
+
+@pytest.mark.parametrize("device", DEVICE_NAMES)
+def test_seed_tail_before_ring_close_breaks_pools(device: str) -> None:
+    """Swapping the writers is caught: the pool closed from the ring is wrong.
+
+    Hand case: kpool 4, ``c = 2`` (positions 0, 1 in the ring), 5 new
+    tokens (positions 2..6). Pool 0 is ``{0, 1, 2, 3}``; seed_tail stashes
+    positions 4..6 at ring indices 0..2 first, so ring_close then builds
+    ``{4, 5, 2, 3}``. Then a whole random schedule on the swapped step: some
+    pool misses the oracle by far more than the tolerance.
+    """
+    cfg, seed = MAIN, 7
+    kp, hd = cfg.kpool, cfg.head_dim
+    runner = get_runner(device)
+    step = _swapped_step(runner, cfg)
+    rng = np.random.default_rng(seed)
+    ape = (2.0 * rng.standard_normal((kp, hd))).astype(np.float32)
+    seq_k = rng.standard_normal((7, hd)).astype(cfg.dtype)
+    seq_g = (4.0 * rng.standard_normal((7, hd))).astype(cfg.dtype)
+    host = np.full((3, 2, kp, hd), np.nan, dtype=cfg.dtype)
+    host[2, 0, :2], host[2, 1, :2] = seq_k[:2], seq_g[:2]
+    args = (
+        seq_k[2:],
+        seq_g[2:],
+        ape,
+        np.array([0, 5], np.uint32),
+        np.array([2], np.uint32),
+        np.array([2], np.uint32),
+        kp,
+    )
+    where = f"seed {seed}, {cfg.id}, {device}"
+    right = runner.step(runner.new_ring(3, kp, hd, cfg.dtype, host), *args)
+    wrong = step(runner.new_ring(3, kp, hd, cfg.dtype, host), *args)
+    assert int(right.ring_closed_pool[0]) == int(wrong.ring_closed_pool[0]) == 0
+    scale = float(np.abs(seq_k.astype(np.float64)).max())
+    truth = reference.pool(seq_k[:4], seq_g[:4], ape)
+    assert_pooled_close(right.ring_pooled[0], truth, cfg.dtype, scale, where)
+    clobbered = [4, 5, 2, 3]
+    assert_pooled_close(
+        wrong.ring_pooled[0],
+        reference.pool(seq_k[clobbered], seq_g[clobbered], ape),
+        cfg.dtype,
+        scale,
+        what=f"{where}: swapped step should pool positions {clobbered}",
+    )
+    err = np.abs(wrong.ring_pooled[0].astype(np.float64) - truth).max()
+    assert err > 100 * TOLERANCE[cfg.dtype] * scale, where
+
+    schedule = sch.random_schedule(seed, cfg.dtype, kp, hd)
+    streamed = sch.replay(
+        schedule, DeviceServer(runner, schedule, step=step, check_ring=False)
+    )
+    worst = 0.0
+    for r in schedule.requests:
+        ids = r.pool_ids(kp)
+        expected = reference.pool_sequence(r.keys, r.gates, schedule.ape, kp)
+        got = _stack(streamed[r.rid], ids, hd).astype(np.float64)
+        if ids:
+            err = np.abs(got - expected[ids.start : ids.stop])
+            worst = max(worst, float(np.nan_to_num(err, nan=np.inf).max()))
+    assert worst > 100 * TOLERANCE[cfg.dtype], (
+        f"{schedule.describe()}: the swapped step matched the oracle "
+        f"(worst error {worst})"
+    )
