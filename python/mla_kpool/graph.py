@@ -230,8 +230,13 @@ def seed_tail(
 ) -> None:
     """Stashes each request's trailing incomplete tokens into the ring.
 
-    Positions from ``max(c, ((c + n) // kpool) * kpool)`` to ``c + n`` are
-    written to ``tail[s, :, pos % ring]``; nothing below ``c`` is written.
+    Positions from ``max(c, ((c + n) // kpool) * kpool - (ring - kpool))``
+    to ``c + n`` are written to ``tail[s, :, pos % ring]``: with the
+    documented ``ring == kpool`` that is the trailing incomplete pool; a
+    deeper ring also keeps the ``ring - kpool`` tokens before it (see
+    :func:`ring_length`). Nothing below ``c`` is written, and a request
+    whose slot or offsets do not address the ring and the call's rows is
+    skipped.
     Must come after :func:`ring_close` in the same call, which reads ring
     slots this op can overwrite; MAX keeps in-place ops on one device in
     program order, so calling them in that order is enough.
