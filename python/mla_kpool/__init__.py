@@ -30,6 +30,7 @@ from .graph import (
     ring_close,
     seed_tail,
 )
+from .ring import ring_length
 
 __all__ = [
     "KERNELS",
@@ -41,5 +42,6 @@ __all__ = [
     "pool_row_offsets",
     "reference",
     "ring_close",
+    "ring_length",
     "seed_tail",
 ]
