@@ -20,14 +20,11 @@ unspecified (each row still holds zeros or some request's pool).
 import extensibility
 from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
-from max.gpu import block_idx, thread_idx, grid_dim
-from max.algorithm import sync_parallelize
-from std.math import ceildiv, min
-from std.sys import num_physical_cores
+from max.gpu import block_idx, thread_idx
 
+from .parallel import cpu_for_each_range, gpu_block_width
 from .pooling import cpu_pool_row, pool_channels
 from .ragged import Ptr, full_pools, read_index, token_span
-from .ring_close import GPU_MAX_BLOCK
 
 
 @always_inline
@@ -114,9 +111,9 @@ def compress_cpu[
     total_tokens: Int,
     out_rows: Int,
 ):
-    """CPU compress: output rows split evenly over the cores.
+    """CPU compress: output rows split evenly across the cores.
 
-    Each worker finds the owner of its first row by binary search, then
+    Each core finds the owner of its first row by binary search, then
     walks forward, so a long prefill and many short decodes balance alike.
 
     Parameters:
@@ -162,29 +159,79 @@ def compress_cpu[
             if first < 0:
                 for ch in range(head_dim):
                     dest[unsafe_offset=ch] = 0
-            else:
-                var member0 = first * head_dim
-                cpu_pool_row[dtype, kpool, head_dim](
-                    k,
-                    gate,
-                    0,
-                    k.unsafe_offset(member0),
-                    gate.unsafe_offset(member0),
-                    ape,
-                    dest,
-                )
+                continue
+            var member0 = first * head_dim
+            cpu_pool_row[dtype, kpool, head_dim](
+                k,
+                gate,
+                0,
+                k.unsafe_offset(member0),
+                gate.unsafe_offset(member0),
+                ape,
+                dest,
+            )
 
-    var work = out_rows * kpool * head_dim
-    var workers = min(num_physical_cores(), out_rows)
-    if workers <= 1 or work < 1 << 16:
-        write_rows(0, out_rows)
-        return
-    var per_worker = ceildiv(out_rows, workers)
+    cpu_for_each_range(out_rows, out_rows * kpool * head_dim, write_rows)
 
-    def write_share(w: Int) {imm}:
-        write_rows(w * per_worker, min((w + 1) * per_worker, out_rows))
 
-    sync_parallelize(write_share, workers)
+def kpool_compress_kernel[
+    dtype: DType,
+    offset_dtype: DType,
+    pool_offset_dtype: DType,
+    length_dtype: DType,
+    kpool: Int,
+    head_dim: Int,
+](
+    pooled: Ptr[dtype],
+    k: Ptr[dtype],
+    gate: Ptr[dtype],
+    ape: Ptr[DType.float32],
+    input_row_offsets: Ptr[offset_dtype],
+    pool_row_offsets: Ptr[pool_offset_dtype],
+    cache_lengths: Ptr[length_dtype],
+    batch: Int64,
+    total_tokens: Int64,
+):
+    """GPU compress body: block `i` writes output row `i`, a thread a channel.
+
+    Launched by `compress_gpu` with `compress_launch`'s shape. Parameters
+    and Args are those of `compress_cpu` (sizes as Int64).
+    """
+    comptime block = gpu_block_width[head_dim]()
+    var row = Int(block_idx.x)
+    var requests = Int(batch)
+    var first = pool_row_of[
+        offset_dtype, pool_offset_dtype, length_dtype, kpool
+    ](
+        input_row_offsets,
+        pool_row_offsets,
+        cache_lengths,
+        owner(last_span_at(pool_row_offsets, requests, row), requests),
+        row,
+        Int(total_tokens),
+    )
+    var dest = pooled.unsafe_offset(row * head_dim)
+    var member0 = max(first, 0) * head_dim
+    for ch in range(Int(thread_idx.x), head_dim, block):
+        if first < 0:
+            dest[unsafe_offset=ch] = 0
+        else:
+            dest[unsafe_offset=ch] = pool_channels[dtype, 1, kpool](
+                k,
+                gate,
+                0,
+                k.unsafe_offset(member0),
+                gate.unsafe_offset(member0),
+                ape,
+                head_dim,
+                ch,
+            )
+
+
+@always_inline
+def compress_launch[head_dim: Int](out_rows: Int) -> Tuple[Int, Int]:
+    """`(grid, block)` of `kpool_compress_kernel`: a block per output row."""
+    return (out_rows, gpu_block_width[head_dim]())
 
 
 def compress_gpu[
@@ -207,51 +254,34 @@ def compress_gpu[
     out_rows: Int,
     ctx: DeviceContext,
 ) raises:
-    """GPU compress: one block per output row, one thread per channel.
+    """GPU compress: enqueues `kpool_compress_kernel` on `ctx`.
 
     Parameters and Args are those of `compress_cpu`, plus `ctx`.
     """
     if out_rows == 0:
         return
-    comptime block = min(head_dim, GPU_MAX_BLOCK)
-    var batch64 = Int64(batch)
-    var tokens64 = Int64(total_tokens)
-
-    def kpool_compress_kernel() {var}:
-        var row = Int(block_idx.x)
-        var b = owner(
-            last_span_at(pool_row_offsets, Int(batch64), row), Int(batch64)
-        )
-        var first = pool_row_of[
-            offset_dtype, pool_offset_dtype, length_dtype, kpool
-        ](
-            input_row_offsets,
-            pool_row_offsets,
-            cache_lengths,
-            b,
-            row,
-            Int(tokens64),
-        )
-        var dest = pooled.unsafe_offset(row * head_dim)
-        if first < 0:
-            for ch in range(Int(thread_idx.x), head_dim, block):
-                dest[unsafe_offset=ch] = 0
-            return
-        var member0 = first * head_dim
-        for ch in range(Int(thread_idx.x), head_dim, block):
-            dest[unsafe_offset=ch] = pool_channels[dtype, 1, kpool](
-                k,
-                gate,
-                0,
-                k.unsafe_offset(member0),
-                gate.unsafe_offset(member0),
-                ape,
-                head_dim,
-                ch,
-            )
-
-    ctx.enqueue_function(
-        kpool_compress_kernel, grid_dim=out_rows, block_dim=block
+    var shape = compress_launch[head_dim](out_rows)
+    ctx.enqueue_function[
+        kpool_compress_kernel[
+            dtype,
+            offset_dtype,
+            pool_offset_dtype,
+            length_dtype,
+            kpool,
+            head_dim,
+        ]
+    ](
+        pooled,
+        k,
+        gate,
+        ape,
+        input_row_offsets,
+        pool_row_offsets,
+        cache_lengths,
+        Int64(batch),
+        Int64(total_tokens),
+        grid_dim=shape[0],
+        block_dim=shape[1],
     )
 
 

@@ -21,15 +21,60 @@ from extensibility import InputTensor, OutputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 from max.gpu import block_idx, thread_idx
-from max.algorithm import sync_parallelize
-from std.math import ceildiv, min
-from std.sys import num_physical_cores
 
+from .parallel import cpu_for_each_range, gpu_block_width
 from .pooling import cpu_pool_row, pool_channels
 from .ragged import Ptr, pending_pool, read_index, slot_ok, token_span
 
-comptime GPU_MAX_BLOCK = 1024
-"""Largest block the GPU writers launch; wider heads stride over channels."""
+
+@always_inline
+def plan_close[
+    dtype: DType,
+    offset_dtype: DType,
+    length_dtype: DType,
+    slot_dtype: DType,
+    kpool: Int,
+    head_dim: Int,
+](
+    b: Int,
+    tail: Ptr[dtype],
+    k: Ptr[dtype],
+    gate: Ptr[dtype],
+    input_row_offsets: Ptr[offset_dtype],
+    cache_lengths: Ptr[length_dtype],
+    slot_idx: Ptr[slot_dtype],
+    total_tokens: Int,
+    max_slots: Int,
+    ring_len: Int,
+) -> Tuple[Int, Int, Ptr[dtype], Ptr[dtype], Ptr[dtype], Ptr[dtype]]:
+    """What request `b` closes, and where its members are (CPU and GPU).
+
+    Returns:
+        `(pool, split, ring_key, ring_gate, new_key, new_gate)`: the pool id
+        closed, or -1 with the pointers unset; members `q < split` are rows
+        `q` of `ring_key`/`ring_gate`, the others rows `q - split` of
+        `new_key`/`new_gate` (see `pool_channels`).
+    """
+    var span = token_span(input_row_offsets, b, total_tokens)
+    var c = read_index(cache_lengths, b)
+    var s = read_index(slot_idx, b)
+    var p = pending_pool[kpool](c, span[1])
+    if not span[2] or not slot_ok(s, max_slots):
+        p = -1
+    if p < 0:
+        return (-1, 0, tail, tail, k, gate)
+    var ring_key = tail.unsafe_offset(
+        ((s * 2) * ring_len + (p * kpool) % ring_len) * head_dim
+    )
+    var first_new = span[0] * head_dim
+    return (
+        p,
+        c % kpool,
+        ring_key,
+        ring_key.unsafe_offset(ring_len * head_dim),
+        k.unsafe_offset(first_new),
+        gate.unsafe_offset(first_new),
+    )
 
 
 def ring_close_cpu[
@@ -54,7 +99,7 @@ def ring_close_cpu[
     max_slots: Int,
     ring_len: Int,
 ):
-    """CPU ring_close: requests in parallel, channels in SIMD steps.
+    """CPU ring_close: requests split across cores, channels in SIMD steps.
 
     Parameters:
         dtype: Key dtype of `pooled`, `tail`, `k`, `gate`.
@@ -80,50 +125,96 @@ def ring_close_cpu[
         ring_len: Ring length R (a multiple of `kpool`).
     """
 
-    def close_request(b: Int) {imm}:
-        var span = token_span(input_row_offsets, b, total_tokens)
-        var c = read_index(cache_lengths, b)
-        var s = read_index(slot_idx, b)
-        var p = pending_pool[kpool](c, span[1])
-        var row = pooled.unsafe_offset(b * head_dim)
-        if not span[2] or not slot_ok(s, max_slots) or p < 0:
-            closed_pool[unsafe_offset=b] = -1
-            for ch in range(head_dim):
-                row[unsafe_offset=ch] = 0
-            return
-        var r = c % kpool
-        var ring_key = tail.unsafe_offset(
-            ((s * 2) * ring_len + (p * kpool) % ring_len) * head_dim
-        )
-        var ring_gate = ring_key.unsafe_offset(ring_len * head_dim)
-        var first_new = span[0] * head_dim
-        cpu_pool_row[dtype, kpool, head_dim](
-            ring_key,
-            ring_gate,
-            r,
-            k.unsafe_offset(first_new),
-            gate.unsafe_offset(first_new),
-            ape,
-            row,
-        )
-        closed_pool[unsafe_offset=b] = Int32(p)
+    def close_requests(lo: Int, hi: Int) {imm}:
+        for b in range(lo, hi):
+            var plan = plan_close[
+                dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
+            ](
+                b,
+                tail,
+                k,
+                gate,
+                input_row_offsets,
+                cache_lengths,
+                slot_idx,
+                total_tokens,
+                max_slots,
+                ring_len,
+            )
+            var row = pooled.unsafe_offset(b * head_dim)
+            closed_pool[unsafe_offset=b] = Int32(plan[0])
+            if plan[0] < 0:
+                for ch in range(head_dim):
+                    row[unsafe_offset=ch] = 0
+                continue
+            cpu_pool_row[dtype, kpool, head_dim](
+                plan[2], plan[3], plan[1], plan[4], plan[5], ape, row
+            )
 
-    # Below a few thousand members the whole call costs less than waking
-    # the worker threads.
-    var work = batch * kpool * head_dim
-    var workers = min(num_physical_cores(), batch)
-    if workers <= 1 or work < 1 << 16:
-        for b in range(batch):
-            close_request(b)
-        return
+    cpu_for_each_range(batch, batch * kpool * head_dim, close_requests)
 
-    var per_worker = ceildiv(batch, workers)
 
-    def close_range(w: Int) {imm}:
-        for b in range(w * per_worker, min((w + 1) * per_worker, batch)):
-            close_request(b)
+def kpool_ring_close_kernel[
+    dtype: DType,
+    offset_dtype: DType,
+    length_dtype: DType,
+    slot_dtype: DType,
+    kpool: Int,
+    head_dim: Int,
+](
+    pooled: Ptr[dtype],
+    closed_pool: Ptr[DType.int32],
+    tail: Ptr[dtype],
+    k: Ptr[dtype],
+    gate: Ptr[dtype],
+    ape: Ptr[DType.float32],
+    input_row_offsets: Ptr[offset_dtype],
+    cache_lengths: Ptr[length_dtype],
+    slot_idx: Ptr[slot_dtype],
+    total_tokens: Int64,
+    max_slots: Int64,
+    ring_len: Int64,
+):
+    """GPU ring_close body: block `b` closes request `b`, a thread a channel.
 
-    sync_parallelize(close_range, workers)
+    Launched by `ring_close_gpu` with `ring_close_launch`'s shape. A request
+    with nothing to close writes -1 and zeros and never touches the ring.
+
+    Parameters and Args are those of `ring_close_cpu` (sizes as Int64:
+    GPU kernel arguments need fixed-width integers).
+    """
+    comptime block = gpu_block_width[head_dim]()
+    var b = Int(block_idx.x)
+    var plan = plan_close[
+        dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
+    ](
+        b,
+        tail,
+        k,
+        gate,
+        input_row_offsets,
+        cache_lengths,
+        slot_idx,
+        Int(total_tokens),
+        Int(max_slots),
+        Int(ring_len),
+    )
+    var row = pooled.unsafe_offset(b * head_dim)
+    if thread_idx.x == 0:
+        closed_pool[unsafe_offset=b] = Int32(plan[0])
+    for ch in range(Int(thread_idx.x), head_dim, block):
+        if plan[0] < 0:
+            row[unsafe_offset=ch] = 0
+        else:
+            row[unsafe_offset=ch] = pool_channels[dtype, 1, kpool](
+                plan[2], plan[3], plan[1], plan[4], plan[5], ape, head_dim, ch
+            )
+
+
+@always_inline
+def ring_close_launch[head_dim: Int](batch: Int) -> Tuple[Int, Int]:
+    """`(grid, block)` of `kpool_ring_close_kernel`: a block per request."""
+    return (batch, gpu_block_width[head_dim]())
 
 
 def ring_close_gpu[
@@ -149,57 +240,32 @@ def ring_close_gpu[
     ring_len: Int,
     ctx: DeviceContext,
 ) raises:
-    """GPU ring_close: one block per request, one thread per channel.
+    """GPU ring_close: enqueues `kpool_ring_close_kernel` on `ctx`.
 
-    Blocks are `min(head_dim, 1024)` wide; a wider head strides its threads
-    over the channels. A request with nothing to close writes -1 and zeros
-    and returns before touching the ring.
-
-    Parameters and Args are those of `ring_close_cpu`, plus `ctx`, the
-    device context the kernel is enqueued on.
+    Parameters and Args are those of `ring_close_cpu`, plus `ctx`.
     """
     if batch == 0:
         return
-    comptime block = min(head_dim, GPU_MAX_BLOCK)
-    var tokens64 = Int64(total_tokens)
-    var slots64 = Int64(max_slots)
-    var ring64 = Int64(ring_len)
-
-    def kpool_ring_close_kernel() {var}:
-        var b = Int(block_idx.x)
-        var span = token_span(input_row_offsets, b, Int(tokens64))
-        var c = read_index(cache_lengths, b)
-        var s = read_index(slot_idx, b)
-        var p = pending_pool[kpool](c, span[1])
-        var ring = Int(ring64)
-        var row = pooled.unsafe_offset(b * head_dim)
-        if not span[2] or not slot_ok(s, Int(slots64)) or p < 0:
-            if thread_idx.x == 0:
-                closed_pool[unsafe_offset=b] = -1
-            for ch in range(Int(thread_idx.x), head_dim, block):
-                row[unsafe_offset=ch] = 0
-            return
-        var ring_key = tail.unsafe_offset(
-            ((s * 2) * ring + (p * kpool) % ring) * head_dim
-        )
-        var ring_gate = ring_key.unsafe_offset(ring * head_dim)
-        var first_new = span[0] * head_dim
-        for ch in range(Int(thread_idx.x), head_dim, block):
-            row[unsafe_offset=ch] = pool_channels[dtype, 1, kpool](
-                ring_key,
-                ring_gate,
-                c % kpool,
-                k.unsafe_offset(first_new),
-                gate.unsafe_offset(first_new),
-                ape,
-                head_dim,
-                ch,
-            )
-        if thread_idx.x == 0:
-            closed_pool[unsafe_offset=b] = Int32(p)
-
-    ctx.enqueue_function(
-        kpool_ring_close_kernel, grid_dim=batch, block_dim=block
+    var shape = ring_close_launch[head_dim](batch)
+    ctx.enqueue_function[
+        kpool_ring_close_kernel[
+            dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
+        ]
+    ](
+        pooled,
+        closed_pool,
+        tail,
+        k,
+        gate,
+        ape,
+        input_row_offsets,
+        cache_lengths,
+        slot_idx,
+        Int64(total_tokens),
+        Int64(max_slots),
+        Int64(ring_len),
+        grid_dim=shape[0],
+        block_dim=shape[1],
     )
 
 

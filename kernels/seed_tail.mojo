@@ -19,13 +19,11 @@ from extensibility import InputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 from max.gpu import block_idx, thread_idx
-from max.algorithm import sync_parallelize
 from std.algorithm import vectorize
-from std.math import ceildiv, min
-from std.sys import num_physical_cores, simd_width_of
+from std.sys import simd_width_of
 
+from .parallel import cpu_for_each_range, gpu_block_width
 from .ragged import Ptr, read_index, slot_ok, token_span
-from .ring_close import GPU_MAX_BLOCK
 
 
 @always_inline
@@ -39,13 +37,46 @@ def copy_row[dtype: DType, head_dim: Int](dest: Ptr[dtype], src: Ptr[dtype]):
 
 
 @always_inline
-def stash_range[
-    kpool: Int
-](cache_length: Int, new_tokens: Int, ring_len: Int) -> Tuple[Int, Int]:
-    """Absolute positions `[lo, hi)` seed_tail stashes for one request."""
-    var hi = cache_length + new_tokens
-    var lo = max(cache_length, (hi // kpool) * kpool - (ring_len - kpool))
-    return (lo, hi)
+def plan_stash[
+    dtype: DType,
+    offset_dtype: DType,
+    length_dtype: DType,
+    slot_dtype: DType,
+    kpool: Int,
+    head_dim: Int,
+](
+    b: Int,
+    tail: Ptr[dtype],
+    input_row_offsets: Ptr[offset_dtype],
+    cache_lengths: Ptr[length_dtype],
+    slot_idx: Ptr[slot_dtype],
+    total_tokens: Int,
+    max_slots: Int,
+    ring_len: Int,
+) -> Tuple[Int, Int, Int, Ptr[dtype], Ptr[dtype]]:
+    """What request `b` stashes, and where (CPU and GPU).
+
+    Returns:
+        `(lo, hi, row_of_lo, ring_key, ring_gate)`: absolute positions
+        `[lo, hi)` go from rows `row_of_lo + pos - lo` of `k`/`gate` to
+        rows `pos % ring_len` of the slot's key and gate planes. `lo == hi`
+        (nothing) for a request whose slot or offsets are bad.
+    """
+    var span = token_span(input_row_offsets, b, total_tokens)
+    var c = read_index(cache_lengths, b)
+    var s = read_index(slot_idx, b)
+    if not span[2] or c < 0 or not slot_ok(s, max_slots):
+        return (0, 0, 0, tail, tail)
+    var hi = c + span[1]
+    var lo = max(c, (hi // kpool) * kpool - (ring_len - kpool))
+    var ring_key = tail.unsafe_offset(s * 2 * ring_len * head_dim)
+    return (
+        lo,
+        hi,
+        span[0] + lo - c,
+        ring_key,
+        ring_key.unsafe_offset(ring_len * head_dim),
+    )
 
 
 def seed_tail_cpu[
@@ -67,7 +98,7 @@ def seed_tail_cpu[
     max_slots: Int,
     ring_len: Int,
 ):
-    """CPU seed_tail: a row copy per stashed position, requests in parallel.
+    """CPU seed_tail: a SIMD row copy per stashed position.
 
     Parameters:
         dtype: Key dtype.
@@ -90,38 +121,82 @@ def seed_tail_cpu[
         ring_len: Ring length R (a multiple of `kpool`).
     """
 
-    def seed_request(b: Int) {imm}:
-        var span = token_span(input_row_offsets, b, total_tokens)
-        var c = read_index(cache_lengths, b)
-        var s = read_index(slot_idx, b)
-        if not span[2] or c < 0 or not slot_ok(s, max_slots):
-            return
-        var stash = stash_range[kpool](c, span[1], ring_len)
-        var ring_key = tail.unsafe_offset(s * 2 * ring_len * head_dim)
-        var ring_gate = ring_key.unsafe_offset(ring_len * head_dim)
-        for pos in range(stash[0], stash[1]):
-            var src = (span[0] + pos - c) * head_dim
-            var dst = (pos % ring_len) * head_dim
-            copy_row[dtype, head_dim](
-                ring_key.unsafe_offset(dst), k.unsafe_offset(src)
+    def seed_requests(lo: Int, hi: Int) {imm}:
+        for b in range(lo, hi):
+            var plan = plan_stash[
+                dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
+            ](
+                b,
+                tail,
+                input_row_offsets,
+                cache_lengths,
+                slot_idx,
+                total_tokens,
+                max_slots,
+                ring_len,
             )
-            copy_row[dtype, head_dim](
-                ring_gate.unsafe_offset(dst), gate.unsafe_offset(src)
-            )
+            for pos in range(plan[0], plan[1]):
+                var src = (plan[2] + pos - plan[0]) * head_dim
+                var dst = (pos % ring_len) * head_dim
+                copy_row[dtype, head_dim](
+                    plan[3].unsafe_offset(dst), k.unsafe_offset(src)
+                )
+                copy_row[dtype, head_dim](
+                    plan[4].unsafe_offset(dst), gate.unsafe_offset(src)
+                )
 
-    var work = batch * ring_len * head_dim
-    var workers = min(num_physical_cores(), batch)
-    if workers <= 1 or work < 1 << 18:
-        for b in range(batch):
-            seed_request(b)
-        return
-    var per_worker = ceildiv(batch, workers)
+    cpu_for_each_range(batch, batch * ring_len * head_dim, seed_requests)
 
-    def seed_range(w: Int) {imm}:
-        for b in range(w * per_worker, min((w + 1) * per_worker, batch)):
-            seed_request(b)
 
-    sync_parallelize(seed_range, workers)
+def kpool_seed_tail_kernel[
+    dtype: DType,
+    offset_dtype: DType,
+    length_dtype: DType,
+    slot_dtype: DType,
+    kpool: Int,
+    head_dim: Int,
+](
+    tail: Ptr[dtype],
+    k: Ptr[dtype],
+    gate: Ptr[dtype],
+    input_row_offsets: Ptr[offset_dtype],
+    cache_lengths: Ptr[length_dtype],
+    slot_idx: Ptr[slot_dtype],
+    total_tokens: Int64,
+    max_slots: Int64,
+    ring_len: Int64,
+):
+    """GPU seed_tail body: block `b` stashes request `b`, a thread a channel.
+
+    Launched by `seed_tail_gpu` with `seed_tail_launch`'s shape. Parameters
+    and Args are those of `seed_tail_cpu` (sizes as Int64).
+    """
+    comptime block = gpu_block_width[head_dim]()
+    var ring = Int(ring_len)
+    var plan = plan_stash[
+        dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
+    ](
+        Int(block_idx.x),
+        tail,
+        input_row_offsets,
+        cache_lengths,
+        slot_idx,
+        Int(total_tokens),
+        Int(max_slots),
+        ring,
+    )
+    for pos in range(plan[0], plan[1]):
+        var src = (plan[2] + pos - plan[0]) * head_dim
+        var dst = (pos % ring) * head_dim
+        for ch in range(Int(thread_idx.x), head_dim, block):
+            plan[3][unsafe_offset=dst + ch] = k[unsafe_offset=src + ch]
+            plan[4][unsafe_offset=dst + ch] = gate[unsafe_offset=src + ch]
+
+
+@always_inline
+def seed_tail_launch[head_dim: Int](batch: Int) -> Tuple[Int, Int]:
+    """`(grid, block)` of `kpool_seed_tail_kernel`: a block per request."""
+    return (batch, gpu_block_width[head_dim]())
 
 
 def seed_tail_gpu[
@@ -144,37 +219,29 @@ def seed_tail_gpu[
     ring_len: Int,
     ctx: DeviceContext,
 ) raises:
-    """GPU seed_tail: one block per request, threads over channels.
+    """GPU seed_tail: enqueues `kpool_seed_tail_kernel` on `ctx`.
 
     Parameters and Args are those of `seed_tail_cpu`, plus `ctx`.
     """
     if batch == 0:
         return
-    comptime block = min(head_dim, GPU_MAX_BLOCK)
-    var tokens64 = Int64(total_tokens)
-    var slots64 = Int64(max_slots)
-    var ring64 = Int64(ring_len)
-
-    def kpool_seed_tail_kernel() {var}:
-        var b = Int(block_idx.x)
-        var span = token_span(input_row_offsets, b, Int(tokens64))
-        var c = read_index(cache_lengths, b)
-        var s = read_index(slot_idx, b)
-        if not span[2] or c < 0 or not slot_ok(s, Int(slots64)):
-            return
-        var ring = Int(ring64)
-        var stash = stash_range[kpool](c, span[1], ring)
-        var ring_key = tail.unsafe_offset(s * 2 * ring * head_dim)
-        var ring_gate = ring_key.unsafe_offset(ring * head_dim)
-        for pos in range(stash[0], stash[1]):
-            var src = (span[0] + pos - c) * head_dim
-            var dst = (pos % ring) * head_dim
-            for ch in range(Int(thread_idx.x), head_dim, block):
-                ring_key[unsafe_offset=dst + ch] = k[unsafe_offset=src + ch]
-                ring_gate[unsafe_offset=dst + ch] = gate[unsafe_offset=src + ch]
-
-    ctx.enqueue_function(
-        kpool_seed_tail_kernel, grid_dim=batch, block_dim=block
+    var shape = seed_tail_launch[head_dim](batch)
+    ctx.enqueue_function[
+        kpool_seed_tail_kernel[
+            dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
+        ]
+    ](
+        tail,
+        k,
+        gate,
+        input_row_offsets,
+        cache_lengths,
+        slot_idx,
+        Int64(total_tokens),
+        Int64(max_slots),
+        Int64(ring_len),
+        grid_dim=shape[0],
+        block_dim=shape[1],
     )
 
 

@@ -1,0 +1,100 @@
+"""Compiles each GPU writer to PTX and AMDGCN and checks its launch shape.
+
+Runs without a GPU (`mojo run -I . tests/mojo/test_gpu_kernels.mojo`);
+`tests/test_gpu_kernels.py` runs it under pytest. The launch shape is the
+contract the kernels' indexing relies on: one block per request (ring_close,
+seed_tail) or per output row (compress), `min(head_dim, 1024)` threads.
+"""
+
+from max.gpu.host import get_gpu_target
+from max.gpu.host.compile import _compile_code
+from std.testing import TestSuite, assert_equal, assert_true
+
+from kernels.compress import compress_launch, kpool_compress_kernel
+from kernels.ring_close import kpool_ring_close_kernel, ring_close_launch
+from kernels.seed_tail import kpool_seed_tail_kernel, seed_tail_launch
+
+comptime U32 = DType.uint32
+comptime BF16 = DType.bfloat16
+
+
+def _check_asm(asm: String, target: StaticString, name: StaticString) raises:
+    # Entry names are the module and function name, truncated and hashed:
+    # `kernels_ring_close_kpool_ring_...`.
+    assert_true(
+        String(".entry ", name) in asm,
+        String("no entry ", name, "... in the ", target, " code"),
+    )
+
+
+def _compile_all[arch: StaticString]() raises -> List[String]:
+    var out = List[String]()
+    out.append(
+        String(
+            _compile_code[
+                kpool_ring_close_kernel[BF16, U32, U32, U32, 4, 128],
+                target = get_gpu_target[arch](),
+            ]()
+        )
+    )
+    out.append(
+        String(
+            _compile_code[
+                kpool_compress_kernel[BF16, U32, U32, U32, 128, 1088],
+                target = get_gpu_target[arch](),
+            ]()
+        )
+    )
+    out.append(
+        String(
+            _compile_code[
+                kpool_seed_tail_kernel[DType.float16, U32, U32, U32, 16, 64],
+                target = get_gpu_target[arch](),
+            ]()
+        )
+    )
+    return out^
+
+
+def test_ptx_sm_90a() raises:
+    var asm = _compile_all["sm_90a"]()
+    for a in asm:
+        assert_true(".target sm_90a" in a, "not sm_90a PTX")
+    _check_asm(asm[0], "sm_90a", "kernels_ring_close_kpool_ring")
+    _check_asm(asm[1], "sm_90a", "kernels_compress_kpool_compres")
+    _check_asm(asm[2], "sm_90a", "kernels_seed_tail_kpool_seed")
+
+
+def test_ptx_sm_100a() raises:
+    var asm = _compile_all["sm_100a"]()
+    for a in asm:
+        assert_true(".target sm_100a" in a, "not sm_100a PTX")
+    _check_asm(asm[0], "sm_100a", "kernels_ring_close_kpool_ring")
+    _check_asm(asm[1], "sm_100a", "kernels_compress_kpool_compres")
+    _check_asm(asm[2], "sm_100a", "kernels_seed_tail_kpool_seed")
+
+
+def test_amdgcn_gfx942() raises:
+    var asm = _compile_all["gfx942"]()
+    for a in asm:
+        assert_true("gfx942" in a, "not gfx942 code")
+
+
+def test_launch_shapes() raises:
+    # One block per request / output row; one thread per channel up to 1024.
+    var rc = ring_close_launch[128](4096)
+    assert_equal(rc[0], 4096)
+    assert_equal(rc[1], 128)
+    var wide = ring_close_launch[1088](3)
+    assert_equal(wide[0], 3)
+    assert_equal(wide[1], 1024)
+    var narrow = seed_tail_launch[1](7)
+    assert_equal(narrow[0], 7)
+    assert_equal(narrow[1], 1)
+    var comp = compress_launch[96](250)
+    assert_equal(comp[0], 250)
+    assert_equal(comp[1], 96)
+
+
+def main() raises:
+    TestSuite.discover_tests[__functions_in_module()]().run()
