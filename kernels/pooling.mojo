@@ -20,10 +20,10 @@ never straddles the ring's wrap point), q >= `split` from this call's rows
 of `k` and `gate`. `compress` passes `split = 0`.
 """
 
-from std.math import exp
+from std.math import exp, isnan
 from std.sys import simd_width_of, size_of
 from std.algorithm import vectorize
-from std.utils.numerics import neg_inf
+from std.utils.numerics import nan, neg_inf
 
 from .ragged import Ptr
 
@@ -119,6 +119,10 @@ def pool_channels[
     # Pass 2: weights and the weighted sum, members in order q = 0..kpool-1.
     var total = SIMD[ACCUM, width](0)
     var acc = SIMD[ACCUM, width](0)
+    # `max` skips NaN and CPU `exp(NaN)` is +inf, so a NaN score (a NaN gate
+    # or ape, or inf - inf) is tracked explicitly, as a softmax would
+    # propagate it.
+    var undefined = SIMD[DType.bool, width](fill=False)
     for q in range(kpool):
         var member: Tuple[SIMD[ACCUM, width], SIMD[ACCUM, width]]
         if q < split:
@@ -137,10 +141,14 @@ def pool_channels[
                 (q - split) * row_stride + ch,
                 q * row_stride + ch,
             )
-        var weight = exp(member[0] - peak)
+        var shifted = member[0] - peak
+        undefined = undefined | isnan(shifted)
+        var weight = exp(shifted)
         total += weight
         acc = weight.fma(member[1], acc)
-    return (acc / total).cast[dtype]()
+    return undefined.select(
+        SIMD[ACCUM, width](nan[ACCUM]()), acc / total
+    ).cast[dtype]()
 
 
 @always_inline

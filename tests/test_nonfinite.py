@@ -134,19 +134,6 @@ POISONS = [
 ]
 
 
-#: A NaN score (NaN gate or ape, or +inf gate or ape: inf - inf after the
-#: max subtraction) pools to +-inf instead of NaN on CPU.
-CPU_NAN_SCORE_BUG = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "kernel bug (CPU): a NaN score gives the channel +-inf (the sign of "
-        "the member's key), not NaN; in pooling.mojo pool_channels, max() "
-        "drops the NaN from the peak and exp(NaN) is +inf on CPU, so the "
-        "NaN member gets weight +inf"
-    ),
-)
-
-
 def _cases(op: str, targets: list[Target]) -> list[pytest.param]:
     return [
         pytest.param(op, t, p, id=f"{op}-{t.id}-{p.id}")
@@ -237,13 +224,6 @@ def test_nonfinite_member(
     target: Target,
     poison: Poison,
 ) -> None:
-    if (
-        runner.device_name == "cpu"
-        and poison.field == "gate"
-        and poison.effect == "nan"
-        and target.reaches
-    ):
-        request.applymarker(CPU_NAN_SCORE_BUG)
     rng = np.random.default_rng(zlib.crc32(f"{op}-{target.id}".encode()))
     what = (
         f"{op} {target.id} {poison.field}={poison.value} ({runner.device_name})"
