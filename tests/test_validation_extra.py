@@ -21,16 +21,6 @@ from test_validation import call_op, good_operands, tensor
 
 U32 = DType.uint32
 
-GAP = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "validation gap: _validate.check_batch compares each per-request "
-        "tensor with cache_lengths only, so two static lengths that "
-        "disagree with each other pass when cache_lengths is symbolic"
-    ),
-)
-
 
 @dataclass(frozen=True)
 class Disagree:
@@ -68,7 +58,7 @@ CASES = [
 @pytest.mark.parametrize(
     ("case", "op"),
     [
-        pytest.param(case, op, id=f"{case.id}-{op}", marks=GAP)
+        pytest.param(case, op, id=f"{case.id}-{op}")
         for case in CASES
         for op in case.ops
     ],

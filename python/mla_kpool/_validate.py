@@ -202,25 +202,34 @@ def _differ(a: Dim, b: Dim) -> bool:
 def check_batch(
     cache_lengths: TensorValue, **others: tuple[TensorValue, int]
 ) -> None:
-    """Checks that every per-request tensor agrees with ``cache_lengths``.
+    """Checks that every per-request tensor implies the same ``batch``.
+
+    Each tensor is compared with ``cache_lengths`` and with every other one,
+    so two static lengths that contradict each other are caught even when
+    ``cache_lengths`` has a symbolic batch.
 
     Args:
         cache_lengths: The reference: its length is ``batch``.
         **others: ``name=(tensor, extra)`` where the tensor should be
             ``[batch + extra]`` (1 for row-offset arrays, 0 otherwise).
+
+    Raises:
+        ValueError: Naming the first tensor whose length provably disagrees.
     """
-    batch = cache_lengths.shape[0]
+    seen = [("cache_lengths", cache_lengths, 0)]
     for name, (value, extra) in others.items():
-        expected = batch + extra
-        if _differ(value.shape[0], expected):
-            want = "[batch + 1]" if extra else "[batch]"
-            if isinstance(expected, StaticDim):
-                want += f" = [{expected}]"
-            raise ValueError(
-                f"{name} must be {want} to match cache_lengths"
-                f" {fmt_shape(cache_lengths.shape)}, got"
-                f" {fmt_shape(value.shape)}"
-            )
+        want = "[batch + 1]" if extra else "[batch]"
+        for ref_name, ref_value, ref_extra in seen:
+            expected = Dim(ref_value.shape[0]) - ref_extra + extra
+            if _differ(value.shape[0], expected):
+                if isinstance(expected, StaticDim):
+                    want += f" = [{expected}]"
+                raise ValueError(
+                    f"{name} must be {want} to match {ref_name}"
+                    f" {fmt_shape(ref_value.shape)}, got"
+                    f" {fmt_shape(value.shape)}"
+                )
+        seen.append((name, value, extra))
 
 
 def check_devices(
