@@ -146,9 +146,9 @@ def pool_channels[
         var weight = exp(shifted)
         total += weight
         acc = weight.fma(member[1], acc)
-    return undefined.select(
-        SIMD[ACCUM, width](nan[ACCUM]()), acc / total
-    ).cast[dtype]()
+    return undefined.select(SIMD[ACCUM, width](nan[ACCUM]()), acc / total).cast[
+        dtype
+    ]()
 
 
 @always_inline
