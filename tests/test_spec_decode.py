@@ -1,0 +1,770 @@
+"""Speculative decoding through the step: the one-pool ring hazard, and rings
+of several pools (issue 7).
+
+A verify call brings a request's next true token followed by ``d`` draft
+tokens. The target model keeps the first ``a`` of the ``n = d + 1`` tokens
+(``1 <= a <= n``: the first token is always the true next token), and the
+request's next call resumes at ``c + a`` with the true tokens. The writers
+run before anyone knows ``a``, so a verify call may produce pools with draft
+members (ring_close closing the pending pool from drafts, compress pooling
+drafts) and stashes drafts into the ring. A pipeline stores a pool row only
+from the latest call that produced that pool id: every pool with a rejected
+member is produced again, from true members, by a later call.
+
+With a one-pool ring (``R = kpool``) that later call reads wrong members:
+seed_tail stashed only the positions past the last complete pool, so the
+accepted tokens of the pending pool are missing from the ring, and drafts
+have overwritten the pending pool's older members. A ring of
+``R = mla_kpool.ring_length(kpool, d + 1)`` entries keeps them. Tests:
+
+- the hand scenario (kpool 4, positions 0-5 one per call, a verify of 8
+  tokens at position 6 keeping 1, then true tokens from 7): pool 1 comes out
+  wrong with ``R = 4`` and with ``R = 8`` (one pool less than needed), right
+  with ``R = ring_length(4, 8) = 12``;
+- seeded speculative schedules (1-8 tokens per verify, none to all drafts
+  accepted, several requests per call on slots that are not their rows,
+  slots reused) on ``R = 12``: every pool's final row matches
+  :func:`reference.pool_sequence` of the accepted stream and is bitwise equal
+  to the same model's one-shot compress of that stream; the same schedules
+  on ``R = kpool`` break a pool;
+- without rejection, ``R = kpool`` and ``R = 3 * kpool`` give bitwise
+  identical outputs (the deeper ring only changes what the ring holds).
+
+Every call is mirrored on the float64 oracle (:mod:`mla_kpool.reference`)
+served the same inputs on a ring of the same length: the device ring must
+equal the oracle's bit for bit after every call, and every pool the call
+produced (drafts included) must match the oracle's within SPEC tolerance.
+Unwritten ring entries start NaN, so a read of one poisons its pool.
+
+Models: the ``R = kpool`` step models of float32 k4 d128, bfloat16 k4 d128
+and float16 k4 d96 (from ``STEP_CONFIGS``, shared with the suite), the same
+three at ``R = 12``, and float32 k4 d128 at ``R = 8``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+import schedules as sch
+from kpool_cases import (
+    BF16,
+    F16,
+    MAIN,
+    STEP_CONFIGS,
+    TOLERANCE,
+    Config,
+    assert_pooled_close,
+)
+from mla_kpool import reference, ring_length
+from mla_kpool.runner import Runner, StepResult
+
+KPOOL = 4
+#: Most drafts per verify call: 8 tokens, vLLM's kpool-4 production case.
+MAX_DRAFTS = 7
+#: The ring the helper asks for: ``kpool + 8 - 1 = 11`` rounded up to 12.
+DEEP = ring_length(KPOOL, MAX_DRAFTS + 1)
+assert DEEP == 12
+
+#: One step model per dtype at kpool 4 (all in STEP_CONFIGS at R = kpool).
+DTYPE_CONFIGS = [MAIN, Config(BF16, 4, 128), Config(F16, 4, 96)]
+assert all(c in STEP_CONFIGS for c in DTYPE_CONFIGS)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    return a.view(f"u{a.dtype.itemsize}")
+
+
+def _draw(
+    rng: np.random.Generator, rows: int, head_dim: int, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """Keys ~ N(0, 1), gates ~ N(0, 4^2): every member counts."""
+    keys = rng.standard_normal((rows, head_dim)).astype(dtype)
+    gates = (4.0 * rng.standard_normal((rows, head_dim))).astype(dtype)
+    return keys, gates
+
+
+# --------------------------------------------------------------------------
+# Speculative schedules
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpecRequest:
+    """A request and its true sequence (the accepted stream's tokens).
+
+    Attributes:
+        rid: Request id (index in :attr:`SpecSchedule.requests`).
+        slot: Ring slot while in flight.
+        keys: ``[length, head_dim]`` true keys of positions ``0..length-1``.
+        gates: ``[length, head_dim]`` true gate scores.
+    """
+
+    rid: int
+    slot: int
+    keys: np.ndarray = field(repr=False)
+    gates: np.ndarray = field(repr=False)
+
+
+@dataclass(frozen=True)
+class SpecPiece:
+    """One request's row in one call.
+
+    Attributes:
+        rid: The request.
+        cache_length: Accepted tokens before the call (``c``).
+        tokens: Tokens the call brings (``n``).
+        accepted: Of those, how many the request keeps (``a``, the first
+            ``a``); ``n`` for prefill.
+        verify: Whether it is a verify step (else a prefill chunk).
+        draft_keys: ``[n - a, head_dim]`` keys of the rejected tokens, all
+            different from the true keys of those positions.
+        draft_gates: ``[n - a, head_dim]`` their gate scores.
+    """
+
+    rid: int
+    cache_length: int
+    tokens: int
+    accepted: int
+    verify: bool
+    draft_keys: np.ndarray = field(repr=False)
+    draft_gates: np.ndarray = field(repr=False)
+
+    def accepted_pool(self, pool: int, kpool: int) -> bool:
+        """Whether every member of ``pool`` is an accepted token."""
+        return (pool + 1) * kpool <= self.cache_length + self.accepted
+
+
+@dataclass(frozen=True)
+class SpecSchedule:
+    """Calls of verify steps and prefill chunks for some requests."""
+
+    name: str
+    seed: int
+    cfg: Config
+    max_slots: int
+    ape: np.ndarray = field(repr=False)
+    requests: tuple[SpecRequest, ...] = field(repr=False)
+    calls: tuple[tuple[SpecPiece, ...], ...] = field(repr=False)
+
+    def describe(self) -> str:
+        return (
+            f"spec schedule {self.name!r} seed={self.seed} {self.cfg.id} "
+            f"({len(self.calls)} calls, {len(self.requests)} requests)"
+        )
+
+    def accepted_length(self, rid: int) -> int:
+        """Length of the request's accepted stream after the last call."""
+        return sum(
+            p.accepted for call in self.calls for p in call if p.rid == rid
+        )
+
+    def call_inputs(self, index: int) -> dict[str, np.ndarray]:
+        """Operands of call ``index`` (besides the ring and ``ape``)."""
+        cfg = self.cfg
+        keys = [np.zeros((0, cfg.head_dim), cfg.dtype)]
+        gates = [np.zeros((0, cfg.head_dim), cfg.dtype)]
+        for p in self.calls[index]:
+            r = self.requests[p.rid]
+            span = slice(p.cache_length, p.cache_length + p.accepted)
+            keys += [r.keys[span], p.draft_keys]
+            gates += [r.gates[span], p.draft_gates]
+        counts = [p.tokens for p in self.calls[index]]
+        return {
+            "k": np.concatenate(keys),
+            "gate": np.concatenate(gates),
+            "input_row_offsets": np.concatenate(
+                [[0], np.cumsum(counts)]
+            ).astype(np.uint32),
+            "cache_lengths": np.array(
+                [p.cache_length for p in self.calls[index]], np.uint32
+            ),
+            "slot_idx": np.array(
+                [self.requests[p.rid].slot for p in self.calls[index]],
+                np.uint32,
+            ),
+        }
+
+    def features(self) -> frozenset[str]:
+        """What the schedule exercises (checked, so no case is vacuous)."""
+        kp = self.cfg.kpool
+        out = set()
+        for call in self.calls:
+            for row, p in enumerate(call):
+                c, n, a = p.cache_length, p.tokens, p.accepted
+                if self.requests[p.rid].slot != row:
+                    out.add("slot_not_row")
+                if len(call) > 1:
+                    out.add("batched")
+                if not p.verify:
+                    out.add("prefill")
+                    continue
+                if n == 1:
+                    out.add("verify_no_drafts")
+                elif a == 1:
+                    out.add("no_draft_accepted")
+                elif a == n:
+                    out.add("all_drafts_accepted")
+                else:
+                    out.add("some_drafts_accepted")
+                if n == MAX_DRAFTS + 1:
+                    out.add("verify_8_tokens")
+                pending = c // kp
+                # ring_close closes the pending pool from a draft member:
+                # the case a one-pool ring gets wrong on the redo.
+                if c % kp and c + n >= (pending + 1) * kp > c + a:
+                    out.add("pending_pool_rejected")
+                if (c + n) // kp > -(-c // kp) and (c + n) // kp * kp > c + a:
+                    out.add("compress_pool_rejected")
+        slots = [r.slot for r in self.requests]
+        if len(set(slots)) < len(slots):
+            out.add("slot_reuse")
+        return frozenset(out)
+
+
+def _drafts(
+    rng: np.random.Generator,
+    req: SpecRequest,
+    start: int,
+    count: int,
+    cfg: Config,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Draft rows for positions from ``start`` on, never the true ones."""
+    keys, gates = _draw(rng, count, cfg.head_dim, cfg.dtype)
+    true = req.keys[start : start + count]
+    same = np.all(_bits(keys[: len(true)]) == _bits(true), axis=1)
+    assert not same.any(), "a draft key equals the true key"
+    return keys, gates
+
+
+def _piece(
+    rng: np.random.Generator,
+    req: SpecRequest,
+    c: int,
+    n: int,
+    a: int,
+    verify: bool,
+    cfg: Config,
+) -> SpecPiece:
+    keys, gates = _drafts(rng, req, c + a, n - a, cfg)
+    return SpecPiece(req.rid, c, n, a, verify, keys, gates)
+
+
+#: The hand scenario, one request: ``(tokens, accepted)`` per call. Positions
+#: 0-5 one per call (pool 0 closes at 3; 4 and 5 wait in the ring), a
+#: verify at 6 with 7 drafts keeping only position 6 (ring_close closes pool
+#: 1 from draft 7, compress pools drafts 8-11, seed_tail stashes drafts
+#: 12-13), then the true tokens from 7 on: 7-9 (pool 1 again, from the
+#: ring), 10-13 (pool 2), 14-19 (pools 3 and 4).
+HAND_CALLS = ((1, 1),) * 6 + ((8, 1), (3, 3), (4, 4), (6, 6))
+HAND_LENGTH = sum(a for _, a in HAND_CALLS)
+assert HAND_LENGTH == 20
+
+
+def hand_scenario(cfg: Config, seed: int = 7) -> SpecSchedule:
+    """The hand scenario on slot 2 of 3 (batch row 0)."""
+    rng = np.random.default_rng(seed)
+    ape = (2.0 * rng.standard_normal((cfg.kpool, cfg.head_dim))).astype(
+        np.float32
+    )
+    req = SpecRequest(0, 2, *_draw(rng, HAND_LENGTH, cfg.head_dim, cfg.dtype))
+    calls, c = [], 0
+    for n, a in HAND_CALLS:
+        calls.append((_piece(rng, req, c, n, a, n > 1 and a < n, cfg),))
+        c += a
+    return SpecSchedule("hand", seed, cfg, 3, ape, (req,), tuple(calls))
+
+
+def random_spec_schedule(
+    seed: int,
+    cfg: Config,
+    requests: int = 6,
+    max_batch: int = 3,
+    max_slots: int = 5,
+) -> SpecSchedule:
+    """A seeded speculative serving loop.
+
+    Each request prefills a prompt of 1 to ``3 * kpool + 5`` tokens in
+    chunks of 1 to ``2 * kpool + 3`` (all accepted), then decodes through
+    verify steps of ``1 + d`` tokens, ``d`` uniform in ``0..MAX_DRAFTS``;
+    the accepted count is 1 (no draft kept) or ``n`` (all kept) with
+    probability 0.3 each, else uniform in ``1..n``, and never runs past the
+    request's length (drafts may). Requests join while batch room and a
+    slot are free (the last freed slot first), sit out a call now and then,
+    and leave when their sequence is accepted to the end. Batch rows are
+    shuffled every call.
+    """
+    rng = np.random.default_rng(seed)
+    kp, hd = cfg.kpool, cfg.head_dim
+    ape = (2.0 * rng.standard_normal((kp, hd))).astype(np.float32)
+    free = [int(s) for s in rng.permutation(max_slots)]
+    reqs: list[SpecRequest] = []
+    prompts: list[int] = []
+    pos: list[int] = []
+    live: list[int] = []
+    calls: list[tuple[SpecPiece, ...]] = []
+    while len(reqs) < requests or live:
+        joins = 2 if not calls else int(rng.random() < 0.6)
+        for _ in range(joins):
+            if len(reqs) < requests and len(live) < max_batch and free:
+                prompt = int(rng.integers(1, 3 * kp + 6))
+                length = prompt + int(rng.integers(6 * kp, 12 * kp))
+                rid = len(reqs)
+                reqs.append(
+                    SpecRequest(
+                        rid, free.pop(), *_draw(rng, length, hd, cfg.dtype)
+                    )
+                )
+                prompts.append(prompt)
+                pos.append(0)
+                live.append(rid)
+        pieces = []
+        for i in rng.permutation(len(live)):
+            rid = live[int(i)]
+            req, c = reqs[rid], pos[rid]
+            left = req.keys.shape[0] - c
+            if rng.random() < 0.1:
+                continue
+            if c < prompts[rid]:
+                n = min(prompts[rid] - c, int(rng.integers(1, 2 * kp + 4)))
+                piece = _piece(rng, req, c, n, n, False, cfg)
+            else:
+                n = 1 + int(rng.integers(0, MAX_DRAFTS + 1))
+                u = rng.random()
+                a = (
+                    1
+                    if u < 0.3
+                    else n
+                    if u < 0.6
+                    else int(rng.integers(1, n + 1))
+                )
+                piece = _piece(rng, req, c, n, min(a, left), True, cfg)
+            pieces.append(piece)
+            pos[rid] += piece.accepted
+        if pieces:
+            calls.append(tuple(pieces))
+        for rid in list(live):
+            if pos[rid] == reqs[rid].keys.shape[0]:
+                live.remove(rid)
+                free.append(reqs[rid].slot)
+    return SpecSchedule(
+        "random", seed, cfg, max_slots, ape, tuple(reqs), tuple(calls)
+    )
+
+
+# --------------------------------------------------------------------------
+# Serving a schedule like a pipeline, mirrored on the oracle
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    """The row a pipeline keeps for one pool id: the latest call's output."""
+
+    key: np.ndarray
+    call: int
+    accepted: bool
+
+
+@dataclass
+class Served:
+    """What a served schedule left: per request, pool id -> kept row."""
+
+    final: dict[int, dict[int, Row]]
+    rewrites: int = 0
+
+
+def _oracle_pools(
+    ring: np.ndarray, ins: dict[str, np.ndarray], ape: np.ndarray, kp: int
+) -> tuple[list[dict[int, np.ndarray]], np.ndarray]:
+    """The oracle's step: per row ``{pool: key}``, and the ring after it."""
+    meta = (ins["input_row_offsets"], ins["cache_lengths"])
+    pooled, closed = reference.ring_close(
+        ring, ins["k"], ins["gate"], ape, *meta, ins["slot_idx"], kp
+    )
+    offsets = reference.pool_row_offsets(*meta, kp)
+    rows = reference.compress(
+        ins["k"],
+        ins["gate"],
+        ape,
+        ins["input_row_offsets"],
+        offsets,
+        ins["cache_lengths"],
+        kp,
+    )
+    ring = reference.seed_tail(
+        ring, ins["k"], ins["gate"], *meta, ins["slot_idx"], kp
+    )
+    out = []
+    for b, c in enumerate(ins["cache_lengths"]):
+        got = {int(closed[b]): pooled[b]} if closed[b] >= 0 else {}
+        first = -(-int(c) // kp)
+        for j in range(int(offsets[b]), int(offsets[b + 1])):
+            got[first + j - int(offsets[b])] = rows[j]
+        out.append(got)
+    return out, ring
+
+
+def serve(runner: Runner, s: SpecSchedule, ring_len: int) -> Served:
+    """Runs every call through the step on a ``ring_len`` ring.
+
+    Checks, per call: each row produces exactly the pools its ``n`` tokens
+    complete; those pools match the oracle served the same calls; the ring
+    equals the oracle's bit for bit. Keeps, per pool id, the latest call's
+    row, and fails if a row whose members were all accepted is produced
+    again (only rows with a rejected member may be redone).
+    """
+    cfg, kp = s.cfg, s.cfg.kpool
+    shape = (s.max_slots, 2, ring_len, cfg.head_dim)
+    ring = runner.new_ring(
+        s.max_slots, ring_len, cfg.head_dim, cfg.dtype, fill=np.nan
+    )
+    mirror = np.full(shape, np.nan, dtype=cfg.dtype)
+    scale = max(
+        float(np.abs(r.keys.astype(np.float64)).max()) for r in s.requests
+    )
+    served = Served({r.rid: {} for r in s.requests})
+    for index, call in enumerate(s.calls):
+        ins = s.call_inputs(index)
+        result = runner.step(ring, ape=s.ape, kpool=kp, **ins)
+        want, mirror = _oracle_pools(mirror, ins, s.ape, kp)
+        where = f"{s.describe()}, R={ring_len}, call {index}"
+        bad = np.argwhere(
+            np.any(_bits(runner.read(ring)) != _bits(mirror), axis=-1)
+        )
+        assert bad.size == 0, (
+            f"{where}: ring differs from the oracle's at [slot, plane, index] "
+            f"{bad.tolist()[:8]}"
+        )
+        for b, (p, got) in enumerate(zip(call, result.pools(), strict=True)):
+            row = (
+                f"{where}, row {b} (request {p.rid}, slot "
+                f"{s.requests[p.rid].slot}, c={p.cache_length}, "
+                f"n={p.tokens}, a={p.accepted})"
+            )
+            expected = sch.pools_completed(p.cache_length, p.tokens, kp)
+            assert sorted(got) == list(expected), (
+                f"{row}: produced pools {sorted(got)}, expected "
+                f"{list(expected)}"
+            )
+            for pool, key in got.items():
+                assert_pooled_close(
+                    key,
+                    want[b][pool],
+                    cfg.dtype,
+                    scale,
+                    what=f"{row}: pool {pool} vs the oracle's step",
+                )
+                kept = served.final[p.rid].get(pool)
+                if kept is not None:
+                    assert not kept.accepted, (
+                        f"{row}: pool {pool} again, but call {kept.call} "
+                        f"already produced it from accepted tokens"
+                    )
+                    served.rewrites += 1
+                served.final[p.rid][pool] = Row(
+                    key, index, p.accepted_pool(pool, kp)
+                )
+    return served
+
+
+def one_shot(
+    runner: Runner, s: SpecSchedule, ring_len: int
+) -> dict[int, dict[int, np.ndarray]]:
+    """Each accepted stream in one step call with ``c = 0`` (compress)."""
+    cfg = s.cfg
+    lengths = [s.accepted_length(r.rid) for r in s.requests]
+    counts = np.array(lengths)
+    scratch = runner.new_ring(
+        len(s.requests), ring_len, cfg.head_dim, cfg.dtype, fill=np.nan
+    )
+    result: StepResult = runner.step(
+        scratch,
+        np.concatenate(
+            [r.keys[:n] for r, n in zip(s.requests, lengths, strict=True)]
+        ),
+        np.concatenate(
+            [r.gates[:n] for r, n in zip(s.requests, lengths, strict=True)]
+        ),
+        s.ape,
+        np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32),
+        np.zeros(len(s.requests), np.uint32),
+        np.arange(len(s.requests), dtype=np.uint32),
+        cfg.kpool,
+    )
+    assert np.all(result.ring_closed_pool == -1), s.describe()
+    return dict(enumerate(result.pools()))
+
+
+def error_ratios(
+    s: SpecSchedule, served: Served, rid: int
+) -> tuple[np.ndarray, range]:
+    """Per pool of the accepted stream: final row's error over tolerance.
+
+    NaN counts as infinitely wrong. Also checks that every pool id of the
+    accepted stream has a kept row, and that the kept row came from a call
+    that accepted all of its members.
+    """
+    cfg, kp = s.cfg, s.cfg.kpool
+    r = s.requests[rid]
+    length = s.accepted_length(rid)
+    ids = range(length // kp)
+    final = served.final[rid]
+    where = f"{s.describe()}: request {rid} (slot {r.slot}, length {length})"
+    missing = [p for p in ids if p not in final]
+    assert not missing, f"{where}: pools {missing} never came out"
+    stale = [p for p in ids if not final[p].accepted]
+    assert not stale, f"{where}: final rows of pools {stale} hold drafts"
+    # Pool ids past the accepted stream can only hold drafts (dropped).
+    assert all(not final[p].accepted for p in final if p not in ids), where
+    got = np.stack([final[p].key for p in ids]).astype(np.float64)
+    want = reference.pool_sequence(r.keys[:length], r.gates[:length], s.ape, kp)
+    scale = float(np.abs(r.keys[:length].astype(np.float64)).max())
+    err = np.abs(got - want).max(axis=1) / (TOLERANCE[cfg.dtype] * scale)
+    return np.where(np.isnan(err), np.inf, err), ids
+
+
+def assert_accepted_stream(
+    runner: Runner, s: SpecSchedule, served: Served, ring_len: int
+) -> int:
+    """Every kept row is the accepted stream's pool, bitwise the one-shot's.
+
+    Returns:
+        The number of pools checked.
+    """
+    whole = one_shot(runner, s, ring_len)
+    total = 0
+    for r in s.requests:
+        ratios, ids = error_ratios(s, served, r.rid)
+        where = f"{s.describe()}, R={ring_len}: request {r.rid}"
+        wrong = [p for p, e in zip(ids, ratios, strict=True) if not e <= 1.0]
+        assert not wrong, (
+            f"{where}: pools {wrong} differ from pool_sequence of the "
+            f"accepted stream (error / tolerance "
+            f"{[round(float(ratios[p]), 1) for p in wrong]})"
+        )
+        differ = [
+            p
+            for p in ids
+            if not np.array_equal(
+                _bits(served.final[r.rid][p].key), _bits(whole[r.rid][p])
+            )
+        ]
+        assert not differ, (
+            f"{where}: pools {differ} differ bitwise from the one-shot "
+            f"compress of the accepted stream"
+        )
+        total += len(ids)
+    return total
+
+
+# --------------------------------------------------------------------------
+# The hand scenario
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HandCase:
+    cfg: Config
+    ring_len: int
+    #: Pools whose final row is wrong: [1] for the hazard, [] when fixed.
+    wrong: tuple[int, ...]
+
+    @property
+    def id(self) -> str:
+        verdict = "breaks_pool_1" if self.wrong else "correct"
+        return f"{self.cfg.id}-R{self.ring_len}-{verdict}"
+
+
+HAND_CASES = [
+    *(HandCase(cfg, KPOOL, (1,)) for cfg in DTYPE_CONFIGS),
+    *(HandCase(cfg, DEEP, ()) for cfg in DTYPE_CONFIGS),
+    # One pool less than ring_length asks for breaks it again.
+    HandCase(MAIN, DEEP - KPOOL, (1,)),
+]
+
+
+@pytest.mark.parametrize("case", HAND_CASES, ids=lambda c: c.id)
+def test_hand_scenario(runner: Runner, case: HandCase) -> None:
+    s = hand_scenario(case.cfg)
+    assert s.features() >= {"pending_pool_rejected", "compress_pool_rejected"}
+    served = serve(runner, s, case.ring_len)
+    # The verify call (call 6) produced pools 1 and 2 with drafts; calls 7
+    # and 8 produced them again.
+    assert served.rewrites == 2
+    assert [served.final[0][p].call for p in range(5)] == [3, 7, 8, 9, 9]
+    ratios, _ = error_ratios(s, served, 0)
+    wrong = tuple(p for p, e in enumerate(ratios) if not e <= 1.0)
+    assert wrong == case.wrong, (
+        f"{s.describe()}, R={case.ring_len}: pools {wrong} differ from "
+        f"pool_sequence of the accepted stream, expected {case.wrong} "
+        f"(error / tolerance {np.round(ratios, 1).tolist()})"
+    )
+    if not case.wrong:
+        assert assert_accepted_stream(runner, s, served, case.ring_len) == 5
+
+
+def test_ring_length_of_the_hand_scenario() -> None:
+    """The ring sizes the scenario uses, from the helper's bound."""
+    assert ring_length(KPOOL, 1) == KPOOL
+    assert ring_length(KPOOL, MAX_DRAFTS + 1) == 12
+    assert ring_length(KPOOL, 5) == 8  # what R = 8 would be enough for
+
+
+# --------------------------------------------------------------------------
+# Random speculative schedules
+# --------------------------------------------------------------------------
+
+SPEC_FEATURES = frozenset(
+    {
+        "slot_not_row",
+        "slot_reuse",
+        "batched",
+        "prefill",
+        "verify_no_drafts",
+        "no_draft_accepted",
+        "all_drafts_accepted",
+        "some_drafts_accepted",
+        "verify_8_tokens",
+        "pending_pool_rejected",
+        "compress_pool_rejected",
+    }
+)
+
+SPEC_CASES = [
+    pytest.param(cfg, seed, id=f"{cfg.id}-seed{seed}")
+    for cfg in DTYPE_CONFIGS
+    for seed in (0, 1, 2)
+]
+
+
+@pytest.mark.parametrize(("cfg", "seed"), SPEC_CASES)
+def test_random_spec_schedule_on_deep_ring(
+    runner: Runner, cfg: Config, seed: int
+) -> None:
+    s = random_spec_schedule(seed, cfg)
+    missing = SPEC_FEATURES - s.features()
+    assert not missing, f"{s.describe()} never exercises {sorted(missing)}"
+    served = serve(runner, s, DEEP)
+    assert served.rewrites > 0, s.describe()
+    assert assert_accepted_stream(runner, s, served, DEEP) > 20
+
+
+@pytest.mark.parametrize("cfg", DTYPE_CONFIGS, ids=lambda c: c.id)
+def test_random_spec_schedule_breaks_one_pool_ring(
+    runner: Runner, cfg: Config
+) -> None:
+    """The same schedules on R = kpool: some final row is wrong."""
+    s = random_spec_schedule(0, cfg)
+    served = serve(runner, s, KPOOL)
+    wrong = 0
+    for r in s.requests:
+        ratios, _ = error_ratios(s, served, r.rid)
+        wrong += int(np.sum(~(ratios <= 1.0)))
+    assert wrong > 0, f"{s.describe()}: R = kpool got every pool right"
+
+
+# --------------------------------------------------------------------------
+# Without rejection, a deeper ring changes nothing but the ring
+# --------------------------------------------------------------------------
+
+
+def _restore_prefixes(
+    host: np.ndarray, s: sch.Schedule, inputs: sch.CallInputs
+) -> None:
+    """Puts a resumed prefix's pending members at ``pos % R`` of a ring."""
+    ring_len = host.shape[2]
+    for seed in inputs.ring_seeds:
+        prefix = s.requests[seed.rid].prefix
+        positions = np.arange(prefix // s.kpool * s.kpool, prefix)
+        host[seed.slot, 0, positions % ring_len] = seed.keys
+        host[seed.slot, 1, positions % ring_len] = seed.gates
+
+
+NO_REJECTION_CASES = [
+    pytest.param(cfg, seed, id=f"{cfg.id}-seed{seed}")
+    for cfg in DTYPE_CONFIGS
+    for seed in (0, 1)
+]
+
+
+@pytest.mark.parametrize(("cfg", "seed"), NO_REJECTION_CASES)
+def test_deep_ring_bitwise_equal_without_rejection(
+    runner: Runner, cfg: Config, seed: int
+) -> None:
+    """R = kpool and R = 3 * kpool: same outputs bit for bit, every call.
+
+    Serving schedules of :mod:`schedules` (chunked prefill, 1-8 token
+    decode, mid-pool prefixes restored into the ring, slot reuse), no
+    token ever rejected. Both rings are mirrored on the oracle, so the deep
+    one does hold its extra pools.
+    """
+    s = sch.random_schedule(
+        seed, cfg.dtype, cfg.kpool, cfg.head_dim, name="no_rejection"
+    )
+    need = {"mid_pool_prefix", "multi_token_decode", "chunked_prefill"}
+    assert s.features() >= need, s.describe()
+    lengths = (cfg.kpool, 3 * cfg.kpool)
+    rings = {
+        n: runner.new_ring(s.max_slots, n, cfg.head_dim, cfg.dtype, fill=np.nan)
+        for n in lengths
+    }
+    mirrors = {
+        n: np.full((s.max_slots, 2, n, cfg.head_dim), np.nan, cfg.dtype)
+        for n in lengths
+    }
+    deep_used = False
+    for index in range(len(s.calls)):
+        inputs = s.call_inputs(index)
+        args = (
+            inputs.k,
+            inputs.gate,
+            s.ape,
+            inputs.input_row_offsets,
+            inputs.cache_lengths,
+            inputs.slot_idx,
+            cfg.kpool,
+        )
+        outs = {}
+        for n in lengths:
+            if inputs.ring_seeds:
+                host = runner.read(rings[n])
+                _restore_prefixes(host, s, inputs)
+                rings[n] = runner.to_device(host)
+                _restore_prefixes(mirrors[n], s, inputs)
+            outs[n] = runner.step(rings[n], *args)
+            mirrors[n] = reference.seed_tail(
+                mirrors[n],
+                inputs.k,
+                inputs.gate,
+                inputs.input_row_offsets,
+                inputs.cache_lengths,
+                inputs.slot_idx,
+                cfg.kpool,
+            )
+            host = runner.read(rings[n])
+            assert np.array_equal(_bits(host), _bits(mirrors[n])), (
+                f"{s.describe()}: R={n} ring differs from the oracle's "
+                f"after call {index}"
+            )
+        short, deep = outs[lengths[0]], outs[lengths[1]]
+        for name in (
+            "ring_pooled",
+            "ring_closed_pool",
+            "pooled",
+            "pool_row_offsets",
+            "first_pool",
+        ):
+            a, b = getattr(short, name), getattr(deep, name)
+            assert np.array_equal(_bits(a), _bits(b)), (
+                f"{s.describe()}: call {index}: {name} differs between "
+                f"R={lengths[0]} and R={lengths[1]}"
+            )
+        deep_host = runner.read(rings[lengths[1]])
+        deep_used |= bool(
+            np.any(~np.isnan(deep_host[:, :, cfg.kpool :].astype(np.float64)))
+        )
+    assert deep_used, f"{s.describe()}: the deep ring's extra pools unused"
