@@ -7,11 +7,16 @@ against numbers derived here from the schedule and the SPEC (pools per
 request, pools ring_close must close), not against the demo's own
 bookkeeping. ``--inject-fault`` must make it fail on exactly the corrupted
 pool; bad schedule files must give a usage error that says what is wrong.
+``--spec-tokens 7`` runs on the bfloat16 step model with the 12-entry ring
+that tests/test_spec_decode.py compiles too; its pool counts (rows written,
+rewritten after a rejection, dropped past the end) are derived from the
+plan's accepted counts and the SPEC's pool rule.
 The scheduler and slot planner are checked directly, with no kernels.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from dataclasses import dataclass
@@ -188,6 +193,141 @@ def test_injected_fault_fails_on_that_pool(tmp_path, capsys, kind):
 
 
 # --------------------------------------------------------------------------
+# Speculative decoding: --spec-tokens
+# --------------------------------------------------------------------------
+
+#: A small generated workload with speculative verify steps of 8 tokens.
+SPEC_ARGV = ["--requests", "3", "--seed", "5", "--spec-tokens", "7"]
+
+
+def spec_plan(argv: list[str]) -> workload.Plan:
+    """The demo's plan for ``argv`` (what each call brings and keeps)."""
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    return demo.build_plan(parser.parse_args(argv))[1]
+
+
+def spec_counts(plan: workload.Plan, kpool: int) -> dict[str, int]:
+    """Pool rows a correct speculative run writes, from the SPEC's rule.
+
+    A call completes pools ``c // kpool`` to ``(c + n) // kpool``
+    (exclusive) for a row of ``n`` tokens at cache length ``c``, drafts
+    included; a pool id the calls complete more than once is rewritten;
+    pool ids past a request's end can only hold drafts (dropped).
+    """
+    writes = 0
+    ids: set[tuple[int, int]] = set()
+    for call in plan.calls:
+        for e in call:
+            done = range(
+                e.cache_length // kpool, (e.cache_length + e.tokens) // kpool
+            )
+            writes += len(done)
+            ids |= {(e.request, p) for p in done}
+    expected = sum(
+        r.length // kpool - r.cached_prefix // kpool for r in plan.requests
+    )
+    return {
+        "pools": writes,
+        "pools_expected": expected,
+        "pools_rewritten": writes - len(ids),
+        "pools_dropped": len(ids) - expected,
+    }
+
+
+def test_spec_tokens_keeps_the_latest_row_of_each_pool(tmp_path, capsys):
+    out_json = tmp_path / "summary.json"
+    status = run_demo([*SPEC_ARGV, "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    s = json.loads(out_json.read_text())
+    plan = spec_plan(SPEC_ARGV)
+    verify = [
+        e
+        for call in plan.calls
+        for e in call
+        if e.cache_length >= plan.requests[e.request].prompt
+    ]
+    # Verify steps bring the next token and 7 drafts, keep 1 to 8 of them;
+    # the seeded acceptance gives both extremes.
+    assert verify and all(e.tokens == 8 for e in verify)
+    assert all(1 <= e.accepted <= 8 for e in verify)
+    assert any(e.accepted == 1 for e in verify)
+    assert any(e.accepted == 8 for e in verify)
+    want = spec_counts(plan, KPOOL)
+    spec = s["speculative"]
+    assert spec["spec_tokens"] == 7
+    assert spec["ring_len"] == 12  # ring_length(4, 8)
+    assert spec["verify_steps"] == len(verify)
+    assert spec["draft_tokens"] == 7 * len(verify)
+    assert spec["accepted_drafts"] == sum(e.accepted - 1 for e in verify)
+    assert s["pools"] == want["pools"]
+    assert s["pools_expected"] == s["pools_checked"] == want["pools_expected"]
+    assert spec["pools_rewritten"] == want["pools_rewritten"] > 0
+    assert spec["pools_dropped"] == want["pools_dropped"]
+    assert s["max_error_over_tolerance"] < 1.0
+    rows = table(out)
+    assert int(rows["verify steps"]) == len(verify)
+    assert int(rows["pools"]) == want["pools"]
+    assert int(rows["rewritten after a rejection"]) == want["pools_rewritten"]
+    assert int(rows["dropped"]) == want["pools_dropped"]
+    assert "7 speculative tokens, ring 12" in out
+    assert "result: OK" in out and "FAIL" not in out
+
+
+@pytest.mark.parametrize("kind", ["ring", "key"])
+def test_spec_tokens_injected_fault_fails(capsys, kind):
+    status = run_demo([*SPEC_ARGV, "--inject-fault", kind])
+    captured = capsys.readouterr()
+    assert status == 1, captured.out
+    m = re.search(
+        r"injecting a fault: .*request (\d+), call \d+: pool (\d+) must fail",
+        captured.err,
+    )
+    assert m, captured.err
+    request, pool = m.groups()
+    fails = [
+        line for line in captured.out.splitlines() if line.startswith("FAIL ")
+    ]
+    assert len(fails) == 1, fails
+    assert fails[0].startswith(f"FAIL request {request} (slot ")
+    assert f"pool {pool} (" in fails[0]
+    assert "injected fault caught" in captured.out
+    assert "result: FAILED" in captured.out
+
+
+def test_spec_tokens_with_listed_calls_is_a_usage_error(tmp_path, capsys):
+    path = write(tmp_path, SMALL)
+    assert (
+        cli.main(["demo", "--schedule", str(path), "--spec-tokens", "3"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "--spec-tokens needs generated batching" in err
+
+
+def test_spec_schedule_keeps_the_drafts_it_accepts():
+    """schedule() with spec_tokens gives verify steps that plan() resolves."""
+    rng = np.random.default_rng(3)
+    reqs = workload.generate_requests(rng, 12, KPOOL, chunk=64, max_prompt=80)
+    calls = workload.schedule(
+        reqs, rng, token_budget=96, max_running=4, chunk=64, spec_tokens=5
+    )
+    plan = workload.plan(reqs, calls, 4, rng)
+    done = [r.cached_prefix for r in reqs]
+    for call in plan.calls:
+        for e in call:
+            r = reqs[e.request]
+            assert e.cache_length == done[e.request]
+            if e.cache_length >= r.prompt:
+                assert e.tokens <= 6 and 1 <= e.accepted <= e.tokens
+            else:
+                assert e.rejected == 0
+            done[e.request] += e.accepted
+            assert e.finished == (done[e.request] == r.length)
+    assert done == [r.length for r in reqs]
+
+
+# --------------------------------------------------------------------------
 # Usage errors: clear message, exit status 2, nothing compiled or run
 # --------------------------------------------------------------------------
 
@@ -313,7 +453,9 @@ def test_gpu_without_accelerator(capsys):
     assert "no accelerator found" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--kpool", "0"], ["--dtype", "int8"]])
+@pytest.mark.parametrize(
+    "argv", [["--kpool", "0"], ["--dtype", "int8"], ["--spec-tokens", "0"]]
+)
 def test_bad_option_values_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["demo", *argv])

@@ -15,6 +15,17 @@ Exit status: 0 when every check passes, 1 when one fails (the failures are
 printed), 2 for a usage error such as a bad ``--schedule`` file.
 ``--inject-fault`` corrupts one ring member or one key behind the oracle's
 back, so a run that exits 0 with it would prove the check blind.
+
+``--spec-tokens N`` turns decode steps into speculative verify steps: each
+brings the request's next token and ``N`` drafts (keys drawn apart from the
+true ones), the target model keeps a seeded number of them, and the next
+call resumes after the last token kept. A verify step may produce pools
+with draft members; a later call produces those pool ids again from true
+members, and the demo keeps, per pool id, the row of the latest call that
+produced it, as a pipeline storing pool rows must. The ring is
+``mla_kpool.ring_length(kpool, N + 1)`` entries deep so that drafts never
+overwrite a member of a pool that must be redone. The check is then on the
+final row of every pool id against the oracle of the accepted stream.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import ml_dtypes
 import numpy as np
 
 from . import reference
+from .ring import ring_length
 from .workload import (
     Entry,
     Plan,
@@ -186,6 +198,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ),
     )
     parser.add_argument(
+        "--spec-tokens",
+        type=_positive,
+        metavar="N",
+        help=(
+            "speculative decoding: every decode step verifies the next "
+            "token and N drafts, keeps a seeded number of them, and the ring "
+            "is ring_length(kpool, N + 1) deep; not with a schedule that "
+            "lists its calls"
+        ),
+    )
+    parser.add_argument(
         "--json", metavar="FILE", help="also write the summary as JSON"
     )
     parser.add_argument(
@@ -235,6 +258,7 @@ class Config:
         max_running: Ring slots: most requests in flight.
         chunk: Prefill chunk (generated batching only).
         schedule: The ``--schedule`` file, if any.
+        spec_tokens: Drafts per verify step; 0 without speculation.
     """
 
     dtype: np.dtype
@@ -246,6 +270,12 @@ class Config:
     max_running: int
     chunk: int
     schedule: str | None
+    spec_tokens: int = 0
+
+    @property
+    def ring_len(self) -> int:
+        """Ring entries per slot: ``kpool``, deeper with speculation."""
+        return ring_length(self.kpool, self.spec_tokens + 1)
 
 
 def _pick(name: str, option: Any, in_file: Any, default: Any, path: Any) -> Any:
@@ -300,7 +330,13 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
         max_running=pick("max_running", DEFAULT_MAX_RUNNING),
         chunk=args.chunk,
         schedule=args.schedule,
+        spec_tokens=getattr(args, "spec_tokens", None) or 0,
     )
+    if config.spec_tokens and loaded is not None and loaded.calls is not None:
+        raise DemoError(
+            f"--spec-tokens needs generated batching, but {args.schedule} "
+            f'lists every call\'s tokens in "calls"'
+        )
     rng = np.random.default_rng([config.seed, 0])
     if loaded is None:
         requests: Sequence[Request] = generate_requests(
@@ -312,7 +348,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
     else:
         requests = loaded.requests
     if loaded is not None and loaded.calls is not None:
-        calls: Sequence[Sequence[tuple[int, int]]] = loaded.calls
+        calls: Sequence[Sequence[tuple[int, ...]]] = loaded.calls
     else:
         calls = schedule(
             requests,
@@ -320,6 +356,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
             token_budget=config.token_budget,
             max_running=config.max_running,
             chunk=config.chunk,
+            spec_tokens=config.spec_tokens,
         )
     try:
         return config, plan(requests, calls, config.max_running, rng)
@@ -348,6 +385,40 @@ def request_rows(
     k = rng.standard_normal((length, head_dim)).astype(dtype)
     gate = GATE_SCALE * rng.standard_normal((length, head_dim))
     return k, gate.astype(dtype)
+
+
+def draft_rows(
+    seed: int,
+    index: int,
+    call: int,
+    count: int,
+    true_k: np.ndarray,
+    dtype: np.dtype,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Keys and gates of the drafts a verify step rejects.
+
+    Args:
+        seed: The run's seed.
+        index: The request.
+        call: The call (each verify step drafts afresh).
+        count: Drafts rejected.
+        true_k: ``[m, head_dim]`` true keys of the drafts' positions,
+            ``m < count`` where the drafts run past the request's end.
+        dtype: Key dtype.
+
+    Returns:
+        ``(k, gate)``, each ``[count, head_dim]``; no draft key equals the
+        true key of its position (a key equal to the truth would be
+        accepted).
+    """
+    rng = np.random.default_rng([seed, 3, index, call])
+    head_dim = true_k.shape[1]
+    k = rng.standard_normal((count, head_dim)).astype(dtype)
+    gate = (GATE_SCALE * rng.standard_normal((count, head_dim))).astype(dtype)
+    m = len(true_k)
+    same = np.flatnonzero(np.all(k[:m] == true_k, axis=1))
+    k[same] = (k[same].astype(np.float64) + 1.0).astype(dtype)
+    return k, gate
 
 
 def make_ape(seed: int, kpool: int, head_dim: int) -> np.ndarray:
@@ -426,6 +497,24 @@ def place_fault(plan_: Plan, kind: str, kpool: int) -> Fault | None:
 # --------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Row:
+    """The row kept for one pool id: the latest call's output.
+
+    Attributes:
+        key: The pooled key.
+        call: The call that produced it.
+        writer: ``"ring_close"`` or ``"compress"``.
+        accepted: Whether every member was a kept token (not a rejected
+            draft); only such a row is final.
+    """
+
+    key: np.ndarray
+    call: int
+    writer: str
+    accepted: bool = True
+
+
 @dataclass
 class _Live:
     """What the demo tracks for a request in flight."""
@@ -433,8 +522,8 @@ class _Live:
     slot: int
     k: np.ndarray
     gate: np.ndarray
-    #: pool id -> (pooled key, call, writer)
-    pools: dict[int, tuple[np.ndarray, int, str]] = field(default_factory=dict)
+    #: pool id -> the row kept for it: the latest call that produced it
+    pools: dict[int, _Row] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
 
@@ -445,6 +534,8 @@ class _Totals:
     max_abs_error: float = 0.0
     worst_ratio: float = 0.0
     checked_pools: int = 0
+    rewritten: int = 0
+    dropped: int = 0
     problems: list[str] = field(default_factory=list)
     call_seconds: list[float] = field(default_factory=list)
 
@@ -458,6 +549,11 @@ def check_request(
     tolerance: float,
 ) -> tuple[float, float, int, list[str]]:
     """Checks one finished request's pools against the one-shot oracle.
+
+    The row checked for a pool id is the last one a call produced for it.
+    Pool ids past the request's end whose row holds rejected drafts are
+    dropped (a pipeline discards them with the request); a pool id of the
+    request whose last row holds a rejected draft is a problem.
 
     Args:
         index: The request's number (for messages).
@@ -476,14 +572,26 @@ def check_request(
     first = request.cached_prefix // kpool
     last = request.length // kpool  # exclusive
     expected = reference.pool_sequence(live.k, live.gate, ape, kpool)
-    extra = sorted(p for p in live.pools if not first <= p < last)
+    extra = sorted(
+        p
+        for p, row in live.pools.items()
+        if not first <= p < last and (row.accepted or p < first)
+    )
     missing = [p for p in range(first, last) if p not in live.pools]
     for p in extra:
-        _, call, writer = live.pools[p]
+        row = live.pools[p]
         problems.append(
-            f"{name}: pool {p} from {writer} in call {call} does not exist "
-            f"(the request owns pools {first}..{last - 1})"
+            f"{name}: pool {p} from {row.writer} in call {row.call} does not "
+            f"exist (the request owns pools {first}..{last - 1})"
         )
+    for p in range(first, last):
+        row = live.pools.get(p)
+        if row is not None and not row.accepted:
+            problems.append(
+                f"{name}: pool {p}'s last row ({row.writer}, call "
+                f"{row.call}) holds a rejected draft; no later call "
+                f"produced it again"
+            )
     if missing:
         shown = ", ".join(map(str, missing[:10]))
         more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
@@ -493,7 +601,7 @@ def check_request(
     ids = [p for p in range(first, last) if p in live.pools]
     if not ids:
         return 0.0, 0.0, 0, problems
-    got = np.stack([live.pools[p][0] for p in ids]).astype(np.float64)
+    got = np.stack([live.pools[p].key for p in ids]).astype(np.float64)
     want = expected[ids]
     members = np.abs(live.k[: last * kpool].astype(np.float64))
     scale = members.reshape(last, kpool, -1).max(axis=(1, 2))[ids]
@@ -503,12 +611,12 @@ def check_request(
     bad = np.flatnonzero(~(err <= allowed))  # NaN counts as bad
     for j in bad[:MAX_LISTED]:
         p = ids[j]
-        _, call, writer = live.pools[p]
+        row = live.pools[p]
         problems.append(
             f"{name}: pool {p} (positions {p * kpool}..{(p + 1) * kpool - 1}"
-            f", {writer}, call {call}) differs from the oracle: max |err| "
-            f"{err[j]:.4g} > {allowed[j]:.4g} ({tolerance:g} x max |k| "
-            f"{scale[j]:.4g})"
+            f", {row.writer}, call {row.call}) differs from the oracle: "
+            f"max |err| {err[j]:.4g} > {allowed[j]:.4g} ({tolerance:g} x "
+            f"max |k| {scale[j]:.4g})"
         )
     if len(bad) > MAX_LISTED:
         problems.append(
@@ -531,19 +639,21 @@ def _restore_ring(
     A prefix cache keeps the complete pools of a prefix, but the members
     of a partial last pool live only in the ring, so an engine admitting a
     request whose cached prefix ends mid-pool must put them back into the
-    request's new slot. The demo does it host-side: read, patch, upload.
+    request's new slot, member ``pos`` at ring index ``pos % R``. The demo
+    does it host-side: read, patch, upload.
     """
     host = runner.read(ring)
+    ring_len = host.shape[2]
     for e, live in restores:
         for pos in range(
             e.cache_length - e.cache_length % kpool, e.cache_length
         ):
-            host[e.slot, 0, pos % kpool] = live.k[pos]
-            host[e.slot, 1, pos % kpool] = live.gate[pos]
+            host[e.slot, 0, pos % ring_len] = live.k[pos]
+            host[e.slot, 1, pos % ring_len] = live.gate[pos]
     if fault is not None:
         slot, pos, delta = fault
-        member = host[slot, 0, pos % kpool].astype(np.float64)
-        host[slot, 0, pos % kpool] = (member + delta).astype(host.dtype)
+        member = host[slot, 0, pos % ring_len].astype(np.float64)
+        host[slot, 0, pos % ring_len] = (member + delta).astype(host.dtype)
     return runner.to_device(host)
 
 
@@ -601,7 +711,7 @@ def execute(
     kpool, head_dim, dtype = config.kpool, config.head_dim, config.dtype
     ape = make_ape(config.seed, kpool, head_dim)
     tolerance = TOLERANCE[dtype]
-    ring = runner.new_ring(plan_.max_slots, kpool, head_dim, dtype)
+    ring = runner.new_ring(plan_.max_slots, config.ring_len, head_dim, dtype)
     live: dict[int, _Live] = {}
     totals = _Totals()
     finished = 0
@@ -629,12 +739,26 @@ def execute(
         if restores or ring_fault:
             ring = _restore_ring(runner, ring, restores, ring_fault, kpool)
 
-        rows = [
-            (live[e.request], slice(e.cache_length, e.cache_length + e.tokens))
-            for e in call
-        ]
-        k = np.concatenate([state.k[span] for state, span in rows])
-        gate = np.concatenate([state.gate[span] for state, span in rows])
+        k_parts, gate_parts = [], []
+        for e in call:
+            state = live[e.request]
+            kept = slice(e.cache_length, e.cache_length + e.accepted)
+            k_parts.append(state.k[kept])
+            gate_parts.append(state.gate[kept])
+            if e.rejected:
+                drafted = slice(kept.stop, kept.stop + e.rejected)
+                dk, dg = draft_rows(
+                    config.seed,
+                    e.request,
+                    c,
+                    e.rejected,
+                    state.k[drafted],
+                    dtype,
+                )
+                k_parts.append(dk)
+                gate_parts.append(dg)
+        k = np.concatenate(k_parts)
+        gate = np.concatenate(gate_parts)
         offsets = np.zeros(len(call) + 1, np.uint32)
         offsets[1:] = np.cumsum([e.tokens for e in call])
         if here is not None and here.kind == "key":
@@ -647,14 +771,15 @@ def execute(
         out = runner.step(ring, k, gate, ape, offsets, cache, slots, kpool)
         totals.call_seconds.append(time.perf_counter() - start)
 
-        _collect(c, call, out, live, totals)
+        _collect(c, call, out, live, totals, kpool)
         for e in call:
             if not e.finished:
                 continue
+            state = live.pop(e.request)
             err, ratio, checked, problems = check_request(
                 e.request,
                 plan_.requests[e.request],
-                live.pop(e.request),
+                state,
                 ape,
                 kpool,
                 tolerance,
@@ -662,6 +787,12 @@ def execute(
             totals.max_abs_error = max(totals.max_abs_error, err)
             totals.worst_ratio = max(totals.worst_ratio, ratio)
             totals.checked_pools += checked
+            totals.dropped += sum(
+                1
+                for p in state.pools
+                if p >= plan_.requests[e.request].length // kpool
+                and not state.pools[p].accepted
+            )
             totals.problems += problems
             finished += 1
         progress.update(c + 1, finished, len(plan_.requests))
@@ -675,8 +806,14 @@ def _collect(
     out: Any,
     live: dict[int, _Live],
     totals: _Totals,
+    kpool: int,
 ) -> None:
-    """Files one call's pools under their requests, noting duplicates."""
+    """Files one call's pools under their requests, noting duplicates.
+
+    A pool id produced again replaces its row only if the earlier row held
+    a rejected draft (counted as rewritten); a row of kept tokens produced
+    twice is a problem.
+    """
     closed = out.ring_closed_pool
     offsets = [int(o) for o in out.pool_row_offsets]
     rows = out.pooled.shape[0]
@@ -698,15 +835,18 @@ def _collect(
         for j in range(hi - lo):
             produced.append((first + j, out.pooled[lo + j], "compress"))
         totals.compress += hi - lo
+        kept_end = e.cache_length + e.accepted
         for pool, key, writer in produced:
-            if pool in state.pools:
-                _, before, other = state.pools[pool]
+            before = state.pools.get(pool)
+            if before is not None and before.accepted:
                 state.problems.append(
-                    f"{name}: pool {pool} came out twice: {other} in call "
-                    f"{before}, {writer} in call {c}"
+                    f"{name}: pool {pool} came out twice: {before.writer} in "
+                    f"call {before.call}, {writer} in call {c}"
                 )
                 continue
-            state.pools[pool] = (key, c, writer)
+            totals.rewritten += before is not None
+            accepted = (pool + 1) * kpool <= kept_end
+            state.pools[pool] = _Row(key, c, writer, accepted)
 
 
 # --------------------------------------------------------------------------
@@ -728,13 +868,13 @@ def summarize(
     for call in plan_.calls:
         for e in call:
             prompt = reqs[e.request].prompt
-            end = e.cache_length + e.tokens
+            end = e.cache_length + e.accepted
             prefill += max(0, min(end, prompt) - e.cache_length)
             decode += max(0, end - max(e.cache_length, prompt))
     tokens = prefill + decode
     step_s = sum(totals.call_seconds)
     calls = len(plan_.calls)
-    return {
+    summary = {
         "ok": not totals.problems,
         "config": {
             "dtype": config.dtype.name,
@@ -778,6 +918,32 @@ def summarize(
         "fault": fault,
         "problems": totals.problems,
     }
+    if config.spec_tokens:
+        verify = [
+            e
+            for call in plan_.calls
+            for e in call
+            if e.cache_length >= reqs[e.request].prompt
+        ]
+        drafts = sum(e.tokens - 1 for e in verify)
+        accepted = sum(e.accepted - 1 for e in verify)
+        summary["speculative"] = {
+            "spec_tokens": config.spec_tokens,
+            "ring_len": config.ring_len,
+            "verify_steps": len(verify),
+            "draft_tokens": drafts,
+            "accepted_drafts": accepted,
+            "rejected_drafts": drafts - accepted,
+            "verify_steps_all_rejected": sum(
+                e.accepted == 1 < e.tokens for e in verify
+            ),
+            "verify_steps_all_accepted": sum(
+                e.accepted == e.tokens > 1 for e in verify
+            ),
+            "pools_rewritten": totals.rewritten,
+            "pools_dropped": totals.dropped,
+        }
+    return summary
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -789,6 +955,12 @@ def format_summary(s: dict[str, Any]) -> str:
     )
     if cfg["schedule"]:
         head += f", schedule {cfg['schedule']}"
+    spec = s.get("speculative")
+    if spec:
+        head += (
+            f", {spec['spec_tokens']} speculative tokens, ring "
+            f"{spec['ring_len']}"
+        )
     batching = (
         f"token budget {cfg['token_budget']}, chunk {cfg['chunk']}, "
         if cfg["token_budget"]
@@ -821,6 +993,37 @@ def format_summary(s: dict[str, Any]) -> str:
         ),
         ("  closed by ring_close", f"{s['pools_ring_close']}", ""),
         ("  built by compress", f"{s['pools_compress']}", ""),
+    ]
+    if spec:
+        rows[3] = (
+            "pools",
+            f"{s['pools']}",
+            f"rows written; expected {s['pools_expected']} pool ids, final "
+            f"rows checked {s['pools_checked']}",
+        )
+        rows.insert(
+            3,
+            (
+                "verify steps",
+                f"{spec['verify_steps']}",
+                f"{spec['draft_tokens']} drafts, {spec['accepted_drafts']} "
+                f"accepted; {spec['verify_steps_all_rejected']} kept no "
+                f"draft, {spec['verify_steps_all_accepted']} kept all",
+            ),
+        )
+        rows += [
+            (
+                "  rewritten after a rejection",
+                f"{spec['pools_rewritten']}",
+                "a later call produced the pool id again; that row is kept",
+            ),
+            (
+                "  dropped",
+                f"{spec['pools_dropped']}",
+                "pools of drafts past the request's end",
+            ),
+        ]
+    rows += [
         (
             "max abs error vs oracle",
             f"{s['max_abs_error']:.3g}",
@@ -847,7 +1050,13 @@ def format_summary(s: dict[str, Any]) -> str:
         note = f"  ({note})" if note else ""
         lines.append(f"{label:<{width}}  {val:>{value}}{note}")
     lines.append("-" * len(head))
-    if s["ok"]:
+    if s["ok"] and spec:
+        lines.append(
+            "result: OK, the last row of every pool id of every request "
+            "holds kept tokens only and matches the oracle of the accepted "
+            "stream"
+        )
+    elif s["ok"]:
         lines.append(
             "result: OK, every pool of every request came out exactly once "
             "and matches the oracle"
@@ -896,9 +1105,11 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
     from .buffers import to_max_dtype
     from .runner import ModelKey
 
+    ring = f", ring {config.ring_len}" if config.spec_tokens else ""
     print(
         f"compiling the step model ({config.dtype.name}, kpool "
-        f"{config.kpool}, head_dim {config.head_dim}) on {config.device}...",
+        f"{config.kpool}, head_dim {config.head_dim}{ring}) on "
+        f"{config.device}...",
         file=err,
         flush=True,
     )
@@ -909,7 +1120,7 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
             dtype=to_max_dtype(config.dtype),
             kpool=config.kpool,
             head_dim=config.head_dim,
-            ring_len=config.kpool,
+            ring_len=config.ring_len,
             index_dtypes=(DType.uint32,) * 3,
         )
     )

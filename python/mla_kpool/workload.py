@@ -11,6 +11,13 @@ get: each request's cache length and ring slot at every call, slots handed
 out at random from the free ones and reused once their request finishes, so
 a slot id is in general not the request's batch position.
 
+With speculative decoding (``spec_tokens`` in :func:`schedule`), a decode
+step is a verify step: the request's next token and ``spec_tokens`` drafts
+go through the writers, the target model keeps a seeded number of them (the
+first token always), and the request's next call resumes after the last
+token kept. An entry then records both what the call brought and what was
+kept (:attr:`Entry.rejected`).
+
 Everything here is pure Python and NumPy, deterministic for a given seed.
 """
 
@@ -83,9 +90,13 @@ class Entry:
         request: Index into the workload's requests.
         slot: Ring slot the request holds (``slot_idx``).
         cache_length: Tokens of the request seen before this call.
-        tokens: New tokens this call brings (``n``), ``>= 0``.
+        tokens: New tokens this call brings (``n``), ``>= 0``; drafts of
+            a verify step included.
         admitted: Whether this is the request's first call.
-        finished: Whether the request's last token is in this call.
+        finished: Whether the request's last token is kept in this call.
+        rejected: Trailing drafts of ``tokens`` that the verify step
+            rejected (0 for prefill and plain decode); the request keeps
+            the first ``tokens - rejected``.
     """
 
     request: int
@@ -94,10 +105,20 @@ class Entry:
     tokens: int
     admitted: bool
     finished: bool
+    rejected: int = 0
+
+    @property
+    def accepted(self) -> int:
+        """Tokens the request keeps: its next call starts this far on."""
+        return self.tokens - self.rejected
 
 
 #: A call: its entries in batch order.
 Call = tuple[Entry, ...]
+
+#: Chance that the target model accepts a draft, given that it accepted
+#: every draft before it (speculative decoding, :func:`schedule`).
+ACCEPTANCE = 0.7
 
 
 @dataclass(frozen=True)
@@ -199,7 +220,9 @@ def schedule(
     max_running: int = 16,
     chunk: int = 512,
     max_decode: int = 4,
-) -> list[list[tuple[int, int]]]:
+    spec_tokens: int = 0,
+    acceptance: float = ACCEPTANCE,
+) -> list[list[tuple[int, ...]]]:
     """Batches requests into calls the way a serving engine does.
 
     Requests arrive at once and are admitted first come, first served. Each
@@ -212,49 +235,66 @@ def schedule(
     the call that brings its last token, freeing its place for the next
     call.
 
+    With ``spec_tokens = d > 0`` a decode is a verify step instead: it
+    brings ``d + 1`` tokens (fewer if the budget is short), the request's
+    next token and ``d`` drafts, and the request keeps the first token plus
+    the drafts before the first rejected one, each accepted with chance
+    ``acceptance`` (never past the request's end; drafts may run past it).
+
     Args:
         requests: The workload.
-        rng: Random source for the decode step sizes.
+        rng: Random source for the decode step sizes and acceptances.
         token_budget: Most tokens per call, ``>= 1``.
         max_running: Most requests in flight at once, ``>= 1``.
         chunk: Most prefill tokens per request per call, ``>= 1``.
-        max_decode: Most decode tokens per request per call, ``>= 1``.
+        max_decode: Most decode tokens per request per call, ``>= 1``
+            (without ``spec_tokens``).
+        spec_tokens: Drafts per verify step; 0 for plain decode.
+        acceptance: Chance a draft is accepted after accepted ones.
 
     Returns:
-        Per call, ``(request, tokens)`` pairs in batch order (decodes
-        first, then prefill chunks).
+        Per call, in batch order (decodes first, then prefill chunks),
+        ``(request, tokens)`` pairs, or with ``spec_tokens`` ``(request,
+        tokens, kept)`` triples.
     """
     done = [0] * len(requests)  # tokens brought so far, beyond the prefix
     waiting = list(range(len(requests)))
     running: list[int] = []
-    calls: list[list[tuple[int, int]]] = []
+    calls: list[list[tuple[int, ...]]] = []
     while waiting or running:
         budget = token_budget
-        decodes: list[tuple[int, int]] = []
-        prefills: list[tuple[int, int]] = []
+        decodes: list[tuple[int, ...]] = []
+        prefills: list[tuple[int, ...]] = []
         for i in running:
             r = requests[i]
             seen = r.cached_prefix + done[i]
             left = r.length - seen
-            if seen >= r.prompt:
+            if seen >= r.prompt and spec_tokens:
+                n = min(spec_tokens + 1, budget)
+                if n:
+                    kept = 1
+                    while kept < n and rng.random() < acceptance:
+                        kept += 1
+                    decodes.append((i, n, min(kept, left)))
+            elif seen >= r.prompt:
                 n = min(int(rng.integers(1, max_decode + 1)), left, budget)
                 if n:
                     decodes.append((i, n))
             else:
                 n = min(chunk, r.prompt - seen, budget)
                 if n:
-                    prefills.append((i, n))
+                    prefills.append((i, n, n) if spec_tokens else (i, n))
             budget -= n
         while waiting and len(running) < max_running and budget > 0:
             i = waiting.pop(0)
             r = requests[i]
             n = min(chunk, r.prompt - r.cached_prefix, budget)
             running.append(i)
-            prefills.append((i, n))
+            prefills.append((i, n, n) if spec_tokens else (i, n))
             budget -= n
         call = decodes + prefills
-        for i, n in call:
-            done[i] += n
+        for i, *counts in call:
+            done[i] += counts[-1]
         running = [i for i in running if done[i] < requests[i].new_tokens]
         calls.append(call)
     return calls
@@ -267,7 +307,7 @@ def schedule(
 
 def plan(
     requests: Sequence[Request],
-    calls: Sequence[Sequence[tuple[int, int]]],
+    calls: Sequence[Sequence[tuple[int, ...]]],
     max_slots: int,
     rng: np.random.Generator,
 ) -> Plan:
@@ -275,11 +315,13 @@ def plan(
 
     A request takes a ring slot, drawn at random from the free ones, in its
     first call, keeps it while it runs, and frees it after the call that
-    brings its last token.
+    keeps its last token.
 
     Args:
         requests: The workload.
-        calls: Per call, ``(request, tokens)`` pairs in batch order.
+        calls: Per call, in batch order, ``(request, tokens)`` pairs, or
+            ``(request, tokens, kept)`` triples for verify steps whose
+            trailing ``tokens - kept`` drafts were rejected.
         max_slots: Ring slots, ``>= 1``.
         rng: Random source for the slot choice.
 
@@ -288,8 +330,9 @@ def plan(
 
     Raises:
         ScheduleError: If a call names an unknown or finished request, names
-            one twice, brings more tokens than the request has left, needs a
-            slot when all are held, or the calls leave a request unfinished.
+            one twice, keeps more tokens than the request has left (or more
+            than it brings, or none of a verify step's), needs a slot when
+            all are held, or the calls leave a request unfinished.
     """
     if not requests:
         raise ScheduleError("the workload has no requests")
@@ -305,8 +348,14 @@ def plan(
             raise ScheduleError(f"{where} is empty (a call needs a request)")
         entries: list[Entry] = []
         seen_here: set[int] = set()
-        for j, (i, n) in enumerate(call):
+        for j, (i, n, *kept_) in enumerate(call):
             at = f"{where}[{j}]"
+            kept = kept_[0] if kept_ else n
+            if not (0 <= kept <= n and (kept >= 1 or n == 0)):
+                raise ScheduleError(
+                    f"{at}: request {i} keeps {kept} of the {n} tokens it "
+                    f"brings (a verify step keeps 1 to all of them)"
+                )
             if not 0 <= i < len(requests):
                 raise ScheduleError(
                     f"{at}: request {i} does not exist (the workload has "
@@ -319,9 +368,9 @@ def plan(
             left = r.new_tokens - done[i]
             if left == 0:
                 raise ScheduleError(f"{at}: request {i} has already finished")
-            if n > left:
+            if kept > left:
                 raise ScheduleError(
-                    f"{at}: request {i} brings {n} tokens but has {left} "
+                    f"{at}: request {i} brings {kept} tokens but has {left} "
                     f"left (prompt {r.prompt} + generate {r.generate} - "
                     f"cached_prefix {r.cached_prefix} = {r.new_tokens}, "
                     f"{done[i]} brought before)"
@@ -346,10 +395,11 @@ def plan(
                     cache_length=r.cached_prefix + done[i],
                     tokens=n,
                     admitted=admitted,
-                    finished=n == left,
+                    finished=kept == left,
+                    rejected=n - kept,
                 )
             )
-            done[i] += n
+            done[i] += kept
         for e in entries:
             if e.finished:
                 free.add(slot_of[e.request])
