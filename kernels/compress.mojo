@@ -169,6 +169,9 @@ def compress_cpu[
                 gate.unsafe_offset(member0),
                 ape,
                 dest,
+                gate,
+                0,
+                gate.unsafe_offset(member0 + kpool * head_dim),
             )
 
     cpu_for_each_range(out_rows, out_rows * kpool * head_dim, write_rows)

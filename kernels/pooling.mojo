@@ -21,8 +21,7 @@ of `k` and `gate`. `compress` passes `split = 0`.
 """
 
 from std.math import exp, isnan
-from std.sys import simd_width_of, size_of
-from std.algorithm import vectorize
+from std.sys import PrefetchOptions, prefetch, simd_width_of, size_of
 from std.utils.numerics import nan, neg_inf
 
 from .ragged import Ptr
@@ -63,6 +62,63 @@ def _member[
 
 
 @always_inline
+def _member_row[
+    dtype: DType
+](
+    q: Int,
+    split: Int,
+    ring_key: Ptr[dtype],
+    ring_gate: Ptr[dtype],
+    new_key: Ptr[dtype],
+    new_gate: Ptr[dtype],
+    row_stride: Int,
+) -> Tuple[Ptr[dtype], Ptr[dtype], Int]:
+    """`(key, gate, offset)` of member `q`: ring row `q` or new row `q - split`.
+    """
+    if q < split:
+        return (ring_key, ring_gate, q * row_stride)
+    return (new_key, new_gate, (q - split) * row_stride)
+
+
+@always_inline
+def _accumulate[
+    width: Int
+](
+    score: SIMD[ACCUM, width],
+    value: SIMD[ACCUM, width],
+    peak: SIMD[ACCUM, width],
+    mut total: SIMD[ACCUM, width],
+    mut acc: SIMD[ACCUM, width],
+    mut undefined: SIMD[DType.bool, width],
+):
+    """Adds one member to the softmax sums (pass 2), in member order.
+
+    `max` skips NaN and CPU `exp(NaN)` is +inf, so a NaN shifted score (a
+    NaN gate or ape, or inf - inf) is tracked in `undefined`, as a softmax
+    would propagate it.
+    """
+    var shifted = score - peak
+    undefined = undefined | isnan(shifted)
+    var weight = exp(shifted)
+    total += weight
+    acc = weight.fma(value, acc)
+
+
+@always_inline
+def _pooled[
+    dtype: DType, width: Int
+](
+    total: SIMD[ACCUM, width],
+    acc: SIMD[ACCUM, width],
+    undefined: SIMD[DType.bool, width],
+) -> SIMD[dtype, width]:
+    """The pooled key from the pass-2 sums, cast to the key dtype."""
+    return undefined.select(SIMD[ACCUM, width](nan[ACCUM]()), acc / total).cast[
+        dtype
+    ]()
+
+
+@always_inline
 def pool_channels[
     dtype: DType, width: Int, kpool: Int
 ](
@@ -75,11 +131,11 @@ def pool_channels[
     row_stride: Int,
     ch: Int,
 ) -> SIMD[dtype, width]:
-    """Pools channels `[ch, ch + width)` of one pool.
+    """Pools channels `[ch, ch + width)` of one pool (the GPU writers' path).
 
     Parameters:
         dtype: Key and gate dtype (float32, bfloat16 or float16).
-        width: Channels pooled at once (1 on GPU, one cache line on CPU).
+        width: Channels pooled at once (1 on GPU: a thread per channel).
         kpool: Tokens per pool.
 
     Args:
@@ -98,57 +154,39 @@ def pool_channels[
     # Pass 1: the per-channel maximum score, so no exp can overflow.
     var peak = SIMD[ACCUM, width](neg_inf[ACCUM]())
     for q in range(kpool):
-        var s: SIMD[ACCUM, width]
-        if q < split:
-            s = _member[dtype, width](
-                ring_key,
-                ring_gate,
-                ape,
-                q * row_stride + ch,
-                q * row_stride + ch,
-            )[0]
-        else:
-            s = _member[dtype, width](
-                new_key,
-                new_gate,
-                ape,
-                (q - split) * row_stride + ch,
-                q * row_stride + ch,
-            )[0]
-        peak = max(peak, s)
+        var m = _member_row(
+            q, split, ring_key, ring_gate, new_key, new_gate, row_stride
+        )
+        var member = _member[dtype, width](
+            m[0], m[1], ape, m[2] + ch, q * row_stride + ch
+        )
+        peak = max(peak, member[0])
     # Pass 2: weights and the weighted sum, members in order q = 0..kpool-1.
     var total = SIMD[ACCUM, width](0)
     var acc = SIMD[ACCUM, width](0)
-    # `max` skips NaN and CPU `exp(NaN)` is +inf, so a NaN score (a NaN gate
-    # or ape, or inf - inf) is tracked explicitly, as a softmax would
-    # propagate it.
     var undefined = SIMD[DType.bool, width](fill=False)
     for q in range(kpool):
-        var member: Tuple[SIMD[ACCUM, width], SIMD[ACCUM, width]]
-        if q < split:
-            member = _member[dtype, width](
-                ring_key,
-                ring_gate,
-                ape,
-                q * row_stride + ch,
-                q * row_stride + ch,
-            )
-        else:
-            member = _member[dtype, width](
-                new_key,
-                new_gate,
-                ape,
-                (q - split) * row_stride + ch,
-                q * row_stride + ch,
-            )
-        var shifted = member[0] - peak
-        undefined = undefined | isnan(shifted)
-        var weight = exp(shifted)
-        total += weight
-        acc = weight.fma(member[1], acc)
-    return undefined.select(SIMD[ACCUM, width](nan[ACCUM]()), acc / total).cast[
-        dtype
-    ]()
+        var m = _member_row(
+            q, split, ring_key, ring_gate, new_key, new_gate, row_stride
+        )
+        var member = _member[dtype, width](
+            m[0], m[1], ape, m[2] + ch, q * row_stride + ch
+        )
+        _accumulate(member[0], member[1], peak, total, acc, undefined)
+    return _pooled[dtype](total, acc, undefined)
+
+
+@always_inline
+def cpu_chunk_width[dtype: DType, head_dim: Int]() -> Int:
+    """Channels per SIMD step on CPU: a power of two dividing `head_dim`.
+
+    At most one 64-byte cache line of keys (`cpu_pool_width`), so every
+    CPU writer of a given `(dtype, head_dim)` uses the same width.
+    """
+    var width = cpu_pool_width[dtype]()
+    while head_dim % width != 0:
+        width //= 2
+    return width
 
 
 @always_inline
@@ -162,11 +200,20 @@ def cpu_pool_row[
     new_gate: Ptr[dtype],
     ape: Ptr[DType.float32],
     dest: Ptr[dtype],
+    next_ring_gate: Ptr[dtype],
+    next_split: Int,
+    next_new_gate: Ptr[dtype],
 ):
-    """Pools all `head_dim` channels of one pool into `out[0:head_dim]`.
+    """Pools all `head_dim` channels of one pool into `dest[0:head_dim]`.
 
-    The CPU writers' only entry to the pooling math: one cache line of
-    channels per step (`cpu_pool_width`), then a scalar tail.
+    The CPU writers' only entry to the pooling math. Same arithmetic, lane
+    for lane, as `pool_channels`, but member rows are walked in order with
+    every channel's running maximum, weight sum and weighted sum kept in
+    small stack arrays: each pass streams whole rows instead of hopping a
+    row stride per channel chunk. Pass 1 prefetches each member's key row
+    for pass 2, and pass 2 prefetches the next pool's gate rows for its
+    pass 1, so the core rarely waits on memory (ring_close at batch 4096,
+    kpool 128 went from about 10 to about 20 GB/s on 2 cores).
 
     Parameters:
         dtype: Key dtype.
@@ -181,21 +228,60 @@ def cpu_pool_row[
         new_gate: See `pool_channels`.
         ape: See `pool_channels`.
         dest: Destination row, `head_dim` elements of `dtype`.
+        next_ring_gate: Ring gate rows of the pool this core pools next.
+        next_split: Its ring member count.
+        next_new_gate: Its first new-token gate row. The next pool's gate
+            rows are prefetched during pass 2, so its pass 1 finds them in
+            cache; only an address, never dereferenced (any value is safe).
     """
-
-    def chunk[width: Int](ch: Int) {imm}:
-        dest.unsafe_store[width=width](
-            ch,
-            pool_channels[dtype, width, kpool](
-                ring_key,
-                ring_gate,
-                split,
-                new_key,
-                new_gate,
-                ape,
-                head_dim,
-                ch,
-            ),
+    comptime width = cpu_chunk_width[dtype, head_dim]()
+    comptime chunks = head_dim // width
+    comptime line = 64 // size_of[dtype]()
+    comptime prefetch_read = PrefetchOptions().for_read().high_locality()
+    var peak = Array[SIMD[ACCUM, width], chunks](fill=neg_inf[ACCUM]())
+    var total = Array[SIMD[ACCUM, width], chunks](fill=0)
+    var acc = Array[SIMD[ACCUM, width], chunks](fill=0)
+    var undefined = Array[SIMD[DType.bool, width], chunks](
+        fill=SIMD[DType.bool, width](fill=False)
+    )
+    # Pass 1: every channel's maximum score, member rows in order.
+    for q in range(kpool):
+        var m = _member_row(
+            q, split, ring_key, ring_gate, new_key, new_gate, head_dim
         )
-
-    vectorize[cpu_pool_width[dtype]()](head_dim, chunk)
+        for ch in range(0, head_dim, line):
+            prefetch[prefetch_read](m[0].unsafe_offset(m[2] + ch))
+        for c in range(chunks):
+            var ch = c * width
+            var member = _member[dtype, width](
+                m[0], m[1], ape, m[2] + ch, q * head_dim + ch
+            )
+            peak[c] = max(peak[c], member[0])
+    # Pass 2: weights and weighted sums, member rows in order.
+    for q in range(kpool):
+        var m = _member_row(
+            q, split, ring_key, ring_gate, new_key, new_gate, head_dim
+        )
+        var ahead = _member_row(
+            q,
+            next_split,
+            next_ring_gate,
+            next_ring_gate,
+            next_new_gate,
+            next_new_gate,
+            head_dim,
+        )
+        for ch in range(0, head_dim, line):
+            prefetch[prefetch_read](ahead[1].unsafe_offset(ahead[2] + ch))
+        for c in range(chunks):
+            var ch = c * width
+            var member = _member[dtype, width](
+                m[0], m[1], ape, m[2] + ch, q * head_dim + ch
+            )
+            _accumulate(
+                member[0], member[1], peak[c], total[c], acc[c], undefined[c]
+            )
+    for c in range(chunks):
+        dest.unsafe_store[width=width](
+            c * width, _pooled[dtype](total[c], acc[c], undefined[c])
+        )

@@ -125,31 +125,51 @@ def ring_close_cpu[
         ring_len: Ring length R (a multiple of `kpool`).
     """
 
+    @always_inline
+    def plan(
+        b: Int,
+    ) {imm} -> Tuple[Int, Int, Ptr[dtype], Ptr[dtype], Ptr[dtype], Ptr[dtype]]:
+        return plan_close[
+            dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
+        ](
+            b,
+            tail,
+            k,
+            gate,
+            input_row_offsets,
+            cache_lengths,
+            slot_idx,
+            total_tokens,
+            max_slots,
+            ring_len,
+        )
+
     def close_requests(lo: Int, hi: Int) {imm}:
+        if lo >= hi:
+            return
+        var this = plan(lo)
         for b in range(lo, hi):
-            var plan = plan_close[
-                dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
-            ](
-                b,
-                tail,
-                k,
-                gate,
-                input_row_offsets,
-                cache_lengths,
-                slot_idx,
-                total_tokens,
-                max_slots,
-                ring_len,
-            )
+            # The next request's gates are prefetched while this one pools.
+            var next = plan(min(b + 1, hi - 1))
             var row = pooled.unsafe_offset(b * head_dim)
-            closed_pool[unsafe_offset=b] = Int32(plan[0])
-            if plan[0] < 0:
+            closed_pool[unsafe_offset=b] = Int32(this[0])
+            if this[0] < 0:
                 for ch in range(head_dim):
                     row[unsafe_offset=ch] = 0
-                continue
-            cpu_pool_row[dtype, kpool, head_dim](
-                plan[2], plan[3], plan[1], plan[4], plan[5], ape, row
-            )
+            else:
+                cpu_pool_row[dtype, kpool, head_dim](
+                    this[2],
+                    this[3],
+                    this[1],
+                    this[4],
+                    this[5],
+                    ape,
+                    row,
+                    next[3],
+                    next[1],
+                    next[5],
+                )
+            this = next
 
     cpu_for_each_range(batch, batch * kpool * head_dim, close_requests)
 
