@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import os
+
+import max.nn  # noqa: F401  (imported first on purpose, see below)
 import pytest
 from max import driver
 from max.graph import DeviceRef
 
 from mla_kpool.runner import Runner
+
+# Importing max.nn sets PYTHONEXECUTABLE, PYTHONPATH and MOJO_PYTHON_LIBRARY
+# in the C-level environment but not in os.environ, so a later subprocess
+# started without env= would run the base interpreter outside the venv.
+# Put the C-level values back to what os.environ says, once, for the suite.
+for _name in ("PYTHONEXECUTABLE", "PYTHONPATH", "MOJO_PYTHON_LIBRARY"):
+    if _name in os.environ:
+        os.putenv(_name, os.environ[_name])
+    else:
+        os.unsetenv(_name)
 
 _HAS_GPU = driver.accelerator_count() > 0
 
