@@ -73,8 +73,7 @@ def _member_row[
     new_gate: Ptr[dtype],
     row_stride: Int,
 ) -> Tuple[Ptr[dtype], Ptr[dtype], Int]:
-    """`(key, gate, offset)` of member `q`: ring row `q` or new row `q - split`.
-    """
+    """`(key, gate, offset)` of member `q`: ring row or new-token row."""
     if q < split:
         return (ring_key, ring_gate, q * row_stride)
     return (new_key, new_gate, (q - split) * row_stride)
