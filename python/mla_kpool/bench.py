@@ -263,6 +263,33 @@ def time_call(
     return np.asarray(times)
 
 
+def time_pair(
+    first: Callable[[], object],
+    second: Callable[[], object],
+    *,
+    warmup: int,
+    min_reps: int,
+    min_seconds: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-call seconds of two callables timed in alternation.
+
+    Alternating the op and its floor call by call exposes both to the same
+    machine state (frequency, caches, a neighbour's load), so their ratio is
+    steadier than two back-to-back series give.
+    """
+    for _ in range(warmup):
+        first()
+        second()
+    times: tuple[list[float], list[float]] = ([], [])
+    began = time.perf_counter()
+    while len(times[0]) < min_reps or time.perf_counter() - began < min_seconds:
+        for fn, out in ((first, times[0]), (second, times[1])):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return np.asarray(times[0]), np.asarray(times[1])
+
+
 def memcpy_gbps(nbytes: int, **timing: float) -> float:
     """``np.copyto`` bandwidth for a float32 buffer of ``nbytes / 2`` bytes."""
     count = max(nbytes // 8, 1)
@@ -333,8 +360,12 @@ def measure(
 ) -> Record:
     """Measures one configuration: the op, its floors and the NumPy twin."""
     w = make_workload(case)
-    ours = time_call(_ModelCall(runners["ours"], case, w), **timing) * 1e6
-    floor = time_call(_ModelCall(runners["floor"], case, w), **timing) * 1e6
+    ours, floor = time_pair(
+        _ModelCall(runners["ours"], case, w),
+        _ModelCall(runners["floor"], case, w),
+        **timing,
+    )
+    ours, floor = ours * 1e6, floor * 1e6
     builtin = None
     if runners.get("builtin") is not None:
         builtin = float(
