@@ -37,10 +37,11 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
+from tqdm import tqdm
 
 from . import reference
 from .ring import ring_length
@@ -98,28 +99,27 @@ class DemoError(Exception):
 # --------------------------------------------------------------------------
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer, got {text!r}"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_at_least(minimum: int):
+    """An argparse type: an integer no smaller than ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer, got {text!r}"
+            ) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"must be >= {minimum}, got {value}"
+            )
+        return value
+
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer, got {text!r}"
-        ) from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_positive = _int_at_least(1)
+_non_negative = _int_at_least(0)
 
 
 DESCRIPTION = (
@@ -657,44 +657,12 @@ def _restore_ring(
     return runner.to_device(host)
 
 
-class _Progress:
-    """A one-line progress bar on a terminal; silent elsewhere."""
-
-    WIDTH = 30
-
-    def __init__(self, total: int, stream: IO[str], enabled: bool) -> None:
-        self.total = max(total, 1)
-        self.stream = stream
-        self.enabled = enabled and stream.isatty()
-        self._last = 0.0
-
-    def update(self, calls: int, finished: int, requests: int) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if calls < self.total and now - self._last < 0.1:
-            return
-        self._last = now
-        filled = self.WIDTH * calls // self.total
-        bar = "#" * filled + "." * (self.WIDTH - filled)
-        self.stream.write(
-            f"\r[{bar}] call {calls}/{self.total}, "
-            f"{finished}/{requests} requests checked"
-        )
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 def execute(
     config: Config,
     plan_: Plan,
     runner: Runner,
     fault: Fault | None,
-    progress: _Progress,
+    progress: tqdm,
 ) -> _Totals:
     """Runs every call of the plan through the step and checks each request.
 
@@ -795,7 +763,10 @@ def execute(
             )
             totals.problems += problems
             finished += 1
-        progress.update(c + 1, finished, len(plan_.requests))
+        progress.set_postfix_str(
+            f"{finished}/{len(plan_.requests)} requests checked", refresh=False
+        )
+        progress.update(1)
     progress.close()
     return totals
 
@@ -1131,7 +1102,13 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
         slot = plan_.calls[fault.call][fault.entry].slot
         described = fault.describe(slot)
         print(f"injecting a fault: {described}", file=err)
-    progress = _Progress(len(plan_.calls), err, not args.no_progress)
+    progress = tqdm(
+        total=len(plan_.calls),
+        desc="demo",
+        unit="call",
+        file=err,
+        disable=args.no_progress or not err.isatty(),
+    )
     totals = execute(config, plan_, runner, fault, progress)
     summary = summarize(
         config,
