@@ -88,3 +88,8 @@ def test_check_metadata_names_a_page_id_used_as_slot() -> None:
             max_slots=4,
         )
     assert str(info.value) == "request 1: slot_idx[1]=40961 >= max_slots=4"
+
+
+def test_empty_batch_as_python_lists_is_accepted():
+    # batch 0 is legal; [] alone would be float64 to NumPy.
+    assert check_metadata([0], [], [], total_tokens=0, max_slots=2) is None

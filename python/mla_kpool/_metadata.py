@@ -24,6 +24,10 @@ def _require_int(name: str, value: object, minimum: int) -> int:
 
 def _index_array(name: str, values: np.ndarray | Sequence[int]) -> list[int]:
     arr = np.asarray(values)
+    if not isinstance(values, np.ndarray) and arr.size == 0:
+        # An empty Python sequence (batch 0) has no dtype of its own; NumPy
+        # would call it float64.
+        arr = arr.astype(np.int64)
     if not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must have an integer dtype, got {arr.dtype}")
     if arr.ndim != 1:

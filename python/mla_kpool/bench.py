@@ -450,26 +450,57 @@ def format_table(records: list[Record]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the ``bench`` options to ``parser``."""
-    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
-    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="where the ops run; gpu also times MAX's builtins (cpu)",
+    )
+    parser.add_argument(
+        "--ops",
+        nargs="+",
+        choices=OPS,
+        default=list(OPS),
+        help="ops to time (all four)",
+    )
     parser.add_argument(
         "--dtypes",
         nargs="+",
         choices=DTYPES + ("float16",),
         default=list(DTYPES),
+        help="key dtypes (float32 bfloat16)",
     )
-    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
-    parser.add_argument("--kpools", nargs="+", type=int, default=list(KPOOLS))
-    parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     parser.add_argument(
-        "--quick", action="store_true", help="CI-sized subset (see QUICK)"
+        "--batches",
+        nargs="+",
+        type=int,
+        default=list(BATCHES),
+        help="requests per call (1 64 512 4096)",
     )
-    parser.add_argument("--json", metavar="FILE", help="write records here")
+    parser.add_argument(
+        "--kpools",
+        nargs="+",
+        type=int,
+        default=list(KPOOLS),
+        help="tokens per pool (4 16 128); each compiles a model per op",
+    )
+    parser.add_argument(
+        "--head-dim", type=int, default=HEAD_DIM, help="channels (128)"
+    )
+    quick = ", ".join(f"{o} {d} b{b} k{k}" for o, d, b, k in QUICK)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"only these configurations, CI-sized: {quick}",
+    )
+    parser.add_argument(
+        "--json", metavar="FILE", help="write one record per configuration"
+    )
     parser.add_argument(
         "--min-seconds",
         type=float,
         default=0.3,
-        help="measure each configuration at least this long",
+        help="measure each configuration at least this long (0.3)",
     )
 
 
@@ -484,7 +515,14 @@ def run(args: argparse.Namespace) -> int:
     timing = {"warmup": 3, "min_reps": 10, "min_seconds": args.min_seconds}
     todo = cases(args, device)
     records: list[Record] = []
-    for case in tqdm(todo, desc="bench", unit="config", file=sys.stderr):
+    bar = tqdm(
+        todo,
+        desc="bench",
+        unit="config",
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+    )
+    for case in bar:
         records.append(measure(case, runners, timing))
     cpu = platform.processor() or platform.machine()
     print(f"mla-kpool bench on {device} ({cpu}, {os.cpu_count()} cores)")

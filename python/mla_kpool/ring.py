@@ -38,6 +38,15 @@ def ring_length(kpool: int, max_new_tokens: int) -> int:
         TypeError: If an argument is not an integer.
         ValueError: If an argument is below 1.
     """
+    for name, value in (("kpool", kpool), ("max_new_tokens", max_new_tokens)):
+        if isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got bool")
+        try:
+            operator.index(value)
+        except TypeError:
+            raise TypeError(
+                f"{name} must be an int, got {type(value).__name__}"
+            ) from None
     kpool = operator.index(kpool)
     max_new_tokens = operator.index(max_new_tokens)
     if kpool < 1:
