@@ -460,14 +460,22 @@ def compress(
     for first_row, o_b, count, js in plan:
         if not js:
             continue
-        rows = slice(first_row, first_row + count * kpool)
-        pools = _pool_blocks(
-            k[rows].reshape(count, kpool, head_dim),
-            gate[rows].reshape(count, kpool, head_dim),
-            ape,
-        )
+        pools = _request_pools(k, gate, ape, first_row, count)
         out[o_b + js.start : o_b + js.stop] = pools[js.start : js.stop]
     return out
+
+
+def _request_pools(
+    k: np.ndarray, gate: np.ndarray, ape: np.ndarray, first_row: int, count: int
+) -> np.ndarray:
+    """The `count` consecutive pools starting at row `first_row` of `k`."""
+    kpool, head_dim = ape.shape
+    rows = slice(first_row, first_row + count * kpool)
+    return _pool_blocks(
+        k[rows].reshape(count, kpool, head_dim),
+        gate[rows].reshape(count, kpool, head_dim),
+        ape,
+    )
 
 
 def compress_ambiguous_rows(
@@ -544,24 +552,20 @@ def compress_candidates(
     k, gate = _keys_and_gates(k, gate)
     total_tokens, head_dim = k.shape
     ape = _ape(ape, kpool, head_dim)
-    offsets, cache, _ = _batch_metadata(input_row_offsets, cache_lengths)
+    # Where each request's pools start and how many it has do not depend on
+    # pool_row_offsets; any array of the right length serves the plan.
+    batch = len(np.asarray(cache_lengths).reshape(-1))
+    plan = _compress_plan(
+        input_row_offsets,
+        np.zeros(batch + 1, dtype=np.int64),
+        cache_lengths,
+        kpool,
+        total_tokens,
+    )
     found = [np.zeros((1, head_dim))]
-    for b in range(len(cache)):
-        start, end, c = offsets[b], offsets[b + 1], cache[b]
-        if not _offsets_ok(start, end, total_tokens):
-            continue
-        count = _pool_count(c, end - start, kpool)
-        if count == 0:
-            continue
-        first_row = start + _ceil_div(c, kpool) * kpool - c
-        rows = slice(first_row, first_row + count * kpool)
-        found.append(
-            _pool_blocks(
-                k[rows].reshape(count, kpool, head_dim),
-                gate[rows].reshape(count, kpool, head_dim),
-                ape,
-            )
-        )
+    for first_row, _, count, _ in plan:
+        if count:
+            found.append(_request_pools(k, gate, ape, first_row, count))
     return np.concatenate(found)
 
 
