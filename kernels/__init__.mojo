@@ -1,6 +1,6 @@
 """The mla-kpool Mojo package: CPU and GPU kernels of the k-pooled sparse-attention indexer.
 
-Registers three graph ops, under the names MAX 26.7 gives its GPU-only
+Registers four graph ops, under the names MAX 26.7 gives its GPU-only
 builtins, so that a graph loading this package runs them on CPU and GPU:
 
 - `mo.mla.kpool.ring_close` (`ring_close.mojo`): closes each request's
@@ -9,7 +9,10 @@ builtins, so that a graph loading this package runs them on CPU and GPU:
   of this call's tokens.
 - `mo.mla.kpool.seed_tail` (`seed_tail.mojo`): stashes the trailing
   incomplete tokens into the ring.
+- `mo.mla.kpool.expand_topk` (`expand_topk.mojo`): widens the pool ids an
+  indexer selected per query token into the token positions attention
+  reads.
 
-All three share the per-channel pooling routine in `pooling.mojo`, so a pool
-comes out bitwise identical whichever writer builds it.
+The three writers share the per-channel pooling routine in `pooling.mojo`,
+so a pool comes out bitwise identical whichever writer builds it.
 """

@@ -1,0 +1,520 @@
+"""`mo.mla.kpool.expand_topk`: expand the indexer's selected pools into positions.
+
+The indexer scores pools and picks `pool_topk` of them per query token;
+attention reads tokens. Pool `p` covers positions `p * kpool` to
+`p * kpool + kpool - 1`, so each selected id widens into `kpool` positions.
+
+Token row `t` belongs to request `b` when `input_row_offsets[b] <= t <
+input_row_offsets[b + 1]`; its query position is `c + local` (`c =
+cache_lengths[b]`, `local = t - input_row_offsets[b]`, 64-bit) and it sees
+`visible = c + local + 1` positions. Output row `t` (`pool_topk * kpool +
+tail` int32 columns, `tail = kpool - 1` with `always_select_tail`, else 0)
+is packed:
+
+1. for each id `p = pool_ids[t, j]` in selection order that is a complete
+   pool the query sees (`0 <= p` and `(p + 1) * kpool <= visible`), the
+   positions `p * kpool .. p * kpool + kpool - 1`; other ids (`-1`, negative,
+   a pool still filling or in the query's future) are skipped, never
+   expanded into positions the query must not see; a repeated id is
+   expanded each time;
+2. with `always_select_tail`, the `visible % kpool` newest positions
+   `visible - visible % kpool .. visible - 1` (the pool still filling, the
+   query included);
+3. `-1` in every remaining column.
+
+So valid positions always come first and a column is never a clamped or
+invented position. A row is all `-1` when no request owns it (past the last
+offset, or in the span of a request with bad metadata: decreasing offsets,
+offsets past `total_tokens`, a negative cache length) and when its
+positions would not fit int32 (`visible > 2^31`).
+
+A row's request is found by binary search over `input_row_offsets` (the
+last `b` with `input_row_offsets[b] <= t`), exact for the non-decreasing
+offsets of any real batch. When the offsets decrease somewhere the spans of
+valid requests may overlap or be missed by the search: each row then holds
+all `-1` or the expansion for some valid request whose span holds it, and
+nothing is ever read or written out of bounds.
+"""
+
+import extensibility
+from extensibility import InputTensor, OutputTensor
+from max.gpu.host import DeviceContext
+from max.gpu import block_idx, thread_idx
+from std.math import iota, max, min
+
+from .parallel import cpu_for_each_range, emulate_grid
+from .ragged import Ptr, read_index, token_span
+
+comptime POSITION_LIMIT = 1 << 31
+"""Most positions a query may see: its newest one must fit int32."""
+
+comptime GPU_EXPAND_BLOCK = 32
+"""Threads per token row of the GPU kernel: one warp.
+
+Packing needs, for every selected id, the count of valid ids before it.
+Threads that never communicate (what `emulate_grid` can run) must each scan
+the whole row for that, so the scan is kept to one warp per row: its lanes
+read each id together (one broadcast load) and share out the columns.
+"""
+
+comptime CPU_STORE_WIDTH = 16
+"""Positions (int32) per CPU SIMD store: one 64-byte cache line."""
+
+
+@always_inline
+def tail_width[kpool: Int, always_select_tail: Bool]() -> Int:
+    """Columns after the expanded pools: `kpool - 1` with the tail, else 0."""
+    return kpool - 1 if always_select_tail else 0
+
+
+@always_inline
+def row_width[kpool: Int, pool_topk: Int, always_select_tail: Bool]() -> Int:
+    """Output columns per token row: `pool_topk * kpool + tail_width`."""
+    return pool_topk * kpool + tail_width[kpool, always_select_tail]()
+
+
+@always_inline
+def query_visible[
+    offset_dtype: DType, length_dtype: DType
+](
+    input_row_offsets: Ptr[offset_dtype],
+    cache_lengths: Ptr[length_dtype],
+    batch: Int,
+    total_tokens: Int,
+    row: Int,
+) -> Int:
+    """How many positions token row `row` sees, or 0 for an all `-1` row.
+
+    The owner is the last `b` in `[0, batch]` with `input_row_offsets[b] <=
+    row` (binary search); 0 when that is no request, its span is not valid
+    or does not hold `row`, its cache length is negative, or `visible`
+    exceeds `POSITION_LIMIT`. Never reads outside `input_row_offsets[0 :
+    batch + 1]` and `cache_lengths[0 : batch]`.
+    """
+    var lo = 0
+    var hi = batch + 1
+    while lo < hi:
+        var mid = (lo + hi) // 2
+        if read_index(input_row_offsets, mid) <= row:
+            lo = mid + 1
+        else:
+            hi = mid
+    var b = lo - 1
+    if b < 0 or b >= batch:
+        return 0
+    var span = token_span(input_row_offsets, b, total_tokens)
+    if not span[2] or row < span[0] or row >= span[0] + span[1]:
+        return 0
+    var c = read_index(cache_lengths, b)
+    # Checked before the sum, so an int64 length near 2^63 cannot wrap.
+    if c < 0 or c >= POSITION_LIMIT:
+        return 0
+    var visible = c + (row - span[0]) + 1
+    return visible if visible <= POSITION_LIMIT else 0
+
+
+@always_inline
+def store_run[count: Int](dest: Ptr[DType.int32], first: Int):
+    """Stores the `count` positions `first, first + 1, ...` at `dest`."""
+    comptime full = count // CPU_STORE_WIDTH
+    comptime for i in range(full):
+        dest.unsafe_store[width=CPU_STORE_WIDTH](
+            i * CPU_STORE_WIDTH,
+            iota[DType.int32, CPU_STORE_WIDTH](
+                Int32(first + i * CPU_STORE_WIDTH)
+            ),
+        )
+    comptime for q in range(full * CPU_STORE_WIDTH, count):
+        dest[unsafe_offset=q] = Int32(first + q)
+
+
+@always_inline
+def cpu_expand_row[
+    pool_dtype: DType, kpool: Int, pool_topk: Int, always_select_tail: Bool
+](ids: Ptr[pool_dtype], dest: Ptr[DType.int32], visible: Int):
+    """Writes one packed output row on the CPU.
+
+    Args:
+        ids: The row's `pool_topk` selected pool ids.
+        dest: The row's `row_width` output columns.
+        visible: Positions the query sees (0: all `-1`).
+    """
+    comptime width = row_width[kpool, pool_topk, always_select_tail]()
+    var complete = visible // kpool
+    var col = 0
+    for j in range(pool_topk):
+        var p = read_index(ids, j)
+        if p >= 0 and p < complete:
+            store_run[kpool](dest.unsafe_offset(col), p * kpool)
+            col += kpool
+    comptime if always_select_tail:
+        var partial = visible % kpool
+        for q in range(partial):
+            dest[unsafe_offset=col + q] = Int32(visible - partial + q)
+        col += partial
+    var unused = SIMD[DType.int32, CPU_STORE_WIDTH](-1)
+    while col + CPU_STORE_WIDTH <= width:
+        dest.unsafe_store[width=CPU_STORE_WIDTH](col, unused)
+        col += CPU_STORE_WIDTH
+    while col < width:
+        dest[unsafe_offset=col] = -1
+        col += 1
+
+
+def expand_topk_cpu[
+    pool_dtype: DType,
+    offset_dtype: DType,
+    length_dtype: DType,
+    kpool: Int,
+    pool_topk: Int,
+    always_select_tail: Bool,
+](
+    positions: Ptr[DType.int32],
+    pool_ids: Ptr[pool_dtype],
+    input_row_offsets: Ptr[offset_dtype],
+    cache_lengths: Ptr[length_dtype],
+    batch: Int,
+    total_tokens: Int,
+):
+    """CPU expand_topk: token rows split across cores, SIMD stores per row.
+
+    Parameters:
+        pool_dtype: Integer dtype of `pool_ids` (int32 by MAX's convention).
+        offset_dtype: Integer dtype of `input_row_offsets`.
+        length_dtype: Integer dtype of `cache_lengths`.
+        kpool: Tokens per pool.
+        pool_topk: Selected pools per token row.
+        always_select_tail: Whether rows carry the pool still filling.
+
+    Args:
+        positions: Output `[total_tokens, row_width]` int32.
+        pool_ids: `[total_tokens, pool_topk]` selected pool ids.
+        input_row_offsets: `[batch + 1]` token row offsets.
+        cache_lengths: `[batch]` cached-prefix lengths.
+        batch: Requests in this call.
+        total_tokens: Token rows.
+    """
+    comptime width = row_width[kpool, pool_topk, always_select_tail]()
+
+    def expand_rows(lo: Int, hi: Int) {imm}:
+        for row in range(lo, hi):
+            cpu_expand_row[pool_dtype, kpool, pool_topk, always_select_tail](
+                pool_ids.unsafe_offset(row * pool_topk),
+                positions.unsafe_offset(row * width),
+                query_visible(
+                    input_row_offsets, cache_lengths, batch, total_tokens, row
+                ),
+            )
+
+    cpu_for_each_range(
+        total_tokens, total_tokens * (pool_topk + width), expand_rows
+    )
+
+
+@always_inline
+def gpu_expand_width[
+    kpool: Int, pool_topk: Int, always_select_tail: Bool
+]() -> Int:
+    """Threads per block of the GPU kernel: a warp, fewer for narrow rows.
+
+    At least 1, the stride of every thread's column loop, even for rows of
+    no columns (which are never launched).
+    """
+    return max(
+        min(
+            row_width[kpool, pool_topk, always_select_tail](), GPU_EXPAND_BLOCK
+        ),
+        1,
+    )
+
+
+def expand_topk_thread[
+    pool_dtype: DType,
+    offset_dtype: DType,
+    length_dtype: DType,
+    kpool: Int,
+    pool_topk: Int,
+    always_select_tail: Bool,
+](
+    block: Int,
+    thread: Int,
+    positions: Ptr[DType.int32],
+    pool_ids: Ptr[pool_dtype],
+    input_row_offsets: Ptr[offset_dtype],
+    cache_lengths: Ptr[length_dtype],
+    batch: Int,
+    total_tokens: Int,
+):
+    """One GPU thread of expand_topk: token row `block`, every W-th column.
+
+    Block `t` writes output row `t`; thread `i` of its `W =
+    gpu_expand_width()` threads writes columns `i`, `i + W`, `i + 2W`, ...
+    Every thread walks the row's ids in selection order, counting the
+    columns the valid ones fill, and writes the positions that land in its
+    columns; then its tail columns, then `-1`. The threads never
+    communicate, so the result does not depend on their order.
+    `kpool_expand_topk_kernel` runs this on a GPU, `emulate_grid` on the
+    CPU.
+
+    Parameters and Args are those of `expand_topk_cpu`, plus the launch
+    indices `block` and `thread`.
+    """
+    comptime width = row_width[kpool, pool_topk, always_select_tail]()
+    comptime stride = gpu_expand_width[kpool, pool_topk, always_select_tail]()
+    var row = block
+    var visible = query_visible(
+        input_row_offsets, cache_lengths, batch, total_tokens, row
+    )
+    var complete = visible // kpool
+    var ids = pool_ids.unsafe_offset(row * pool_topk)
+    var dest = positions.unsafe_offset(row * width)
+    var col = thread
+    var filled = 0
+    for j in range(pool_topk):
+        var p = read_index(ids, j)
+        if p >= 0 and p < complete:
+            filled += kpool
+            # Column `col` holds member `col - (filled - kpool)` of pool p.
+            while col < filled:
+                dest[unsafe_offset=col] = Int32(
+                    p * kpool - filled + kpool + col
+                )
+                col += stride
+    comptime if always_select_tail:
+        filled += visible % kpool
+        while col < filled:
+            dest[unsafe_offset=col] = Int32(visible - filled + col)
+            col += stride
+    while col < width:
+        dest[unsafe_offset=col] = -1
+        col += stride
+
+
+def kpool_expand_topk_kernel[
+    pool_dtype: DType,
+    offset_dtype: DType,
+    length_dtype: DType,
+    kpool: Int,
+    pool_topk: Int,
+    always_select_tail: Bool,
+](
+    positions: Ptr[DType.int32],
+    pool_ids: Ptr[pool_dtype],
+    input_row_offsets: Ptr[offset_dtype],
+    cache_lengths: Ptr[length_dtype],
+    batch: Int64,
+    total_tokens: Int64,
+):
+    """GPU entry of expand_topk: `expand_topk_thread` at this block and thread.
+
+    Parameters and Args are those of `expand_topk_cpu` (sizes as Int64:
+    GPU kernel arguments need fixed-width integers).
+    """
+    expand_topk_thread[
+        pool_dtype,
+        offset_dtype,
+        length_dtype,
+        kpool,
+        pool_topk,
+        always_select_tail,
+    ](
+        Int(block_idx.x),
+        Int(thread_idx.x),
+        positions,
+        pool_ids,
+        input_row_offsets,
+        cache_lengths,
+        Int(batch),
+        Int(total_tokens),
+    )
+
+
+@always_inline
+def expand_topk_launch[
+    kpool: Int, pool_topk: Int, always_select_tail: Bool
+](total_tokens: Int) -> Tuple[Int, Int]:
+    """`(grid, block)` of `kpool_expand_topk_kernel`: a block per token row."""
+    return (
+        total_tokens,
+        gpu_expand_width[kpool, pool_topk, always_select_tail](),
+    )
+
+
+def expand_topk_gpu[
+    pool_dtype: DType,
+    offset_dtype: DType,
+    length_dtype: DType,
+    kpool: Int,
+    pool_topk: Int,
+    always_select_tail: Bool,
+    emulate: Bool,
+](
+    positions: Ptr[DType.int32],
+    pool_ids: Ptr[pool_dtype],
+    input_row_offsets: Ptr[offset_dtype],
+    cache_lengths: Ptr[length_dtype],
+    batch: Int,
+    total_tokens: Int,
+    ctx: DeviceContext,
+) raises:
+    """GPU expand_topk: launches `kpool_expand_topk_kernel` on `ctx`.
+
+    Nothing is launched when there is nothing to write (no token rows, or
+    rows of zero columns). With `emulate`, runs the same threads through
+    `emulate_grid` on the CPU instead (the operands are then host memory
+    and `ctx` is unused).
+
+    Parameters and Args are those of `expand_topk_cpu`, plus `emulate` and
+    `ctx`.
+    """
+    comptime width = row_width[kpool, pool_topk, always_select_tail]()
+    if total_tokens == 0 or width == 0:
+        return
+    var shape = expand_topk_launch[kpool, pool_topk, always_select_tail](
+        total_tokens
+    )
+    comptime if emulate:
+
+        def thread_work(block: Int, thread: Int) {imm}:
+            expand_topk_thread[
+                pool_dtype,
+                offset_dtype,
+                length_dtype,
+                kpool,
+                pool_topk,
+                always_select_tail,
+            ](
+                block,
+                thread,
+                positions,
+                pool_ids,
+                input_row_offsets,
+                cache_lengths,
+                batch,
+                total_tokens,
+            )
+
+        emulate_grid(
+            "kpool_expand_topk_kernel", shape[0], shape[1], thread_work
+        )
+    else:
+        ctx.enqueue_function[
+            kpool_expand_topk_kernel[
+                pool_dtype,
+                offset_dtype,
+                length_dtype,
+                kpool,
+                pool_topk,
+                always_select_tail,
+            ]
+        ](
+            positions,
+            pool_ids,
+            input_row_offsets,
+            cache_lengths,
+            Int64(batch),
+            Int64(total_tokens),
+            grid_dim=shape[0],
+            block_dim=shape[1],
+        )
+
+
+@extensibility.register("mo.mla.kpool.expand_topk")
+struct MLAKPoolExpandTopK:
+    """Registers the `mo.mla.kpool.expand_topk` graph op (CPU and GPU)."""
+
+    @staticmethod
+    def execute[
+        *,
+        kpool: Int,
+        pool_topk: Int,
+        always_select_tail: Bool,
+        emulate_gpu: Bool = False,
+        target: StaticString,
+    ](
+        positions: OutputTensor[dtype=DType.int32, rank=2, ...],
+        pool_ids: InputTensor[rank=2, ...],
+        input_row_offsets: InputTensor[rank=1, ...],
+        cache_lengths: InputTensor[rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        """Expands each token row's selected pool ids into token positions.
+
+        Parameters:
+            kpool: Tokens per pool (at least 1).
+            pool_topk: Selected pools per token row (`pool_ids.shape[1]`).
+            always_select_tail: Append the `visible % kpool` newest
+                positions after the pools (the output is `kpool - 1`
+                columns wider).
+            emulate_gpu: Run the GPU kernel's threads over an emulated grid
+                on a CPU target (testing; slow). MAX's wrapper never sets
+                it, so its graphs get the CPU kernel.
+            target: "cpu" or "gpu", filled in by the graph compiler.
+
+        Args:
+            positions: Output `[total_tokens, pool_topk * kpool + tail]`
+                int32 token positions, packed, `-1` where unused (`tail` is
+                `kpool - 1` with `always_select_tail`, else 0).
+            pool_ids: `[total_tokens, pool_topk]` selected pool ids in
+                selection order, `-1` where fewer were selected (int32 by
+                MAX's convention; any integer dtype is read).
+            input_row_offsets: `[batch + 1]` token row offsets (uint32, or
+                another integer dtype).
+            cache_lengths: `[batch]` cached-prefix length per request.
+            ctx: Device context.
+
+        Raises:
+            Error: If `kpool < 1` or the operand shapes disagree with
+                `kpool`/`pool_topk`/`always_select_tail` (the Python API
+                rejects those before the graph is built).
+        """
+        comptime width = row_width[kpool, pool_topk, always_select_tail]()
+        var total_tokens = pool_ids.dim_size(0)
+        var batch = cache_lengths.dim_size(0)
+        if (
+            kpool < 1
+            or pool_topk < 0
+            or pool_ids.dim_size(1) != pool_topk
+            or positions.dim_size(0) != total_tokens
+            or positions.dim_size(1) != width
+            or input_row_offsets.dim_size(0) != batch + 1
+        ):
+            raise Error("mo.mla.kpool.expand_topk: operand shapes disagree")
+        comptime if emulate_gpu and target != "cpu":
+            raise Error(
+                "mo.mla.kpool.expand_topk: emulate_gpu needs a CPU target"
+            )
+        comptime if target == "cpu" and not emulate_gpu:
+            expand_topk_cpu[
+                pool_ids.dtype,
+                input_row_offsets.dtype,
+                cache_lengths.dtype,
+                kpool,
+                pool_topk,
+                always_select_tail,
+            ](
+                positions.unsafe_ptr(),
+                pool_ids.unsafe_ptr(),
+                input_row_offsets.unsafe_ptr(),
+                cache_lengths.unsafe_ptr(),
+                batch,
+                total_tokens,
+            )
+        else:
+            expand_topk_gpu[
+                pool_ids.dtype,
+                input_row_offsets.dtype,
+                cache_lengths.dtype,
+                kpool,
+                pool_topk,
+                always_select_tail,
+                emulate_gpu,
+            ](
+                positions.unsafe_ptr(),
+                pool_ids.unsafe_ptr(),
+                input_row_offsets.unsafe_ptr(),
+                cache_lengths.unsafe_ptr(),
+                batch,
+                total_tokens,
+                ctx,
+            )
