@@ -25,6 +25,7 @@ from ._paths import KERNELS
 from .graph import (
     KPoolStep,
     compress,
+    expand_topk,
     kpool_step,
     pool_row_offsets,
     ring_close,
@@ -38,6 +39,7 @@ __all__ = [
     "buffers",
     "check_metadata",
     "compress",
+    "expand_topk",
     "kpool_step",
     "pool_row_offsets",
     "reference",

@@ -16,6 +16,10 @@ custom op (``mo.mla.kpool.<verb>``); the graph must be built or loaded with
 ``custom_extensions=[mla_kpool.KERNELS]`` so that this package's CPU+GPU
 kernels replace MAX's GPU-only builtins of the same names.
 
+:func:`expand_topk` is the op that reads pools back: it widens the pool ids
+an indexer selected for each query token into the token positions
+attention reads.
+
 Index tensors (``input_row_offsets``, ``cache_lengths``, ``slot_idx``,
 ``pool_row_offsets``) are rank 1, uint32 by MAX's convention; int32, int64
 and uint64 are accepted too.
@@ -27,6 +31,7 @@ from typing import NamedTuple
 
 from max.dtype import DType
 from max.graph import BufferValue, TensorType, TensorValue, ops
+from max.graph.dim import StaticDim
 
 from . import _validate as v
 
@@ -434,3 +439,133 @@ def kpool_step(
         pool_row_offsets=offsets,
         first_pool=_first_pool(cache_lengths, kpool),
     )
+
+
+#: ``pool_ids`` dtypes: signed, because ``-1`` marks an unused selection.
+POOL_ID_DTYPES: tuple[DType, ...] = (DType.int32, DType.int64)
+
+
+def _check_pool_ids(pool_ids: object) -> tuple[TensorValue, int]:
+    """Checks ``pool_ids`` and returns it with its static ``pool_topk``."""
+    pool_ids = v.check_tensor("pool_ids", pool_ids)
+    if pool_ids.rank != 2:
+        raise ValueError(
+            "pool_ids must be rank 2 [total_tokens, pool_topk], got rank"
+            f" {pool_ids.rank} {v.fmt_shape(pool_ids.shape)}"
+        )
+    topk = pool_ids.shape[1]
+    if not isinstance(topk, StaticDim):
+        raise ValueError(
+            "pool_ids must have a static pool_topk (it is a kernel"
+            f" parameter), got {v.fmt_shape(pool_ids.shape)}"
+        )
+    if pool_ids.dtype not in POOL_ID_DTYPES:
+        raise TypeError(
+            "pool_ids must be int32 or int64 (signed: -1 marks an unused"
+            f" selection), got {pool_ids.dtype.name}"
+        )
+    return pool_ids, int(topk)
+
+
+def expand_topk(
+    pool_ids: TensorValue,
+    input_row_offsets: TensorValue,
+    cache_lengths: TensorValue,
+    kpool: int,
+    always_select_tail: bool = True,
+    *,
+    emulate_gpu: bool = False,
+) -> TensorValue:
+    """Expands the pools an indexer selected into the positions they cover.
+
+    The indexer scores pools; attention reads tokens. Pool ``p`` covers
+    positions ``p * kpool`` to ``p * kpool + kpool - 1``. Token row ``t`` of
+    request ``b`` (``input_row_offsets[b] <= t < input_row_offsets[b + 1]``)
+    is the query at position ``c + t - input_row_offsets[b]``
+    (``c = cache_lengths[b]``) and sees ``visible`` positions, one more than
+    that. Its output row is packed: the positions of each selected pool in
+    selection order, then, with ``always_select_tail``, the
+    ``visible % kpool`` newest positions (the pool still filling, the query
+    included), then ``-1`` in every remaining column. Valid entries come
+    first because the sparse decode bounds its scan by them, and a column is
+    never a clamped position, which would point attention at a token the
+    indexer did not choose.
+
+    Where MAX's documentation is silent, this keeps attention safe: an id
+    that is negative, or names a pool that is not complete and visible to
+    the query (``(p + 1) * kpool > visible``), is skipped rather than
+    expanded into positions the query must not see (a repeated id is
+    expanded each time). A row that no request owns (past the last offset,
+    or inside the span of a request whose offsets decrease or pass
+    ``total_tokens``, or whose cache length is negative) is all ``-1``, and
+    so is a row whose positions would not fit int32 (``visible > 2^31``).
+    Rows are matched to requests by binary search over
+    ``input_row_offsets``, exact for non-decreasing offsets; where the
+    offsets decrease, a row holds all ``-1`` or the expansion for some
+    request whose span holds it. Position arithmetic is 64-bit.
+
+    Args:
+        pool_ids: Selected pool ids, ``[total_tokens, pool_topk]``, int32
+            (MAX's) or int64, ``-1`` where fewer were selected; ``pool_topk``
+            static.
+        input_row_offsets: Token row offsets per request, ``[batch + 1]``.
+        cache_lengths: Tokens already seen per request, ``[batch]``.
+        kpool: Tokens per pool.
+        always_select_tail: Whether to append the pool still filling.
+        emulate_gpu: Testing aid: run the op's GPU kernel on the CPU, every
+            block and thread of its launch in turn, instead of the CPU
+            kernel (see the README). The operands must be on the CPU. Slow;
+            MAX's own wrappers never set it.
+
+    Returns:
+        ``[total_tokens, pool_topk * kpool + tail]`` int32 token positions,
+        ``-1`` where unused; ``tail`` is ``kpool - 1`` with
+        ``always_select_tail``, else 0.
+
+    Raises:
+        TypeError: If an operand is not a ``TensorValue``, ``kpool`` is not an
+            int, ``always_select_tail`` is not a bool, ``pool_ids`` is not
+            int32/int64, or an index tensor has a non-integer dtype.
+        ValueError: If ``kpool < 1``, a rank, shape or device is wrong,
+            ``pool_topk`` is not static, the static batch sizes disagree,
+            or ``emulate_gpu`` is set off the CPU.
+    """
+    kpool = v.check_kpool(kpool)
+    if not isinstance(always_select_tail, bool):
+        raise TypeError(
+            "always_select_tail must be a bool, got"
+            f" {type(always_select_tail).__name__} {always_select_tail!r}"
+        )
+    pool_ids, pool_topk = _check_pool_ids(pool_ids)
+    input_row_offsets = v.check_index(
+        "input_row_offsets", input_row_offsets, "batch + 1"
+    )
+    cache_lengths = v.check_index("cache_lengths", cache_lengths, "batch")
+    v.check_batch(cache_lengths, input_row_offsets=(input_row_offsets, 1))
+    device = pool_ids.device
+    v.check_devices(
+        device,
+        "pool_ids",
+        input_row_offsets=input_row_offsets,
+        cache_lengths=cache_lengths,
+    )
+
+    tail = kpool - 1 if always_select_tail else 0
+    return ops.custom(
+        "mo.mla.kpool.expand_topk",
+        device=device,
+        values=[pool_ids, input_row_offsets, cache_lengths],
+        out_types=[
+            TensorType(
+                DType.int32,
+                [pool_ids.shape[0], pool_topk * kpool + tail],
+                device=device,
+            )
+        ],
+        parameters={
+            "kpool": kpool,
+            "pool_topk": pool_topk,
+            "always_select_tail": always_select_tail,
+            **v.kernel_parameters(None, kpool, emulate_gpu, device),
+        },
+    )[0].tensor

@@ -36,12 +36,18 @@ class ModelKey:
     """What a compiled model is specialized on.
 
     Attributes:
-        kind: ``"ring_close"``, ``"compress"``, ``"seed_tail"`` or ``"step"``.
-        dtype: Key dtype (``k``, ``gate``, ``tail``, pooled outputs).
+        kind: ``"ring_close"``, ``"compress"``, ``"seed_tail"``, ``"step"``
+            or ``"expand_topk"``.
+        dtype: Key dtype (``k``, ``gate``, ``tail``, pooled outputs); for
+            expand_topk, the dtype of ``pool_ids``.
         kpool: Tokens per pool.
-        head_dim: Channels per key.
-        ring_len: Ring length ``R`` (``kpool`` or a multiple); 0 for compress.
+        head_dim: Channels per key (0 for expand_topk).
+        ring_len: Ring length ``R`` (``kpool`` or a multiple); 0 for compress
+            and expand_topk.
         index_dtypes: Dtypes of the index operands, in argument order.
+        pool_topk: Selected pools per token row (expand_topk only).
+        always_select_tail: Whether rows carry the pool still filling
+            (expand_topk only).
     """
 
     kind: str
@@ -50,6 +56,8 @@ class ModelKey:
     head_dim: int
     ring_len: int
     index_dtypes: tuple[DType, ...]
+    pool_topk: int = 0
+    always_select_tail: bool = False
 
 
 def _index_array(values: npt.ArrayLike) -> np.ndarray:
@@ -143,6 +151,8 @@ class Runner:
         return len(self._models)
 
     def _build(self, key: ModelKey) -> Graph:
+        if key.kind == "expand_topk":
+            return self._build_expand_topk(key)
         dev = self._ref
         hd, kp, dt = key.head_dim, key.kpool, key.dtype
         ring = BufferType(dt, ["slots", 2, key.ring_len, hd], dev)
@@ -195,6 +205,36 @@ class Runner:
                 g.output(*kpool_graph.kpool_step(*x, kp))
             else:
                 raise ValueError(f"unknown kind {key.kind!r}")
+        return g
+
+    def _build_expand_topk(self, key: ModelKey) -> Graph:
+        dev = self._ref
+        off_dt, len_dt = key.index_dtypes
+        tail = "tail" if key.always_select_tail else "notail"
+        name = (
+            f"mla_kpool_expand_topk_{key.dtype}_k{key.kpool}"
+            f"_t{key.pool_topk}_{tail}"
+        )
+        if self.emulate_gpu:
+            name += "_gpu_emulated"
+        inputs = [
+            TensorType(key.dtype, ["tokens", key.pool_topk], dev),
+            TensorType(off_dt, ["offsets"], dev),
+            TensorType(len_dt, ["batch"], dev),
+        ]
+        with Graph(
+            name,
+            input_types=inputs,
+            custom_extensions=[self.kernels] if self.kernels else [],
+        ) as g:
+            g.output(
+                kpool_graph.expand_topk(
+                    *(value.tensor for value in g.inputs),
+                    key.kpool,
+                    key.always_select_tail,
+                    emulate_gpu=self.emulate_gpu,
+                )
+            )
         return g
 
     # -- calls -----------------------------------------------------------
@@ -383,6 +423,69 @@ class Runner:
             slot_idx=slot_idx,
         )
         return StepResult(*outs)
+
+    def prepare_expand_topk(
+        self,
+        pool_ids: np.ndarray,
+        input_row_offsets: npt.ArrayLike,
+        cache_lengths: npt.ArrayLike,
+        kpool: int,
+        always_select_tail: bool = True,
+    ) -> tuple[Model, list[Buffer]]:
+        """The compiled expand_topk model for one call and its operands.
+
+        Like :meth:`prepare`: the benchmark times
+        ``model.execute(*operands)``, and tests swap in guarded operands.
+
+        Args:
+            pool_ids: ``[total_tokens, pool_topk]`` int32 or int64.
+            input_row_offsets: ``[batch + 1]`` (lists become uint32).
+            cache_lengths: ``[batch]`` (lists become uint32).
+            kpool: Tokens per pool.
+            always_select_tail: Whether rows carry the pool still filling.
+
+        Returns:
+            ``(model, operands)``.
+        """
+        index_arrays = [
+            _index_array(input_row_offsets),
+            _index_array(cache_lengths),
+        ]
+        key = ModelKey(
+            kind="expand_topk",
+            dtype=to_max_dtype(pool_ids.dtype),
+            kpool=int(kpool),
+            head_dim=0,
+            ring_len=0,
+            index_dtypes=tuple(to_max_dtype(a.dtype) for a in index_arrays),
+            pool_topk=int(pool_ids.shape[1]),
+            always_select_tail=bool(always_select_tail),
+        )
+        args = [self.to_device(a) for a in (pool_ids, *index_arrays)]
+        return self.model(key), args
+
+    def expand_topk(
+        self,
+        pool_ids: np.ndarray,
+        input_row_offsets: npt.ArrayLike,
+        cache_lengths: npt.ArrayLike,
+        kpool: int,
+        always_select_tail: bool = True,
+    ) -> np.ndarray:
+        """Runs ``mo.mla.kpool.expand_topk``; see :func:`mla_kpool.expand_topk`.
+
+        Returns:
+            ``[total_tokens, pool_topk * kpool + tail]`` int32 positions.
+        """
+        model, args = self.prepare_expand_topk(
+            pool_ids,
+            input_row_offsets,
+            cache_lengths,
+            kpool,
+            always_select_tail,
+        )
+        (positions,) = model.execute(*args)
+        return to_numpy(positions)
 
 
 @dataclass(frozen=True)
