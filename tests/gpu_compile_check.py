@@ -16,6 +16,9 @@ never reaches GPU-only constraints (``Int`` captured in a kernel closure is
 not ``DevicePassable``, say); this does. ``KERNELS_DIR`` (default
 ``mla_kpool.KERNELS``) lets a copy of the kernels with a planted bug be
 checked to fail.
+
+The default graph also holds an ``expand_topk`` in MAX's production shape
+(kpool 4, 512 pools, int32 ids, the step's metadata).
 """
 
 from __future__ import annotations
@@ -76,6 +79,8 @@ def main(argv: list[str]) -> int:
         tensor(u32, ["h_offsets"]),
         tensor(u32, ["h_offsets"]),
         tensor(u32, ["h_batch"]),
+        # expand_topk, kpool 4, pool_topk 512 (the step's metadata).
+        tensor(DType.int32, ["tokens", 512]),
     ]
     with Graph(
         "gpu_compile_check", input_types=inputs, custom_extensions=[kernels]
@@ -87,7 +92,8 @@ def main(argv: list[str]) -> int:
         step = mla_kpool.kpool_step(*x[0:7], 4)
         wide = mla_kpool.ring_close(x[7], *x[8:11], *x[4:7], 128)
         half = mla_kpool.compress(*x[11:17], 16)
-        graph.output(*step, *wide, half)
+        positions = mla_kpool.expand_topk(x[17], x[4], x[5], 4)
+        graph.output(*step, *wide, half, positions)
 
     session = InferenceSession(devices=[driver.CPU(), driver.Accelerator()])
     session.load(graph)

@@ -3,7 +3,9 @@
 Runs without a GPU (`mojo run -I . tests/mojo/test_gpu_kernels.mojo`);
 `tests/test_gpu_kernels.py` runs it under pytest. The launch shape is the
 contract the kernels' indexing relies on: one block per request (ring_close,
-seed_tail) or per output row (compress), `min(head_dim, 1024)` threads.
+seed_tail) or per output row (compress), `min(head_dim, 1024)` threads;
+expand_topk launches a block per token row of one warp (fewer threads for
+rows narrower than 32 columns).
 """
 
 from max.gpu.host import get_gpu_target
@@ -11,6 +13,7 @@ from max.gpu.host.compile import _compile_code
 from std.testing import TestSuite, assert_equal, assert_true
 
 from kernels.compress import compress_launch, kpool_compress_kernel
+from kernels.expand_topk import expand_topk_launch, kpool_expand_topk_kernel
 from kernels.ring_close import kpool_ring_close_kernel, ring_close_launch
 from kernels.seed_tail import kpool_seed_tail_kernel, seed_tail_launch
 
@@ -53,6 +56,14 @@ def _compile_all[arch: StaticString]() raises -> List[String]:
             ]()
         )
     )
+    out.append(
+        String(
+            _compile_code[
+                kpool_expand_topk_kernel[DType.int32, U32, U32, 4, 512, True],
+                target = get_gpu_target[arch](),
+            ]()
+        )
+    )
     return out^
 
 
@@ -63,6 +74,7 @@ def test_ptx_sm_90a() raises:
     _check_asm(asm[0], "sm_90a", "kernels_ring_close_kpool_ring")
     _check_asm(asm[1], "sm_90a", "kernels_compress_kpool_compres")
     _check_asm(asm[2], "sm_90a", "kernels_seed_tail_kpool_seed")
+    _check_asm(asm[3], "sm_90a", "kernels_expand_topk_kpool_expa")
 
 
 def test_ptx_sm_100a() raises:
@@ -72,6 +84,7 @@ def test_ptx_sm_100a() raises:
     _check_asm(asm[0], "sm_100a", "kernels_ring_close_kpool_ring")
     _check_asm(asm[1], "sm_100a", "kernels_compress_kpool_compres")
     _check_asm(asm[2], "sm_100a", "kernels_seed_tail_kpool_seed")
+    _check_asm(asm[3], "sm_100a", "kernels_expand_topk_kpool_expa")
 
 
 def test_amdgcn_gfx942() raises:
@@ -94,6 +107,15 @@ def test_launch_shapes() raises:
     var comp = compress_launch[96](250)
     assert_equal(comp[0], 250)
     assert_equal(comp[1], 96)
+    # expand_topk: a block per token row, one warp (MAX's width 2051).
+    var expand = expand_topk_launch[4, 512, True](300)
+    assert_equal(expand[0], 300)
+    assert_equal(expand[1], 32)
+    var short = expand_topk_launch[1, 8, True](5)
+    assert_equal(short[0], 5)
+    assert_equal(short[1], 8)
+    # No token rows: an empty grid, which the op never launches.
+    assert_equal(expand_topk_launch[4, 512, True](0)[0], 0)
 
 
 def main() raises:
