@@ -592,7 +592,13 @@ def test_parity_graphs_build(cfg: ExpandConfig) -> None:
 )
 @pytest.mark.parametrize("cfg", [PRODUCTION], ids=lambda c: c.id)
 def test_matches_max_builtin(cfg: ExpandConfig) -> None:
-    """Ours equals MAX's builtin on well-formed calls, and both the oracle."""
+    """Ours equals MAX's builtin where MAX documents the answer.
+
+    That is well-formed metadata and selections of visible complete pools
+    (or ``-1``): MAX's docstring says nothing about other ids, which ours
+    skips (checked against the oracle above), so the builtin's answer for
+    them is not compared. Both must also equal the oracle.
+    """
     gpu = DeviceRef.GPU()
     session = InferenceSession(devices=[driver.CPU(), driver.Accelerator()])
     models = {
@@ -606,6 +612,8 @@ def test_matches_max_builtin(cfg: ExpandConfig) -> None:
     for case in CASES:
         # Well-formed metadata only: the builtin documents nothing else.
         if case.config != cfg or case.offsets is not None or case.extra_rows:
+            continue
+        if case.selection == "mixed" or not case.cache:
             continue
         if any(c >= 2**31 - 64 for c in case.cache):
             continue
