@@ -22,7 +22,7 @@ from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
 from max.gpu import block_idx, thread_idx
 
-from .parallel import cpu_for_each_range, gpu_block_width
+from .parallel import cpu_for_each_range, emulate_grid, gpu_block_width
 from .pooling import cpu_pool_row, pool_channels
 from .ragged import Ptr, full_pools, read_index, token_span
 
@@ -177,6 +177,67 @@ def compress_cpu[
     cpu_for_each_range(out_rows, out_rows * kpool * head_dim, write_rows)
 
 
+def compress_thread[
+    dtype: DType,
+    offset_dtype: DType,
+    pool_offset_dtype: DType,
+    length_dtype: DType,
+    kpool: Int,
+    head_dim: Int,
+](
+    block: Int,
+    thread: Int,
+    pooled: Ptr[dtype],
+    k: Ptr[dtype],
+    gate: Ptr[dtype],
+    ape: Ptr[DType.float32],
+    input_row_offsets: Ptr[offset_dtype],
+    pool_row_offsets: Ptr[pool_offset_dtype],
+    cache_lengths: Ptr[length_dtype],
+    batch: Int,
+    total_tokens: Int,
+):
+    """One GPU thread of compress: output row `block`, channels from `thread`.
+
+    Block `i` finds the owner of output row `i` by binary search over
+    `pool_row_offsets` and writes that row: the owner's pool, or zeros when
+    no request owns it. Thread `t` writes channels `t`, `t + W`, ... with
+    `W = gpu_block_width[head_dim]()`. `kpool_compress_kernel` runs this on
+    a GPU, `emulate_grid` on the CPU.
+
+    Parameters and Args are those of `compress_cpu`, plus the launch
+    indices `block` and `thread`.
+    """
+    comptime stride = gpu_block_width[head_dim]()
+    var row = block
+    var first = pool_row_of[
+        offset_dtype, pool_offset_dtype, length_dtype, kpool
+    ](
+        input_row_offsets,
+        pool_row_offsets,
+        cache_lengths,
+        owner(last_span_at(pool_row_offsets, batch, row), batch),
+        row,
+        total_tokens,
+    )
+    var dest = pooled.unsafe_offset(row * head_dim)
+    var member0 = max(first, 0) * head_dim
+    for ch in range(thread, head_dim, stride):
+        if first < 0:
+            dest[unsafe_offset=ch] = 0
+        else:
+            dest[unsafe_offset=ch] = pool_channels[dtype, 1, kpool](
+                k,
+                gate,
+                0,
+                k.unsafe_offset(member0),
+                gate.unsafe_offset(member0),
+                ape,
+                head_dim,
+                ch,
+            )
+
+
 def kpool_compress_kernel[
     dtype: DType,
     offset_dtype: DType,
@@ -195,40 +256,25 @@ def kpool_compress_kernel[
     batch: Int64,
     total_tokens: Int64,
 ):
-    """GPU compress body: block `i` writes output row `i`, a thread a channel.
+    """GPU entry of compress: `compress_thread` at this block and thread.
 
-    Launched by `compress_gpu` with `compress_launch`'s shape. Parameters
-    and Args are those of `compress_cpu` (sizes as Int64).
+    Parameters and Args are those of `compress_cpu` (sizes as Int64).
     """
-    comptime block = gpu_block_width[head_dim]()
-    var row = Int(block_idx.x)
-    var requests = Int(batch)
-    var first = pool_row_of[
-        offset_dtype, pool_offset_dtype, length_dtype, kpool
+    compress_thread[
+        dtype, offset_dtype, pool_offset_dtype, length_dtype, kpool, head_dim
     ](
+        Int(block_idx.x),
+        Int(thread_idx.x),
+        pooled,
+        k,
+        gate,
+        ape,
         input_row_offsets,
         pool_row_offsets,
         cache_lengths,
-        owner(last_span_at(pool_row_offsets, requests, row), requests),
-        row,
+        Int(batch),
         Int(total_tokens),
     )
-    var dest = pooled.unsafe_offset(row * head_dim)
-    var member0 = max(first, 0) * head_dim
-    for ch in range(Int(thread_idx.x), head_dim, block):
-        if first < 0:
-            dest[unsafe_offset=ch] = 0
-        else:
-            dest[unsafe_offset=ch] = pool_channels[dtype, 1, kpool](
-                k,
-                gate,
-                0,
-                k.unsafe_offset(member0),
-                gate.unsafe_offset(member0),
-                ape,
-                head_dim,
-                ch,
-            )
 
 
 @always_inline
@@ -244,6 +290,7 @@ def compress_gpu[
     length_dtype: DType,
     kpool: Int,
     head_dim: Int,
+    emulate: Bool,
 ](
     pooled: Ptr[dtype],
     k: Ptr[dtype],
@@ -257,35 +304,65 @@ def compress_gpu[
     out_rows: Int,
     ctx: DeviceContext,
 ) raises:
-    """GPU compress: enqueues `kpool_compress_kernel` on `ctx`.
+    """GPU compress: launches `kpool_compress_kernel` on `ctx`.
 
-    Parameters and Args are those of `compress_cpu`, plus `ctx`.
+    With `emulate`, runs the same threads through `emulate_grid` on the
+    CPU instead (the operands are then host memory and `ctx` is unused).
+
+    Parameters and Args are those of `compress_cpu`, plus `emulate` and
+    `ctx`.
     """
     if out_rows == 0:
         return
     var shape = compress_launch[head_dim](out_rows)
-    ctx.enqueue_function[
-        kpool_compress_kernel[
-            dtype,
-            offset_dtype,
-            pool_offset_dtype,
-            length_dtype,
-            kpool,
-            head_dim,
-        ]
-    ](
-        pooled,
-        k,
-        gate,
-        ape,
-        input_row_offsets,
-        pool_row_offsets,
-        cache_lengths,
-        Int64(batch),
-        Int64(total_tokens),
-        grid_dim=shape[0],
-        block_dim=shape[1],
-    )
+    comptime if emulate:
+
+        def thread_work(block: Int, thread: Int) {imm}:
+            compress_thread[
+                dtype,
+                offset_dtype,
+                pool_offset_dtype,
+                length_dtype,
+                kpool,
+                head_dim,
+            ](
+                block,
+                thread,
+                pooled,
+                k,
+                gate,
+                ape,
+                input_row_offsets,
+                pool_row_offsets,
+                cache_lengths,
+                batch,
+                total_tokens,
+            )
+
+        emulate_grid("kpool_compress_kernel", shape[0], shape[1], thread_work)
+    else:
+        ctx.enqueue_function[
+            kpool_compress_kernel[
+                dtype,
+                offset_dtype,
+                pool_offset_dtype,
+                length_dtype,
+                kpool,
+                head_dim,
+            ]
+        ](
+            pooled,
+            k,
+            gate,
+            ape,
+            input_row_offsets,
+            pool_row_offsets,
+            cache_lengths,
+            Int64(batch),
+            Int64(total_tokens),
+            grid_dim=shape[0],
+            block_dim=shape[1],
+        )
 
 
 @extensibility.register("mo.mla.kpool.compress")
@@ -297,6 +374,7 @@ struct MLAKPoolCompress:
         *,
         head_dim: Int,
         kpool: Int,
+        emulate_gpu: Bool = False,
         target: StaticString,
     ](
         pooled: OutputTensor[rank=2, ...],
@@ -314,6 +392,9 @@ struct MLAKPoolCompress:
             head_dim: Channels per key; also the GPU block width (capped at
                 1024, threads then stride over channels).
             kpool: Tokens per pool.
+            emulate_gpu: Run the GPU kernel's threads over an emulated grid
+                on a CPU target (testing; slow). MAX's wrapper never sets
+                it, so its graphs get the CPU kernel.
             target: "cpu" or "gpu", filled in by the graph compiler.
 
         Args:
@@ -348,7 +429,9 @@ struct MLAKPoolCompress:
             or pool_row_offsets.dim_size(0) != batch + 1
         ):
             raise Error("mo.mla.kpool.compress: operand shapes disagree")
-        comptime if target == "cpu":
+        comptime if emulate_gpu and target != "cpu":
+            raise Error("mo.mla.kpool.compress: emulate_gpu needs a CPU target")
+        comptime if target == "cpu" and not emulate_gpu:
             compress_cpu[
                 pooled.dtype,
                 input_row_offsets.dtype,
@@ -376,6 +459,7 @@ struct MLAKPoolCompress:
                 cache_lengths.dtype,
                 kpool,
                 head_dim,
+                emulate_gpu,
             ](
                 pooled.unsafe_ptr(),
                 k.unsafe_ptr(),

@@ -22,7 +22,7 @@ from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 from max.gpu import block_idx, thread_idx
 
-from .parallel import cpu_for_each_range, gpu_block_width
+from .parallel import cpu_for_each_range, emulate_grid, gpu_block_width
 from .pooling import cpu_pool_row, pool_channels
 from .ragged import Ptr, pending_pool, read_index, slot_ok, token_span
 
@@ -174,6 +174,68 @@ def ring_close_cpu[
     cpu_for_each_range(batch, batch * kpool * head_dim, close_requests)
 
 
+def ring_close_thread[
+    dtype: DType,
+    offset_dtype: DType,
+    length_dtype: DType,
+    slot_dtype: DType,
+    kpool: Int,
+    head_dim: Int,
+](
+    block: Int,
+    thread: Int,
+    pooled: Ptr[dtype],
+    closed_pool: Ptr[DType.int32],
+    tail: Ptr[dtype],
+    k: Ptr[dtype],
+    gate: Ptr[dtype],
+    ape: Ptr[DType.float32],
+    input_row_offsets: Ptr[offset_dtype],
+    cache_lengths: Ptr[length_dtype],
+    slot_idx: Ptr[slot_dtype],
+    total_tokens: Int,
+    max_slots: Int,
+    ring_len: Int,
+):
+    """One GPU thread of ring_close: request `block`, channels from `thread`.
+
+    Block `b` closes request `b`; thread `t` pools channels `t`, `t + W`,
+    `t + 2W`, ... with `W = gpu_block_width[head_dim]()` threads per block,
+    so a head wider than 1024 channels is still covered. Thread 0 writes
+    `closed_pool[b]`. A request with nothing to close writes -1 and zeros
+    and never touches the ring. `kpool_ring_close_kernel` runs this on a
+    GPU, `emulate_grid` on the CPU.
+
+    Parameters and Args are those of `ring_close_cpu`, plus the launch
+    indices `block` and `thread`.
+    """
+    comptime stride = gpu_block_width[head_dim]()
+    var plan = plan_close[
+        dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
+    ](
+        block,
+        tail,
+        k,
+        gate,
+        input_row_offsets,
+        cache_lengths,
+        slot_idx,
+        total_tokens,
+        max_slots,
+        ring_len,
+    )
+    var row = pooled.unsafe_offset(block * head_dim)
+    if thread == 0:
+        closed_pool[unsafe_offset=block] = Int32(plan[0])
+    for ch in range(thread, head_dim, stride):
+        if plan[0] < 0:
+            row[unsafe_offset=ch] = 0
+        else:
+            row[unsafe_offset=ch] = pool_channels[dtype, 1, kpool](
+                plan[2], plan[3], plan[1], plan[4], plan[5], ape, head_dim, ch
+            )
+
+
 def kpool_ring_close_kernel[
     dtype: DType,
     offset_dtype: DType,
@@ -195,23 +257,22 @@ def kpool_ring_close_kernel[
     max_slots: Int64,
     ring_len: Int64,
 ):
-    """GPU ring_close body: block `b` closes request `b`, a thread a channel.
-
-    Launched by `ring_close_gpu` with `ring_close_launch`'s shape. A request
-    with nothing to close writes -1 and zeros and never touches the ring.
+    """GPU entry of ring_close: `ring_close_thread` at this block and thread.
 
     Parameters and Args are those of `ring_close_cpu` (sizes as Int64:
     GPU kernel arguments need fixed-width integers).
     """
-    comptime block = gpu_block_width[head_dim]()
-    var b = Int(block_idx.x)
-    var plan = plan_close[
+    ring_close_thread[
         dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
     ](
-        b,
+        Int(block_idx.x),
+        Int(thread_idx.x),
+        pooled,
+        closed_pool,
         tail,
         k,
         gate,
+        ape,
         input_row_offsets,
         cache_lengths,
         slot_idx,
@@ -219,16 +280,6 @@ def kpool_ring_close_kernel[
         Int(max_slots),
         Int(ring_len),
     )
-    var row = pooled.unsafe_offset(b * head_dim)
-    if thread_idx.x == 0:
-        closed_pool[unsafe_offset=b] = Int32(plan[0])
-    for ch in range(Int(thread_idx.x), head_dim, block):
-        if plan[0] < 0:
-            row[unsafe_offset=ch] = 0
-        else:
-            row[unsafe_offset=ch] = pool_channels[dtype, 1, kpool](
-                plan[2], plan[3], plan[1], plan[4], plan[5], ape, head_dim, ch
-            )
 
 
 @always_inline
@@ -244,6 +295,7 @@ def ring_close_gpu[
     slot_dtype: DType,
     kpool: Int,
     head_dim: Int,
+    emulate: Bool,
 ](
     pooled: Ptr[dtype],
     closed_pool: Ptr[DType.int32],
@@ -260,33 +312,61 @@ def ring_close_gpu[
     ring_len: Int,
     ctx: DeviceContext,
 ) raises:
-    """GPU ring_close: enqueues `kpool_ring_close_kernel` on `ctx`.
+    """GPU ring_close: launches `kpool_ring_close_kernel` on `ctx`.
 
-    Parameters and Args are those of `ring_close_cpu`, plus `ctx`.
+    With `emulate`, runs the same threads through `emulate_grid` on the
+    CPU instead (the operands are then host memory and `ctx` is unused).
+
+    Parameters and Args are those of `ring_close_cpu`, plus `emulate` and
+    `ctx`.
     """
     if batch == 0:
         return
     var shape = ring_close_launch[head_dim](batch)
-    ctx.enqueue_function[
-        kpool_ring_close_kernel[
-            dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
-        ]
-    ](
-        pooled,
-        closed_pool,
-        tail,
-        k,
-        gate,
-        ape,
-        input_row_offsets,
-        cache_lengths,
-        slot_idx,
-        Int64(total_tokens),
-        Int64(max_slots),
-        Int64(ring_len),
-        grid_dim=shape[0],
-        block_dim=shape[1],
-    )
+    comptime if emulate:
+
+        def thread_work(block: Int, thread: Int) {imm}:
+            ring_close_thread[
+                dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
+            ](
+                block,
+                thread,
+                pooled,
+                closed_pool,
+                tail,
+                k,
+                gate,
+                ape,
+                input_row_offsets,
+                cache_lengths,
+                slot_idx,
+                total_tokens,
+                max_slots,
+                ring_len,
+            )
+
+        emulate_grid("kpool_ring_close_kernel", shape[0], shape[1], thread_work)
+    else:
+        ctx.enqueue_function[
+            kpool_ring_close_kernel[
+                dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
+            ]
+        ](
+            pooled,
+            closed_pool,
+            tail,
+            k,
+            gate,
+            ape,
+            input_row_offsets,
+            cache_lengths,
+            slot_idx,
+            Int64(total_tokens),
+            Int64(max_slots),
+            Int64(ring_len),
+            grid_dim=shape[0],
+            block_dim=shape[1],
+        )
 
 
 @extensibility.register("mo.mla.kpool.ring_close")
@@ -298,6 +378,7 @@ struct MLAKPoolRingClose:
         *,
         head_dim: Int,
         kpool: Int,
+        emulate_gpu: Bool = False,
         target: StaticString,
     ](
         pooled: OutputTensor[rank=2, ...],
@@ -317,6 +398,9 @@ struct MLAKPoolRingClose:
             head_dim: Channels per key; also the GPU block width (capped at
                 1024, threads then stride over channels).
             kpool: Tokens per pool.
+            emulate_gpu: Run the GPU kernel's threads over an emulated grid
+                on a CPU target (testing; slow). MAX's wrapper never sets
+                it, so its graphs get the CPU kernel.
             target: "cpu" or "gpu", filled in by the graph compiler.
 
         Args:
@@ -359,7 +443,11 @@ struct MLAKPoolRingClose:
             or input_row_offsets.dim_size(0) != batch + 1
         ):
             raise Error("mo.mla.kpool.ring_close: operand shapes disagree")
-        comptime if target == "cpu":
+        comptime if emulate_gpu and target != "cpu":
+            raise Error(
+                "mo.mla.kpool.ring_close: emulate_gpu needs a CPU target"
+            )
+        comptime if target == "cpu" and not emulate_gpu:
             ring_close_cpu[
                 pooled.dtype,
                 input_row_offsets.dtype,
@@ -390,6 +478,7 @@ struct MLAKPoolRingClose:
                 slot_idx.dtype,
                 kpool,
                 head_dim,
+                emulate_gpu,
             ](
                 pooled.unsafe_ptr(),
                 closed_pool.unsafe_ptr(),

@@ -22,7 +22,7 @@ from max.gpu import block_idx, thread_idx
 from std.algorithm import vectorize
 from std.sys import simd_width_of
 
-from .parallel import cpu_for_each_range, gpu_block_width
+from .parallel import cpu_for_each_range, emulate_grid, gpu_block_width
 from .ragged import Ptr, read_index, slot_ok, token_span
 
 
@@ -148,6 +148,56 @@ def seed_tail_cpu[
     cpu_for_each_range(batch, batch * ring_len * head_dim, seed_requests)
 
 
+def seed_tail_thread[
+    dtype: DType,
+    offset_dtype: DType,
+    length_dtype: DType,
+    slot_dtype: DType,
+    kpool: Int,
+    head_dim: Int,
+](
+    block: Int,
+    thread: Int,
+    tail: Ptr[dtype],
+    k: Ptr[dtype],
+    gate: Ptr[dtype],
+    input_row_offsets: Ptr[offset_dtype],
+    cache_lengths: Ptr[length_dtype],
+    slot_idx: Ptr[slot_dtype],
+    total_tokens: Int,
+    max_slots: Int,
+    ring_len: Int,
+):
+    """One GPU thread of seed_tail: request `block`, channels from `thread`.
+
+    Block `b` stashes request `b`'s trailing positions; thread `t` copies
+    channels `t`, `t + W`, ... of each (`W = gpu_block_width[head_dim]()`).
+    `kpool_seed_tail_kernel` runs this on a GPU, `emulate_grid` on the CPU.
+
+    Parameters and Args are those of `seed_tail_cpu`, plus the launch
+    indices `block` and `thread`.
+    """
+    comptime stride = gpu_block_width[head_dim]()
+    var plan = plan_stash[
+        dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
+    ](
+        block,
+        tail,
+        input_row_offsets,
+        cache_lengths,
+        slot_idx,
+        total_tokens,
+        max_slots,
+        ring_len,
+    )
+    for pos in range(plan[0], plan[1]):
+        var src = (plan[2] + pos - plan[0]) * head_dim
+        var dst = (pos % ring_len) * head_dim
+        for ch in range(thread, head_dim, stride):
+            plan[3][unsafe_offset=dst + ch] = k[unsafe_offset=src + ch]
+            plan[4][unsafe_offset=dst + ch] = gate[unsafe_offset=src + ch]
+
+
 def kpool_seed_tail_kernel[
     dtype: DType,
     offset_dtype: DType,
@@ -166,31 +216,25 @@ def kpool_seed_tail_kernel[
     max_slots: Int64,
     ring_len: Int64,
 ):
-    """GPU seed_tail body: block `b` stashes request `b`, a thread a channel.
+    """GPU entry of seed_tail: `seed_tail_thread` at this block and thread.
 
-    Launched by `seed_tail_gpu` with `seed_tail_launch`'s shape. Parameters
-    and Args are those of `seed_tail_cpu` (sizes as Int64).
+    Parameters and Args are those of `seed_tail_cpu` (sizes as Int64).
     """
-    comptime block = gpu_block_width[head_dim]()
-    var ring = Int(ring_len)
-    var plan = plan_stash[
+    seed_tail_thread[
         dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
     ](
         Int(block_idx.x),
+        Int(thread_idx.x),
         tail,
+        k,
+        gate,
         input_row_offsets,
         cache_lengths,
         slot_idx,
         Int(total_tokens),
         Int(max_slots),
-        ring,
+        Int(ring_len),
     )
-    for pos in range(plan[0], plan[1]):
-        var src = (plan[2] + pos - plan[0]) * head_dim
-        var dst = (pos % ring) * head_dim
-        for ch in range(Int(thread_idx.x), head_dim, block):
-            plan[3][unsafe_offset=dst + ch] = k[unsafe_offset=src + ch]
-            plan[4][unsafe_offset=dst + ch] = gate[unsafe_offset=src + ch]
 
 
 @always_inline
@@ -206,6 +250,7 @@ def seed_tail_gpu[
     slot_dtype: DType,
     kpool: Int,
     head_dim: Int,
+    emulate: Bool,
 ](
     tail: Ptr[dtype],
     k: Ptr[dtype],
@@ -219,30 +264,55 @@ def seed_tail_gpu[
     ring_len: Int,
     ctx: DeviceContext,
 ) raises:
-    """GPU seed_tail: enqueues `kpool_seed_tail_kernel` on `ctx`.
+    """GPU seed_tail: launches `kpool_seed_tail_kernel` on `ctx`.
 
-    Parameters and Args are those of `seed_tail_cpu`, plus `ctx`.
+    With `emulate`, runs the same threads through `emulate_grid` on the
+    CPU instead (the operands are then host memory and `ctx` is unused).
+
+    Parameters and Args are those of `seed_tail_cpu`, plus `emulate` and
+    `ctx`.
     """
     if batch == 0:
         return
     var shape = seed_tail_launch[head_dim](batch)
-    ctx.enqueue_function[
-        kpool_seed_tail_kernel[
-            dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
-        ]
-    ](
-        tail,
-        k,
-        gate,
-        input_row_offsets,
-        cache_lengths,
-        slot_idx,
-        Int64(total_tokens),
-        Int64(max_slots),
-        Int64(ring_len),
-        grid_dim=shape[0],
-        block_dim=shape[1],
-    )
+    comptime if emulate:
+
+        def thread_work(block: Int, thread: Int) {imm}:
+            seed_tail_thread[
+                dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
+            ](
+                block,
+                thread,
+                tail,
+                k,
+                gate,
+                input_row_offsets,
+                cache_lengths,
+                slot_idx,
+                total_tokens,
+                max_slots,
+                ring_len,
+            )
+
+        emulate_grid("kpool_seed_tail_kernel", shape[0], shape[1], thread_work)
+    else:
+        ctx.enqueue_function[
+            kpool_seed_tail_kernel[
+                dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
+            ]
+        ](
+            tail,
+            k,
+            gate,
+            input_row_offsets,
+            cache_lengths,
+            slot_idx,
+            Int64(total_tokens),
+            Int64(max_slots),
+            Int64(ring_len),
+            grid_dim=shape[0],
+            block_dim=shape[1],
+        )
 
 
 @extensibility.register("mo.mla.kpool.seed_tail")
@@ -254,6 +324,7 @@ struct MLAKPoolSeedTail:
         *,
         head_dim: Int,
         kpool: Int,
+        emulate_gpu: Bool = False,
         target: StaticString,
     ](
         tail: MutableInputTensor[rank=4, ...],
@@ -270,6 +341,9 @@ struct MLAKPoolSeedTail:
             head_dim: Channels per key; also the GPU block width (capped at
                 1024, threads then stride over channels).
             kpool: Tokens per pool.
+            emulate_gpu: Run the GPU kernel's threads over an emulated grid
+                on a CPU target (testing; slow). MAX's wrapper never sets
+                it, so its graphs get the CPU kernel.
             target: "cpu" or "gpu", filled in by the graph compiler.
 
         Args:
@@ -301,7 +375,11 @@ struct MLAKPoolSeedTail:
             or input_row_offsets.dim_size(0) != batch + 1
         ):
             raise Error("mo.mla.kpool.seed_tail: operand shapes disagree")
-        comptime if target == "cpu":
+        comptime if emulate_gpu and target != "cpu":
+            raise Error(
+                "mo.mla.kpool.seed_tail: emulate_gpu needs a CPU target"
+            )
+        comptime if target == "cpu" and not emulate_gpu:
             seed_tail_cpu[
                 tail.dtype,
                 input_row_offsets.dtype,
@@ -329,6 +407,7 @@ struct MLAKPoolSeedTail:
                 slot_idx.dtype,
                 kpool,
                 head_dim,
+                emulate_gpu,
             ](
                 tail.unsafe_ptr(),
                 k.unsafe_ptr(),

@@ -42,9 +42,12 @@ DEVICES = [
 ]
 
 
-#: The same two devices by name, for :class:`mla_kpool.runner.Runner`.
+#: Devices by name, for :class:`mla_kpool.runner.Runner`: the CPU kernels,
+#: the GPU kernels run over an emulated grid on the host (every machine, so
+#: every run executes the GPU code), and a real accelerator when present.
 DEVICE_NAMES = [
     pytest.param("cpu", id="cpu"),
+    pytest.param("gpu-emulated", id="gpu-emulated", marks=pytest.mark.emulated),
     pytest.param("gpu", id="gpu", marks=DEVICES[1].marks),
 ]
 

@@ -104,8 +104,10 @@ def table(stdout: str) -> dict[str, str]:
     return rows
 
 
-def run_demo(argv: list[str]) -> int:
-    return demo.main(["--no-progress", *argv], runner=get_runner("cpu"))
+def run_demo(argv: list[str], device: str = "cpu") -> int:
+    return demo.main(
+        ["--no-progress", "--device", device, *argv], runner=get_runner(device)
+    )
 
 
 # --------------------------------------------------------------------------
@@ -139,6 +141,22 @@ def test_small_schedule_counts_every_pool(tmp_path, capsys):
     assert summary["decode_tokens"] == 5 + 3 + 4
     assert summary["max_error_over_tolerance"] < 1.0
     assert summary["config"]["dtype"] == "bfloat16"
+
+
+@pytest.mark.emulated
+def test_demo_on_emulated_gpu_kernels(tmp_path, capsys):
+    # The main job through the GPU kernels, on the step model the
+    # gpu-emulated kernel tests compile anyway (bfloat16, kpool 4).
+    path = write(tmp_path, SMALL)
+    out_json = tmp_path / "summary.json"
+    argv = ["--schedule", str(path), "--json", str(out_json)]
+    status = run_demo(argv, device="gpu-emulated")
+    out = capsys.readouterr().out
+    assert status == 0, out
+    summary = json.loads(out_json.read_text())
+    assert summary["config"]["device"] == "gpu-emulated"
+    assert summary["ok"] is True
+    assert summary["pools_checked"] == expected_counts(SMALL)["pools"] == 180
 
 
 def test_generated_workload_float32(tmp_path, capsys):

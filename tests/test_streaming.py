@@ -386,7 +386,8 @@ def swapped_step_model(device: str, cfg: Config) -> Model:
     """A step that runs seed_tail BEFORE ring_close on the same ring."""
     from mla_kpool.buffers import to_max_dtype
 
-    ref = DeviceRef.CPU() if device == "cpu" else DeviceRef.GPU()
+    ref = DeviceRef.GPU() if device == "gpu" else DeviceRef.CPU()
+    emulate = device == "gpu-emulated"
     dt, kp, hd = to_max_dtype(cfg.dtype), cfg.kpool, cfg.head_dim
     rows = TensorType(dt, ["tokens", hd], ref)
     index = [TensorType(DType.uint32, [d], ref) for d in ("offsets", "batch")]
@@ -400,18 +401,22 @@ def swapped_step_model(device: str, cfg: Config) -> Model:
         index[1],
     ]
     with Graph(
-        f"mla_kpool_swapped_step_{cfg.id}",
+        f"mla_kpool_swapped_step_{cfg.id}_{device.replace('-', '_')}",
         input_types=inputs,
         custom_extensions=[mla_kpool.KERNELS],
     ) as g:
         tail = g.inputs[0].buffer
         k, gate, ape, offsets, cache, slots = (v.tensor for v in g.inputs[1:])
-        mla_kpool.seed_tail(tail, k, gate, offsets, cache, slots, kp)
+        mla_kpool.seed_tail(
+            tail, k, gate, offsets, cache, slots, kp, emulate_gpu=emulate
+        )
         ring_pooled, closed = mla_kpool.ring_close(
-            tail, k, gate, ape, offsets, cache, slots, kp
+            tail, k, gate, ape, offsets, cache, slots, kp, emulate_gpu=emulate
         )
         pool_rows = mla_kpool.pool_row_offsets(offsets, cache, kp)
-        pooled = mla_kpool.compress(k, gate, ape, offsets, pool_rows, cache, kp)
+        pooled = mla_kpool.compress(
+            k, gate, ape, offsets, pool_rows, cache, kp, emulate_gpu=emulate
+        )
         g.output(ring_pooled, closed, pooled, pool_rows)
     devices = [driver.CPU()]
     if device == "gpu":

@@ -61,10 +61,17 @@ OPS = {
 
 
 def op_params(op: str) -> list[str]:
-    return list(inspect.signature(OPS[op]).parameters)
+    """The wrapper's positional parameters (MAX's signature), in order."""
+    return [
+        name
+        for name, p in inspect.signature(OPS[op]).parameters.items()
+        if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ]
 
 
-def call_op(op: str, operands: Mapping[str, Any], kpool: Any = KPOOL):
+def call_op(
+    op: str, operands: Mapping[str, Any], kpool: Any = KPOOL, **keywords: Any
+):
     """Builds a graph from ``operands`` and calls ``op`` inside it.
 
     Graph types become graph inputs; anything else (a NumPy array, a
@@ -76,7 +83,14 @@ def call_op(op: str, operands: Mapping[str, Any], kpool: Any = KPOOL):
         for n in names
         if isinstance(operands[n], TensorType | BufferType)
     }
-    with Graph(f"validate_{op}", input_types=list(types.values())) as graph:
+    # A parameter beyond MAX's own (emulate_gpu) is checked against this
+    # package's kernels, so those graphs load them.
+    extensions = [mla_kpool.KERNELS] if keywords else []
+    with Graph(
+        f"validate_{op}",
+        input_types=list(types.values()),
+        custom_extensions=extensions,
+    ) as graph:
         inputs = dict(zip(types, graph.inputs, strict=True))
         args = []
         for name in names:
@@ -86,7 +100,7 @@ def call_op(op: str, operands: Mapping[str, Any], kpool: Any = KPOOL):
                 args.append(inputs[name].buffer)
             else:
                 args.append(inputs[name].tensor)
-        return OPS[op](*args, kpool), graph
+        return OPS[op](*args, kpool, **keywords), graph
 
 
 @dataclass(frozen=True)
@@ -453,6 +467,39 @@ def test_parameters_are_head_dim_and_kpool() -> None:
     assert f"head_dim = {HEAD_DIM} : index, kpool = {KPOOL} : index" in str(
         graph
     )
+    # What MAX's own wrappers pass, nothing more: the CPU kernel runs.
+    assert "emulate_gpu" not in str(graph)
+
+
+EMULATED_OPS = ["ring_close", "compress", "seed_tail", "kpool_step"]
+
+
+@pytest.mark.parametrize("op", EMULATED_OPS)
+def test_emulate_gpu_is_a_parameter_of_every_custom_op(op: str) -> None:
+    _, graph = call_op(op, good_operands(), emulate_gpu=True)
+    text = str(graph)
+    ops = re.findall(r'"mo\.custom".*symbol = "', text)
+    assert ops, text
+    emulated = re.findall(
+        r'"mo\.custom".*parameters = \{[^}]*emulate_gpu = true[^}]*\}', text
+    )
+    assert len(emulated) == len(ops), text
+
+
+@pytest.mark.parametrize("op", EMULATED_OPS)
+def test_emulate_gpu_needs_cpu_operands(op: str) -> None:
+    on_gpu = {
+        name: (
+            BufferType(t.dtype, t.shape, device=GPU)
+            if isinstance(t, BufferType)
+            else tensor(t.dtype, t.shape, GPU)
+        )
+        for name, t in good_operands().items()
+    }
+    with pytest.raises(ValueError, match="^emulate_gpu .* on the CPU, got gpu"):
+        call_op(op, on_gpu, emulate_gpu=True)
+    with pytest.raises(TypeError, match="^emulate_gpu must be a bool, got int"):
+        call_op(op, good_operands(), emulate_gpu=1)
 
 
 def test_kpool_step_orders_ring_close_before_seed_tail() -> None:

@@ -242,3 +242,33 @@ def check_devices(
                 f"{name} must be on {device} (the device of {reference}), got"
                 f" {value.device}"
             )
+
+
+def kernel_parameters(
+    head_dim: int | None, kpool: int, emulate_gpu: object, device: DeviceRef
+) -> dict[str, bool | int]:
+    """The compile-time parameters of one ``mo.mla.kpool.*`` op.
+
+    ``emulate_gpu`` is added only when set, so a default graph carries
+    exactly the parameters MAX's own wrappers pass.
+
+    Raises:
+        TypeError: If ``emulate_gpu`` is not a bool.
+        ValueError: If ``emulate_gpu`` is set for a graph device that is not
+            the CPU (the emulated grid runs on the host).
+    """
+    if not isinstance(emulate_gpu, bool):
+        raise TypeError(
+            f"emulate_gpu must be a bool, got {type(emulate_gpu).__name__}"
+        )
+    params: dict[str, bool | int] = {"kpool": kpool}
+    if head_dim is not None:
+        params = {"head_dim": head_dim, **params}
+    if emulate_gpu:
+        if not device.is_cpu():
+            raise ValueError(
+                "emulate_gpu runs the GPU kernels on the host, so the"
+                f" operands must be on the CPU, got {device}"
+            )
+        params["emulate_gpu"] = True
+    return params

@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from . import reference
 from .ring import ring_length
+from .runner import DEVICES
 from .workload import (
     Entry,
     Plan,
@@ -158,9 +159,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--device",
-        choices=["cpu", "gpu"],
+        choices=list(DEVICES),
         default="cpu",
-        help="where the kernels run (cpu)",
+        help=(
+            "where the kernels run (cpu); gpu-emulated runs the GPU kernels"
+            " on the host, thread by thread"
+        ),
     )
     parser.add_argument(
         "--token-budget",
@@ -252,7 +256,7 @@ class Config:
         dtype: Key dtype.
         kpool: Tokens per pool.
         head_dim: Channels per key.
-        device: ``"cpu"`` or ``"gpu"``.
+        device: ``"cpu"``, ``"gpu"`` or ``"gpu-emulated"``.
         seed: Seed of the workload, the keys and the slot choice.
         token_budget: Most tokens per call (generated batching only).
         max_running: Ring slots: most requests in flight.

@@ -61,6 +61,8 @@ def ring_close(
     cache_lengths: TensorValue,
     slot_idx: TensorValue,
     kpool: int,
+    *,
+    emulate_gpu: bool = False,
 ) -> tuple[TensorValue, TensorValue]:
     """Closes each request's pending pool from the ring plus this call's tokens.
 
@@ -84,6 +86,10 @@ def ring_close(
         cache_lengths: Tokens already seen per request, ``[batch]``.
         slot_idx: Ring slot per request, ``[batch]``.
         kpool: Tokens per pool.
+        emulate_gpu: Testing aid: run the op's GPU kernel on the CPU, every
+            block and thread of its launch in turn, instead of the CPU
+            kernel (see the README). The operands must be on the CPU. Slow;
+            MAX's own wrappers never set it.
 
     Returns:
         ``(pooled, closed_pool)``: ``pooled`` ``[batch, head_dim]`` in the
@@ -96,7 +102,8 @@ def ring_close(
             a ``TensorValue``, ``kpool`` is not an int, or an index tensor
             has a non-integer dtype.
         ValueError: If ``kpool < 1``, a rank, shape, dtype or device is wrong,
-            or the static batch sizes disagree.
+            the static batch sizes disagree, or ``emulate_gpu`` is set off
+            the CPU.
     """
     kpool, k, gate, input_row_offsets, cache_lengths, head_dim = _check_common(
         k, gate, input_row_offsets, cache_lengths, kpool
@@ -137,7 +144,7 @@ def ring_close(
             TensorType(k.dtype, [batch, head_dim], device=k.device),
             TensorType(DType.int32, [batch], device=k.device),
         ],
-        parameters={"head_dim": head_dim, "kpool": kpool},
+        parameters=v.kernel_parameters(head_dim, kpool, emulate_gpu, k.device),
     )
     return results[0].tensor, results[1].tensor
 
@@ -150,6 +157,8 @@ def compress(
     pool_row_offsets: TensorValue,
     cache_lengths: TensorValue,
     kpool: int,
+    *,
+    emulate_gpu: bool = False,
 ) -> TensorValue:
     """Builds every pool made entirely of this call's tokens.
 
@@ -169,6 +178,10 @@ def compress(
             :func:`pool_row_offsets`).
         cache_lengths: Tokens already seen per request, ``[batch]``.
         kpool: Tokens per pool.
+        emulate_gpu: Testing aid: run the op's GPU kernel on the CPU, every
+            block and thread of its launch in turn, instead of the CPU
+            kernel (see the README). The operands must be on the CPU. Slow;
+            MAX's own wrappers never set it.
 
     Returns:
         ``[total_tokens // kpool, head_dim]`` pooled keys in the dtype of
@@ -180,7 +193,8 @@ def compress(
         TypeError: If an operand is not a ``TensorValue``, ``kpool`` is not an
             int, or an index tensor has a non-integer dtype.
         ValueError: If ``kpool < 1``, a rank, shape, dtype or device is wrong,
-            or the static batch sizes disagree.
+            the static batch sizes disagree, or ``emulate_gpu`` is set off
+            the CPU.
     """
     kpool, k, gate, input_row_offsets, cache_lengths, head_dim = _check_common(
         k, gate, input_row_offsets, cache_lengths, kpool
@@ -220,7 +234,7 @@ def compress(
                 k.dtype, [k.shape[0] // kpool, head_dim], device=k.device
             )
         ],
-        parameters={"head_dim": head_dim, "kpool": kpool},
+        parameters=v.kernel_parameters(head_dim, kpool, emulate_gpu, k.device),
     )[0].tensor
 
 
@@ -232,6 +246,8 @@ def seed_tail(
     cache_lengths: TensorValue,
     slot_idx: TensorValue,
     kpool: int,
+    *,
+    emulate_gpu: bool = False,
 ) -> None:
     """Stashes each request's trailing incomplete tokens into the ring.
 
@@ -256,13 +272,18 @@ def seed_tail(
         cache_lengths: Tokens already seen per request, ``[batch]``.
         slot_idx: Ring slot per request, ``[batch]``.
         kpool: Tokens per pool.
+        emulate_gpu: Testing aid: run the op's GPU kernel on the CPU, every
+            block and thread of its launch in turn, instead of the CPU
+            kernel (see the README). The operands must be on the CPU. Slow;
+            MAX's own wrappers never set it.
 
     Raises:
         TypeError: If ``tail`` is not a ``BufferValue``, another operand is not
             a ``TensorValue``, ``kpool`` is not an int, or an index tensor
             has a non-integer dtype.
         ValueError: If ``kpool < 1``, a rank, shape, dtype or device is wrong,
-            or the static batch sizes disagree.
+            the static batch sizes disagree, or ``emulate_gpu`` is set off
+            the CPU.
     """
     kpool, k, gate, input_row_offsets, cache_lengths, head_dim = _check_common(
         k, gate, input_row_offsets, cache_lengths, kpool
@@ -295,7 +316,7 @@ def seed_tail(
             cache_lengths,
             slot_idx,
         ],
-        parameters={"head_dim": head_dim, "kpool": kpool},
+        parameters=v.kernel_parameters(head_dim, kpool, emulate_gpu, k.device),
     )
 
 
@@ -394,6 +415,8 @@ def kpool_step(
     cache_lengths: TensorValue,
     slot_idx: TensorValue,
     kpool: int,
+    *,
+    emulate_gpu: bool = False,
 ) -> KPoolStep:
     """Runs one call's three writers on one ring: close, compress, seed.
 
@@ -416,6 +439,10 @@ def kpool_step(
         cache_lengths: Tokens already seen per request, ``[batch]``.
         slot_idx: Ring slot per request, ``[batch]``.
         kpool: Tokens per pool.
+        emulate_gpu: Testing aid: run the op's GPU kernel on the CPU, every
+            block and thread of its launch in turn, instead of the CPU
+            kernel (see the README). The operands must be on the CPU. Slow;
+            MAX's own wrappers never set it.
 
     Returns:
         A :class:`KPoolStep`.
@@ -425,13 +452,37 @@ def kpool_step(
         ValueError: As :func:`ring_close`.
     """
     ring_pooled, ring_closed_pool = ring_close(
-        tail, k, gate, ape, input_row_offsets, cache_lengths, slot_idx, kpool
+        tail,
+        k,
+        gate,
+        ape,
+        input_row_offsets,
+        cache_lengths,
+        slot_idx,
+        kpool,
+        emulate_gpu=emulate_gpu,
     )
     offsets = pool_row_offsets(input_row_offsets, cache_lengths, kpool)
     pooled = compress(
-        k, gate, ape, input_row_offsets, offsets, cache_lengths, kpool
+        k,
+        gate,
+        ape,
+        input_row_offsets,
+        offsets,
+        cache_lengths,
+        kpool,
+        emulate_gpu=emulate_gpu,
     )
-    seed_tail(tail, k, gate, input_row_offsets, cache_lengths, slot_idx, kpool)
+    seed_tail(
+        tail,
+        k,
+        gate,
+        input_row_offsets,
+        cache_lengths,
+        slot_idx,
+        kpool,
+        emulate_gpu=emulate_gpu,
+    )
     return KPoolStep(
         ring_pooled=ring_pooled,
         ring_closed_pool=ring_closed_pool,

@@ -10,6 +10,11 @@ index dtypes (compile-time parameters of the kernels) pick a new model.
 
 The ring is persistent state, so it lives in a ``max.driver.Buffer`` that
 the caller owns (:meth:`Runner.new_ring`) and the in-place ops update.
+
+The device ``"gpu-emulated"`` builds CPU graphs whose ops run their GPU
+kernels over an emulated grid on the host (``emulate_gpu=True`` in
+:mod:`mla_kpool.graph`), so the GPU code can be checked against the oracle
+on a machine without an accelerator.
 """
 
 from __future__ import annotations
@@ -67,34 +72,48 @@ def _index_array(values: npt.ArrayLike) -> np.ndarray:
     return np.asarray(values, dtype=np.uint32)
 
 
+#: Devices a :class:`Runner` accepts.
+DEVICES = ("cpu", "gpu", "gpu-emulated")
+
+
 class Runner:
     """Runs the k-pool writers on one device, caching a model per config.
 
     Args:
-        device: ``"cpu"`` or ``"gpu"`` (the first accelerator).
+        device: ``"cpu"``, ``"gpu"`` (the first accelerator) or
+            ``"gpu-emulated"`` (the GPU kernels run on the host, one block
+            and thread at a time: exact but slow, for tests).
         kernels: The Mojo package that implements the ops; the benchmark
             passes its no-op stand-ins here to measure MAX's own floor, and
             ``None`` to use MAX's builtins (GPU only).
 
     Raises:
-        ValueError: If ``device`` is neither.
+        ValueError: If ``device`` is none of :data:`DEVICES`, or
+            ``"gpu-emulated"`` is asked for without this package's kernels.
         RuntimeError: From MAX, if ``"gpu"`` is asked for without one.
     """
 
     def __init__(
         self, device: str = "cpu", kernels: Path | None = KERNELS
     ) -> None:
-        if device not in ("cpu", "gpu"):
-            raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
+        if device not in DEVICES:
+            raise ValueError(
+                f"device must be one of {', '.join(DEVICES)}, got {device!r}"
+            )
+        self.emulate_gpu = device == "gpu-emulated"
+        if self.emulate_gpu and kernels is None:
+            raise ValueError(
+                "gpu-emulated runs this package's GPU kernels, so kernels"
+                " must not be None (MAX's builtins have no emulation)"
+            )
+        on_host = device != "gpu"
         self.device_name = device
         self.kernels = kernels
         self.device: driver.Device = (
-            driver.CPU() if device == "cpu" else driver.Accelerator()
+            driver.CPU() if on_host else driver.Accelerator()
         )
-        self._ref = DeviceRef.CPU() if device == "cpu" else DeviceRef.GPU()
-        devices = (
-            [driver.CPU()] if device == "cpu" else [driver.CPU(), self.device]
-        )
+        self._ref = DeviceRef.CPU() if on_host else DeviceRef.GPU()
+        devices = [driver.CPU()] if on_host else [driver.CPU(), self.device]
         self._session = InferenceSession(devices=devices)
         self._models: dict[ModelKey, Model] = {}
 
@@ -161,6 +180,9 @@ class Runner:
         off_dt, *rest = key.index_dtypes
         offsets = TensorType(off_dt, ["offsets"], dev)
         name = f"mla_kpool_{key.kind}_{dt}_k{kp}_d{hd}_r{key.ring_len}"
+        if self.emulate_gpu:
+            name += "_gpu_emulated"
+        emulate = {"emulate_gpu": self.emulate_gpu}
 
         if key.kind == "compress":
             pool_dt, len_dt = rest
@@ -195,14 +217,14 @@ class Runner:
                 for i, value in enumerate(g.inputs)
             ]
             if key.kind == "ring_close":
-                g.output(*kpool_graph.ring_close(*x, kp))
+                g.output(*kpool_graph.ring_close(*x, kp, **emulate))
             elif key.kind == "compress":
-                g.output(kpool_graph.compress(*x, kp))
+                g.output(kpool_graph.compress(*x, kp, **emulate))
             elif key.kind == "seed_tail":
-                kpool_graph.seed_tail(*x, kp)
+                kpool_graph.seed_tail(*x, kp, **emulate)
                 g.output()
             elif key.kind == "step":
-                g.output(*kpool_graph.kpool_step(*x, kp))
+                g.output(*kpool_graph.kpool_step(*x, kp, **emulate))
             else:
                 raise ValueError(f"unknown kind {key.kind!r}")
         return g

@@ -13,6 +13,7 @@ from max.gpu.host.compile import _compile_code
 from std.testing import TestSuite, assert_equal, assert_true
 
 from kernels.compress import compress_launch, kpool_compress_kernel
+from kernels.parallel import check_launch, emulate_grid
 from kernels.expand_topk import expand_topk_launch, kpool_expand_topk_kernel
 from kernels.ring_close import kpool_ring_close_kernel, ring_close_launch
 from kernels.seed_tail import kpool_seed_tail_kernel, seed_tail_launch
@@ -116,6 +117,56 @@ def test_launch_shapes() raises:
     assert_equal(short[1], 8)
     # No token rows: an empty grid, which the op never launches.
     assert_equal(expand_topk_launch[4, 512, True](0)[0], 0)
+
+
+def test_emulator_runs_every_thread_once_in_descending_order() raises:
+    var counts = List[Int](length=15, fill=0)
+    var order = List[Int]()
+    var counts_ptr = counts.unsafe_ptr()
+    var order_ptr = UnsafePointer(to=order)
+
+    def body(block: Int, thread: Int) {imm}:
+        counts_ptr[unsafe_offset=block * 5 + thread] += 1
+        order_ptr[].append(block * 5 + thread)
+
+    emulate_grid("test_kernel", 3, 5, body)
+    for i in range(15):
+        assert_equal(counts[i], 1)
+    assert_equal(order[0], 14)
+    assert_equal(order[14], 0)
+
+
+def _refused(grid: Int, block: Int, message: StaticString) raises:
+    var ran = List[Int](length=1, fill=0)
+    var ran_ptr = ran.unsafe_ptr()
+
+    def body(block: Int, thread: Int) {imm}:
+        ran_ptr[unsafe_offset=0] += 1
+
+    try:
+        emulate_grid("test_kernel", grid, block, body)
+    except e:
+        assert_true(message in String(e), String(e))
+        assert_equal(ran[0], 0)
+        return
+    raise Error("emulate_grid accepted grid=", grid, " block=", block)
+
+
+def test_emulator_refuses_what_a_gpu_launch_refuses() raises:
+    _refused(0, 128, "test_kernel: empty grid")
+    _refused(4, 1025, "block_dim=1025")
+    _refused(4, 0, "block_dim=0")
+    _refused(1 << 31, 1, "exceeds 2^31 - 1")
+    # The largest legal shapes pass the check (nothing is run for them).
+    check_launch("test_kernel", (1 << 31) - 1, 1024)
+
+
+def test_empty_batches_launch_empty_grids() raises:
+    # What the ops' `batch == 0` / `out_rows == 0` guards keep off the GPU.
+    assert_equal(ring_close_launch[128](0)[0], 0)
+    assert_equal(seed_tail_launch[128](0)[0], 0)
+    assert_equal(compress_launch[128](0)[0], 0)
+    assert_equal(step_launch[128](0, 0)[0], 0)
 
 
 def main() raises:
