@@ -1,0 +1,117 @@
+"""The emulated GPU grid catches faults that only the GPU code has.
+
+Every kernel test parametrized over devices also runs on ``gpu-emulated``:
+the ops' GPU kernel bodies (``*_thread`` in ``kernels/``) run on the host
+for every block and thread of the launch the GPU path computes. This file
+checks that those runs can fail: each case copies the kernels, plants one
+fault in code that only the GPU path executes, builds a ``gpu-emulated``
+runner on the copy and runs an existing test of the suite with it. The test
+must fail; with the real kernels the same test passes in its normal
+parametrization. One compile per mutant.
+
+The launch-shape checks of the emulator itself (empty grid, a block over
+1024 threads, a grid past 2^31 - 1) are unit-tested in Mojo, in
+``tests/mojo/test_gpu_kernels.mojo``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import test_ring_close as rc
+from kpool_cases import BF16, MAIN, Config
+from mla_kpool import KERNELS
+from mla_kpool.runner import Runner
+
+#: The step configuration whose head (1088 channels) is wider than a block
+#: (1024 threads), so each thread strides over a second channel.
+WIDE = Config(BF16, 2, 1088)
+assert WIDE in rc.STEP_CONFIGS
+
+
+def _empty_batch(runner: Runner) -> None:
+    case = next(c for c in rc.CORNERS if c.id == "batch0_with_tokens")
+    rc.test_corner_metadata(runner, case)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One planted GPU-only fault and the suite test that must catch it.
+
+    Attributes:
+        id: pytest id.
+        file: Kernel file to change.
+        good: The exact source text replaced (must occur once).
+        bad: Its faulty replacement.
+        run: Runs an existing test with the given runner.
+        raises: What the test must fail with.
+        match: Regular expression the failure message must match.
+    """
+
+    id: str
+    file: str
+    good: str
+    bad: str
+    run: Callable[[Runner], None]
+    raises: type[Exception]
+    match: str
+
+
+MUTANTS = [
+    Mutant(
+        # Threads skip every other block-width of channels: with 1088
+        # channels and 1024 threads, channels 1024..1087 are never written.
+        "ring_close_thread_stride",
+        "ring_close.mojo",
+        "range(thread, head_dim, stride)",
+        "range(thread, head_dim, stride * 2)",
+        lambda runner: rc.test_step_mixed_batch(runner, WIDE),
+        AssertionError,
+        "pooled",
+    ),
+    Mutant(
+        # The owner search looks one output row ahead: the last row of each
+        # request's span goes to the next request, which has no such pool.
+        "compress_owner_off_by_one",
+        "compress.mojo",
+        "last_span_at(pool_row_offsets, batch, row)",
+        "last_span_at(pool_row_offsets, batch, row + 1)",
+        lambda runner: rc.test_step_mixed_batch(runner, MAIN),
+        AssertionError,
+        "compressed pools",
+    ),
+    Mutant(
+        # Without the guard an empty batch launches an empty grid, which a
+        # GPU refuses and the emulator refuses the same way.
+        "ring_close_missing_empty_batch_guard",
+        "ring_close.mojo",
+        "if batch == 0:\n        return\n    var shape = ring_close_launch",
+        "var shape = ring_close_launch",
+        _empty_batch,
+        ValueError,
+        "kpool_ring_close_kernel: empty grid",
+    ),
+]
+
+
+@pytest.mark.emulated
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.id)
+def test_emulation_catches_planted_gpu_fault(
+    mutant: Mutant, tmp_path: Path
+) -> None:
+    kernels = tmp_path / "kernels"
+    shutil.copytree(KERNELS, kernels)
+    path = kernels / mutant.file
+    source = path.read_text()
+    assert source.count(mutant.good) == 1, (
+        f"{mutant.id}: the planted line moved in {mutant.file}; update it"
+    )
+    path.write_text(source.replace(mutant.good, mutant.bad))
+
+    with pytest.raises(mutant.raises, match=mutant.match):
+        mutant.run(Runner("gpu-emulated", kernels=kernels))
