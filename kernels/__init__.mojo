@@ -15,4 +15,8 @@ builtins, so that a graph loading this package runs them on CPU and GPU:
 
 The three writers share the per-channel pooling routine in `pooling.mojo`,
 so a pool comes out bitwise identical whichever writer builds it.
+
+`mla_kpool.step` (`step.mojo`, under a name of this package's own) does the
+three writers' work and the pool row offsets for one call in one op, bitwise
+equal to the three-op sequence.
 """
