@@ -3,9 +3,10 @@
 Runs without a GPU (`mojo run -I . tests/mojo/test_gpu_kernels.mojo`);
 `tests/test_gpu_kernels.py` runs it under pytest. The launch shape is the
 contract the kernels' indexing relies on: one block per request (ring_close,
-seed_tail) or per output row (compress), `min(head_dim, 1024)` threads;
-expand_topk launches a block per token row of one warp (fewer threads for
-rows narrower than 32 columns).
+seed_tail) or per output row (compress), `min(head_dim, 1024)` threads; the
+fused step launches one thread for the scan, then a block per request and
+per output row; expand_topk launches a block per token row of one warp
+(fewer threads for rows narrower than 32 columns).
 """
 
 from max.gpu.host import get_gpu_target
@@ -13,10 +14,16 @@ from max.gpu.host.compile import _compile_code
 from std.testing import TestSuite, assert_equal, assert_true
 
 from kernels.compress import compress_launch, kpool_compress_kernel
-from kernels.parallel import check_launch, emulate_grid
 from kernels.expand_topk import expand_topk_launch, kpool_expand_topk_kernel
+from kernels.parallel import check_launch, emulate_grid
 from kernels.ring_close import kpool_ring_close_kernel, ring_close_launch
 from kernels.seed_tail import kpool_seed_tail_kernel, seed_tail_launch
+from kernels.step import (
+    kpool_step_kernel,
+    kpool_step_scan_kernel,
+    step_launch,
+    step_scan_launch,
+)
 
 comptime U32 = DType.uint32
 comptime BF16 = DType.bfloat16
@@ -37,7 +44,7 @@ def _compile_all[arch: StaticString]() raises -> List[String]:
         String(
             _compile_code[
                 kpool_ring_close_kernel[BF16, U32, U32, U32, 4, 128],
-                target = get_gpu_target[arch](),
+                target=get_gpu_target[arch](),
             ]()
         )
     )
@@ -45,7 +52,7 @@ def _compile_all[arch: StaticString]() raises -> List[String]:
         String(
             _compile_code[
                 kpool_compress_kernel[BF16, U32, U32, U32, 128, 1088],
-                target = get_gpu_target[arch](),
+                target=get_gpu_target[arch](),
             ]()
         )
     )
@@ -53,7 +60,23 @@ def _compile_all[arch: StaticString]() raises -> List[String]:
         String(
             _compile_code[
                 kpool_seed_tail_kernel[DType.float16, U32, U32, U32, 16, 64],
-                target = get_gpu_target[arch](),
+                target=get_gpu_target[arch](),
+            ]()
+        )
+    )
+    out.append(
+        String(
+            _compile_code[
+                kpool_step_scan_kernel[U32, U32, 4],
+                target=get_gpu_target[arch](),
+            ]()
+        )
+    )
+    out.append(
+        String(
+            _compile_code[
+                kpool_step_kernel[BF16, U32, U32, U32, 4, 1088],
+                target=get_gpu_target[arch](),
             ]()
         )
     )
@@ -61,7 +84,7 @@ def _compile_all[arch: StaticString]() raises -> List[String]:
         String(
             _compile_code[
                 kpool_expand_topk_kernel[DType.int32, U32, U32, 4, 512, True],
-                target = get_gpu_target[arch](),
+                target=get_gpu_target[arch](),
             ]()
         )
     )
@@ -75,7 +98,9 @@ def test_ptx_sm_90a() raises:
     _check_asm(asm[0], "sm_90a", "kernels_ring_close_kpool_ring")
     _check_asm(asm[1], "sm_90a", "kernels_compress_kpool_compres")
     _check_asm(asm[2], "sm_90a", "kernels_seed_tail_kpool_seed")
-    _check_asm(asm[3], "sm_90a", "kernels_expand_topk_kpool_expa")
+    _check_asm(asm[3], "sm_90a", "kernels_step_kpool_step_scan")
+    _check_asm(asm[4], "sm_90a", "kernels_step_kpool_step_kern")
+    _check_asm(asm[5], "sm_90a", "kernels_expand_topk_kpool_expa")
 
 
 def test_ptx_sm_100a() raises:
@@ -85,7 +110,9 @@ def test_ptx_sm_100a() raises:
     _check_asm(asm[0], "sm_100a", "kernels_ring_close_kpool_ring")
     _check_asm(asm[1], "sm_100a", "kernels_compress_kpool_compres")
     _check_asm(asm[2], "sm_100a", "kernels_seed_tail_kpool_seed")
-    _check_asm(asm[3], "sm_100a", "kernels_expand_topk_kpool_expa")
+    _check_asm(asm[3], "sm_100a", "kernels_step_kpool_step_scan")
+    _check_asm(asm[4], "sm_100a", "kernels_step_kpool_step_kern")
+    _check_asm(asm[5], "sm_100a", "kernels_expand_topk_kpool_expa")
 
 
 def test_amdgcn_gfx942() raises:
@@ -108,6 +135,12 @@ def test_launch_shapes() raises:
     var comp = compress_launch[96](250)
     assert_equal(comp[0], 250)
     assert_equal(comp[1], 96)
+    # The fused step: one thread scans, then a block per request and row.
+    assert_equal(step_scan_launch()[0], 1)
+    assert_equal(step_scan_launch()[1], 1)
+    var step = step_launch[1088](5, 12)
+    assert_equal(step[0], 17)
+    assert_equal(step[1], 1024)
     # expand_topk: a block per token row, one warp (MAX's width 2051).
     var expand = expand_topk_launch[4, 512, True](300)
     assert_equal(expand[0], 300)
