@@ -23,6 +23,17 @@ for _name in ("PYTHONEXECUTABLE", "PYTHONPATH", "MOJO_PYTHON_LIBRARY"):
 
 _HAS_GPU = driver.accelerator_count() > 0
 
+#: Most xdist workers ``-n auto`` starts. The suite's time is graph compiles,
+#: each mostly on one core and 1-2 GB of memory, and workers that share a
+#: model compile it once each unless the disk cache already has it.
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per core, at most :data:`MAX_WORKERS`."""
+    return min(MAX_WORKERS, os.cpu_count() or 1)
+
+
 #: Parametrization for tests that run on every device: the CPU always, the
 #: first accelerator when there is one (a visible skip otherwise, so a CPU-only
 #: run says what it did not cover).
