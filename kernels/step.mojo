@@ -57,7 +57,8 @@ from extensibility import InputTensor, OutputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 from max.gpu import block_idx, thread_idx
-from std.sys import num_physical_cores
+from std.algorithm import vectorize
+from std.sys import num_physical_cores, simd_width_of
 
 from .compress import compress_thread, last_span_at, owner, pool_row_of
 from .parallel import cpu_for_each_range, emulate_grid, gpu_block_width
@@ -96,6 +97,16 @@ def step_first_pool[
 ](cache_lengths: Ptr[length_dtype], b: Int) -> Int64:
     """`first_pool[b]`: `(c + kpool - 1) // kpool`, rounded down."""
     return Int64((read_index(cache_lengths, b) + kpool - 1) // kpool)
+
+
+@always_inline
+def zero_row[dtype: DType, head_dim: Int](dest: Ptr[dtype]):
+    """Writes `head_dim` zeros (+0.0) with full-width SIMD stores (CPU)."""
+
+    def chunk[width: Int](ch: Int) {imm}:
+        dest.unsafe_store[width=width](ch, SIMD[dtype, width](0))
+
+    vectorize[simd_width_of[dtype]()](head_dim, chunk)
 
 
 def scan_pool_rows[
@@ -158,7 +169,8 @@ def step_cpu[
     """CPU step: the scan, then one parallel region for everything else.
 
     Part `i` of `num_physical_cores()` equal parts is a range of requests
-    (closed, then seeded) and a range of output rows (compressed).
+    (closed, then seeded) and a range of output rows (compressed): an equal
+    share of the rows before `pool_row_offsets[batch]` and of those after.
 
     Parameters:
         dtype: Key dtype of the pooled outputs, `tail`, `k`, `gate`.
@@ -223,8 +235,7 @@ def step_cpu[
                 cache_lengths, b
             )
             if this[0] < 0:
-                for ch in range(head_dim):
-                    row[unsafe_offset=ch] = 0
+                zero_row[dtype, head_dim](row)
             else:
                 cpu_pool_row[dtype, kpool, head_dim](
                     this[2],
@@ -262,8 +273,7 @@ def step_cpu[
             )
             var dest = pooled.unsafe_offset(row * head_dim)
             if first < 0:
-                for ch in range(head_dim):
-                    dest[unsafe_offset=ch] = 0
+                zero_row[dtype, head_dim](dest)
                 continue
             var member0 = first * head_dim
             cpu_pool_row[dtype, kpool, head_dim](
@@ -304,6 +314,12 @@ def step_cpu[
                 )
 
     var parts = num_physical_cores()
+    # Rows past the last pool are only zeroed (the output's row count is an
+    # upper bound): each part gets an equal share of the pooled rows and of
+    # the rest, not an equal share of all rows, or the first part would
+    # pool them all. Any split is correct; every row is written once.
+    var used = min(max(read_index(pool_row_offsets, batch), 0), out_rows)
+    var spare = out_rows - used
 
     def run_parts(lo: Int, hi: Int) {imm}:
         for part in range(lo, hi):
@@ -311,8 +327,10 @@ def step_cpu[
             var b1 = batch * (part + 1) // parts
             # A request's ring slot is read (closed) before it is written.
             close_requests(b0, b1)
+            compress_rows(used * part // parts, used * (part + 1) // parts)
             compress_rows(
-                out_rows * part // parts, out_rows * (part + 1) // parts
+                used + spare * part // parts,
+                used + spare * (part + 1) // parts,
             )
             seed_requests(b0, b1)
 
