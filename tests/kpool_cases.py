@@ -41,7 +41,7 @@ class Config:
 #: The configuration most tests use: float32, GLM-5-Next's indexer shape.
 MAIN = Config(F32, 4, 128)
 
-#: Step (three-writer) models the suite compiles. Together they cover every
+#: Step models (the fused op) the suite compiles. Together they cover every
 #: dtype, kpool 1, 2, 3, 4, 16, 128 and head_dim 1, 32, 64, 96, 128, 1088
 #: (above the 1024-thread GPU block limit).
 STEP_CONFIGS = [

@@ -16,7 +16,7 @@ pool_sequence`). A request resuming at ``prefix`` owns pools
 when the prefix ends mid-pool).
 
 :func:`replay` feeds a schedule call by call through any ``step`` function
-(the compiled three-writer step, or :class:`ReferenceServer`, the float64
+(the compiled step, or :class:`ReferenceServer`, the float64
 oracle) and checks the pool accounting: every call must produce exactly the
 pools it completes, so over the schedule every pool comes out exactly once.
 

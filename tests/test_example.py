@@ -1,7 +1,7 @@
 """``examples/indexer_layer.py``: the pipeline integration example runs.
 
 The example compiles one model (its layer: two Linear projections, a
-LayerNorm and the three writers at float32, kpool 4, head_dim 32) and runs
+LayerNorm and the fused step at float32, kpool 4, head_dim 32) and runs
 it in-process here. What it prints is checked against pool events derived
 from its schedule with the SPEC's arithmetic alone (which call completes
 which pool of which request, and which writer builds it), so a run that

@@ -65,14 +65,17 @@ class Mutant:
 MUTANTS = [
     Mutant(
         # Threads skip every other block-width of channels: with 1088
-        # channels and 1024 threads, channels 1024..1087 are never written.
+        # channels and 1024 threads, channels 1024..1087 are never written,
+        # so they hold whatever the output buffer held: wrong pooled keys,
+        # or non-zero rows where nothing closed (the fused step runs this
+        # thread body too).
         "ring_close_thread_stride",
         "ring_close.mojo",
         "range(thread, head_dim, stride)",
         "range(thread, head_dim, stride * 2)",
         lambda runner: rc.test_step_mixed_batch(runner, WIDE),
         AssertionError,
-        "pooled",
+        "pooled|closed_pool -1 are not exactly zero",
     ),
     Mutant(
         # The owner search looks one output row ahead: the last row of each

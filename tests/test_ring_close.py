@@ -4,10 +4,10 @@ Two families, both on every device (``runner`` fixture):
 
 - **Sweep** over the step models of ``STEP_CONFIGS`` (every key dtype, kpool
   1 to 128, head_dim 1 to 1088): one mixed ragged batch per configuration
-  through the whole three-writer step. ``ring_pooled``/``ring_closed_pool``
-  are ring_close's outputs; the step's compressed pools and the ring it
-  leaves behind are checked too, which also shows ring_close read the ring
-  before seed_tail overwrote it.
+  through the whole (fused) step. ``ring_pooled``/``ring_closed_pool``
+  are the closing writer's outputs; the step's compressed pools and the
+  ring it leaves behind are checked too, which also shows the pending pool
+  was read from the ring before the seeding overwrote it.
 - **Corners** at ``MAIN`` on the single-op ``"ring_close"`` model: empty
   batch, bad metadata, cache lengths near 2^32, gates of magnitude 100, the
   ape ablation, the ring left bitwise unchanged, and int32/int64 index

@@ -1,4 +1,4 @@
-"""Seeded serving schedules through the composed step, pool for pool.
+"""Seeded serving schedules through the (fused) step, pool for pool.
 
 Each schedule (see :mod:`schedules`) draws every request's whole sequence
 first, then feeds it through :meth:`Runner.step` over many calls: chunked

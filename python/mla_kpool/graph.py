@@ -10,11 +10,13 @@ every call, in this order:
 2. :func:`compress` builds every pool made only of this call's tokens.
 3. :func:`seed_tail` stashes the trailing incomplete tokens into the ring.
 
-:func:`kpool_step` runs the three in that order, with :func:`pool_row_offsets`
-in between. Each wrapper checks every operand first and then adds exactly one
-custom op (``mo.mla.kpool.<verb>``); the graph must be built or loaded with
-``custom_extensions=[mla_kpool.KERNELS]`` so that this package's CPU+GPU
-kernels replace MAX's GPU-only builtins of the same names.
+:func:`kpool_step` does all of it for one call: by default as one fused op
+(``mla_kpool.step``), or with ``fused=False`` as the three ops in that order
+with :func:`pool_row_offsets` in between. Each wrapper checks every operand
+first and then adds exactly one custom op (``mo.mla.kpool.<verb>``); the
+graph must be built or loaded with ``custom_extensions=[mla_kpool.KERNELS]``
+so that this package's CPU+GPU kernels replace MAX's GPU-only builtins of
+the same names.
 
 :func:`expand_topk` is the op that reads pools back: it widens the pool ids
 an indexer selected for each query token into the token positions
@@ -416,17 +418,29 @@ def kpool_step(
     slot_idx: TensorValue,
     kpool: int,
     *,
+    fused: bool = True,
     emulate_gpu: bool = False,
 ) -> KPoolStep:
-    """Runs one call's three writers on one ring: close, compress, seed.
+    """Runs one call's k-pool work on one ring: close, compress, seed.
 
     Together they produce every pool that this call completes exactly once:
     the pending pool (if finished) in ``ring_pooled``, the rest in
     ``pooled``; afterwards the ring holds the tokens of the pool still
-    filling. The order matters: :func:`seed_tail` may overwrite ring slots
-    that :func:`ring_close` reads. Both are in-place ops on ``tail``'s
-    device, which MAX chains in program order, so issuing ring_close first
-    is what sequences them. :func:`compress` reads no ring and is unordered.
+    filling.
+
+    By default this is one op, ``mla_kpool.step``, which reads each
+    request's pending pool from the ring before it writes that request's
+    tokens into it, so no ordering is left to the graph; it costs one op
+    call (one CPU task, two GPU launches) instead of three plus about a
+    dozen MAX ops for the offsets. ``fused=False`` adds the three writers
+    (:func:`ring_close`, :func:`compress`, :func:`seed_tail`) and
+    :func:`pool_row_offsets` instead, the way a pipeline calling MAX's
+    wrappers one by one does: there the order matters, since
+    :func:`seed_tail` may overwrite ring slots that :func:`ring_close`
+    reads; both are in-place ops on ``tail``'s device, which MAX chains in
+    program order, so issuing ring_close first is what sequences them.
+    Both forms give bitwise identical outputs and ring contents on the
+    same device, for any metadata.
 
     Args:
         tail: The ring, ``[max_slots, 2, ring, head_dim]``, dtype of ``k``,
@@ -439,6 +453,7 @@ def kpool_step(
         cache_lengths: Tokens already seen per request, ``[batch]``.
         slot_idx: Ring slot per request, ``[batch]``.
         kpool: Tokens per pool.
+        fused: One ``mla_kpool.step`` op (default), or the three writers.
         emulate_gpu: Testing aid: run the op's GPU kernel on the CPU, every
             block and thread of its launch in turn, instead of the CPU
             kernel (see the README). The operands must be on the CPU. Slow;
@@ -448,9 +463,25 @@ def kpool_step(
         A :class:`KPoolStep`.
 
     Raises:
-        TypeError: As :func:`ring_close`.
-        ValueError: As :func:`ring_close`.
+        TypeError: As :func:`ring_close`, or if ``fused`` is not a bool.
+        ValueError: As :func:`ring_close`, or, for the fused op, if the
+            graph was built without this package's kernels loaded (MAX has
+            no builtin ``mla_kpool.step`` to stage it against).
     """
+    if not isinstance(fused, bool):
+        raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
+    if fused:
+        return _fused_step(
+            tail,
+            k,
+            gate,
+            ape,
+            input_row_offsets,
+            cache_lengths,
+            slot_idx,
+            kpool,
+            emulate_gpu,
+        )
     ring_pooled, ring_closed_pool = ring_close(
         tail,
         k,
@@ -620,3 +651,79 @@ def expand_topk(
             **v.kernel_parameters(None, kpool, emulate_gpu, device),
         },
     )[0].tensor
+
+
+def _fused_step(
+    tail: object,
+    k: object,
+    gate: object,
+    ape: object,
+    input_row_offsets: object,
+    cache_lengths: object,
+    slot_idx: object,
+    kpool: object,
+    emulate_gpu: object,
+) -> KPoolStep:
+    """:func:`kpool_step` as the one ``mla_kpool.step`` op (checked first)."""
+    kpool, k, gate, input_row_offsets, cache_lengths, head_dim = _check_common(
+        k, gate, input_row_offsets, cache_lengths, kpool
+    )
+    tail = v.check_tail(tail, kpool, head_dim, k.dtype)
+    ape = v.check_ape(ape, kpool, head_dim)
+    slot_idx = v.check_index("slot_idx", slot_idx, "batch")
+    v.check_batch(
+        cache_lengths,
+        input_row_offsets=(input_row_offsets, 1),
+        slot_idx=(slot_idx, 0),
+    )
+    v.check_devices(
+        k.device,
+        "k",
+        tail=tail,
+        gate=gate,
+        ape=ape,
+        input_row_offsets=input_row_offsets,
+        cache_lengths=cache_lengths,
+        slot_idx=slot_idx,
+    )
+
+    batch = cache_lengths.shape[0]
+    dev = k.device
+    parameters = v.kernel_parameters(head_dim, kpool, emulate_gpu, dev)
+    try:
+        results = ops.inplace_custom(
+            "mla_kpool.step",
+            device=dev,
+            values=[
+                tail,
+                k,
+                gate,
+                ape,
+                input_row_offsets,
+                cache_lengths,
+                slot_idx,
+            ],
+            out_types=[
+                TensorType(k.dtype, [batch, head_dim], device=dev),
+                TensorType(DType.int32, [batch], device=dev),
+                TensorType(
+                    k.dtype, [k.shape[0] // kpool, head_dim], device=dev
+                ),
+                TensorType(DType.uint32, [batch + 1], device=dev),
+                TensorType(DType.int64, [batch], device=dev),
+            ],
+            parameters=parameters,
+        )
+    except ValueError as error:
+        if "no kernel registered" not in str(error):
+            raise
+        # MAX has no builtin of this name, so unlike the three writers the
+        # op cannot even be staged before the kernels are loaded.
+        raise ValueError(
+            "kpool_step adds the fused op mla_kpool.step, which only this"
+            " package's kernels provide: build the graph with"
+            " custom_extensions=[mla_kpool.KERNELS] (or inside"
+            " max.graph.default_custom_extensions_scope(mla_kpool.KERNELS)),"
+            " or pass fused=False for the three ops MAX also names"
+        ) from error
+    return KPoolStep(*(result.tensor for result in results))

@@ -1,7 +1,7 @@
 """Compile-once, run-many execution of the k-pool writers on NumPy data.
 
 The demo, the benchmark and the tests all need the same thing: build a small
-MAX graph around one writer (or the three-writer step), compile it once per
+MAX graph around one writer (or the whole step), compile it once per
 configuration, and call it many times with NumPy arrays of any batch and
 token count. Graph dims that vary per call are symbolic (``"tokens"``,
 ``"batch"``, ``"offsets"``, ``"slots"``), so one compiled model serves every
@@ -42,6 +42,8 @@ class ModelKey:
 
     Attributes:
         kind: ``"ring_close"``, ``"compress"``, ``"seed_tail"``, ``"step"``
+            (the fused ``mla_kpool.step`` op), ``"step3"`` (the three
+            writers and the offsets helper, ``kpool_step(fused=False)``)
             or ``"expand_topk"``.
         dtype: Key dtype (``k``, ``gate``, ``tail``, pooled outputs); for
             expand_topk, the dtype of ``pool_ids``.
@@ -225,6 +227,10 @@ class Runner:
                 g.output()
             elif key.kind == "step":
                 g.output(*kpool_graph.kpool_step(*x, kp, **emulate))
+            elif key.kind == "step3":
+                g.output(
+                    *kpool_graph.kpool_step(*x, kp, fused=False, **emulate)
+                )
             else:
                 raise ValueError(f"unknown kind {key.kind!r}")
         return g
@@ -305,8 +311,8 @@ class Runner:
         so host-to-device copies stay out of the measurement.
 
         Args:
-            kind: ``"ring_close"``, ``"compress"``, ``"seed_tail"`` or
-                ``"step"``.
+            kind: ``"ring_close"``, ``"compress"``, ``"seed_tail"``,
+                ``"step"`` or ``"step3"`` (see :class:`ModelKey`).
             kpool: Tokens per pool.
             k: This call's keys (gives dtype and head_dim).
             ring: The ring buffer, for every kind but compress.
@@ -427,14 +433,20 @@ class Runner:
         cache_lengths: npt.ArrayLike,
         slot_idx: npt.ArrayLike,
         kpool: int,
+        *,
+        fused: bool = True,
     ) -> StepResult:
-        """Runs :func:`mla_kpool.kpool_step` (all three writers) on ``tail``.
+        """Runs :func:`mla_kpool.kpool_step` on ``tail``.
+
+        The arguments are those of :func:`mla_kpool.kpool_step`: ``fused``
+        picks the one ``mla_kpool.step`` op (model kind ``"step"``) or, when
+        ``False``, the three writers (kind ``"step3"``).
 
         Returns:
             The step's outputs as NumPy arrays; ``tail`` is updated in place.
         """
         outs = self._run(
-            "step",
+            "step" if fused else "step3",
             kpool,
             tail=tail,
             k=k,
