@@ -29,14 +29,16 @@ def test_numpy_twin_matches_the_oracle(case):
     args = (w.input_row_offsets, w.cache_lengths)
     scale = float(np.abs(w.k.astype(F32)).max(initial=1.0))
     tol = TOLERANCE[np.dtype(w.k.dtype)] * scale
-    if case.op in ("ring_close", "step"):
+    # Both step paths (fused and three-op) share one workload and twin.
+    op = "step" if case.op == "step3" else case.op
+    if op in ("ring_close", "step"):
         pooled, closed = bench.numpy_ring_close(w, case.kpool)
         want, want_closed = ref.ring_close(
             w.ring, w.k, w.gate, w.ape, *args, w.slot_idx, case.kpool
         )
         np.testing.assert_array_equal(closed, want_closed)
         np.testing.assert_allclose(pooled.astype(np.float64), want, atol=tol)
-    if case.op in ("compress", "step"):
+    if op in ("compress", "step"):
         pooled = bench.numpy_compress(w, case.kpool)
         want = ref.compress(
             w.k,
@@ -48,7 +50,7 @@ def test_numpy_twin_matches_the_oracle(case):
             case.kpool,
         )
         np.testing.assert_allclose(pooled.astype(np.float64), want, atol=tol)
-    if case.op in ("seed_tail", "step"):
+    if op in ("seed_tail", "step"):
         ring = w.ring.copy()
         bench.numpy_seed_tail(w, case.kpool, ring)
         want = ref.seed_tail(w.ring, w.k, w.gate, *args, w.slot_idx, case.kpool)
@@ -74,8 +76,9 @@ def test_workload_does_what_the_docstring_says(op):
     )
     n = np.diff(w.input_row_offsets.astype(np.int64))
     pending = w.cache_lengths.astype(np.int64) % kpool
-    closes = {"ring_close": 1, "compress": 0, "seed_tail": 0, "step": 1}[op]
-    builds = {"ring_close": 0, "compress": 1, "seed_tail": 0, "step": 1}[op]
+    step = {"step": 1, "step3": 1}
+    closes = {"ring_close": 1, "compress": 0, "seed_tail": 0, **step}[op]
+    builds = {"ring_close": 0, "compress": 1, "seed_tail": 0, **step}[op]
     assert ((closed >= 0) == bool(closes)).all()
     np.testing.assert_array_equal(np.diff(pools), builds)
     assert sorted(w.slot_idx.tolist()) == list(range(batch))

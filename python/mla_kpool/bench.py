@@ -20,6 +20,14 @@ builds one pool from ``kpool`` new tokens; ``seed_tail`` stashes
 ``kpool - 1`` new tokens; ``step`` brings ``2 * kpool`` tokens to a request
 with ``r`` pending (ring_close closes one pool, compress builds one, seed_tail
 stashes ``r`` tokens).
+
+The step has two paths, each its own ``op`` in the records: ``step`` is the
+fused ``mla_kpool.step`` op (``kpool_step()``, one op per call) and
+``step3`` the three writers plus the offsets helper
+(``kpool_step(fused=False)``). Same workload, same ``bytes``; each is timed
+against its own floor (one no-op op for ``step``; three no-op ops and the
+helper's MAX ops for ``step3``). MAX has no builtin of the fused op, so
+``builtin_median_us`` is only measured for ``step3``.
 """
 
 from __future__ import annotations
@@ -42,11 +50,14 @@ from .buffers import to_numpy_dtype
 from .runner import Runner
 
 DESCRIPTION = (
-    "Time ring_close, compress, seed_tail and the step against MAX's no-op"
-    " floor, a NumPy twin and memcpy bandwidth."
+    "Time ring_close, compress, seed_tail and the step (fused, or step3:"
+    " the three ops) against MAX's no-op floor, a NumPy twin and memcpy"
+    " bandwidth."
 )
 
-OPS = ("ring_close", "compress", "seed_tail", "step")
+OPS = ("ring_close", "compress", "seed_tail", "step", "step3")
+#: Ops that MAX also ships as GPU builtins (the fused step is ours only).
+BUILTIN_OPS = ("ring_close", "compress", "seed_tail", "step3")
 BATCHES = (1, 64, 512, 4096)
 KPOOLS = (4, 16, 128)
 DTYPES = ("float32", "bfloat16")
@@ -367,7 +378,7 @@ def measure(
     )
     ours, floor = ours * 1e6, floor * 1e6
     builtin = None
-    if runners.get("builtin") is not None:
+    if runners.get("builtin") is not None and case.op in BUILTIN_OPS:
         builtin = float(
             np.median(
                 time_call(_ModelCall(runners["builtin"], case, w), **timing)
@@ -397,8 +408,9 @@ def measure(
     )
 
 
-#: ``--quick``: the issue's three ring_close targets plus one mid-size case
-#: per other op, so CI-sized runs still exercise every op.
+#: ``--quick``: the three ring_close targets, one mid-size case per
+#: other writer, and the fused step's two targets (with the three-op step
+#: it is compared to), so CI-sized runs still exercise every op.
 QUICK = [
     ("ring_close", "float32", 4096, 128),
     ("ring_close", "float32", 64, 4),
@@ -406,6 +418,8 @@ QUICK = [
     ("compress", "float32", 512, 16),
     ("seed_tail", "float32", 512, 16),
     ("step", "bfloat16", 64, 4),
+    ("step3", "bfloat16", 64, 4),
+    ("step", "float32", 4096, 16),
 ]
 
 
@@ -461,7 +475,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=OPS,
         default=list(OPS),
-        help="ops to time (all four)",
+        help=(
+            "ops to time (all); step is the fused op, step3 the three ops"
+            " it replaces"
+        ),
     )
     parser.add_argument(
         "--dtypes",

@@ -68,3 +68,29 @@ struct NoopSeedTail:
     ) raises:
         """Does nothing: the framework floor of a seed_tail call."""
         pass
+
+
+@extensibility.register("mla_kpool.step")
+struct NoopStep:
+    """`mla_kpool.step` that leaves its outputs and the ring untouched."""
+
+    @staticmethod
+    def execute[
+        *, head_dim: Int, kpool: Int, target: StaticString
+    ](
+        ring_pooled: OutputTensor[rank=2, ...],
+        ring_closed_pool: OutputTensor[dtype=DType.int32, rank=1, ...],
+        pooled: OutputTensor[dtype=ring_pooled.dtype, rank=2, ...],
+        pool_row_offsets: OutputTensor[dtype=DType.uint32, rank=1, ...],
+        first_pool: OutputTensor[dtype=DType.int64, rank=1, ...],
+        tail: MutableInputTensor[dtype=ring_pooled.dtype, rank=4, ...],
+        k: InputTensor[dtype=ring_pooled.dtype, rank=2, ...],
+        gate: InputTensor[dtype=ring_pooled.dtype, rank=2, ...],
+        ape: InputTensor[dtype=DType.float32, rank=2, ...],
+        input_row_offsets: InputTensor[rank=1, ...],
+        cache_lengths: InputTensor[rank=1, ...],
+        slot_idx: InputTensor[rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        """Does nothing: the framework floor of a fused step call."""
+        pass
