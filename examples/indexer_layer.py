@@ -3,10 +3,11 @@
 This is how a MAX pipeline uses the package: a ``max.nn.Module`` owns the
 layer's weights (the key and gate projections, the key layer norm and the
 within-pool position embedding ``ape``), and its ``__call__`` stages the
-three k-pool writers (:func:`mla_kpool.kpool_step`) into a larger graph whose
-inputs are the hidden states, the per-layer tail ring (a graph *buffer*,
-because it persists and is updated in place across calls) and the ragged
-batch metadata: ``input_row_offsets``, ``cache_lengths`` and ``slot_idx``.
+k-pool step (:func:`mla_kpool.kpool_step`: one fused op doing the work of
+the three writers) into a larger graph whose inputs are the hidden states,
+the per-layer tail ring (a graph *buffer*, because it persists and is
+updated in place across calls) and the ragged batch metadata:
+``input_row_offsets``, ``cache_lengths`` and ``slot_idx``.
 The graph is built with ``custom_extensions=[mla_kpool.KERNELS]``, which is
 what makes the ops run on CPU (MAX's own builtins are GPU-only).
 
@@ -110,7 +111,7 @@ class KPoolIndexerKeys(Module):
         cache_lengths: TensorValue,
         slot_idx: TensorValue,
     ) -> mla_kpool.KPoolStep:
-        """Projects this call's tokens and runs the three writers on them.
+        """Projects this call's tokens and runs the k-pool step on them.
 
         Args:
             x: Hidden states ``[total_tokens, hidden]``, float32.
@@ -121,7 +122,7 @@ class KPoolIndexerKeys(Module):
             slot_idx: ``[batch]`` uint32 ring slot of each request.
 
         Returns:
-            The writers' outputs, see :class:`mla_kpool.KPoolStep`.
+            The step's outputs, see :class:`mla_kpool.KPoolStep`.
         """
         k = self.k_norm(self.wk(x))
         gate = self.compress_gate(x)

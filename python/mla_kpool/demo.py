@@ -2,9 +2,10 @@
 
 The demo plays a serving engine's indexer for a batch of requests: chunked
 prefill and multi-token decode steps, batched under a token budget, with
-requests joining as ring slots free up. Every call goes through the composed
-step (:meth:`mla_kpool.runner.Runner.step`: ring_close, compress, seed_tail
-on one persistent ring). Each request's keys and gates are drawn from a seed
+requests joining as ring slots free up. Every call goes through the fused
+step (:meth:`mla_kpool.runner.Runner.step`: one ``mla_kpool.step`` op that
+closes, compresses and seeds on one persistent ring, the work of ring_close,
+compress and seed_tail). Each request's keys and gates are drawn from a seed
 of its own, so when a request finishes the NumPy oracle
 (:func:`mla_kpool.reference.pool_sequence`) recomputes its whole sequence in
 one shot and every pool the calls produced is checked against it: each pool
