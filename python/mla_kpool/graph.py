@@ -54,6 +54,66 @@ def _check_common(
     return kpool, k, gate, input_row_offsets, cache_lengths, head_dim
 
 
+def _check_ring_operands(
+    tail: object,
+    k: object,
+    gate: object,
+    ape: object,
+    input_row_offsets: object,
+    cache_lengths: object,
+    slot_idx: object,
+    kpool: object,
+) -> tuple[
+    int,
+    BufferValue,
+    TensorValue,
+    TensorValue,
+    TensorValue,
+    TensorValue,
+    TensorValue,
+    TensorValue,
+    int,
+]:
+    """Checks the operands of ``ring_close`` and the fused step.
+
+    Returns:
+        ``(kpool, tail, k, gate, ape, input_row_offsets, cache_lengths,
+        slot_idx, head_dim)``, checked.
+    """
+    kpool, k, gate, input_row_offsets, cache_lengths, head_dim = _check_common(
+        k, gate, input_row_offsets, cache_lengths, kpool
+    )
+    tail = v.check_tail(tail, kpool, head_dim, k.dtype)
+    ape = v.check_ape(ape, kpool, head_dim)
+    slot_idx = v.check_index("slot_idx", slot_idx, "batch")
+    v.check_batch(
+        cache_lengths,
+        input_row_offsets=(input_row_offsets, 1),
+        slot_idx=(slot_idx, 0),
+    )
+    v.check_devices(
+        k.device,
+        "k",
+        tail=tail,
+        gate=gate,
+        ape=ape,
+        input_row_offsets=input_row_offsets,
+        cache_lengths=cache_lengths,
+        slot_idx=slot_idx,
+    )
+    return (
+        kpool,
+        tail,
+        k,
+        gate,
+        ape,
+        input_row_offsets,
+        cache_lengths,
+        slot_idx,
+        head_dim,
+    )
+
+
 def ring_close(
     tail: BufferValue,
     k: TensorValue,
@@ -107,26 +167,18 @@ def ring_close(
             the static batch sizes disagree, or ``emulate_gpu`` is set off
             the CPU.
     """
-    kpool, k, gate, input_row_offsets, cache_lengths, head_dim = _check_common(
-        k, gate, input_row_offsets, cache_lengths, kpool
-    )
-    tail = v.check_tail(tail, kpool, head_dim, k.dtype)
-    ape = v.check_ape(ape, kpool, head_dim)
-    slot_idx = v.check_index("slot_idx", slot_idx, "batch")
-    v.check_batch(
+    (
+        kpool,
+        tail,
+        k,
+        gate,
+        ape,
+        input_row_offsets,
         cache_lengths,
-        input_row_offsets=(input_row_offsets, 1),
-        slot_idx=(slot_idx, 0),
-    )
-    v.check_devices(
-        k.device,
-        "k",
-        tail=tail,
-        gate=gate,
-        ape=ape,
-        input_row_offsets=input_row_offsets,
-        cache_lengths=cache_lengths,
-        slot_idx=slot_idx,
+        slot_idx,
+        head_dim,
+    ) = _check_ring_operands(
+        tail, k, gate, ape, input_row_offsets, cache_lengths, slot_idx, kpool
     )
 
     batch = cache_lengths.shape[0]
@@ -665,26 +717,18 @@ def _fused_step(
     emulate_gpu: object,
 ) -> KPoolStep:
     """:func:`kpool_step` as the one ``mla_kpool.step`` op (checked first)."""
-    kpool, k, gate, input_row_offsets, cache_lengths, head_dim = _check_common(
-        k, gate, input_row_offsets, cache_lengths, kpool
-    )
-    tail = v.check_tail(tail, kpool, head_dim, k.dtype)
-    ape = v.check_ape(ape, kpool, head_dim)
-    slot_idx = v.check_index("slot_idx", slot_idx, "batch")
-    v.check_batch(
+    (
+        kpool,
+        tail,
+        k,
+        gate,
+        ape,
+        input_row_offsets,
         cache_lengths,
-        input_row_offsets=(input_row_offsets, 1),
-        slot_idx=(slot_idx, 0),
-    )
-    v.check_devices(
-        k.device,
-        "k",
-        tail=tail,
-        gate=gate,
-        ape=ape,
-        input_row_offsets=input_row_offsets,
-        cache_lengths=cache_lengths,
-        slot_idx=slot_idx,
+        slot_idx,
+        head_dim,
+    ) = _check_ring_operands(
+        tail, k, gate, ape, input_row_offsets, cache_lengths, slot_idx, kpool
     )
 
     batch = cache_lengths.shape[0]
