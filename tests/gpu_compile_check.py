@@ -5,11 +5,13 @@ process-global and must be set before any device exists)::
 
     python tests/gpu_compile_check.py cuda sm_90a
     python tests/gpu_compile_check.py hip gfx942 [KERNELS_DIR]
+    python tests/gpu_compile_check.py cuda sm_90a --devices 2
 
-It builds one graph on ``DeviceRef.GPU()`` holding the whole op (a
-``kpool_step``: ring_close, pool_row_offsets, compress, seed_tail; bfloat16,
-kpool 4, head_dim 128), a float32 ``ring_close`` with kpool 128 and head_dim
-1088 (above the 1024-thread block limit) and a float16 ``compress``
+By default it builds one graph on ``DeviceRef.GPU()`` holding the whole op (a
+``kpool_step``, both the fused ``mla_kpool.step`` and the three-op form:
+ring_close, pool_row_offsets, compress, seed_tail; bfloat16, kpool 4,
+head_dim 128), a float32 ``ring_close`` and fused step with kpool 128 and
+head_dim 1088 (above the 1024-thread block limit) and a float16 ``compress``
 (kpool 16, head_dim 32), and asks MAX to compile it for the target. Nothing
 runs. On success it prints :data:`MARKER` followed by the target. A CPU graph
 never reaches GPU-only constraints (``Int`` captured in a kernel closure is
@@ -19,10 +21,17 @@ checked to fail.
 
 The default graph also holds an ``expand_topk`` in MAX's production shape
 (kpool 4, 512 pools, int32 ids, the step's metadata).
+
+With ``--devices N`` (N at least 2) it instead sets up N virtual GPUs and
+builds one graph with a ``kpool_step`` (bfloat16, kpool 4, head_dim 128) on
+each of ``DeviceRef.GPU(0)`` to ``DeviceRef.GPU(N - 1)``, every replica with
+its own inputs and its own ring buffer, the way a sharded indexer runs one
+replica of the ops per GPU. The marker line then ends in ``devices=N``.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -30,27 +39,43 @@ from pathlib import Path
 MARKER = "MLA_KPOOL_GPU_COMPILE_OK"
 
 
-def main(argv: list[str]) -> int:
-    """Compiles the graph for ``argv = [api, arch, (kernels_dir)]``.
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """Reads ``api arch [kernels_dir] [--devices N]``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("api", help='virtual device API, "cuda" or "hip"')
+    parser.add_argument("arch", help='target architecture, e.g. "sm_90a"')
+    parser.add_argument(
+        "kernels_dir",
+        nargs="?",
+        type=Path,
+        help="Mojo kernel package (default: mla_kpool.KERNELS)",
+    )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="virtual GPUs; 2 or more compiles one kpool_step per GPU",
+    )
+    args = parser.parse_args(argv)
+    if args.devices < 1:
+        parser.error("--devices must be at least 1")
+    return args
+
+
+def _whole_op_graph(kernels: Path):
+    """The default graph: every op and dtype above, on ``DeviceRef.GPU()``.
+
+    Args:
+        kernels: The Mojo kernel package to load the ops from.
 
     Returns:
-        0 after a successful compile (a failure raises).
+        The :class:`max.graph.Graph`.
     """
-    api, arch = argv[0], argv[1]
-    # Before anything creates a device: these settings are read once.
-    from max import driver
-
-    driver.set_virtual_device_api(api)
-    driver.set_virtual_device_target_arch(arch)
-    driver.set_virtual_device_count(1)
-
     from max.dtype import DType
-    from max.engine import InferenceSession
     from max.graph import BufferType, DeviceRef, Graph, TensorType
 
     import mla_kpool
 
-    kernels = Path(argv[2]) if len(argv) > 2 else mla_kpool.KERNELS
     gpu = DeviceRef.GPU()
 
     def tensor(dtype: DType, shape: list) -> TensorType:
@@ -90,14 +115,96 @@ def main(argv: list[str]) -> int:
             for i, value in enumerate(graph.inputs)
         ]
         step = mla_kpool.kpool_step(*x[0:7], 4)
+        step3 = mla_kpool.kpool_step(*x[0:7], 4, fused=False)
         wide = mla_kpool.ring_close(x[7], *x[8:11], *x[4:7], 128)
+        wide_step = mla_kpool.kpool_step(x[7], *x[8:11], *x[4:7], 128)
         half = mla_kpool.compress(*x[11:17], 16)
         positions = mla_kpool.expand_topk(x[17], x[4], x[5], 4)
-        graph.output(*step, *wide, half, positions)
+        graph.output(*step, *step3, *wide, *wide_step, half, positions)
+    return graph
 
-    session = InferenceSession(devices=[driver.CPU(), driver.Accelerator()])
+
+def _replica_graph(kernels: Path, count: int):
+    """One ``kpool_step`` per GPU, ``DeviceRef.GPU(0)`` to ``GPU(count - 1)``.
+
+    Each replica has its own inputs on its own device, ring buffer included
+    (bfloat16, kpool 4, head_dim 128), and its own symbolic dimensions, as
+    the shards of a sharded indexer do.
+
+    Args:
+        kernels: The Mojo kernel package to load the ops from.
+        count: How many GPUs, hence replicas.
+
+    Returns:
+        The :class:`max.graph.Graph`.
+    """
+    from max.dtype import DType
+    from max.graph import BufferType, DeviceRef, Graph, TensorType
+
+    import mla_kpool
+
+    u32, bf16, f32 = DType.uint32, DType.bfloat16, DType.float32
+    inputs = []
+    for i in range(count):
+        gpu = DeviceRef.GPU(i)
+        tokens, batch = f"tokens_{i}", f"batch_{i}"
+        inputs += [
+            BufferType(bf16, [f"slots_{i}", 2, 4, 128], gpu),
+            TensorType(bf16, [tokens, 128], device=gpu),
+            TensorType(bf16, [tokens, 128], device=gpu),
+            TensorType(f32, [4, 128], device=gpu),
+            TensorType(u32, [f"offsets_{i}"], device=gpu),
+            TensorType(u32, [batch], device=gpu),
+            TensorType(u32, [batch], device=gpu),
+        ]
+    with Graph(
+        "gpu_compile_check_replicas",
+        input_types=inputs,
+        custom_extensions=[kernels],
+    ) as graph:
+        outputs = []
+        for i in range(count):
+            ring, *rest = graph.inputs[7 * i : 7 * i + 7]
+            x = [ring.buffer, *(value.tensor for value in rest)]
+            outputs += mla_kpool.kpool_step(*x, 4)
+        graph.output(*outputs)
+    return graph
+
+
+def main(argv: list[str]) -> int:
+    """Compiles the graph for ``argv = [api, arch, (kernels_dir)]``.
+
+    ``--devices N`` anywhere in ``argv`` compiles the replica graph on N
+    virtual GPUs instead.
+
+    Returns:
+        0 after a successful compile (a failure raises).
+    """
+    args = _parse(argv)
+    # Before anything creates a device: these settings are read once.
+    from max import driver
+
+    driver.set_virtual_device_api(args.api)
+    driver.set_virtual_device_target_arch(args.arch)
+    driver.set_virtual_device_count(args.devices)
+
+    from max.engine import InferenceSession
+
+    import mla_kpool
+
+    kernels = args.kernels_dir or mla_kpool.KERNELS
+    if args.devices == 1:
+        graph = _whole_op_graph(kernels)
+        accelerators = [driver.Accelerator()]
+        suffix = ""
+    else:
+        graph = _replica_graph(kernels, args.devices)
+        accelerators = [driver.Accelerator(i) for i in range(args.devices)]
+        suffix = f" devices={args.devices}"
+
+    session = InferenceSession(devices=[driver.CPU(), *accelerators])
     session.load(graph)
-    print(MARKER, api, arch, flush=True)
+    print(MARKER, args.api, args.arch + suffix, flush=True)
     return 0
 
 

@@ -10,6 +10,10 @@ shows the process's output. Checked by hand that it can fail: a copy of the
 kernels capturing an ``Int`` in the GPU ring_close closure (passed as the
 script's ``KERNELS_DIR``) fails for sm_90a with "Int and UInt do not
 conform to DevicePassable", while that copy still compiles and runs on CPU.
+
+A fourth compile, for cuda/sm_90a only, puts a ``kpool_step`` on each of two
+virtual GPUs in one graph (a sharded indexer runs one replica of the ops per
+GPU). It runs by itself after the three above.
 """
 
 from __future__ import annotations
@@ -111,3 +115,42 @@ def test_whole_op_compiles_for_gpu(compiles, target: Target) -> None:
     # it, so a non-zero status is reported here but does not fail the test.
     if status != 0:
         print(f"{target.id}: exit status {status} after a successful compile")
+
+
+#: The one target the two-GPU graph is compiled for (one compile is enough:
+#: the per-target kernels are covered above).
+REPLICA_TARGET = Target("cuda", "sm_90a")
+
+
+def test_kpool_step_compiles_on_two_gpus(tmp_path: Path) -> None:
+    """A ``kpool_step`` on ``GPU(0)`` and another on ``GPU(1)`` compile."""
+    target, devices = REPLICA_TARGET, 2
+    log = tmp_path / f"{target.id}-x{devices}.log"
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                str(SCRIPT),
+                target.api,
+                target.arch,
+                "--devices",
+                str(devices),
+            ],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            cwd=SCRIPT.parent,
+            env=_child_env(),
+        )
+    try:
+        status = process.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        pytest.fail(f"{target.id} x{devices}: no result after {TIMEOUT_S} s")
+    output = log.read_text(errors="replace")
+    shown = f"{target.id} x{devices} exited {status}; output:\n{output[-8000:]}"
+    marker = f"{MARKER} {target.api} {target.arch} devices={devices}"
+    assert marker in output, shown
+    # As above, a non-zero exit after the marker is reported, not failed.
+    if status != 0:
+        print(f"{target.id} x{devices}: exit status {status} after the marker")
