@@ -72,6 +72,41 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+def _start(args: list[str], log: Path) -> subprocess.Popen:
+    """Starts the check script with ``args``, its output going to ``log``."""
+    with log.open("wb") as sink:
+        return subprocess.Popen(
+            [sys.executable, str(SCRIPT), *args],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            cwd=SCRIPT.parent,
+            env=_child_env(),
+        )
+
+
+def _finish(process: subprocess.Popen, log: Path, name: str, marker: str):
+    """Waits for a started check and asserts it printed ``marker``.
+
+    A non-zero exit *after* the marker is tolerated: with a virtual sm_100a
+    device MAX 26.7's teardown has aborted after a successful compile
+    ("terminate called without an active exception", or a fatal
+    PyGILState_Release error). The script exits before teardown to avoid
+    it, so a non-zero status is reported here but does not fail the test.
+    """
+    try:
+        status = process.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        pytest.fail(f"{name}: no result after {TIMEOUT_S} s")
+    output = log.read_text(errors="replace")
+    shown = f"{name} exited {status}; output:\n{output[-8000:]}"
+    # The marker is printed only after MAX returned the compiled model.
+    assert marker in output, shown
+    if status != 0:
+        print(f"{name}: exit status {status} after a successful compile")
+
+
 @pytest.fixture(scope="module")
 def compiles(tmp_path_factory: pytest.TempPathFactory):
     """Starts every target's compile at once: ``{id: (process, log)}``."""
@@ -79,15 +114,7 @@ def compiles(tmp_path_factory: pytest.TempPathFactory):
     started = {}
     for target in TARGETS:
         log = logs / f"{target.id}.log"
-        with log.open("wb") as sink:
-            process = subprocess.Popen(
-                [sys.executable, str(SCRIPT), target.api, target.arch],
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                cwd=SCRIPT.parent,
-                env=_child_env(),
-            )
-        started[target.id] = (process, log)
+        started[target.id] = (_start([target.api, target.arch], log), log)
     yield started
     for process, _ in started.values():
         if process.poll() is None:
@@ -98,23 +125,7 @@ def compiles(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.id)
 def test_whole_op_compiles_for_gpu(compiles, target: Target) -> None:
     process, log = compiles[target.id]
-    try:
-        status = process.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        pytest.fail(f"{target.id}: no result after {TIMEOUT_S} s")
-    output = log.read_text(errors="replace")
-    shown = f"{target.id} exited {status}; output:\n{output[-8000:]}"
-    # The marker is printed only after MAX returned the compiled model.
-    assert f"{MARKER} {target.api} {target.arch}" in output, shown
-    # A non-zero exit *after* the marker is tolerated: with a virtual sm_100a
-    # device MAX 26.7's teardown has aborted after a successful compile
-    # ("terminate called without an active exception", or a fatal
-    # PyGILState_Release error). The script exits before teardown to avoid
-    # it, so a non-zero status is reported here but does not fail the test.
-    if status != 0:
-        print(f"{target.id}: exit status {status} after a successful compile")
+    _finish(process, log, target.id, f"{MARKER} {target.api} {target.arch}")
 
 
 #: The one target the two-GPU graph is compiled for (one compile is enough:
@@ -125,32 +136,8 @@ REPLICA_TARGET = Target("cuda", "sm_90a")
 def test_kpool_step_compiles_on_two_gpus(tmp_path: Path) -> None:
     """A ``kpool_step`` on ``GPU(0)`` and another on ``GPU(1)`` compile."""
     target, devices = REPLICA_TARGET, 2
+    name = f"{target.id} x{devices}"
     log = tmp_path / f"{target.id}-x{devices}.log"
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                str(SCRIPT),
-                target.api,
-                target.arch,
-                "--devices",
-                str(devices),
-            ],
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            cwd=SCRIPT.parent,
-            env=_child_env(),
-        )
-    try:
-        status = process.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        pytest.fail(f"{target.id} x{devices}: no result after {TIMEOUT_S} s")
-    output = log.read_text(errors="replace")
-    shown = f"{target.id} x{devices} exited {status}; output:\n{output[-8000:]}"
+    args = [target.api, target.arch, "--devices", str(devices)]
     marker = f"{MARKER} {target.api} {target.arch} devices={devices}"
-    assert marker in output, shown
-    # As above, a non-zero exit after the marker is reported, not failed.
-    if status != 0:
-        print(f"{target.id} x{devices}: exit status {status} after the marker")
+    _finish(_start(args, log), log, name, marker)
