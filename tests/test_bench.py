@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from max import driver
 
 from kpool_cases import F32, TOLERANCE
 from mla_kpool import bench
@@ -15,9 +16,14 @@ from mla_kpool.__main__ import main
 CASES = [
     bench.Case(op, dtype, batch, kpool, 16, "cpu")
     for op in bench.OPS
-    for dtype in ("float32", "bfloat16")
+    for dtype in (
+        (bench.EXPAND_DTYPE,)
+        if op == "expand_topk"
+        else ("float32", "bfloat16")
+    )
     for batch, kpool in ((1, 4), (5, 16), (3, 1))
 ]
+WRITERS = [op for op in bench.OPS if op != "expand_topk"]
 
 
 @pytest.mark.parametrize(
@@ -26,6 +32,13 @@ CASES = [
 def test_numpy_twin_matches_the_oracle(case):
     """The NumPy time is only meaningful if the twin computes the op."""
     w = bench.make_workload(case, seed=3)
+    if case.op == "expand_topk":
+        got = bench.numpy_expand_topk(w, case.kpool)
+        want = ref.expand_topk(
+            w.pool_ids, w.input_row_offsets, w.cache_lengths, case.kpool
+        )
+        np.testing.assert_array_equal(got, want)
+        return
     args = (w.input_row_offsets, w.cache_lengths)
     scale = float(np.abs(w.k.astype(F32)).max(initial=1.0))
     tol = TOLERANCE[np.dtype(w.k.dtype)] * scale
@@ -57,7 +70,69 @@ def test_numpy_twin_matches_the_oracle(case):
         np.testing.assert_array_equal(ring.view(np.uint8), want.view(np.uint8))
 
 
-@pytest.mark.parametrize("op", bench.OPS)
+@pytest.mark.parametrize("kpool", [1, 3, 4, 16])
+def test_numpy_expand_twin_skips_what_the_op_skips(kpool):
+    """The twin on a selection with every kind of id the op must skip, on
+    requests bringing several tokens and rows past the last offset."""
+    rng = np.random.default_rng(kpool)
+    new_tokens = [3, 0, 7, 1, 2 * kpool + 1]
+    cache = rng.integers(0, 6 * kpool, len(new_tokens))
+    offsets = np.concatenate([[0], np.cumsum(new_tokens)])
+    rows, topk = int(offsets[-1]) + 2, 6
+    ids = rng.integers(-3, 10, (rows, topk))
+    ids[rng.random((rows, topk)) < 0.2] = 2**31 - 1
+    w = bench.Workload(
+        ring=np.zeros(0),
+        k=np.zeros((0, 1)),
+        gate=np.zeros((0, 1)),
+        ape=np.zeros(0),
+        input_row_offsets=offsets.astype(np.uint32),
+        cache_lengths=cache.astype(np.uint32),
+        slot_idx=np.zeros(0),
+        pool_row_offsets=np.zeros(0),
+        pool_ids=ids.astype(np.int32),
+    )
+    want = ref.expand_topk(w.pool_ids, offsets, cache, kpool)
+    # The selection exercises both: expanded ids and skipped ones.
+    assert (want[:, :1] >= 0).any() and (want[:, -1] == -1).any()
+    np.testing.assert_array_equal(bench.numpy_expand_topk(w, kpool), want)
+
+
+@pytest.mark.parametrize("kpool", [1, 4, 16, 128])
+def test_expand_workload_selects_distinct_complete_pools(kpool):
+    batch = 6
+    case = bench.Case("expand_topk", bench.EXPAND_DTYPE, batch, kpool, 8, "cpu")
+    w = bench.make_workload(case)
+    topk = bench.expand_pool_topk(kpool)
+    assert topk * kpool == 2048 or (kpool > 2048 and topk == 1)
+    assert w.pool_ids.shape == (batch, topk)
+    # One query per request, which sees c + 1 positions.
+    np.testing.assert_array_equal(np.diff(w.input_row_offsets), 1)
+    complete = (w.cache_lengths.astype(np.int64) + 1) // kpool
+    assert (w.pool_ids >= 0).all()
+    assert (w.pool_ids < complete[:, None]).all()
+    for row in w.pool_ids:
+        assert len(set(row.tolist())) == topk
+    # Not sorted: the selection order is the indexer's.
+    assert (np.diff(w.pool_ids, axis=1) < 0).any()
+    # Every query's row is full: topk pools and the pool still filling.
+    out = ref.expand_topk(
+        w.pool_ids, w.input_row_offsets, w.cache_lengths, kpool
+    )
+    filling = (w.cache_lengths.astype(np.int64) + 1) % kpool
+    np.testing.assert_array_equal(
+        (out >= 0).sum(axis=1), topk * kpool + filling
+    )
+
+
+def test_op_bytes_expand_topk_by_hand():
+    # batch 2 queries, kpool 4: 512 int32 ids read and 512 * 4 + 3 int32
+    # positions written per query.
+    case = bench.Case("expand_topk", "int32", 2, 4, 128, "cpu")
+    assert bench.op_bytes(case) == 2 * (512 * 4 + 2051 * 4)
+
+
+@pytest.mark.parametrize("op", WRITERS)
 def test_workload_does_what_the_docstring_says(op):
     """Every request closes / builds / stashes exactly what the byte count
     assumes (checked with the oracle's own pool arithmetic)."""
@@ -105,6 +180,7 @@ def test_tiny_bench_run_writes_its_json(tmp_path):
             "bench",
             "--ops",
             "ring_close",
+            "expand_topk",
             "--dtypes",
             "float32",
             "--batches",
@@ -118,7 +194,7 @@ def test_tiny_bench_run_writes_its_json(tmp_path):
         ]
     )
     assert status == 0
-    (record,) = json.loads(out.read_text())
+    record, expand = json.loads(out.read_text())
     for key in (
         "op",
         "device",
@@ -142,3 +218,42 @@ def test_tiny_bench_run_writes_its_json(tmp_path):
     assert record["gbps"] == pytest.approx(
         record["bytes"] / record["median_us"] / 1e3
     )
+    # expand_topk: int32 pool ids whatever --dtypes says, GLM-5-Next's 512
+    # ids per query at kpool 4.
+    assert expand["op"] == "expand_topk" and expand["dtype"] == "int32"
+    assert expand["bytes"] == bench.op_bytes(
+        bench.Case("expand_topk", "int32", 3, 4, 128, "cpu")
+    )
+    assert expand["median_us"] > 0 and expand["floor_median_us"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--kpools", "0"], "argument --kpools: must be >= 1, got 0"),
+        (["--kpools", "4", "-3"], "argument --kpools: must be >= 1, got -3"),
+        (["--batches", "0"], "argument --batches: must be >= 1, got 0"),
+        (["--batches", "two"], "argument --batches: must be an integer"),
+        (["--head-dim", "0"], "argument --head-dim: must be >= 1, got 0"),
+        (["--min-seconds", "-1"], "argument --min-seconds: must be a finite"),
+        (["--min-seconds", "nan"], "argument --min-seconds: must be a finite"),
+        (["--ops", "pool"], "argument --ops: invalid choice"),
+    ],
+    ids=lambda x: " ".join(x) if isinstance(x, list) else None,
+)
+def test_bad_options_exit_2_before_compiling(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    driver.accelerator_count() > 0, reason="this machine has an accelerator"
+)
+def test_gpu_without_accelerator_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--device", "gpu", "--quick"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --device: gpu: no accelerator found" in err
