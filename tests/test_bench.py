@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from max import driver
 
 from kpool_cases import F32, TOLERANCE
-from mla_kpool import bench
+from mla_kpool import _sysinfo, bench
 from mla_kpool import reference as ref
 from mla_kpool.__main__ import main
 
@@ -24,6 +29,19 @@ CASES = [
     for batch, kpool in ((1, 4), (5, 16), (3, 1))
 ]
 WRITERS = [op for op in bench.OPS if op != "expand_topk"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _head_commit() -> str | None:
+    """HEAD of the checkout the package is imported from, read from git."""
+    package = Path(bench.__file__).resolve().parent
+    done = subprocess.run(
+        ["git", "-C", str(package), "rev-parse", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 @pytest.mark.parametrize(
@@ -211,6 +229,14 @@ def test_tiny_bench_run_writes_its_json(tmp_path):
     ):
         assert key in record
     assert record["op"] == "ring_close" and record["batch"] == 3
+    # Where it ran, on every record.
+    for r in (record, expand):
+        assert r["max_version"] == importlib.metadata.version("max")
+        assert r["mojo_version"] == importlib.metadata.version("mojo")
+        assert r["cores"] == os.cpu_count()
+        assert r["cpu_model"] and r["device_name"] == r["cpu_model"]
+        assert r["git_commit"] == _head_commit()
+        assert isinstance(r["command"], str) and r["command"]
     assert record["bytes"] == bench.op_bytes(
         bench.Case("ring_close", "float32", 3, 4, 128, "cpu")
     )
@@ -257,3 +283,44 @@ def test_gpu_without_accelerator_exits_2(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "argument --device: gpu: no accelerator found" in err
+
+
+def test_cpu_model_reads_proc_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nvendor_id\t: GenuineIntel\n"
+        "model name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t: fpu\n"
+    )
+    assert _sysinfo.cpu_model(info) == "Intel(R) Xeon(R) Platinum 8480+"
+    # No file (macOS, Windows) or no model line: platform's answer.
+    fallback = _sysinfo.cpu_model(tmp_path / "missing")
+    assert fallback and fallback != "Intel(R) Xeon(R) Platinum 8480+"
+    (tmp_path / "bare").write_text("processor\t: 0\n")
+    assert _sysinfo.cpu_model(tmp_path / "bare") == fallback
+
+
+def test_git_commit_only_for_this_package_checkout(tmp_path):
+    found = _sysinfo.git_commit()
+    want = _head_commit()
+    assert (found[0] if found else None) == want
+    # A directory that is not python/mla_kpool of a checkout: no commit.
+    assert _sysinfo.git_commit(tmp_path) is None
+    assert _sysinfo.git_commit(ROOT / "tests") is None
+
+
+def test_command_line_names_the_module():
+    main_py = str(Path(bench.__file__).with_name("__main__.py"))
+    assert (
+        _sysinfo.command_line([main_py, "bench", "--ops", "step 3"])
+        == "python -m mla_kpool bench --ops 'step 3'"
+    )
+    assert _sysinfo.command_line(["mla-kpool", "bench"]) == "mla-kpool bench"
+
+
+def test_run_info_names_the_accelerator_on_gpu():
+    cpu = _sysinfo.run_info("cpu")
+    gpu = _sysinfo.run_info("gpu", "NVIDIA H100 80GB HBM3")
+    assert cpu["device_name"] == cpu["cpu_model"] == gpu["cpu_model"]
+    assert gpu["device_name"] == "NVIDIA H100 80GB HBM3"
+    assert cpu["max_version"] == importlib.metadata.version("max")
+    assert cpu["command"] == _sysinfo.command_line(sys.argv)

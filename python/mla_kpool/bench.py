@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -52,6 +51,7 @@ from max.dtype import DType
 from tqdm import tqdm
 
 from ._paths import NOOP_KERNELS
+from ._sysinfo import run_info
 from .buffers import to_numpy_dtype
 from .runner import Runner
 
@@ -450,6 +450,13 @@ class Record:
     memcpy_gbps: float
     builtin_median_us: float | None
     cores: int
+    max_version: str | None = None
+    mojo_version: str | None = None
+    cpu_model: str | None = None
+    device_name: str | None = None
+    git_commit: str | None = None
+    git_dirty: bool | None = None
+    command: str | None = None
 
 
 def measure(
@@ -699,10 +706,20 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         disable=not sys.stderr.isatty(),
     )
+    ours = runners["ours"]
+    info = run_info(
+        device,
+        ours.device.model_name
+        if ours is not None and device == "gpu"
+        else None,
+    )
     for case in bar:
-        records.append(measure(case, runners, timing))
-    cpu = platform.processor() or platform.machine()
-    print(f"mla-kpool bench on {device} ({cpu}, {os.cpu_count()} cores)")
+        records.append(measure(case, runners, timing, info))
+    print(
+        f"mla-kpool bench on {device} ({info['device_name']}; "
+        f"{info['cpu_model']}, {info['cores']} cores; MAX "
+        f"{info['max_version']}, Mojo {info['mojo_version']})"
+    )
     print(format_table(records))
     if args.json:
         with open(args.json, "w") as f:
