@@ -324,3 +324,129 @@ def test_run_info_names_the_accelerator_on_gpu():
     assert gpu["device_name"] == "NVIDIA H100 80GB HBM3"
     assert cpu["max_version"] == importlib.metadata.version("max")
     assert cpu["command"] == _sysinfo.command_line(sys.argv)
+
+
+# --------------------------------------------------------------------------
+# Reading results back: --markdown and --plot (nothing compiles)
+# --------------------------------------------------------------------------
+
+#: Two records as --json writes them (the second from an older run, with
+#: no provenance fields and MAX's builtin timed).
+RECORDS = [
+    {
+        "op": "ring_close",
+        "dtype": "float32",
+        "batch": 4096,
+        "kpool": 128,
+        "median_us": 32721.4,
+        "gbps": 16.48,
+        "memcpy_gbps": 27.5,
+        "floor_median_us": 341.2,
+        "numpy_median_us": 903796.0,
+        "builtin_median_us": None,
+        "device_name": "AMD EPYC 9R14",
+        "cores": 2,
+        "max_version": "26.7.0",
+        "mojo_version": "1.2.0",
+        "git_commit": "0123456789abcdef0123",
+        "git_dirty": True,
+        "command": "python -m mla_kpool bench --quick",
+    },
+    {
+        "op": "expand_topk",
+        "dtype": "int32",
+        "batch": 64,
+        "kpool": 4,
+        "median_us": 40.0,
+        "gbps": 16.4,
+        "memcpy_gbps": 82.0,
+        "floor_median_us": 25.0,
+        "numpy_median_us": 1000.0,
+        "builtin_median_us": 10.0,
+    },
+]
+
+
+@pytest.fixture
+def no_runner(monkeypatch):
+    """Makes building a Runner (a compile) fail the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Runner was built")
+
+    monkeypatch.setattr(bench, "Runner", refuse)
+
+
+def test_markdown_prints_the_readme_table(tmp_path, capsys, no_runner):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(RECORDS))
+    assert main(["bench", "--markdown", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    # 16.48 / 27.5 GB/s = 59.9% of memcpy; 32721.4 / 341.2 = 95.9x the
+    # floor; 903796 / 32721.4 = 27.6x NumPy; 40 / 10 = 4x the builtin.
+    assert out == [
+        "Measured on AMD EPYC 9R14 (2 cores), MAX 26.7.0, Mojo 1.2.0, "
+        "commit 0123456789ab with local changes: "
+        "`python -m mla_kpool bench --quick`.",
+        "",
+        "| op | dtype | batch | kpool | median us | GB/s | of memcpy "
+        "| floor us | x floor | NumPy us | x NumPy | builtin us | x builtin |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: | ---: |",
+        "| ring_close | float32 | 4096 | 128 | 32721 | 16.5 | 60% | 341 "
+        "| 95.9 | 903796 | 27.6 | - | - |",
+        "| expand_topk | int32 | 64 | 4 | 40 | 16.4 | 20% | 25 | 1.6 "
+        "| 1000 | 25 | 10 | 0.25 |",
+    ]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "cannot read"),
+        ("[{", "not valid JSON"),
+        ('{"op": "ring_close"}', "must be a JSON list of records"),
+        ('[{"op": "ring_close"}]', "record 0 lacks 'dtype', 'batch'"),
+    ],
+    ids=["missing", "not-json", "not-list", "lacks-fields"],
+)
+def test_markdown_bad_file_exits_2(
+    tmp_path, capsys, no_runner, content, message
+):
+    path = tmp_path / "bench.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["bench", "--markdown", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mla-kpool bench: error: {path}: ")
+    assert message in err
+
+
+def test_markdown_with_json_exits_2(tmp_path, capsys, no_runner):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(RECORDS))
+    argv = ["bench", "--markdown", str(path), "--json", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert "--markdown reads a --json file" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_exits_2_before_compiling(
+    monkeypatch, capsys, no_runner, tmp_path
+):
+    # None in sys.modules makes `import matplotlib` raise ImportError.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    image = tmp_path / "bench.png"
+    assert main(["bench", "--quick", "--plot", str(image)]) == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib" in err
+    assert "pip install matplotlib" in err
+    assert not image.exists()
+
+
+def test_plot_draws_the_markdown_file(tmp_path, capsys, no_runner):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(RECORDS))
+    image = tmp_path / "bench.png"
+    assert main(["bench", "--markdown", str(path), "--plot", str(image)]) == 0
+    assert image.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

@@ -26,6 +26,13 @@ shape: about 2048 positions a row at every kpool), with the ``r + 1``
 positions of the pool still filling appended. Its ``dtype`` is that of
 ``pool_ids``, int32; it reads no keys.
 
+Every ``--json`` record also says where it was measured (MAX and Mojo
+versions, CPU model and cores, device name, git commit, command line).
+``--markdown FILE`` prints the README's table from such a file and
+``--plot IMAGE`` draws GB/s against batch per op with the memcpy line
+(matplotlib, an optional dependency); neither needs a compile when it reads
+a file.
+
 The step has two paths, each its own ``op`` in the records: ``step`` is the
 fused ``mla_kpool.step`` op (``kpool_step()``, one op per call) and
 ``step3`` the three writers plus the offsets helper
@@ -681,6 +688,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json", metavar="FILE", help="write one record per configuration"
     )
     parser.add_argument(
+        "--markdown",
+        metavar="FILE",
+        help=(
+            "print the markdown table of a file --json wrote, and stop: "
+            "nothing compiles or runs"
+        ),
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="IMAGE",
+        help=(
+            "draw GB/s against batch per op, with the memcpy line, to IMAGE "
+            "(.png, .svg, .pdf), from this run or the --markdown file; "
+            "needs matplotlib"
+        ),
+    )
+    parser.add_argument(
         "--min-seconds",
         type=_non_negative_float,
         default=0.3,
@@ -688,8 +712,254 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# -- reading results back: markdown and plot -------------------------------
+
+#: Record fields the markdown table and the plot need.
+TABLE_FIELDS = (
+    "op",
+    "dtype",
+    "batch",
+    "kpool",
+    "median_us",
+    "gbps",
+    "memcpy_gbps",
+    "floor_median_us",
+    "numpy_median_us",
+)
+
+PLOT_MISSING = (
+    "--plot needs matplotlib, which is not installed: pip install "
+    "matplotlib (or pip install 'mla-kpool[plot]')"
+)
+
+
+class ResultsError(Exception):
+    """A ``--markdown`` file that cannot be read as benchmark records."""
+
+
+def load_records(path: str) -> list[dict[str, Any]]:
+    """Reads the records a ``--json`` run wrote.
+
+    Args:
+        path: The JSON file: a list of objects.
+
+    Returns:
+        The records, as dicts.
+
+    Raises:
+        ResultsError: If the file cannot be read, is not JSON, is not a
+            list of objects, or a record lacks a field of
+            :data:`TABLE_FIELDS`.
+    """
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as err:
+        raise ResultsError(f"{path}: cannot read: {err.strerror}") from err
+    except json.JSONDecodeError as err:
+        raise ResultsError(f"{path}: not valid JSON: {err}") from err
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise ResultsError(
+            f"{path}: must be a JSON list of records, as --json writes"
+        )
+    for i, record in enumerate(data):
+        missing = [k for k in TABLE_FIELDS if k not in record]
+        if missing:
+            raise ResultsError(
+                f"{path}: record {i} lacks {', '.join(map(repr, missing))}"
+            )
+    return data
+
+
+def _num(value: float) -> str:
+    """Three significant digits, whole numbers from 1000 on (no exponent)."""
+    if abs(value) >= 1000:
+        return f"{value:.0f}"
+    return f"{value:.3g}"
+
+
+def format_markdown(records: list[dict[str, Any]]) -> str:
+    """The README's results table for ``records`` (from :func:`load_records`).
+
+    One row per record: ``median us``, ``GB/s``, ``of memcpy`` (GB/s over
+    the run's memcpy GB/s), the no-op ``floor us`` and ``x floor``
+    (median over floor), ``NumPy us`` and ``x NumPy`` (NumPy over median),
+    plus ``builtin us`` and ``x builtin`` when a record has MAX's builtin
+    time. A line above the table says where it was measured, from the
+    first record's ``device_name``, ``cores``, versions and commit, where
+    present.
+    """
+    builtin = any(r.get("builtin_median_us") is not None for r in records)
+    head = [
+        "op",
+        "dtype",
+        "batch",
+        "kpool",
+        "median us",
+        "GB/s",
+        "of memcpy",
+        "floor us",
+        "x floor",
+        "NumPy us",
+        "x NumPy",
+    ]
+    if builtin:
+        head += ["builtin us", "x builtin"]
+    right = {"batch", "kpool"} | set(head[4:])
+    lines = [
+        "| " + " | ".join(head) + " |",
+        "| " + " | ".join("---:" if h in right else "---" for h in head) + " |",
+    ]
+    for r in records:
+        median = r["median_us"]
+        row = [
+            str(r["op"]),
+            str(r["dtype"]),
+            str(r["batch"]),
+            str(r["kpool"]),
+            _num(median),
+            _num(r["gbps"]),
+            f"{100 * r['gbps'] / r['memcpy_gbps']:.0f}%",
+            _num(r["floor_median_us"]),
+            _num(median / r["floor_median_us"]),
+            _num(r["numpy_median_us"]),
+            _num(r["numpy_median_us"] / median),
+        ]
+        if builtin:
+            b = r.get("builtin_median_us")
+            row += ["-", "-"] if b is None else [_num(b), _num(b / median)]
+        lines.append("| " + " | ".join(row) + " |")
+    where = _provenance(records[0]) if records else ""
+    return (where + "\n\n" if where else "") + "\n".join(lines)
+
+
+def _provenance(record: dict[str, Any]) -> str:
+    """One sentence: device, cores, versions, commit and command."""
+    parts = []
+    if record.get("device_name"):
+        cores = record.get("cores")
+        parts.append(
+            str(record["device_name"]) + (f" ({cores} cores)" if cores else "")
+        )
+    for key, name in (("max_version", "MAX"), ("mojo_version", "Mojo")):
+        if record.get(key):
+            parts.append(f"{name} {record[key]}")
+    if record.get("git_commit"):
+        dirty = " with local changes" if record.get("git_dirty") else ""
+        parts.append(f"commit {record['git_commit'][:12]}{dirty}")
+    text = "Measured on " + ", ".join(parts) if parts else ""
+    if record.get("command"):
+        text += (": " if text else "") + f"`{record['command']}`"
+    return text + "." if text else ""
+
+
+def _import_pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend.
+
+    Raises:
+        ImportError: If matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(records: list[dict[str, Any]], path: str) -> None:
+    """Draws GB/s against batch, one panel per op, to an image file.
+
+    Each panel has a line per (dtype, kpool) and a dashed line of the
+    memcpy bandwidth measured for those records (median per batch): how
+    close to the machine's copy speed the op runs at each batch.
+
+    Args:
+        records: Benchmark records (dicts with :data:`TABLE_FIELDS`).
+        path: Image file; the format follows its suffix (``.png``,
+            ``.svg``, ``.pdf``).
+
+    Raises:
+        ImportError: If matplotlib is not installed.
+    """
+    plt = _import_pyplot()
+    ops = list(dict.fromkeys(r["op"] for r in records))
+    fig, axes = plt.subplots(
+        1,
+        max(len(ops), 1),
+        figsize=(4.2 * max(len(ops), 1), 3.8),
+        squeeze=False,
+        sharey=True,
+    )
+    for ax, op in zip(axes[0], ops, strict=False):
+        mine = [r for r in records if r["op"] == op]
+        series = dict.fromkeys((r["dtype"], r["kpool"]) for r in mine)
+        for dtype, kpool in series:
+            points = sorted(
+                (r["batch"], r["gbps"])
+                for r in mine
+                if (r["dtype"], r["kpool"]) == (dtype, kpool)
+            )
+            ax.plot(
+                *zip(*points, strict=True),
+                marker="o",
+                label=f"{dtype}, kpool {kpool}",
+            )
+        batches = sorted({r["batch"] for r in mine})
+        memcpy = [
+            float(
+                np.median(
+                    [r["memcpy_gbps"] for r in mine if r["batch"] == batch]
+                )
+            )
+            for batch in batches
+        ]
+        ax.plot(batches, memcpy, "k--", label="memcpy")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_title(op)
+        ax.set_xlabel("batch (requests per call)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("GB/s (bytes read + written / median)")
+    if records and records[0].get("device_name"):
+        fig.suptitle(f"mla-kpool bench on {records[0]['device_name']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Runs the benchmark described by ``args``; returns the exit status."""
+    """Runs the benchmark described by ``args``; returns the exit status.
+
+    With ``--markdown FILE`` it only reads ``FILE`` (written by ``--json``)
+    and prints its table (and draws ``--plot``): nothing compiles or runs.
+    A usage problem (``--plot`` without matplotlib, an unreadable
+    ``--markdown`` file, ``--markdown`` with ``--json``) is reported before
+    anything compiles, with exit status 2.
+    """
+    markdown = getattr(args, "markdown", None)
+    plot_path = getattr(args, "plot", None)
+    try:
+        if plot_path:
+            try:
+                _import_pyplot()
+            except ImportError:
+                raise ResultsError(PLOT_MISSING) from None
+        if markdown and args.json:
+            raise ResultsError(
+                "--markdown reads a --json file; it does not run, so it "
+                "writes none"
+            )
+        loaded = load_records(markdown) if markdown else None
+    except ResultsError as err:
+        print(f"mla-kpool bench: error: {err}", file=sys.stderr)
+        return 2
+    if loaded is not None:
+        print(format_markdown(loaded))
+        if plot_path:
+            plot(loaded, plot_path)
+        return 0
     device = args.device
     runners: dict[str, Runner | None] = {
         "ours": Runner(device),
@@ -724,4 +994,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in records], f, indent=1)
+    if plot_path:
+        plot([asdict(r) for r in records], plot_path)
     return 0
