@@ -242,7 +242,7 @@ def test_injected_topk_fault_fails_on_that_row(tmp_path, capsys):
     assert fails[0].startswith(f"FAIL request {request} (slot ")
     assert f"call {call}: expand_topk row {row} " in fails[0]
     assert f"(query position {position})" in fails[0]
-    assert "1 differ from the oracle" in captured.out
+    assert "1 differs from the oracle" in captured.out
     assert "injected fault caught" in captured.out
     assert "result: FAILED, 1 problem (above)" in captured.out
 
@@ -661,3 +661,16 @@ def test_summary_counts_problems_in_singular_and_plural():
         summary = demo.summarize(config, plan, totals, 1.0, 2.0, None)
         assert summary["ok"] is False
         assert demo.format_summary(summary).splitlines()[-1] == text
+
+
+@pytest.mark.parametrize(
+    "count, noun, text",
+    [
+        (0, "problem", "0 problems"),
+        (1, "problem", "1 problem"),
+        (2, "slot reuse", "2 slot reuses"),
+        (1, "more pool", "1 more pool"),
+    ],
+)
+def test_plural(count, noun, text):
+    assert demo.plural(count, noun) == text

@@ -113,6 +113,11 @@ SKIPPED_ID_SHARE = 0.25
 FAULT_KINDS = ("ring", "key", "topk")
 
 
+def plural(count: int, noun: str) -> str:
+    """``count`` and ``noun``, with an ``s`` unless ``count`` is 1."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 class DemoError(Exception):
     """A usage problem: bad option combination, no GPU, bad schedule."""
 
@@ -668,7 +673,8 @@ def check_request(
         shown = ", ".join(map(str, missing[:10]))
         more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
         problems.append(
-            f"{name}: {len(missing)} pools never came out: {shown}{more}"
+            f"{name}: {plural(len(missing), 'pool')} never came out: "
+            f"{shown}{more}"
         )
     ids = [p for p in range(first, last) if p in live.pools]
     if not ids:
@@ -692,7 +698,8 @@ def check_request(
         )
     if len(bad) > MAX_LISTED:
         problems.append(
-            f"{name}: {len(bad) - MAX_LISTED} more pools differ from the oracle"
+            f"{name}: {plural(len(bad) - MAX_LISTED, 'more pool')} differ"
+            f"{'s' if len(bad) - MAX_LISTED == 1 else ''} from the oracle"
         )
     max_err = float(np.nanmax(err)) if not np.isnan(err).all() else np.nan
     worst = float(np.max(ratio)) if not np.isnan(ratio).any() else np.inf
@@ -799,8 +806,9 @@ def check_expansion(
         )
     if len(bad) > MAX_LISTED:
         problems.append(
-            f"call {c}: {len(bad) - MAX_LISTED} more expand_topk rows differ "
-            f"from the oracle"
+            f"call {c}: "
+            f"{plural(len(bad) - MAX_LISTED, 'more expand_topk row')} differ"
+            f"{'s' if len(bad) - MAX_LISTED == 1 else ''} from the oracle"
         )
     return len(bad), problems
 
@@ -1171,7 +1179,8 @@ def format_summary(s: dict[str, Any]) -> str:
             "requests",
             f"{s['requests']}",
             f"{s['requests_with_cached_prefix']} with a cached prefix, "
-            f"{cfg['max_running']} ring slots, {s['slot_reuses']} slot reuses",
+            f"{plural(cfg['max_running'], 'ring slot')}, "
+            f"{plural(s['slot_reuses'], 'slot reuse')}",
         ),
         (
             "tokens",
@@ -1227,7 +1236,8 @@ def format_summary(s: dict[str, Any]) -> str:
         (
             "expand_topk rows",
             f"{ex['rows_expanded']}",
-            f"checked {ex['rows_checked']}, {ex['mismatches']} differ from "
+            f"checked {ex['rows_checked']}, {ex['mismatches']} "
+            f"differ{'s' if ex['mismatches'] == 1 else ''} from "
             f"the oracle; top {cfg['pool_topk']} pool ids per query, "
             f"{ex['skipped_ids']} ids the op must skip",
         ),
@@ -1275,10 +1285,8 @@ def format_summary(s: dict[str, Any]) -> str:
             "and matches the oracle; every expand_topk row matches the oracle"
         )
     else:
-        count = len(s["problems"])
         lines.append(
-            f"result: FAILED, {count} problem{'' if count == 1 else 's'} "
-            f"(above)"
+            f"result: FAILED, {plural(len(s['problems']), 'problem')} (above)"
         )
     return "\n".join(lines)
 
