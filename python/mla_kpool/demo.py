@@ -759,16 +759,16 @@ def select_pools(
     return ids, skipped
 
 
-def _corrupt_selection(ids: np.ndarray, row: int, kpool_complete: int) -> None:
+def _corrupt_selection(ids: np.ndarray, row: int, complete: int) -> None:
     """Changes one id of ``ids[row]`` so that the row's expansion differs.
 
     The first valid id is swapped for another complete pool; a row with no
     valid id gets pool 0 in its first column.
     """
-    valid = np.flatnonzero((ids[row] >= 0) & (ids[row] < kpool_complete))
+    valid = np.flatnonzero((ids[row] >= 0) & (ids[row] < complete))
     if len(valid):
         j = int(valid[0])
-        ids[row, j] = (int(ids[row, j]) + 1) % kpool_complete
+        ids[row, j] = (int(ids[row, j]) + 1) % complete
     else:
         ids[row, 0] = 0
 
@@ -780,6 +780,13 @@ def check_expansion(
     want: np.ndarray,
 ) -> tuple[int, list[str]]:
     """Compares one call's expand_topk rows with the oracle's.
+
+    Args:
+        c: The call's number (for messages).
+        call: Its entries, in batch order (token rows follow them).
+        got: ``[tokens, width]`` int32 rows from the op.
+        want: ``[tokens, width]`` int32 rows from
+            :func:`mla_kpool.reference.expand_topk`.
 
     Returns:
         ``(rows that differ, problems)``; a row is named by its request,
