@@ -2,22 +2,46 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+from max import driver
 
 from kpool_cases import F32, TOLERANCE
-from mla_kpool import bench
+from mla_kpool import _sysinfo, bench
 from mla_kpool import reference as ref
 from mla_kpool.__main__ import main
 
 CASES = [
     bench.Case(op, dtype, batch, kpool, 16, "cpu")
     for op in bench.OPS
-    for dtype in ("float32", "bfloat16")
+    for dtype in (
+        (bench.EXPAND_DTYPE,)
+        if op == "expand_topk"
+        else ("float32", "bfloat16")
+    )
     for batch, kpool in ((1, 4), (5, 16), (3, 1))
 ]
+WRITERS = [op for op in bench.OPS if op != "expand_topk"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _head_commit() -> str | None:
+    """HEAD of the checkout the package is imported from, read from git."""
+    package = Path(bench.__file__).resolve().parent
+    done = subprocess.run(
+        ["git", "-C", str(package), "rev-parse", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 @pytest.mark.parametrize(
@@ -26,6 +50,13 @@ CASES = [
 def test_numpy_twin_matches_the_oracle(case):
     """The NumPy time is only meaningful if the twin computes the op."""
     w = bench.make_workload(case, seed=3)
+    if case.op == "expand_topk":
+        got = bench.numpy_expand_topk(w, case.kpool)
+        want = ref.expand_topk(
+            w.pool_ids, w.input_row_offsets, w.cache_lengths, case.kpool
+        )
+        np.testing.assert_array_equal(got, want)
+        return
     args = (w.input_row_offsets, w.cache_lengths)
     scale = float(np.abs(w.k.astype(F32)).max(initial=1.0))
     tol = TOLERANCE[np.dtype(w.k.dtype)] * scale
@@ -57,7 +88,69 @@ def test_numpy_twin_matches_the_oracle(case):
         np.testing.assert_array_equal(ring.view(np.uint8), want.view(np.uint8))
 
 
-@pytest.mark.parametrize("op", bench.OPS)
+@pytest.mark.parametrize("kpool", [1, 3, 4, 16])
+def test_numpy_expand_twin_skips_what_the_op_skips(kpool):
+    """The twin on a selection with every kind of id the op must skip, on
+    requests bringing several tokens and rows past the last offset."""
+    rng = np.random.default_rng(kpool)
+    new_tokens = [3, 0, 7, 1, 2 * kpool + 1]
+    cache = rng.integers(0, 6 * kpool, len(new_tokens))
+    offsets = np.concatenate([[0], np.cumsum(new_tokens)])
+    rows, topk = int(offsets[-1]) + 2, 6
+    ids = rng.integers(-3, 10, (rows, topk))
+    ids[rng.random((rows, topk)) < 0.2] = 2**31 - 1
+    w = bench.Workload(
+        ring=np.zeros(0),
+        k=np.zeros((0, 1)),
+        gate=np.zeros((0, 1)),
+        ape=np.zeros(0),
+        input_row_offsets=offsets.astype(np.uint32),
+        cache_lengths=cache.astype(np.uint32),
+        slot_idx=np.zeros(0),
+        pool_row_offsets=np.zeros(0),
+        pool_ids=ids.astype(np.int32),
+    )
+    want = ref.expand_topk(w.pool_ids, offsets, cache, kpool)
+    # The selection exercises both: expanded ids and skipped ones.
+    assert (want[:, :1] >= 0).any() and (want[:, -1] == -1).any()
+    np.testing.assert_array_equal(bench.numpy_expand_topk(w, kpool), want)
+
+
+@pytest.mark.parametrize("kpool", [1, 4, 16, 128])
+def test_expand_workload_selects_distinct_complete_pools(kpool):
+    batch = 6
+    case = bench.Case("expand_topk", bench.EXPAND_DTYPE, batch, kpool, 8, "cpu")
+    w = bench.make_workload(case)
+    topk = bench.expand_pool_topk(kpool)
+    assert topk * kpool == 2048 or (kpool > 2048 and topk == 1)
+    assert w.pool_ids.shape == (batch, topk)
+    # One query per request, which sees c + 1 positions.
+    np.testing.assert_array_equal(np.diff(w.input_row_offsets), 1)
+    complete = (w.cache_lengths.astype(np.int64) + 1) // kpool
+    assert (w.pool_ids >= 0).all()
+    assert (w.pool_ids < complete[:, None]).all()
+    for row in w.pool_ids:
+        assert len(set(row.tolist())) == topk
+    # Not sorted: the selection order is the indexer's.
+    assert (np.diff(w.pool_ids, axis=1) < 0).any()
+    # Every query's row is full: topk pools and the pool still filling.
+    out = ref.expand_topk(
+        w.pool_ids, w.input_row_offsets, w.cache_lengths, kpool
+    )
+    filling = (w.cache_lengths.astype(np.int64) + 1) % kpool
+    np.testing.assert_array_equal(
+        (out >= 0).sum(axis=1), topk * kpool + filling
+    )
+
+
+def test_op_bytes_expand_topk_by_hand():
+    # batch 2 queries, kpool 4: 512 int32 ids read and 512 * 4 + 3 int32
+    # positions written per query.
+    case = bench.Case("expand_topk", "int32", 2, 4, 128, "cpu")
+    assert bench.op_bytes(case) == 2 * (512 * 4 + 2051 * 4)
+
+
+@pytest.mark.parametrize("op", WRITERS)
 def test_workload_does_what_the_docstring_says(op):
     """Every request closes / builds / stashes exactly what the byte count
     assumes (checked with the oracle's own pool arithmetic)."""
@@ -105,6 +198,7 @@ def test_tiny_bench_run_writes_its_json(tmp_path):
             "bench",
             "--ops",
             "ring_close",
+            "expand_topk",
             "--dtypes",
             "float32",
             "--batches",
@@ -118,7 +212,7 @@ def test_tiny_bench_run_writes_its_json(tmp_path):
         ]
     )
     assert status == 0
-    (record,) = json.loads(out.read_text())
+    record, expand = json.loads(out.read_text())
     for key in (
         "op",
         "device",
@@ -135,6 +229,14 @@ def test_tiny_bench_run_writes_its_json(tmp_path):
     ):
         assert key in record
     assert record["op"] == "ring_close" and record["batch"] == 3
+    # Where it ran, on every record.
+    for r in (record, expand):
+        assert r["max_version"] == importlib.metadata.version("max")
+        assert r["mojo_version"] == importlib.metadata.version("mojo")
+        assert r["cores"] == os.cpu_count()
+        assert r["cpu_model"] and r["device_name"] == r["cpu_model"]
+        assert r["git_commit"] == _head_commit()
+        assert isinstance(r["command"], str) and r["command"]
     assert record["bytes"] == bench.op_bytes(
         bench.Case("ring_close", "float32", 3, 4, 128, "cpu")
     )
@@ -142,3 +244,209 @@ def test_tiny_bench_run_writes_its_json(tmp_path):
     assert record["gbps"] == pytest.approx(
         record["bytes"] / record["median_us"] / 1e3
     )
+    # expand_topk: int32 pool ids whatever --dtypes says, GLM-5-Next's 512
+    # ids per query at kpool 4.
+    assert expand["op"] == "expand_topk" and expand["dtype"] == "int32"
+    assert expand["bytes"] == bench.op_bytes(
+        bench.Case("expand_topk", "int32", 3, 4, 128, "cpu")
+    )
+    assert expand["median_us"] > 0 and expand["floor_median_us"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--kpools", "0"], "argument --kpools: must be >= 1, got 0"),
+        (["--kpools", "4", "-3"], "argument --kpools: must be >= 1, got -3"),
+        (["--batches", "0"], "argument --batches: must be >= 1, got 0"),
+        (["--batches", "two"], "argument --batches: must be an integer"),
+        (["--head-dim", "0"], "argument --head-dim: must be >= 1, got 0"),
+        (["--min-seconds", "-1"], "argument --min-seconds: must be a finite"),
+        (["--min-seconds", "nan"], "argument --min-seconds: must be a finite"),
+        (["--ops", "pool"], "argument --ops: invalid choice"),
+    ],
+    ids=lambda x: " ".join(x) if isinstance(x, list) else None,
+)
+def test_bad_options_exit_2_before_compiling(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    driver.accelerator_count() > 0, reason="this machine has an accelerator"
+)
+def test_gpu_without_accelerator_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--device", "gpu", "--quick"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --device: gpu: no accelerator found" in err
+
+
+def test_cpu_model_reads_proc_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nvendor_id\t: GenuineIntel\n"
+        "model name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t: fpu\n"
+    )
+    assert _sysinfo.cpu_model(info) == "Intel(R) Xeon(R) Platinum 8480+"
+    # No file (macOS, Windows) or no model line: platform's answer.
+    fallback = _sysinfo.cpu_model(tmp_path / "missing")
+    assert fallback and fallback != "Intel(R) Xeon(R) Platinum 8480+"
+    (tmp_path / "bare").write_text("processor\t: 0\n")
+    assert _sysinfo.cpu_model(tmp_path / "bare") == fallback
+
+
+def test_git_commit_only_for_this_package_checkout(tmp_path):
+    found = _sysinfo.git_commit()
+    want = _head_commit()
+    assert (found[0] if found else None) == want
+    # A directory that is not python/mla_kpool of a checkout: no commit.
+    assert _sysinfo.git_commit(tmp_path) is None
+    assert _sysinfo.git_commit(ROOT / "tests") is None
+
+
+def test_command_line_names_the_module():
+    main_py = str(Path(bench.__file__).with_name("__main__.py"))
+    assert (
+        _sysinfo.command_line([main_py, "bench", "--ops", "step 3"])
+        == "python -m mla_kpool bench --ops 'step 3'"
+    )
+    assert _sysinfo.command_line(["mla-kpool", "bench"]) == "mla-kpool bench"
+
+
+def test_run_info_names_the_accelerator_on_gpu():
+    cpu = _sysinfo.run_info("cpu")
+    gpu = _sysinfo.run_info("gpu", "NVIDIA H100 80GB HBM3")
+    assert cpu["device_name"] == cpu["cpu_model"] == gpu["cpu_model"]
+    assert gpu["device_name"] == "NVIDIA H100 80GB HBM3"
+    assert cpu["max_version"] == importlib.metadata.version("max")
+    assert cpu["command"] == _sysinfo.command_line(sys.argv)
+
+
+# --------------------------------------------------------------------------
+# Reading results back: --markdown and --plot (nothing compiles)
+# --------------------------------------------------------------------------
+
+#: Two records as --json writes them (the second from an older run, with
+#: no provenance fields and MAX's builtin timed).
+RECORDS = [
+    {
+        "op": "ring_close",
+        "dtype": "float32",
+        "batch": 4096,
+        "kpool": 128,
+        "median_us": 32721.4,
+        "gbps": 16.48,
+        "memcpy_gbps": 27.5,
+        "floor_median_us": 341.2,
+        "numpy_median_us": 903796.0,
+        "builtin_median_us": None,
+        "device_name": "AMD EPYC 9R14",
+        "cores": 2,
+        "max_version": "26.7.0",
+        "mojo_version": "1.2.0",
+        "git_commit": "0123456789abcdef0123",
+        "git_dirty": True,
+        "command": "python -m mla_kpool bench --quick",
+    },
+    {
+        "op": "expand_topk",
+        "dtype": "int32",
+        "batch": 64,
+        "kpool": 4,
+        "median_us": 40.0,
+        "gbps": 16.4,
+        "memcpy_gbps": 82.0,
+        "floor_median_us": 25.0,
+        "numpy_median_us": 1000.0,
+        "builtin_median_us": 10.0,
+    },
+]
+
+
+@pytest.fixture
+def no_runner(monkeypatch):
+    """Makes building a Runner (a compile) fail the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Runner was built")
+
+    monkeypatch.setattr(bench, "Runner", refuse)
+
+
+def test_markdown_prints_the_readme_table(tmp_path, capsys, no_runner):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(RECORDS))
+    assert main(["bench", "--markdown", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    # 16.48 / 27.5 GB/s = 59.9% of memcpy; 32721.4 / 341.2 = 95.9x the
+    # floor; 903796 / 32721.4 = 27.6x NumPy; 40 / 10 = 4x the builtin.
+    assert out == [
+        "Measured on AMD EPYC 9R14 (2 cores), MAX 26.7.0, Mojo 1.2.0, "
+        "commit 0123456789ab with local changes: "
+        "`python -m mla_kpool bench --quick`.",
+        "",
+        "| op | dtype | batch | kpool | median us | GB/s | of memcpy "
+        "| floor us | x floor | NumPy us | x NumPy | builtin us | x builtin |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: | ---: |",
+        "| ring_close | float32 | 4096 | 128 | 32721 | 16.5 | 60% | 341 "
+        "| 95.9 | 903796 | 27.6 | - | - |",
+        "| expand_topk | int32 | 64 | 4 | 40 | 16.4 | 20% | 25 | 1.6 "
+        "| 1000 | 25 | 10 | 0.25 |",
+    ]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "cannot read"),
+        ("[{", "not valid JSON"),
+        ('{"op": "ring_close"}', "must be a JSON list of records"),
+        ('[{"op": "ring_close"}]', "record 0 lacks 'dtype', 'batch'"),
+    ],
+    ids=["missing", "not-json", "not-list", "lacks-fields"],
+)
+def test_markdown_bad_file_exits_2(
+    tmp_path, capsys, no_runner, content, message
+):
+    path = tmp_path / "bench.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["bench", "--markdown", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mla-kpool bench: error: {path}: ")
+    assert message in err
+
+
+def test_markdown_with_json_exits_2(tmp_path, capsys, no_runner):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(RECORDS))
+    argv = ["bench", "--markdown", str(path), "--json", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert "--markdown reads a --json file" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_exits_2_before_compiling(
+    monkeypatch, capsys, no_runner, tmp_path
+):
+    # None in sys.modules makes `import matplotlib` raise ImportError.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    image = tmp_path / "bench.png"
+    assert main(["bench", "--quick", "--plot", str(image)]) == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib" in err
+    assert "pip install matplotlib" in err
+    assert not image.exists()
+
+
+def test_plot_draws_the_markdown_file(tmp_path, capsys, no_runner):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(RECORDS))
+    image = tmp_path / "bench.png"
+    assert main(["bench", "--markdown", str(path), "--plot", str(image)]) == 0
+    assert image.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

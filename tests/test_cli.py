@@ -129,6 +129,9 @@ def test_small_schedule_counts_every_pool(tmp_path, capsys):
     assert int(rows["pools"]) == want["pools"] == 180
     assert int(rows["closed by ring_close"]) == want["ring_close"]
     assert int(rows["built by compress"]) == want["compress"]
+    # expand_topk: one row per query token the calls brought.
+    assert int(rows["expand_topk rows"]) == want["tokens"]
+    assert f"checked {want['tokens']}, 0 differ" in out
     assert "result: OK" in out
     assert "FAIL" not in out
 
@@ -141,6 +144,10 @@ def test_small_schedule_counts_every_pool(tmp_path, capsys):
     assert summary["decode_tokens"] == 5 + 3 + 4
     assert summary["max_error_over_tolerance"] < 1.0
     assert summary["config"]["dtype"] == "bfloat16"
+    expand = summary["expand_topk"]
+    assert expand["rows_expanded"] == expand["rows_checked"] == 728
+    assert expand["mismatches"] == 0
+    assert expand["skipped_ids"] > 0
 
 
 @pytest.mark.emulated
@@ -157,6 +164,8 @@ def test_demo_on_emulated_gpu_kernels(tmp_path, capsys):
     assert summary["config"]["device"] == "gpu-emulated"
     assert summary["ok"] is True
     assert summary["pools_checked"] == expected_counts(SMALL)["pools"] == 180
+    assert summary["expand_topk"]["rows_checked"] == 728
+    assert summary["expand_topk"]["mismatches"] == 0
 
 
 def test_generated_workload_float32(tmp_path, capsys):
@@ -177,6 +186,7 @@ def test_generated_workload_float32(tmp_path, capsys):
         "max_running": 16,
         "chunk": 512,
         "schedule": None,
+        "pool_topk": 512,
     }
     assert s["pools"] == s["pools_expected"] == s["pools_checked"] > 0
     assert s["pools_ring_close"] > 0
@@ -185,6 +195,8 @@ def test_generated_workload_float32(tmp_path, capsys):
     # float32 keys: the oracle's tolerance is 1e-5 relative.
     assert s["max_error_over_tolerance"] < 1.0
     assert int(table(out)["pools"]) == s["pools_expected"]
+    assert s["expand_topk"]["rows_checked"] == s["tokens"]
+    assert s["expand_topk"]["mismatches"] == 0
 
 
 @pytest.mark.parametrize("kind", ["ring", "key"])
@@ -208,6 +220,31 @@ def test_injected_fault_fails_on_that_pool(tmp_path, capsys, kind):
     assert "differs from the oracle" in fails[0]
     assert "injected fault caught" in captured.out
     assert "result: FAILED" in captured.out
+
+
+def test_injected_topk_fault_fails_on_that_row(tmp_path, capsys):
+    path = write(tmp_path, SMALL)
+    status = run_demo(["--schedule", str(path), "--inject-fault", "topk"])
+    captured = capsys.readouterr()
+    assert status == 1, captured.out
+    m = re.search(
+        r"injecting a fault: .*query at position (\d+) .*request (\d+), "
+        r"call (\d+): token row (\d+) must fail",
+        captured.err,
+    )
+    assert m, captured.err
+    position, request, call, row = m.groups()
+    fails = [
+        line for line in captured.out.splitlines() if line.startswith("FAIL ")
+    ]
+    # One changed pool id spoils exactly one expanded row, and no pool.
+    assert len(fails) == 1, fails
+    assert fails[0].startswith(f"FAIL request {request} (slot ")
+    assert f"call {call}: expand_topk row {row} " in fails[0]
+    assert f"(query position {position})" in fails[0]
+    assert "1 differs from the oracle" in captured.out
+    assert "injected fault caught" in captured.out
+    assert "result: FAILED, 1 problem (above)" in captured.out
 
 
 # --------------------------------------------------------------------------
@@ -562,3 +599,78 @@ def test_fault_placement_targets_a_closing_pool():
     e = plan.calls[key.call][key.entry]
     assert key.position == e.cache_length
     assert key.pool == e.cache_length // KPOOL
+
+
+def test_fault_placement_for_expand_topk():
+    sched = workload.parse_schedule(SMALL)
+    plan = workload.plan(
+        sched.requests, sched.calls, 3, np.random.default_rng(0)
+    )
+    fault = demo.place_fault(plan, "topk", KPOOL)
+    call = plan.calls[fault.call]
+    e = call[fault.entry]
+    # The request's last token row of that call, which sees two or more
+    # complete pools, so one selected id can be swapped for another.
+    assert fault.position == e.cache_length + e.tokens - 1
+    assert (fault.position + 1) // KPOOL >= 2
+    assert fault.pool == sum(x.tokens for x in call[: fault.entry + 1]) - 1
+
+
+@pytest.mark.parametrize("pool_topk", [1, 3, 512])
+def test_selection_picks_complete_visible_pools(pool_topk):
+    sched = workload.parse_schedule(SMALL)
+    plan = workload.plan(
+        sched.requests, sched.calls, 3, np.random.default_rng(0)
+    )
+    skipped_rows = 0
+    for c, call in enumerate(plan.calls):
+        ids, skipped = demo.select_pools(9, c, call, pool_topk, KPOOL)
+        again, _ = demo.select_pools(9, c, call, pool_topk, KPOOL)
+        np.testing.assert_array_equal(ids, again)
+        assert ids.dtype == np.int32
+        assert ids.shape == (sum(e.tokens for e in call), pool_topk)
+        queries = [
+            e.cache_length + local for e in call for local in range(e.tokens)
+        ]
+        bad_rows = 0
+        for row, position in zip(ids, queries, strict=True):
+            complete = (position + 1) // KPOOL
+            valid = row[(row >= 0) & (row < complete)]
+            others = row[(row < -1) | (row >= complete)]
+            assert len(set(valid.tolist())) == len(valid)
+            assert len(others) <= 1
+            bad_rows += len(others)
+            want = min(pool_topk, complete)
+            # One column may have been given an id the op must skip.
+            assert want - len(others) <= len(valid) <= want
+            assert (row == -1).sum() == pool_topk - len(valid) - len(others)
+        assert skipped == bad_rows
+        skipped_rows += skipped
+    assert skipped_rows > 0
+
+
+def test_summary_counts_problems_in_singular_and_plural():
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    config, plan = demo.build_plan(parser.parse_args(["--requests", "2"]))
+    for problems, text in [
+        (["a"], "result: FAILED, 1 problem (above)"),
+        (["a", "b", "c"], "result: FAILED, 3 problems (above)"),
+    ]:
+        totals = demo._Totals(problems=problems, call_seconds=[1e-3])
+        summary = demo.summarize(config, plan, totals, 1.0, 2.0, None)
+        assert summary["ok"] is False
+        assert demo.format_summary(summary).splitlines()[-1] == text
+
+
+@pytest.mark.parametrize(
+    "count, noun, text",
+    [
+        (0, "problem", "0 problems"),
+        (1, "problem", "1 problem"),
+        (2, "slot reuse", "2 slot reuses"),
+        (1, "more pool", "1 more pool"),
+    ],
+)
+def test_plural(count, noun, text):
+    assert demo.plural(count, noun) == text

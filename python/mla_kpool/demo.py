@@ -12,10 +12,20 @@ one shot and every pool the calls produced is checked against it: each pool
 exactly once, none missing, none extra, each within the SPEC tolerance of
 the key dtype, relative to the largest ``|k|`` among the pool's members.
 
+After each call's step, the demo also reads the pools back the way the
+indexer does: every query token of the call gets a seeded selection of up to
+``--pool-topk`` ids among the pools complete and visible to it (``-1``
+padding where fewer exist, and now and then an id the op must skip: the
+pool still filling, one in the query's future, a negative one), one
+``mo.mla.kpool.expand_topk`` call widens them into token positions, and
+every row is compared with :func:`mla_kpool.reference.expand_topk`. One
+compiled model serves every call (token and batch dims are dynamic).
+
 Exit status: 0 when every check passes, 1 when one fails (the failures are
 printed), 2 for a usage error such as a bad ``--schedule`` file.
-``--inject-fault`` corrupts one ring member or one key behind the oracle's
-back, so a run that exits 0 with it would prove the check blind.
+``--inject-fault`` corrupts one ring member, one key or one selected pool id
+behind the oracle's back, so a run that exits 0 with it would prove the
+check blind.
 
 ``--spec-tokens N`` turns decode steps into speculative verify steps: each
 brings the request's next token and ``N`` drafts (keys drawn apart from the
@@ -91,6 +101,22 @@ GATE_SCALE = 3.0
 #: Failures listed per request before the rest are only counted.
 MAX_LISTED = 5
 
+#: Pool ids an indexer query selects: GLM-5-Next's 512 (2051 positions per
+#: row at kpool 4).
+DEFAULT_POOL_TOPK = 512
+
+#: Share of query rows whose selection gets one id that expand_topk must
+#: skip (a pool not complete or not visible yet, or a negative id).
+SKIPPED_ID_SHARE = 0.25
+
+#: Fault kinds ``--inject-fault`` takes, the first the default.
+FAULT_KINDS = ("ring", "key", "topk")
+
+
+def plural(count: int, noun: str) -> str:
+    """``count`` and ``noun``, with an ``s`` unless ``count`` is 1."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
 
 class DemoError(Exception):
     """A usage problem: bad option combination, no GPU, bad schedule."""
@@ -126,8 +152,10 @@ _non_negative = _int_at_least(0)
 
 DESCRIPTION = (
     "Run a seeded serving workload (chunked prefill, decode steps, requests "
-    "joining and leaving) through the three k-pool writers and check every "
-    "pool of every request against the float64 oracle."
+    "joining and leaving) through the three k-pool writers, check every "
+    "pool of every request against the float64 oracle, and expand a seeded "
+    "top-k pool selection per query token with expand_topk, checking every "
+    "row against the oracle."
 )
 
 
@@ -193,12 +221,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSON workload: requests and, optionally, every call's batch",
     )
     parser.add_argument(
+        "--pool-topk",
+        type=_positive,
+        default=DEFAULT_POOL_TOPK,
+        help=(
+            "pool ids each query token selects for expand_topk "
+            f"({DEFAULT_POOL_TOPK})"
+        ),
+    )
+    parser.add_argument(
         "--inject-fault",
         nargs="?",
-        const="ring",
-        choices=["ring", "key"],
+        const=FAULT_KINDS[0],
+        choices=FAULT_KINDS,
         help=(
-            "corrupt one ring member (default) or one key row that the "
+            "corrupt one ring member (ring, the default), one key row (key) "
+            "or one selected pool id sent to expand_topk (topk) that the "
             "kernels see but the oracle does not; the check must then fail"
         ),
     )
@@ -264,6 +302,7 @@ class Config:
         chunk: Prefill chunk (generated batching only).
         schedule: The ``--schedule`` file, if any.
         spec_tokens: Drafts per verify step; 0 without speculation.
+        pool_topk: Pool ids each query token selects for expand_topk.
     """
 
     dtype: np.dtype
@@ -276,6 +315,7 @@ class Config:
     chunk: int
     schedule: str | None
     spec_tokens: int = 0
+    pool_topk: int = DEFAULT_POOL_TOPK
 
     @property
     def ring_len(self) -> int:
@@ -336,6 +376,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
         chunk=args.chunk,
         schedule=args.schedule,
         spec_tokens=getattr(args, "spec_tokens", None) or 0,
+        pool_topk=getattr(args, "pool_topk", None) or DEFAULT_POOL_TOPK,
     )
     if config.spec_tokens and loaded is not None and loaded.calls is not None:
         raise DemoError(
@@ -439,12 +480,16 @@ class Fault:
     Attributes:
         kind: ``"ring"``: a ring member's key is changed just before the
             call that closes its pool; ``"key"``: one row of ``k`` is
-            changed in the call that brings it.
+            changed in the call that brings it; ``"topk"``: one selected
+            pool id of one query token is changed in the ``pool_ids`` sent
+            to expand_topk.
         call: The call it happens in.
         entry: The request's batch position in that call.
         request: The request.
-        position: The token position whose key is changed.
-        pool: The pool that must then fail the check.
+        position: The token position whose key is changed, or (``"topk"``)
+            the position of the query whose selection is changed.
+        pool: The pool that must then fail the check; for ``"topk"``, the
+            token row (in the call) that must fail.
     """
 
     kind: str
@@ -456,6 +501,12 @@ class Fault:
 
     def describe(self, slot: int) -> str:
         """A one-line account of the fault."""
+        if self.kind == "topk":
+            return (
+                f"pool id selected by the query at position {self.position}"
+                f" as sent to expand_topk, request {self.request}, call "
+                f"{self.call}: token row {self.pool} must fail"
+            )
         where = (
             f"ring member at position {self.position} (slot {slot}), read "
             f"by ring_close"
@@ -467,6 +518,14 @@ class Fault:
             f"{self.pool} must fail"
         )
 
+    def caught_by(self, problem: str) -> bool:
+        """Whether a reported problem is the failure this fault must cause."""
+        if not problem.startswith(f"request {self.request} "):
+            return False
+        if self.kind == "topk":
+            return f"call {self.call}: expand_topk row {self.pool} " in problem
+        return f"pool {self.pool} " in problem
+
 
 def place_fault(plan_: Plan, kind: str, kpool: int) -> Fault | None:
     """Finds where to inject a fault that the check must see.
@@ -475,8 +534,11 @@ def place_fault(plan_: Plan, kind: str, kpool: int) -> Fault | None:
 
     Args:
         plan_: The run.
-        kind: ``"ring"`` (a call where ring_close closes a pending pool) or
-            ``"key"`` (a call bringing a token of a complete pool).
+        kind: ``"ring"`` (a call where ring_close closes a pending pool),
+            ``"key"`` (a call bringing a token of a complete pool) or
+            ``"topk"`` (a call whose last token of a request sees at least
+            two complete pools, so a selected id can be swapped for another
+            valid one).
         kpool: Tokens per pool.
 
     Returns:
@@ -484,14 +546,19 @@ def place_fault(plan_: Plan, kind: str, kpool: int) -> Fault | None:
     """
     count = len(plan_.calls)
     for c in [*range(count // 2, count), *range(count // 2)]:
+        row = 0
         for b, e in enumerate(plan_.calls[c]):
             length = plan_.requests[e.request].length
             cl, n = e.cache_length, e.tokens
+            row += n
             if kind == "ring":
                 pending = cl // kpool
                 if cl % kpool and cl + n >= (pending + 1) * kpool:
                     pos = pending * kpool
                     return Fault(kind, c, b, e.request, pos, pending)
+            elif kind == "topk":
+                if n and (cl + n) // kpool >= 2:
+                    return Fault(kind, c, b, e.request, cl + n - 1, row - 1)
             elif n and cl < length // kpool * kpool:
                 return Fault(kind, c, b, e.request, cl, cl // kpool)
     return None
@@ -540,6 +607,11 @@ class _Totals:
     worst_ratio: float = 0.0
     checked_pools: int = 0
     rewritten: int = 0
+    expand_rows: int = 0
+    expand_checked: int = 0
+    expand_mismatches: int = 0
+    expand_skipped_ids: int = 0
+    expand_seconds: list[float] = field(default_factory=list)
     dropped: int = 0
     problems: list[str] = field(default_factory=list)
     call_seconds: list[float] = field(default_factory=list)
@@ -601,7 +673,8 @@ def check_request(
         shown = ", ".join(map(str, missing[:10]))
         more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
         problems.append(
-            f"{name}: {len(missing)} pools never came out: {shown}{more}"
+            f"{name}: {plural(len(missing), 'pool')} never came out: "
+            f"{shown}{more}"
         )
     ids = [p for p in range(first, last) if p in live.pools]
     if not ids:
@@ -625,11 +698,126 @@ def check_request(
         )
     if len(bad) > MAX_LISTED:
         problems.append(
-            f"{name}: {len(bad) - MAX_LISTED} more pools differ from the oracle"
+            f"{name}: {plural(len(bad) - MAX_LISTED, 'more pool')} differ"
+            f"{'s' if len(bad) - MAX_LISTED == 1 else ''} from the oracle"
         )
     max_err = float(np.nanmax(err)) if not np.isnan(err).all() else np.nan
     worst = float(np.max(ratio)) if not np.isnan(ratio).any() else np.inf
     return max_err, worst, len(ids), problems
+
+
+def select_pools(
+    seed: int,
+    call_index: int,
+    call: Sequence[Entry],
+    pool_topk: int,
+    kpool: int,
+) -> tuple[np.ndarray, int]:
+    """A seeded indexer selection for every query token of one call.
+
+    Token row ``t`` is the query at position ``c + local`` of its request
+    (``c`` the entry's cache length), which sees ``visible = c + local + 1``
+    positions and so ``visible // kpool`` complete pools. Its row holds
+    ``min(pool_topk, complete)`` distinct complete pool ids in a random
+    order, then ``-1``. In about :data:`SKIPPED_ID_SHARE` of the rows one
+    column (at random) is then replaced by an id the op must skip: the
+    pool still filling, a pool in the query's future (up to ``2^31 - 1``)
+    or a negative id other than ``-1``.
+
+    Args:
+        seed: The run's seed.
+        call_index: The call (each call draws afresh).
+        call: The call's entries, in batch order.
+        pool_topk: Columns per row.
+        kpool: Tokens per pool.
+
+    Returns:
+        ``(pool_ids, skipped)``: int32 ``[tokens, pool_topk]`` and how many
+        ids other than ``-1`` padding the op must skip.
+    """
+    rng = np.random.default_rng([seed, 4, call_index])
+    total = sum(e.tokens for e in call)
+    ids = np.full((total, pool_topk), -1, dtype=np.int32)
+    skipped = 0
+    t = 0
+    for e in call:
+        for local in range(e.tokens):
+            complete = (e.cache_length + local + 1) // kpool
+            m = min(pool_topk, complete)
+            ids[t, :m] = rng.choice(complete, m, replace=False)
+            if rng.random() < SKIPPED_ID_SHARE:
+                kind = rng.integers(3)
+                if kind == 0:
+                    bad = complete
+                elif kind == 1:
+                    bad = rng.integers(complete + 1, 2**31, endpoint=False)
+                else:
+                    bad = -rng.integers(2, 2**31, endpoint=True)
+                ids[t, rng.integers(pool_topk)] = bad
+                skipped += 1
+            t += 1
+    return ids, skipped
+
+
+def _corrupt_selection(ids: np.ndarray, row: int, complete: int) -> None:
+    """Changes one id of ``ids[row]`` so that the row's expansion differs.
+
+    The first valid id is swapped for another complete pool; a row with no
+    valid id gets pool 0 in its first column.
+    """
+    valid = np.flatnonzero((ids[row] >= 0) & (ids[row] < complete))
+    if len(valid):
+        j = int(valid[0])
+        ids[row, j] = (int(ids[row, j]) + 1) % complete
+    else:
+        ids[row, 0] = 0
+
+
+def check_expansion(
+    c: int,
+    call: Sequence[Entry],
+    got: np.ndarray,
+    want: np.ndarray,
+) -> tuple[int, list[str]]:
+    """Compares one call's expand_topk rows with the oracle's.
+
+    Args:
+        c: The call's number (for messages).
+        call: Its entries, in batch order (token rows follow them).
+        got: ``[tokens, width]`` int32 rows from the op.
+        want: ``[tokens, width]`` int32 rows from
+            :func:`mla_kpool.reference.expand_topk`.
+
+    Returns:
+        ``(rows that differ, problems)``; a row is named by its request,
+        slot, call, token row and query position.
+    """
+    if got.shape != want.shape:
+        return len(want), [
+            f"call {c}: expand_topk gave shape {got.shape}, the oracle "
+            f"{want.shape}"
+        ]
+    bad = np.flatnonzero((got != want).any(axis=1))
+    owner = np.repeat(np.arange(len(call)), [e.tokens for e in call])
+    starts = np.cumsum([0] + [e.tokens for e in call])
+    problems = []
+    for t in bad[:MAX_LISTED]:
+        e = call[owner[t]]
+        position = e.cache_length + int(t - starts[owner[t]])
+        col = int(np.flatnonzero(got[t] != want[t])[0])
+        problems.append(
+            f"request {e.request} (slot {e.slot}): call {c}: expand_topk "
+            f"row {t} (query position {position}) differs from the oracle "
+            f"at column {col}: got {int(got[t, col])}, want "
+            f"{int(want[t, col])}"
+        )
+    if len(bad) > MAX_LISTED:
+        problems.append(
+            f"call {c}: "
+            f"{plural(len(bad) - MAX_LISTED, 'more expand_topk row')} differ"
+            f"{'s' if len(bad) - MAX_LISTED == 1 else ''} from the oracle"
+        )
+    return len(bad), problems
 
 
 def _restore_ring(
@@ -745,6 +933,7 @@ def execute(
         totals.call_seconds.append(time.perf_counter() - start)
 
         _collect(c, call, out, live, totals, kpool)
+        _expand_and_check(config, c, call, runner, here, totals)
         for e in call:
             if not e.finished:
                 continue
@@ -774,6 +963,43 @@ def execute(
         progress.update(1)
     progress.close()
     return totals
+
+
+def _expand_and_check(
+    config: Config,
+    c: int,
+    call: Sequence[Entry],
+    runner: Runner,
+    fault: Fault | None,
+    totals: _Totals,
+) -> None:
+    """Expands a seeded selection for the call's queries and checks it.
+
+    The kernel gets the selection (with the ``"topk"`` fault applied, if
+    it is this call's); the oracle gets the selection as drawn.
+    """
+    ids, skipped = select_pools(
+        config.seed, c, call, config.pool_topk, config.kpool
+    )
+    sent = ids
+    if fault is not None and fault.kind == "topk":
+        sent = ids.copy()
+        _corrupt_selection(
+            sent, fault.pool, (fault.position + 1) // config.kpool
+        )
+    offsets = np.zeros(len(call) + 1, np.uint32)
+    offsets[1:] = np.cumsum([e.tokens for e in call])
+    cache = np.array([e.cache_length for e in call], np.uint32)
+    start = time.perf_counter()
+    got = runner.expand_topk(sent, offsets, cache, config.kpool)
+    totals.expand_seconds.append(time.perf_counter() - start)
+    want = reference.expand_topk(ids, offsets, cache, config.kpool)
+    mismatches, problems = check_expansion(c, call, got, want)
+    totals.expand_rows += len(ids)
+    totals.expand_checked += len(want) if got.shape == want.shape else 0
+    totals.expand_mismatches += mismatches
+    totals.expand_skipped_ids += skipped
+    totals.problems += problems
 
 
 def _collect(
@@ -862,6 +1088,7 @@ def summarize(
             "max_running": config.max_running,
             "chunk": None if config.schedule else config.chunk,
             "schedule": config.schedule,
+            "pool_topk": config.pool_topk,
         },
         "requests": len(reqs),
         "requests_with_cached_prefix": sum(r.cached_prefix > 0 for r in reqs),
@@ -886,6 +1113,17 @@ def summarize(
         "max_abs_error": totals.max_abs_error,
         "max_error_over_tolerance": totals.worst_ratio,
         "tolerance": TOLERANCE[config.dtype],
+        "expand_topk": {
+            "rows_expanded": totals.expand_rows,
+            "rows_checked": totals.expand_checked,
+            "mismatches": totals.expand_mismatches,
+            "skipped_ids": totals.expand_skipped_ids,
+            "mean_call_seconds": (
+                statistics.fmean(totals.expand_seconds)
+                if totals.expand_seconds
+                else None
+            ),
+        },
         "mean_call_seconds": step_s / calls,
         "median_call_seconds": statistics.median(totals.call_seconds),
         "tokens_per_second": tokens / step_s if step_s > 0 else None,
@@ -948,7 +1186,8 @@ def format_summary(s: dict[str, Any]) -> str:
             "requests",
             f"{s['requests']}",
             f"{s['requests_with_cached_prefix']} with a cached prefix, "
-            f"{cfg['max_running']} ring slots, {s['slot_reuses']} slot reuses",
+            f"{plural(cfg['max_running'], 'ring slot')}, "
+            f"{plural(s['slot_reuses'], 'slot reuse')}",
         ),
         (
             "tokens",
@@ -999,6 +1238,17 @@ def format_summary(s: dict[str, Any]) -> str:
                 "pools of drafts past the request's end",
             ),
         ]
+    ex = s["expand_topk"]
+    rows += [
+        (
+            "expand_topk rows",
+            f"{ex['rows_expanded']}",
+            f"checked {ex['rows_checked']}, {ex['mismatches']} "
+            f"differ{'s' if ex['mismatches'] == 1 else ''} from "
+            f"the oracle; top {cfg['pool_topk']} pool ids per query, "
+            f"{ex['skipped_ids']} ids the op must skip",
+        ),
+    ]
     rows += [
         (
             "max abs error vs oracle",
@@ -1016,7 +1266,11 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{tps:,.0f}" if tps else "-",
             "tokens / time in Runner.step (copies in and out included)",
         ),
-        ("compile", f"{s['compile_seconds']:.1f} s", "step model, once"),
+        (
+            "compile",
+            f"{s['compile_seconds']:.1f} s",
+            "step and expand_topk models, once each",
+        ),
         ("wall time", f"{s['wall_seconds']:.1f} s", "everything"),
     ]
     width = max(len(r[0]) for r in rows)
@@ -1030,15 +1284,17 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(
             "result: OK, the last row of every pool id of every request "
             "holds kept tokens only and matches the oracle of the accepted "
-            "stream"
+            "stream; every expand_topk row matches the oracle"
         )
     elif s["ok"]:
         lines.append(
             "result: OK, every pool of every request came out exactly once "
-            "and matches the oracle"
+            "and matches the oracle; every expand_topk row matches the oracle"
         )
     else:
-        lines.append(f"result: FAILED, {len(s['problems'])} problems (above)")
+        lines.append(
+            f"result: FAILED, {plural(len(s['problems']), 'problem')} (above)"
+        )
     return "\n".join(lines)
 
 
@@ -1084,8 +1340,8 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
     ring = f", ring {config.ring_len}" if config.spec_tokens else ""
     print(
         f"compiling the step model ({config.dtype.name}, kpool "
-        f"{config.kpool}, head_dim {config.head_dim}{ring}) on "
-        f"{config.device}...",
+        f"{config.kpool}, head_dim {config.head_dim}{ring}) and the "
+        f"expand_topk model (top {config.pool_topk}) on {config.device}...",
         file=err,
         flush=True,
     )
@@ -1098,6 +1354,18 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
             head_dim=config.head_dim,
             ring_len=config.ring_len,
             index_dtypes=(DType.uint32,) * 3,
+        )
+    )
+    runner.model(
+        ModelKey(
+            kind="expand_topk",
+            dtype=DType.int32,
+            kpool=config.kpool,
+            head_dim=0,
+            ring_len=0,
+            index_dtypes=(DType.uint32,) * 2,
+            pool_topk=config.pool_topk,
+            always_select_tail=True,
         )
     )
     compile_s = time.perf_counter() - t0
@@ -1127,11 +1395,7 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
         print(f"FAIL {problem}", file=out)
     print(format_summary(summary), file=out)
     if fault is not None:
-        caught = any(
-            p.startswith(f"request {fault.request} ")
-            and f"pool {fault.pool} " in p
-            for p in totals.problems
-        )
+        caught = any(fault.caught_by(p) for p in totals.problems)
         print(
             f"injected fault {'caught' if caught else 'NOT caught'}: "
             f"{described}",

@@ -94,3 +94,25 @@ struct NoopStep:
     ) raises:
         """Does nothing: the framework floor of a fused step call."""
         pass
+
+
+@extensibility.register("mo.mla.kpool.expand_topk")
+struct NoopExpandTopK:
+    """`mo.mla.kpool.expand_topk` that leaves its output unwritten."""
+
+    @staticmethod
+    def execute[
+        *,
+        kpool: Int,
+        pool_topk: Int,
+        always_select_tail: Bool,
+        target: StaticString,
+    ](
+        positions: OutputTensor[dtype=DType.int32, rank=2, ...],
+        pool_ids: InputTensor[rank=2, ...],
+        input_row_offsets: InputTensor[rank=1, ...],
+        cache_lengths: InputTensor[rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        """Does nothing: the framework floor of an expand_topk call."""
+        pass

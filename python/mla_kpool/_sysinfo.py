@@ -1,0 +1,127 @@
+"""Where a measurement was taken: versions, machine, commit, command line.
+
+The benchmark stamps every record with these so that a JSON file read
+months later (or next to one from another machine) says what produced it.
+Every function degrades to ``None`` or a fallback instead of raising: a
+missing field must never cost a measurement.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+#: Where this package's sources sit inside its repository.
+_PACKAGE_DIR = Path(__file__).resolve().parent
+_IN_REPO = Path("python", "mla_kpool")
+
+
+def package_version(name: str) -> str | None:
+    """The installed version of distribution ``name``, or ``None``."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's marketing name.
+
+    Linux's ``/proc/cpuinfo`` ``model name`` (``Processor`` on some Arm
+    kernels); elsewhere, or when it names nothing, ``platform.processor()``
+    and finally ``platform.machine()``.
+    """
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "Processor") and value.strip():
+            return value.strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def git_commit(package_dir: Path = _PACKAGE_DIR) -> tuple[str, bool] | None:
+    """The commit of the checkout this package is imported from.
+
+    Only a repository whose ``python/mla_kpool`` is this package counts, so
+    an installed wheel inside some other repository (a virtual environment
+    kept in a project, say) reports ``None`` rather than that project's
+    commit.
+
+    Returns:
+        ``(commit sha, whether tracked files differ from it)``, or ``None``
+        outside a checkout or without ``git``.
+    """
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", "-C", str(package_dir), *args],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if not top or Path(top).resolve() / _IN_REPO != package_dir.resolve():
+        return None
+    sha = git("rev-parse", "HEAD")
+    if not sha:
+        return None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return sha, bool(status)
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command that started this process, shell-quoted.
+
+    ``python -m mla_kpool`` shows as that rather than as the path of
+    ``__main__.py``.
+    """
+    argv = list(sys.argv if argv is None else argv)
+    if argv and Path(argv[0]).name == "__main__.py":
+        argv[0:1] = ["python", "-m", Path(argv[0]).parent.name]
+    return shlex.join(argv)
+
+
+def run_info(
+    device: str, accelerator_name: str | None = None
+) -> dict[str, Any]:
+    """The fields every benchmark record carries.
+
+    Args:
+        device: ``"cpu"`` or ``"gpu"``.
+        accelerator_name: The GPU's model name (``driver.Accelerator()
+            .model_name``) when ``device`` is ``"gpu"``.
+
+    Returns:
+        ``max_version``, ``mojo_version``, ``cpu_model``, ``cores``,
+        ``device_name`` (the accelerator's name on a GPU, else the CPU
+        model), ``git_commit`` and ``git_dirty`` (``None`` outside a
+        checkout) and ``command``.
+    """
+    cpu = cpu_model()
+    commit = git_commit()
+    return {
+        "max_version": package_version("max"),
+        "mojo_version": package_version("mojo"),
+        "cpu_model": cpu,
+        "cores": os.cpu_count() or 1,
+        "device_name": accelerator_name if device == "gpu" else cpu,
+        "git_commit": commit[0] if commit else None,
+        "git_dirty": commit[1] if commit else None,
+        "command": command_line(),
+    }
