@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import shlex
-import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +21,6 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 from mla_kpool.__main__ import COMMANDS
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    tomllib = pytest.importorskip(
-        "tomli", reason="reading TOML needs Python >= 3.11 or tomli"
-    )
 
 REPO = Path(__file__).resolve().parents[1]
 STABLE_CHANNEL = "https://conda.modular.com/max/"

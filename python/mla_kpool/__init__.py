@@ -12,6 +12,11 @@ Graphs that call MAX's own wrappers (an unchanged MAX pipeline) get the
 kernels when built inside :func:`kernels_loaded`.
 
 Attributes:
+    __version__: This package's version, from the installed distribution's
+        metadata (``importlib.metadata``); from the checkout's
+        ``pyproject.toml`` when the package is used from a source tree that
+        is not installed (``PYTHONPATH=python``, as the pixi tasks do);
+        ``"0+unknown"`` if neither is there.
     KERNELS: The Mojo package directory (it holds ``__init__.mojo``), which
         can also be passed as ``custom_extensions=[KERNELS]`` to ``Graph``
         or ``InferenceSession``. A wheel carries it as
@@ -20,6 +25,10 @@ Attributes:
 """
 
 from __future__ import annotations
+
+import tomllib
+from importlib import metadata as _dist_metadata
+from pathlib import Path as _Path
 
 from . import buffers, reference
 from ._metadata import check_metadata
@@ -35,8 +44,38 @@ from .graph import (
 )
 from .ring import ring_length
 
+#: The distribution name on PyPI and in ``importlib.metadata``.
+_DISTRIBUTION = "mla-kpool"
+
+
+def _find_version() -> str:
+    """The installed distribution's version, else the checkout's.
+
+    Returns:
+        A PEP 440 version string; ``"0+unknown"`` when the package is
+        neither installed nor inside a checkout with its ``pyproject.toml``.
+    """
+    try:
+        return _dist_metadata.version(_DISTRIBUTION)
+    except _dist_metadata.PackageNotFoundError:
+        pass
+    # A source checkout: python/mla_kpool/__init__.py -> pyproject.toml.
+    pyproject = _Path(__file__).resolve().parents[2] / "pyproject.toml"
+    try:
+        with pyproject.open("rb") as f:
+            project = tomllib.load(f).get("project", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return "0+unknown"
+    if project.get("name") != _DISTRIBUTION:
+        return "0+unknown"
+    return str(project.get("version", "0+unknown"))
+
+
+__version__: str = _find_version()
+
 __all__ = [
     "KERNELS",
+    "__version__",
     "KPoolStep",
     "buffers",
     "check_metadata",
