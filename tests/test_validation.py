@@ -379,6 +379,20 @@ def test_rejects(case: Reject, op: str) -> None:
     assert message.startswith(f"{case.arg} "), message
 
 
+@pytest.mark.parametrize(
+    "dtype", [DType.int8, DType.uint16, DType.float32], ids=lambda d: d.name
+)
+def test_index_dtype_message_names_the_accepted_dtypes(dtype: DType) -> None:
+    """int8 is an integer too: the message lists what the kernels read."""
+    operands = {**good_operands(), "slot_idx": tensor(dtype, ["batch"])}
+    with pytest.raises(TypeError) as excinfo:
+        call_op("ring_close", operands)
+    assert str(excinfo.value) == (
+        "slot_idx dtype must be one of uint32, int32, int64, uint64, got"
+        f" {dtype.name}"
+    )
+
+
 def test_tail_message_format() -> None:
     operands = {
         **good_operands(),

@@ -165,7 +165,7 @@ def ring_close(
     Raises:
         TypeError: If ``tail`` is not a ``BufferValue``, another operand is not
             a ``TensorValue``, ``kpool`` is not an int, or an index tensor
-            has a non-integer dtype.
+            is not uint32, int32, int64 or uint64.
         ValueError: If ``kpool < 1``, a rank, shape, dtype or device is wrong,
             the static batch sizes disagree, ``emulate_gpu`` is set off the
             CPU, or the graph lacks this package's kernels and this MAX
@@ -250,7 +250,7 @@ def compress(
 
     Raises:
         TypeError: If an operand is not a ``TensorValue``, ``kpool`` is not an
-            int, or an index tensor has a non-integer dtype.
+            int, or an index tensor is not uint32, int32, int64 or uint64.
         ValueError: If ``kpool < 1``, a rank, shape, dtype or device is wrong,
             the static batch sizes disagree, ``emulate_gpu`` is set off the
             CPU, or the graph lacks this package's kernels and this MAX
@@ -341,7 +341,7 @@ def seed_tail(
     Raises:
         TypeError: If ``tail`` is not a ``BufferValue``, another operand is not
             a ``TensorValue``, ``kpool`` is not an int, or an index tensor
-            has a non-integer dtype.
+            is not uint32, int32, int64 or uint64.
         ValueError: If ``kpool < 1``, a rank, shape, dtype or device is wrong,
             the static batch sizes disagree, ``emulate_gpu`` is set off the
             CPU, or the graph lacks this package's kernels and this MAX
@@ -412,7 +412,7 @@ def pool_row_offsets(
 
     Raises:
         TypeError: If an operand is not a ``TensorValue``, ``kpool`` is not an
-            int, or an index tensor has a non-integer dtype.
+            int, or an index tensor is not uint32, int32, int64 or uint64.
         ValueError: If ``kpool < 1``, a rank, shape or device is wrong, or the
             static batch sizes disagree.
     """
@@ -669,7 +669,8 @@ def expand_topk(
     Raises:
         TypeError: If an operand is not a ``TensorValue``, ``kpool`` is not an
             int, ``always_select_tail`` is not a bool, ``pool_ids`` is not
-            int32/int64, or an index tensor has a non-integer dtype.
+            int32/int64, or an index tensor is not uint32, int32, int64 or
+            uint64.
         ValueError: If ``kpool < 1``, a rank, shape or device is wrong,
             ``pool_topk`` is not static, the static batch sizes disagree,
             ``emulate_gpu`` is set off the CPU, or the graph lacks this
