@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import zlib
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -25,7 +27,7 @@ import pytest
 from max.driver import CPU
 from max.dtype import DType
 from max.engine import InferenceSession
-from max.graph import BufferType, DeviceRef, Graph, TensorType
+from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
 
 import mla_kpool
 from kpool_cases import F32, assert_pooled_close, random_ape, random_rows
@@ -243,3 +245,50 @@ def test_without_a_way_to_load_the_wrapper_says_what_to_pass(
                 r".*mla_kpool\.kernels_loaded\(\)",
             ):
                 _call(op, graph)
+
+
+def test_loading_into_one_graph_leaves_graphs_sharing_its_library_alone(
+    tmp_path: Path,
+) -> None:
+    """MAX shares one kernel-library analysis among graphs that load the same
+    paths; loading this package into one of them must not make the others
+    look as if they had it (their compile would then fail without it)."""
+    other = tmp_path / "other_ops"
+    shutil.copytree(_paths.NOOP_KERNELS, other)
+    source = (other / "noop.mojo").read_text()
+    (other / "noop.mojo").write_text(
+        source.replace('"mo.mla.kpool.', '"other_ops.').replace(
+            '"mla_kpool.step"', '"other_ops.step"'
+        )
+    )
+
+    def graph_with_another_op(name: str) -> Graph:
+        graph = Graph(
+            name, input_types=_input_types(), custom_extensions=[other]
+        )
+        with graph:
+            tail = graph.inputs[0].buffer
+            k, gate, _, offsets, _, cache, slots, _ = (
+                value.tensor for value in graph.inputs[1:]
+            )
+            ops.inplace_custom(
+                "other_ops.seed_tail",
+                device=CPU_REF,
+                values=[tail, k, gate, offsets, cache, slots],
+                parameters={"head_dim": HEAD_DIM, "kpool": KPOOL},
+            )
+        return graph
+
+    first = graph_with_another_op("first")
+    assert not _paths.has_kernels(first)
+    with first:
+        _call("ring_close", first)
+    assert _paths.has_kernels(first)
+
+    second = graph_with_another_op("second")
+    assert not _paths.has_kernels(second)
+    assert _paths.compiled_kernels() not in second.kernel_libraries_paths
+    with second:
+        _call("ring_close", second)
+    assert _paths.has_kernels(second)
+    assert str(_paths.compiled_kernels()) in str(second)

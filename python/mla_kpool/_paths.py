@@ -132,6 +132,12 @@ def ensure_kernels(what: str) -> None:
     load = getattr(graph, "_import_kernels", None)
     if load is None:
         raise ValueError(_missing_kernels_message(what))
+    if hasattr(graph, "_kernel_library"):
+        # MAX caches one library analysis per set of paths and hands it to
+        # every graph that loads that set once it verifies an op; adding to
+        # it in place would make those other graphs look as if they had
+        # this package too. This graph gets a library of its own first.
+        graph._kernel_library = KernelLibrary(graph.kernel_libraries_paths)
     load([compiled_kernels()])
 
 
