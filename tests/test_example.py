@@ -1,12 +1,16 @@
-"""``examples/indexer_layer.py``: the pipeline integration example runs.
+"""The examples run: ``examples/indexer_layer.py`` and ``quickstart.py``.
 
-The example compiles one model (its layer: two Linear projections, a
+``indexer_layer.py`` compiles one model (its layer: two Linear projections, a
 LayerNorm and the fused step at float32, kpool 4, head_dim 32) and runs
 it in-process here. What it prints is checked against pool events derived
 from its schedule with the SPEC's arithmetic alone (which call completes
 which pool of which request, and which writer builds it), so a run that
 completes the wrong pools, or checks nothing, fails. The example's own
 oracle check is tested separately on hand-made results, with no compile.
+
+``examples/quickstart.py`` (the README's first graph: one bfloat16
+``kpool_step`` with no ``custom_extensions``) compiles one more model; what
+it prints per call is checked against the pool arithmetic.
 """
 
 from __future__ import annotations
@@ -31,13 +35,17 @@ DECODE_STEPS = 5
 EVENT = re.compile(r"^  (\w) pool (\d+) \(\s*(ring|compress)\): \[")
 
 
-def _load_example() -> ModuleType:
-    path = REPO / "examples" / "indexer_layer.py"
-    spec = importlib.util.spec_from_file_location("indexer_layer", path)
+def _load(name: str) -> ModuleType:
+    path = REPO / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve it by name
     spec.loader.exec_module(module)
     return module
+
+
+def _load_example() -> ModuleType:
+    return _load("indexer_layer")
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +117,53 @@ def test_example_check_catches_wrong_missing_and_duplicate_pools(example):
 
     request.pools[1] = [(1, want[1])]
     assert example.check([request], weights) == []
+
+
+# --------------------------------------------------------------------------
+# examples/quickstart.py: the README's first graph (bfloat16, no extensions)
+# --------------------------------------------------------------------------
+
+
+def quickstart_lines(kpool: int) -> list[str]:
+    """What each quickstart call must print, from the pool arithmetic."""
+    calls = [([6, 3], [0, 0]), ([2, 1], [6, 3])]
+    lines = []
+    for i, (new, seen) in enumerate(calls):
+        closed, built = [], []
+        for n, c in zip(new, seen, strict=True):
+            p, r = divmod(c, kpool)
+            closed.append(p if r and c + n >= (p + 1) * kpool else -1)
+            built.append(max(0, (c + n) // kpool - -(-c // kpool)))
+        lines.append(
+            f"call {i}: closed from the ring {closed}, new pools {built}"
+        )
+    return lines
+
+
+def test_quickstart_runs_without_custom_extensions(capsys):
+    """Its graph passes no custom_extensions: kpool_step loads the kernels."""
+    quickstart = _load("quickstart")
+    assert (
+        "custom_extensions"
+        not in (REPO / "examples" / "quickstart.py")
+        .read_text()
+        .split('"""', 2)[2]
+    )
+    status = quickstart.main()
+    out = capsys.readouterr().out
+    assert status == 0, out
+    want = quickstart_lines(quickstart.KPOOL)
+    # Both calls do something: a pool from new tokens, then two from the ring.
+    assert want[0].endswith("[1, 0]") and "[1, 0], new" in want[1]
+    assert out.splitlines() == [*want, "OK: matches"], out
+
+
+def test_quickstart_checks_fail_on_a_wrong_answer():
+    quickstart = _load("quickstart")
+    want = np.linspace(-1.0, 1.0, 8)
+    tol = quickstart.TOLERANCE
+    assert quickstart.compare("x", want.astype(np.float32), want, 1.0) == ""
+    off = want + np.where(np.arange(8) == 3, 1.5 * tol, 0.0)
+    assert quickstart.compare("x", off, want, 1.0).startswith("x: error")
+    assert quickstart.same("ring", want, want) == ""
+    assert quickstart.same("ring", off, want) == "ring: not equal"

@@ -48,6 +48,7 @@ from max.graph import DeviceRef, Graph, TensorType
 import mla_kpool
 from conftest import DEVICE_NAMES, get_runner
 from mla_kpool import reference as ref
+from mla_kpool._paths import compiled_kernels
 from mla_kpool.buffers import to_buffer, to_max_dtype, to_numpy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -528,10 +529,20 @@ def _op_text(graph: Graph) -> list[str]:
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.id)
 def test_max_wrapper_builds_the_same_op(cfg: ExpandConfig) -> None:
-    """Ours and MAX's wrapper add the same op (no compile, any host)."""
-    ours = _graph(cfg, DeviceRef.CPU(), mla_kpool.expand_topk, [], "same")
+    """Ours and MAX's wrapper add the same op (no compile, any host).
+
+    Both graphs load the kernels, so they differ in nothing else: ours
+    would load them anyway (and record that on the graph), MAX's does not.
+    The precompiled package saves a precompile per graph.
+    """
+    kernels = [compiled_kernels()]
+    ours = _graph(cfg, DeviceRef.CPU(), mla_kpool.expand_topk, kernels, "same")
     theirs = _graph(
-        cfg, DeviceRef.CPU(), _max_kernels().mla_kpool_expand_topk, [], "same"
+        cfg,
+        DeviceRef.CPU(),
+        _max_kernels().mla_kpool_expand_topk,
+        kernels,
+        "same",
     )
     assert _op_text(ours) == _op_text(theirs)
     assert any("mo.mla.kpool.expand_topk" in line for line in _op_text(ours))

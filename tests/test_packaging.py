@@ -3,22 +3,26 @@
 The wheel is built the way a user's ``pip install .`` builds it, but from a
 clean copy of the checkout (a stale ``build/`` in the repository would
 otherwise leak old files into it) and without build isolation or an index,
-so the test needs no network: setuptools >= 70.1 in this environment is
+so the test needs no network: setuptools >= 77 in this environment is
 enough (it is in the ``test`` extra). The wheel is then installed into a
 bare target directory, and a subprocess whose ``PYTHONPATH`` holds only that
 directory (MAX still comes from this environment) checks that
 ``mla_kpool.KERNELS`` points inside it and that a graph built with it
 compiles and matches the oracle. That graph is the suite's MAIN
-configuration (float32, kpool 4, head_dim 128), one compile.
+configuration (float32, kpool 4, head_dim 128), one compile. The wheel's
+metadata (license, version, ``py.typed``) and its console script are
+checked without compiling anything.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -29,6 +33,7 @@ from kpool_cases import MAIN, assert_pooled_close, random_ape, random_rows
 from mla_kpool import reference as ref
 
 REPO = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
 #: What a clean checkout does not have: build outputs, caches, environments.
 _NOT_SOURCES = shutil.ignore_patterns(
@@ -64,7 +69,7 @@ def _pip(*args: str, cwd: Path) -> None:
     if proc.returncode != 0:
         pytest.fail(
             f"pip {' '.join(args)} failed ({proc.returncode}); building "
-            "offline needs setuptools>=70.1 here (pip install -e '.[test]')\n"
+            "offline needs setuptools>=77 here (pip install -e '.[test]')\n"
             f"{proc.stdout}\n{proc.stderr}"
         )
 
@@ -118,6 +123,7 @@ def test_wheel_carries_mojo_sources(wheel: Path, source: str, dest: str):
 
 def test_wheel_carries_every_python_module(wheel: Path):
     modules = {p.name for p in (REPO / "python/mla_kpool").glob("*.py")}
+    modules.add("py.typed")  # PEP 561: the package is typed
     with zipfile.ZipFile(wheel) as zf:
         shipped = {
             n.split("/", 1)[1]
@@ -199,3 +205,85 @@ def test_installed_wheel_compiles_and_runs(site: Path, tmp_path: Path):
         assert_pooled_close(
             got[prefix + "pooled"], want_pooled, dtype, scale, where
         )
+
+
+def _dist_info(zf: zipfile.ZipFile, name: str) -> str:
+    (path,) = [n for n in zf.namelist() if n.endswith(f".dist-info/{name}")]
+    return zf.read(path).decode()
+
+
+def test_wheel_declares_license_version_and_typing(wheel: Path):
+    with zipfile.ZipFile(wheel) as zf:
+        metadata = _dist_info(zf, "METADATA")
+        license_text = _dist_info(zf, "licenses/LICENSE")
+        assert zf.read("mla_kpool/py.typed") == b""
+    headers = metadata.split("\n\n", 1)[0].splitlines()
+    assert "License-Expression: Apache-2.0 WITH LLVM-exception" in headers
+    assert "License-File: LICENSE" in headers
+    assert "Classifier: Typing :: Typed" in headers
+    assert "Requires-Python: >=3.11" in headers
+    assert f"Version: {PROJECT['version']}" in headers
+    assert license_text == (REPO / "LICENSE").read_text()
+    assert "Apache License" in license_text
+    assert "---- LLVM Exceptions to the Apache 2.0 License ----" in license_text
+
+
+def _run_installed(site: Path, *argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(site))
+    return subprocess.run(
+        argv,
+        cwd=site.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_installed_console_script_names_itself(site: Path):
+    """``mla-kpool`` says ``mla-kpool``; ``python -m`` says that."""
+    script = site / "bin" / "mla-kpool"
+    runs = {
+        "mla-kpool": [sys.executable, str(script)],
+        "python -m mla_kpool": [sys.executable, "-m", "mla_kpool"],
+    }
+    for prog, argv in runs.items():
+        proc = _run_installed(site, *argv, "--version")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == f"{prog} {PROJECT['version']}\n", proc.stdout
+        proc = _run_installed(site, *argv, "--help")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith(f"usage: {prog} [-h] [--version]"), (
+            proc.stdout
+        )
+        proc = _run_installed(site, *argv, "bench", "--help")
+        assert proc.stdout.startswith(f"usage: {prog} bench [-h]"), proc.stdout
+    # The version comes from the wheel's own metadata in the install.
+    proc = _run_installed(
+        site,
+        sys.executable,
+        "-c",
+        "import mla_kpool, importlib.metadata as m;"
+        "print(mla_kpool.__file__, mla_kpool.__version__,"
+        " m.distribution('mla-kpool').locate_file(''))",
+    )
+    module, found, location = proc.stdout.split()
+    assert Path(module).is_relative_to(site) and Path(location) == site
+    assert found == PROJECT["version"]
+
+
+def test_version_falls_back_to_the_checkout(monkeypatch: pytest.MonkeyPatch):
+    """Used from the source tree and not installed (pixi), the checkout's
+    pyproject.toml gives the version; elsewhere it is "0+unknown"."""
+    import mla_kpool
+
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    from_checkout = (
+        Path(mla_kpool.__file__).resolve().parents[2] / "pyproject.toml"
+    ).is_file()
+    assert mla_kpool._find_version() == (
+        PROJECT["version"] if from_checkout else "0+unknown"
+    )

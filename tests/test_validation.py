@@ -5,9 +5,10 @@ calls each wrapper that takes that operand, and checks the exception type and
 that the message starts with the operand's name. Nothing here compiles or runs
 a kernel: the checks raise before any op is created.
 
-The acceptance tests build graphs too. Adding a custom op to a graph only
-verifies its signature, which MAX's own GPU-only builtins of the same names
-satisfy, so they need neither ``custom_extensions`` nor a compile.
+The acceptance tests build graphs too, without ``custom_extensions``: the
+wrappers load this package's kernels into each graph (precompiled once per
+process), and adding a custom op only verifies its signature, so nothing
+here compiles a model.
 """
 
 from __future__ import annotations
@@ -86,14 +87,7 @@ def call_op(
         for n in names
         if isinstance(operands[n], TensorType | BufferType)
     }
-    # A parameter beyond MAX's own (emulate_gpu) is checked against this
-    # package's kernels, so those graphs load them.
-    extensions = [mla_kpool.KERNELS] if keywords else []
-    with Graph(
-        f"validate_{op}",
-        input_types=list(types.values()),
-        custom_extensions=extensions,
-    ) as graph:
+    with Graph(f"validate_{op}", input_types=list(types.values())) as graph:
         inputs = dict(zip(types, graph.inputs, strict=True))
         args = []
         for name in names:
@@ -385,6 +379,20 @@ def test_rejects(case: Reject, op: str) -> None:
     assert message.startswith(f"{case.arg} "), message
 
 
+@pytest.mark.parametrize(
+    "dtype", [DType.int8, DType.uint16, DType.float32], ids=lambda d: d.name
+)
+def test_index_dtype_message_names_the_accepted_dtypes(dtype: DType) -> None:
+    """int8 is an integer too: the message lists what the kernels read."""
+    operands = {**good_operands(), "slot_idx": tensor(dtype, ["batch"])}
+    with pytest.raises(TypeError) as excinfo:
+        call_op("ring_close", operands)
+    assert str(excinfo.value) == (
+        "slot_idx dtype must be one of uint32, int32, int64, uint64, got"
+        f" {dtype.name}"
+    )
+
+
 def test_tail_message_format() -> None:
     operands = {
         **good_operands(),
@@ -407,7 +415,9 @@ def test_tail_message_format() -> None:
 
 
 def custom_ops(graph: Graph) -> list[str]:
-    return re.findall(r'symbol = "(mo\.mla\.kpool\.\w+)"', str(graph))
+    return re.findall(
+        r'symbol = "((?:mo\.mla\.kpool|mla_kpool)\.\w+)"', str(graph)
+    )
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=lambda d: d.name)
@@ -536,7 +546,9 @@ def test_kpool_step_orders_ring_close_before_seed_tail() -> None:
     assert list(step.first_pool.shape) == ["batch"]
 
 
-def test_fused_kpool_step_without_the_kernels_says_how_to_load_them() -> None:
-    """MAX has no builtin ``mla_kpool.step``: the fused op needs KERNELS."""
-    with pytest.raises(ValueError, match=r"custom_extensions=\[mla_kpool"):
-        call_op("kpool_step", good_operands())
+def test_fused_kpool_step_loads_the_kernels_it_needs() -> None:
+    """MAX has no builtin ``mla_kpool.step``; the wrapper loads KERNELS."""
+    step, graph = call_op("kpool_step", good_operands())
+    assert custom_ops(graph) == ["mla_kpool.step"]
+    assert len(graph.kernel_libraries_paths) == 1
+    assert isinstance(step, mla_kpool.KPoolStep)

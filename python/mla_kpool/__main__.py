@@ -1,5 +1,9 @@
 """Command line: ``python -m mla_kpool {demo,bench}`` (also ``mla-kpool``).
 
+``--version`` prints the package version. Usage and help name the program
+the way it was started: ``mla-kpool`` for the console script,
+``python -m mla_kpool`` otherwise.
+
 Each subcommand lives in a module of this package (``mla_kpool.demo``,
 ``mla_kpool.bench``) that provides ``DESCRIPTION`` (a sentence),
 ``add_arguments(parser)`` and ``run(args) -> int`` (the exit status).
@@ -9,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+
+from . import __version__
 
 #: Subcommand name -> (module, one-line help).
 COMMANDS = {
@@ -23,18 +30,42 @@ COMMANDS = {
 }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def program_name(argv0: str | None = None) -> str:
+    """How the user started the command, for usage and help lines.
+
+    Args:
+        argv0: The program path (``sys.argv[0]`` if ``None``).
+
+    Returns:
+        ``"python -m mla_kpool"`` when run as a module (``argv0`` is this
+        package's ``__main__.py``, or empty), else the file name of
+        ``argv0``, such as ``mla-kpool`` for the console script.
+    """
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    name = os.path.basename(argv0)
+    if name in ("", "__main__.py", "-m", "-c"):
+        return "python -m mla_kpool"
+    return name
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Parses the command line and runs the subcommand.
 
     Args:
         argv: Arguments after the program name (``sys.argv[1:]`` if ``None``).
+        prog: Program name in usage and help (:func:`program_name` if
+            ``None``).
 
     Returns:
-        The subcommand's exit status (2 for a usage error).
+        The subcommand's exit status; ``--help`` and ``--version`` exit 0
+        and a usage error 2, through ``SystemExit``.
     """
     parser = argparse.ArgumentParser(
-        prog="python -m mla_kpool",
+        prog=program_name() if prog is None else prog,
         description="k-pooled indexer kernels for MAX, on CPU and GPU.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     modules: dict[str, ModuleType] = {}

@@ -13,10 +13,12 @@ every call, in this order:
 :func:`kpool_step` does all of it for one call: by default as one fused op
 (``mla_kpool.step``), or with ``fused=False`` as the three ops in that order
 with :func:`pool_row_offsets` in between. Each wrapper checks every operand
-first and then adds exactly one custom op (``mo.mla.kpool.<verb>``); the
-graph must be built or loaded with ``custom_extensions=[mla_kpool.KERNELS]``
-so that this package's CPU+GPU kernels replace MAX's GPU-only builtins of
-the same names.
+first and then adds exactly one custom op (``mo.mla.kpool.<verb>``). If
+the graph being built does not load this package's kernels yet, the wrapper
+loads :data:`mla_kpool.KERNELS` into it before adding the op, so that the
+CPU+GPU kernels replace MAX's GPU-only builtins of the same names and no
+``custom_extensions`` argument is needed (passing
+``custom_extensions=[mla_kpool.KERNELS]`` still works).
 
 :func:`expand_topk` is the op that reads pools back: it widens the pool ids
 an indexer selected for each query token into the token positions
@@ -36,6 +38,7 @@ from max.graph import BufferValue, TensorType, TensorValue, ops
 from max.graph.dim import StaticDim
 
 from . import _validate as v
+from ._paths import ensure_kernels
 
 
 def _check_common(
@@ -162,10 +165,11 @@ def ring_close(
     Raises:
         TypeError: If ``tail`` is not a ``BufferValue``, another operand is not
             a ``TensorValue``, ``kpool`` is not an int, or an index tensor
-            has a non-integer dtype.
+            is not uint32, int32, int64 or uint64.
         ValueError: If ``kpool < 1``, a rank, shape, dtype or device is wrong,
-            the static batch sizes disagree, or ``emulate_gpu`` is set off
-            the CPU.
+            the static batch sizes disagree, ``emulate_gpu`` is set off the
+            CPU, or the graph lacks this package's kernels and this MAX
+            version cannot add them to an existing graph.
     """
     (
         kpool,
@@ -181,6 +185,7 @@ def ring_close(
         tail, k, gate, ape, input_row_offsets, cache_lengths, slot_idx, kpool
     )
 
+    ensure_kernels("ring_close")
     batch = cache_lengths.shape[0]
     results = ops.inplace_custom(
         "mo.mla.kpool.ring_close",
@@ -245,10 +250,11 @@ def compress(
 
     Raises:
         TypeError: If an operand is not a ``TensorValue``, ``kpool`` is not an
-            int, or an index tensor has a non-integer dtype.
+            int, or an index tensor is not uint32, int32, int64 or uint64.
         ValueError: If ``kpool < 1``, a rank, shape, dtype or device is wrong,
-            the static batch sizes disagree, or ``emulate_gpu`` is set off
-            the CPU.
+            the static batch sizes disagree, ``emulate_gpu`` is set off the
+            CPU, or the graph lacks this package's kernels and this MAX
+            version cannot add them to an existing graph.
     """
     kpool, k, gate, input_row_offsets, cache_lengths, head_dim = _check_common(
         k, gate, input_row_offsets, cache_lengths, kpool
@@ -272,6 +278,7 @@ def compress(
         cache_lengths=cache_lengths,
     )
 
+    ensure_kernels("compress")
     return ops.custom(
         "mo.mla.kpool.compress",
         device=k.device,
@@ -334,10 +341,11 @@ def seed_tail(
     Raises:
         TypeError: If ``tail`` is not a ``BufferValue``, another operand is not
             a ``TensorValue``, ``kpool`` is not an int, or an index tensor
-            has a non-integer dtype.
+            is not uint32, int32, int64 or uint64.
         ValueError: If ``kpool < 1``, a rank, shape, dtype or device is wrong,
-            the static batch sizes disagree, or ``emulate_gpu`` is set off
-            the CPU.
+            the static batch sizes disagree, ``emulate_gpu`` is set off the
+            CPU, or the graph lacks this package's kernels and this MAX
+            version cannot add them to an existing graph.
     """
     kpool, k, gate, input_row_offsets, cache_lengths, head_dim = _check_common(
         k, gate, input_row_offsets, cache_lengths, kpool
@@ -359,6 +367,7 @@ def seed_tail(
         slot_idx=slot_idx,
     )
 
+    ensure_kernels("seed_tail")
     ops.inplace_custom(
         "mo.mla.kpool.seed_tail",
         device=k.device,
@@ -403,7 +412,7 @@ def pool_row_offsets(
 
     Raises:
         TypeError: If an operand is not a ``TensorValue``, ``kpool`` is not an
-            int, or an index tensor has a non-integer dtype.
+            int, or an index tensor is not uint32, int32, int64 or uint64.
         ValueError: If ``kpool < 1``, a rank, shape or device is wrong, or the
             static batch sizes disagree.
     """
@@ -517,8 +526,9 @@ def kpool_step(
     Raises:
         TypeError: As :func:`ring_close`, or if ``fused`` is not a bool.
         ValueError: As :func:`ring_close`, or, for the fused op, if the
-            graph was built without this package's kernels loaded (MAX has
-            no builtin ``mla_kpool.step`` to stage it against).
+            graph holds kernels without ``mla_kpool.step`` and the wrapper
+            was told not to load this package's (MAX has no builtin of that
+            name).
     """
     if not isinstance(fused, bool):
         raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
@@ -659,10 +669,13 @@ def expand_topk(
     Raises:
         TypeError: If an operand is not a ``TensorValue``, ``kpool`` is not an
             int, ``always_select_tail`` is not a bool, ``pool_ids`` is not
-            int32/int64, or an index tensor has a non-integer dtype.
+            int32/int64, or an index tensor is not uint32, int32, int64 or
+            uint64.
         ValueError: If ``kpool < 1``, a rank, shape or device is wrong,
             ``pool_topk`` is not static, the static batch sizes disagree,
-            or ``emulate_gpu`` is set off the CPU.
+            ``emulate_gpu`` is set off the CPU, or the graph lacks this
+            package's kernels and this MAX version cannot add them to an
+            existing graph.
     """
     kpool = v.check_kpool(kpool)
     if not isinstance(always_select_tail, bool):
@@ -685,6 +698,7 @@ def expand_topk(
     )
 
     tail = kpool - 1 if always_select_tail else 0
+    ensure_kernels("expand_topk")
     return ops.custom(
         "mo.mla.kpool.expand_topk",
         device=device,
@@ -734,6 +748,7 @@ def _fused_step(
     batch = cache_lengths.shape[0]
     dev = k.device
     parameters = v.kernel_parameters(head_dim, kpool, emulate_gpu, dev)
+    ensure_kernels("kpool_step")
     try:
         results = ops.inplace_custom(
             "mla_kpool.step",
@@ -761,13 +776,14 @@ def _fused_step(
     except ValueError as error:
         if "no kernel registered" not in str(error):
             raise
-        # MAX has no builtin of this name, so unlike the three writers the
-        # op cannot even be staged before the kernels are loaded.
+        # MAX has no builtin of this name. The wrappers load the kernels
+        # unless told not to (a graph meant for MAX's builtins), so this is
+        # that case, or a kernel package without the fused op.
         raise ValueError(
-            "kpool_step adds the fused op mla_kpool.step, which only this"
-            " package's kernels provide: build the graph with"
-            " custom_extensions=[mla_kpool.KERNELS] (or inside"
-            " max.graph.default_custom_extensions_scope(mla_kpool.KERNELS)),"
+            "kpool_step adds the fused op mla_kpool.step, which MAX does not"
+            " ship and the kernels loaded into this graph do not provide:"
+            " load this package's kernels (custom_extensions="
+            "[mla_kpool.KERNELS], or build inside mla_kpool.kernels_loaded()),"
             " or pass fused=False for the three ops MAX also names"
         ) from error
     return KPoolStep(*(result.tensor for result in results))

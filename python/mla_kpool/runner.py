@@ -19,6 +19,7 @@ on a machine without an accelerator.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from max.engine import InferenceSession, Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
 from . import graph as kpool_graph
-from ._paths import KERNELS
+from ._paths import KERNELS, builtin_kernels_only
 from .buffers import to_buffer, to_max_dtype, to_numpy
 
 
@@ -87,7 +88,9 @@ class Runner:
             and thread at a time: exact but slow, for tests).
         kernels: The Mojo package that implements the ops; the benchmark
             passes its no-op stand-ins here to measure MAX's own floor, and
-            ``None`` to use MAX's builtins (GPU only).
+            ``None`` to use MAX's builtins (GPU only): the wrappers then
+            leave the graphs without this package's kernels instead of
+            loading them.
 
     Raises:
         ValueError: If ``device`` is none of :data:`DEVICES`, or
@@ -171,6 +174,12 @@ class Runner:
         """How many distinct models this runner has compiled."""
         return len(self._models)
 
+    def _kernel_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Keeps MAX's builtins in the graph when ``kernels`` is ``None``."""
+        if self.kernels is None:
+            return builtin_kernels_only()
+        return contextlib.nullcontext()
+
     def _build(self, key: ModelKey) -> Graph:
         if key.kind == "expand_topk":
             return self._build_expand_topk(key)
@@ -207,11 +216,14 @@ class Runner:
             else:
                 inputs = [ring, rows, rows, ape, offsets, *per_request]
 
-        with Graph(
-            name,
-            input_types=inputs,
-            custom_extensions=[self.kernels] if self.kernels else [],
-        ) as g:
+        with (
+            self._kernel_scope(),
+            Graph(
+                name,
+                input_types=inputs,
+                custom_extensions=[self.kernels] if self.kernels else [],
+            ) as g,
+        ):
             x = [
                 value.buffer
                 if i == 0 and key.kind != "compress"
@@ -250,11 +262,14 @@ class Runner:
             TensorType(off_dt, ["offsets"], dev),
             TensorType(len_dt, ["batch"], dev),
         ]
-        with Graph(
-            name,
-            input_types=inputs,
-            custom_extensions=[self.kernels] if self.kernels else [],
-        ) as g:
+        with (
+            self._kernel_scope(),
+            Graph(
+                name,
+                input_types=inputs,
+                custom_extensions=[self.kernels] if self.kernels else [],
+            ) as g,
+        ):
             g.output(
                 kpool_graph.expand_topk(
                     *(value.tensor for value in g.inputs),
