@@ -400,6 +400,49 @@ def test_markdown_prints_the_readme_table(tmp_path, capsys, no_runner):
     ]
 
 
+def test_markdown_of_several_runs_gives_medians_and_ranges(
+    tmp_path, capsys, no_runner
+):
+    # Three runs of one configuration; only the times move. Per run:
+    #   median us   100, 300, 200         -> 200 (100-300)
+    #   of memcpy   gbps/memcpy: 10/40, 5/40, 8/40 -> 25%, 12.5%, 20%
+    #               -> 20% (12-25%)  (12.5 printed without decimals)
+    #   x floor     100/50, 300/100, 200/40 = 2, 3, 5 -> 3 (2-5)
+    #   x NumPy     400/100, 600/300, 1000/200 = 4, 2, 5 -> 4 (2-5)
+    # A second configuration appears in the first run only.
+    base = {k: v for k, v in RECORDS[0].items()}
+    runs = []
+    for i, (median, gbps, floor, numpy_us) in enumerate(
+        [(100, 10, 50, 400), (300, 5, 100, 600), (200, 8, 40, 1000)]
+    ):
+        record = {
+            **base,
+            "median_us": median,
+            "gbps": gbps,
+            "memcpy_gbps": 40.0,
+            "floor_median_us": floor,
+            "numpy_median_us": numpy_us,
+        }
+        records = [record] + ([RECORDS[1]] if i == 0 else [])
+        path = tmp_path / f"run{i}.json"
+        path.write_text(json.dumps(records))
+        runs.append(str(path))
+    assert main(["bench", "--markdown", *runs]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("; 3 runs, medians and (ranges).")
+    assert out[2:] == [
+        "| op | dtype | batch | kpool | runs | median us | of memcpy "
+        "| x floor | x NumPy |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ring_close | float32 | 4096 | 128 | 3 | 200 (100-300) "
+        "| 20% (12-25%) | 3 (2-5) | 4 (2-5) |",
+        "| expand_topk | int32 | 64 | 4 | 1 | 40 | 20% | 1.6 | 25 |",
+    ]
+    image = tmp_path / "runs.png"
+    assert main(["bench", "--markdown", *runs, "--plot", str(image)]) == 0
+    assert image.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
 @pytest.mark.parametrize(
     "content, message",
     [

@@ -690,9 +690,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--markdown",
         metavar="FILE",
+        nargs="+",
         help=(
             "print the markdown table of a file --json wrote, and stop: "
-            "nothing compiles or runs"
+            "nothing compiles or runs; given several files (repeated runs), "
+            "each configuration's median and range over them"
         ),
     )
     parser.add_argument(
@@ -833,6 +835,91 @@ def format_markdown(records: list[dict[str, Any]]) -> str:
     return (where + "\n\n" if where else "") + "\n".join(lines)
 
 
+#: Per-run quantities the several-runs table reports, as (column, value of
+#: one record). Ratios are taken within each run, then summarised.
+RUN_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (
+    ("median us", lambda r: r["median_us"]),
+    ("of memcpy", lambda r: 100 * r["gbps"] / r["memcpy_gbps"]),
+    ("x floor", lambda r: r["median_us"] / r["floor_median_us"]),
+    ("x NumPy", lambda r: r["numpy_median_us"] / r["median_us"]),
+)
+
+
+def _by_config(
+    runs: list[list[dict[str, Any]]],
+) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
+    """Records of several runs grouped by configuration, in first-seen order.
+
+    A configuration is (op, dtype, batch, kpool, head_dim, device).
+    """
+    keys = ("op", "dtype", "batch", "kpool", "head_dim", "device")
+    grouped: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for records in runs:
+        for r in records:
+            grouped.setdefault(tuple(r.get(k) for k in keys), []).append(r)
+    return grouped
+
+
+def format_markdown_runs(runs: list[list[dict[str, Any]]]) -> str:
+    """The results table over repeated runs: median and range per column.
+
+    Each configuration (op, dtype, batch, kpool, head_dim, device) found in
+    any run gets one row. For every column of :data:`RUN_COLUMNS` the value
+    is computed within each run that measured the configuration (so a ratio
+    compares an op with its floor, NumPy twin or memcpy from the same run)
+    and reported as ``median (min-max)`` over those runs; ``runs`` says how
+    many there were.
+
+    Args:
+        runs: One list of records (from :func:`load_records`) per run.
+
+    Returns:
+        Markdown: a line saying where and how often it was measured, then
+        the table.
+    """
+    grouped = _by_config(runs)
+    head = ["op", "dtype", "batch", "kpool", "runs"]
+    head += [name for name, _ in RUN_COLUMNS]
+    right = set(head[2:])
+    lines = [
+        "| " + " | ".join(head) + " |",
+        "| " + " | ".join("---:" if h in right else "---" for h in head) + " |",
+    ]
+    for (op, dtype, batch, kpool, _, _), rs in grouped.items():
+        row = [str(op), str(dtype), str(batch), str(kpool), str(len(rs))]
+        for name, value in RUN_COLUMNS:
+            values = [value(r) for r in rs]
+            unit = "%" if name == "of memcpy" else ""
+            lo, mid, hi = min(values), float(np.median(values)), max(values)
+            fmt = (lambda x: f"{x:.0f}") if unit else _num
+            row.append(
+                f"{fmt(mid)}{unit} ({fmt(lo)}-{fmt(hi)}{unit})"
+                if len(values) > 1
+                else f"{fmt(mid)}{unit}"
+            )
+        lines.append("| " + " | ".join(row) + " |")
+    first = next((records[0] for records in runs if records), None)
+    where = _provenance(first) if first is not None else ""
+    if where:
+        where = where[:-1] + f"; {len(runs)} runs, medians and (ranges)."
+    return (where + "\n\n" if where else "") + "\n".join(lines)
+
+
+def median_records(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One record per configuration, its numbers the medians over ``runs``.
+
+    For :func:`plot` when it is given several runs.
+    """
+    grouped = _by_config(runs)
+    merged = []
+    for rs in grouped.values():
+        record = dict(rs[0])
+        for key in ("median_us", "gbps", "memcpy_gbps"):
+            record[key] = float(np.median([r[key] for r in rs]))
+        merged.append(record)
+    return merged
+
+
 def _provenance(record: dict[str, Any]) -> str:
     """One sentence: device, cores, versions, commit and command."""
     parts = []
@@ -934,6 +1021,8 @@ def run(args: argparse.Namespace) -> int:
 
     With ``--markdown FILE`` it only reads ``FILE`` (written by ``--json``)
     and prints its table (and draws ``--plot``): nothing compiles or runs.
+    Several files are repeated runs: the table then gives each
+    configuration's median and range over them.
     A usage problem (``--plot`` without matplotlib, an unreadable
     ``--markdown`` file, ``--markdown`` with ``--json``) is reported before
     anything compiles, with exit status 2.
@@ -951,14 +1040,19 @@ def run(args: argparse.Namespace) -> int:
                 "--markdown reads a --json file; it does not run, so it "
                 "writes none"
             )
-        loaded = load_records(markdown) if markdown else None
+        loaded = [load_records(path) for path in markdown or []]
     except ResultsError as err:
         print(f"mla-kpool bench: error: {err}", file=sys.stderr)
         return 2
-    if loaded is not None:
-        print(format_markdown(loaded))
+    if len(loaded) == 1:
+        print(format_markdown(loaded[0]))
         if plot_path:
-            plot(loaded, plot_path)
+            plot(loaded[0], plot_path)
+        return 0
+    if loaded:
+        print(format_markdown_runs(loaded))
+        if plot_path:
+            plot(median_records(loaded), plot_path)
         return 0
     device = args.device
     runners: dict[str, Runner | None] = {
