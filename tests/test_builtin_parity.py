@@ -7,8 +7,9 @@ graph is built twice: once with ``max.nn.kernels`` and no
 ``custom_extensions=[mla_kpool.KERNELS]`` (ours, which takes precedence).
 Both run on the same inputs and a copy of the same ring.
 
-The two may round differently, so pooled keys are compared with the SPEC
-tolerance, ours against the builtin and both against the float64 oracle;
+The two may round differently, so pooled keys are compared within the
+tolerance of docs/API.md, ours against the builtin and both against the
+float64 oracle;
 ``closed_pool`` and the ring after ``seed_tail`` must be exactly equal.
 The builtin documents its pooled row as meaningful only where
 ``closed_pool >= 0`` and leaves compress rows past the pool count

@@ -1,4 +1,4 @@
-"""compress and seed_tail kernels against the spec, and writer against writer.
+"""compress and seed_tail against their contract, and writer against writer.
 
 compress is checked pool by pool against :func:`reference.pool_sequence` of
 each request's whole sequence (its cached prefix, never read, plus this
@@ -6,13 +6,13 @@ call's rows), so a pool landing on the wrong row or built from the wrong
 rows shows, and against :func:`reference.compress` for the full output.
 seed_tail runs on a ring filled with a distinct sentinel in every entry;
 afterwards the ring must equal, bit for bit, the sentinel with exactly the
-trailing positions overwritten (SPEC section 5), so a write below
+trailing positions overwritten (docs/API.md, seed_tail), so a write below
 ``cache_lengths`` or into a neighbouring slot cannot hide.
 
 The writer-against-writer test builds the same pool twice in one step call,
 once by ring_close (``r`` members pre-seeded in the ring, the rest new) and
-once by compress (all members new), and requires bitwise equality (SPEC
-section 6), for every dtype.
+once by compress (all members new), and requires bitwise equality (docs/API.md,
+numerics), for every dtype.
 """
 
 from __future__ import annotations
@@ -181,8 +181,8 @@ def _expected_ring(
     offsets: np.ndarray,
     kpool: int,
 ) -> tuple[np.ndarray, list[list[int]]]:
-    """SPEC section 5 written out: the ring after seed_tail, and the positions
-    each request writes."""
+    """seed_tail's contract written out: the ring after seed_tail, and the
+    positions each request writes."""
     out = ring.copy()
     written = []
     for b, (c, n, s) in enumerate(batch.requests):

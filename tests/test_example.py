@@ -1,11 +1,11 @@
 """The examples run: ``examples/indexer_layer.py`` and ``quickstart.py``.
 
 ``indexer_layer.py`` compiles one model (its layer: two Linear projections, a
-LayerNorm and the fused step at float32, kpool 4, head_dim 32) and runs
-it in-process here. What it prints is checked against pool events derived
-from its schedule with the SPEC's arithmetic alone (which call completes
-which pool of which request, and which writer builds it), so a run that
-completes the wrong pools, or checks nothing, fails. The example's own
+LayerNorm and the fused step at float32, kpool 4, head_dim 32) and runs it in-
+process here. What it prints is checked against pool events derived from its
+schedule with the writers' arithmetic of docs/API.md alone (which call
+completes which pool of which request, and which writer builds it), so a run
+that completes the wrong pools, or checks nothing, fails. The example's own
 oracle check is tested separately on hand-made results, with no compile.
 
 ``examples/quickstart.py`` (the README's first graph: one bfloat16
@@ -54,7 +54,7 @@ def example() -> ModuleType:
 
 
 def expected_events() -> list[list[tuple[str, int, str]]]:
-    """Per call, the (request, pool, writer) events the SPEC implies."""
+    """Per call, the (request, pool, writer) events the contract implies."""
     calls = [[(name, prompt) for name, _, prompt in REQUESTS]]
     calls += [[(name, 1) for name in DECODE_ORDER]] * DECODE_STEPS
     seen = {name: 0 for name, _, _ in REQUESTS}

@@ -1,10 +1,10 @@
 """Seeded fuzzing of runtime metadata, with guarded memory around the kernels.
 
-SPEC sections 3 to 5: bad runtime metadata never reads or writes out of
-bounds, and gives the documented answer (a skipped request, a zero row,
-``-1``, a truncated span). Each vector below is a random call's metadata
-(``input_row_offsets``, ``cache_lengths``, ``slot_idx``, and for compress
-``pool_row_offsets``), mostly plausible and often broken on purpose:
+As docs/API.md (bad metadata) promises, bad runtime metadata never reads or
+writes out of bounds, and gives the documented answer (a skipped request, a
+zero row, ``-1``, a truncated span). Each vector below is a random call's
+metadata (``input_row_offsets``, ``cache_lengths``, ``slot_idx``, and for
+compress ``pool_row_offsets``), mostly plausible and often broken on purpose:
 decreasing offsets, offsets past ``total_tokens`` or near 2^32, slots at or
 far past ``max_slots`` (a physical cache-page id, say) or near 2^32, cache
 lengths past 500,000 and near 2^32 (``c + n`` wraps in 32 bits), batch 0,

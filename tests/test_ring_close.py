@@ -1,4 +1,4 @@
-"""``mo.mla.kpool.ring_close`` against the float64 oracle (SPEC section 3).
+"""``mo.mla.kpool.ring_close`` against the float64 oracle.
 
 Two families, both on every device (``runner`` fixture):
 
@@ -14,8 +14,9 @@ Two families, both on every device (``runner`` fixture):
   tensors (two extra models, the only other ones this file compiles).
 
 Expected ``closed_pool`` values of the corner cases are written out by hand
-from SPEC section 3, so they check the oracle as much as the kernel; pooled
-keys come from the oracle (``mla_kpool.reference``), never from a kernel.
+from the contract in docs/API.md, so they check the oracle as much as the
+kernel; pooled keys come from the oracle (``mla_kpool.reference``), never
+from a kernel.
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ class Corner:
         offsets: ``input_row_offsets``.
         cache: ``cache_lengths``.
         slots: ``slot_idx``.
-        closed: Expected ``closed_pool`` (SPEC section 3, by hand).
+        closed: Expected ``closed_pool`` (worked out by hand).
         tokens: Rows of ``k``; ``offsets[-1]`` when ``None``.
         max_slots: Ring slots.
     """

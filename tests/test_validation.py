@@ -1,4 +1,4 @@
-"""Graph-build validation of the op wrappers (SPEC section 7).
+"""Graph-build validation of the op wrappers (docs/API.md, Errors).
 
 Every rejected case builds a graph whose operands are all good except one,
 calls each wrapper that takes that operand, and checks the exception type and
@@ -552,3 +552,95 @@ def test_fused_kpool_step_loads_the_kernels_it_needs() -> None:
     assert custom_ops(graph) == ["mla_kpool.step"]
     assert len(graph.kernel_libraries_paths) == 1
     assert isinstance(step, mla_kpool.KPoolStep)
+
+
+# --------------------------------------------------------------------------
+# Static batch sizes that disagree while cache_lengths is symbolic
+# --------------------------------------------------------------------------
+# The cases above compare each tensor against ``cache_lengths``. What that
+# misses is two per-request tensors whose *static* lengths disagree with
+# each other while ``cache_lengths`` has a symbolic length:
+# ``input_row_offsets`` ``[5]`` next to ``slot_idx`` ``[3]`` cannot both be
+# right for any batch, yet neither is provably different from ``batch + 1``
+# / ``batch`` alone. Unchecked, such a graph would build and fail only when
+# it runs.
+
+
+@dataclass(frozen=True)
+class Disagree:
+    """Per-request tensors whose static lengths cannot all be right."""
+
+    id: str
+    ops: tuple[str, ...]
+    overrides: dict[str, Any]
+    #: Either name may be the one the message starts with.
+    names: tuple[str, ...]
+
+
+CASES = [
+    Disagree(
+        "offsets_5_slots_3",
+        ("ring_close", "seed_tail", "kpool_step"),
+        {
+            "input_row_offsets": tensor(U32, [5]),
+            "slot_idx": tensor(U32, [3]),
+        },
+        ("input_row_offsets", "slot_idx"),
+    ),
+    Disagree(
+        "offsets_4_pool_offsets_5",
+        ("compress",),
+        {
+            "input_row_offsets": tensor(U32, [4]),
+            "pool_row_offsets": tensor(U32, [5]),
+        },
+        ("input_row_offsets", "pool_row_offsets"),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "op"),
+    [
+        pytest.param(case, op, id=f"{case.id}-{op}")
+        for case in CASES
+        for op in case.ops
+    ],
+)
+def test_rejects_static_lengths_that_disagree(case: Disagree, op: str) -> None:
+    operands = {**good_operands(), **case.overrides}
+    # cache_lengths keeps its symbolic ["batch"] from good_operands().
+    try:
+        call_op(op, operands)
+    except ValueError as error:
+        message = str(error)
+        assert message.startswith(tuple(f"{n} " for n in case.names)), message
+        return
+    raise AssertionError(f"{op} accepted {case.id}")
+
+
+@pytest.mark.parametrize(
+    ("op", "overrides"),
+    [
+        pytest.param(
+            "ring_close",
+            {
+                "input_row_offsets": tensor(U32, [4]),
+                "slot_idx": tensor(U32, [3]),
+            },
+            id="ring_close-offsets_4_slots_3",
+        ),
+        pytest.param(
+            "compress",
+            {
+                "input_row_offsets": tensor(U32, [4]),
+                "pool_row_offsets": tensor(U32, [4]),
+            },
+            id="compress-offsets_4_pool_offsets_4",
+        ),
+    ],
+)
+def test_accepts_static_lengths_that_agree(
+    op: str, overrides: dict[str, Any]
+) -> None:
+    call_op(op, {**good_operands(), **overrides})

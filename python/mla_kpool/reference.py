@@ -1,4 +1,4 @@
-"""NumPy oracle for the k-pooled indexer writers, written from the spec.
+"""NumPy oracle for the k-pooled indexer writers, written from the op contracts.
 
 Each pool of ``kpool`` consecutive tokens collapses to one key, per channel::
 
@@ -592,8 +592,8 @@ def seed_tail(
     `[max(c, floor((c + n) / kpool) * kpool - (ring - kpool)), c + n)`, row
     `start + pos - c` of `k` and `gate` goes to `tail[s, 0, pos % ring]` and
     `tail[s, 1, pos % ring]`. With `ring == kpool` that is the incomplete
-    trailing pool (SPEC section 5); a ring of `m` pools also keeps the last
-    `m - 1` complete pools. Positions below `c` are never written. A request
+    trailing pool; a ring of `m` pools also keeps the last `m - 1` complete
+    pools. Positions below `c` are never written. A request
     with bad offsets, `s` outside `[0, max_slots)`, or `c < 0` is skipped.
     Requests are applied in batch order (two requests sharing a slot is a
     caller error).
