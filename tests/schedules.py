@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mla_kpool import reference
+from mla_kpool.serving import pools_completed, reference_step
 
 __all__ = [
     "Call",
@@ -49,23 +49,6 @@ __all__ = [
     "random_schedule",
     "replay",
 ]
-
-
-def pools_completed(cache_length: int, tokens: int, kpool: int) -> range:
-    """Pool ids a call completes for one request.
-
-    Pool ``p`` completes when its last member ``(p + 1) * kpool - 1`` is among
-    the call's positions ``[cache_length, cache_length + tokens)``.
-
-    Args:
-        cache_length: Tokens the request had before the call.
-        tokens: Tokens the call brings.
-        kpool: Tokens per pool.
-
-    Returns:
-        ``range(cache_length // kpool, (cache_length + tokens) // kpool)``.
-    """
-    return range(cache_length // kpool, (cache_length + tokens) // kpool)
 
 
 # --------------------------------------------------------------------------
@@ -755,37 +738,16 @@ class ReferenceServer:
 
     def __call__(self, inputs: CallInputs) -> list[dict[int, np.ndarray]]:
         """Runs one call on the oracle; returns per row ``{pool_id: key}``."""
-        kp, sched = self.schedule.kpool, self.schedule
         for seed in inputs.ring_seeds:
             seed.apply(self.ring)
-        args = (inputs.input_row_offsets, inputs.cache_lengths)
-        pooled, closed = reference.ring_close(
+        pools, self.ring = reference_step(
             self.ring,
             inputs.k,
             inputs.gate,
-            sched.ape,
-            *args,
-            inputs.slot_idx,
-            kp,
-        )
-        offsets = reference.pool_row_offsets(*args, kp)
-        rows = reference.compress(
-            inputs.k,
-            inputs.gate,
-            sched.ape,
+            self.schedule.ape,
             inputs.input_row_offsets,
-            offsets,
             inputs.cache_lengths,
-            kp,
+            inputs.slot_idx,
+            self.schedule.kpool,
         )
-        self.ring = reference.seed_tail(
-            self.ring, inputs.k, inputs.gate, *args, inputs.slot_idx, kp
-        )
-        out: list[dict[int, np.ndarray]] = []
-        for b, c in enumerate(inputs.cache_lengths):
-            got = {int(closed[b]): pooled[b]} if closed[b] >= 0 else {}
-            first = -(-int(c) // kp)
-            for j in range(int(offsets[b]), int(offsets[b + 1])):
-                got[first + j - int(offsets[b])] = rows[j]
-            out.append(got)
-        return out
+        return [{p: row.key for p, row in got.items()} for got in pools]

@@ -60,6 +60,7 @@ from kpool_cases import (
 )
 from mla_kpool import reference, ring_length
 from mla_kpool.runner import Runner, StepResult
+from mla_kpool.serving import pools_completed, reference_step
 
 KPOOL = 4
 #: Most drafts per verify call: 8 tokens, vLLM's kpool-4 production case.
@@ -377,37 +378,6 @@ class Served:
     rewrites: int = 0
 
 
-def _oracle_pools(
-    ring: np.ndarray, ins: dict[str, np.ndarray], ape: np.ndarray, kp: int
-) -> tuple[list[dict[int, np.ndarray]], np.ndarray]:
-    """The oracle's step: per row ``{pool: key}``, and the ring after it."""
-    meta = (ins["input_row_offsets"], ins["cache_lengths"])
-    pooled, closed = reference.ring_close(
-        ring, ins["k"], ins["gate"], ape, *meta, ins["slot_idx"], kp
-    )
-    offsets = reference.pool_row_offsets(*meta, kp)
-    rows = reference.compress(
-        ins["k"],
-        ins["gate"],
-        ape,
-        ins["input_row_offsets"],
-        offsets,
-        ins["cache_lengths"],
-        kp,
-    )
-    ring = reference.seed_tail(
-        ring, ins["k"], ins["gate"], *meta, ins["slot_idx"], kp
-    )
-    out = []
-    for b, c in enumerate(ins["cache_lengths"]):
-        got = {int(closed[b]): pooled[b]} if closed[b] >= 0 else {}
-        first = -(-int(c) // kp)
-        for j in range(int(offsets[b]), int(offsets[b + 1])):
-            got[first + j - int(offsets[b])] = rows[j]
-        out.append(got)
-    return out, ring
-
-
 def serve(runner: Runner, s: SpecSchedule, ring_len: int) -> Served:
     """Runs every call through the step on a ``ring_len`` ring.
 
@@ -430,7 +400,7 @@ def serve(runner: Runner, s: SpecSchedule, ring_len: int) -> Served:
     for index, call in enumerate(s.calls):
         ins = s.call_inputs(index)
         result = runner.step(ring, ape=s.ape, kpool=kp, **ins)
-        want, mirror = _oracle_pools(mirror, ins, s.ape, kp)
+        want, mirror = reference_step(mirror, ape=s.ape, kpool=kp, **ins)
         where = f"{s.describe()}, R={ring_len}, call {index}"
         bad = np.argwhere(
             np.any(_bits(runner.read(ring)) != _bits(mirror), axis=-1)
@@ -445,7 +415,7 @@ def serve(runner: Runner, s: SpecSchedule, ring_len: int) -> Served:
                 f"{s.requests[p.rid].slot}, c={p.cache_length}, "
                 f"n={p.tokens}, a={p.accepted})"
             )
-            expected = sch.pools_completed(p.cache_length, p.tokens, kp)
+            expected = pools_completed(p.cache_length, p.tokens, kp)
             assert sorted(got) == list(expected), (
                 f"{row}: produced pools {sorted(got)}, expected "
                 f"{list(expected)}"
@@ -453,7 +423,7 @@ def serve(runner: Runner, s: SpecSchedule, ring_len: int) -> Served:
             for pool, key in got.items():
                 assert_pooled_close(
                     key,
-                    want[b][pool],
+                    want[b][pool].key,
                     cfg.dtype,
                     scale,
                     what=f"{row}: pool {pool} vs the oracle's step",
