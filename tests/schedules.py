@@ -31,7 +31,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mla_kpool.serving import pools_completed, reference_step
+from mla_kpool.serving import (
+    pack_call,
+    pools_completed,
+    reference_step,
+    restore_prefix,
+)
 
 __all__ = [
     "Call",
@@ -106,26 +111,33 @@ class Piece:
 
 @dataclass(frozen=True)
 class RingSeed:
-    """Ring entries to restore before a call (a prefix-cache hit).
+    """A resumed prefix's pending members, to restore before a call.
 
     Attributes:
         rid: The request resuming.
         slot: Its ring slot.
-        ring_index: ``[m]`` ring indices (``pos % ring_len``).
-        keys: ``[m, head_dim]`` keys for those entries.
-        gates: ``[m, head_dim]`` gate scores.
+        prefix: Length of its cached prefix.
+        keys: ``[length, head_dim]`` its whole key sequence.
+        gates: ``[length, head_dim]`` its gate scores.
+        kpool: Tokens per pool.
     """
 
     rid: int
     slot: int
-    ring_index: np.ndarray
-    keys: np.ndarray
-    gates: np.ndarray
+    prefix: int
+    keys: np.ndarray = field(repr=False)
+    gates: np.ndarray = field(repr=False)
+    kpool: int
 
     def apply(self, ring: np.ndarray) -> None:
-        """Writes the entries into a host ring ``[slots, 2, R, head_dim]``."""
-        ring[self.slot, 0, self.ring_index] = self.keys
-        ring[self.slot, 1, self.ring_index] = self.gates
+        """Restores the members into a host ring ``[slots, 2, R, head_dim]``.
+
+        Member ``pos`` goes to ring index ``pos % R``
+        (:func:`mla_kpool.serving.restore_prefix`).
+        """
+        restore_prefix(
+            ring, self.slot, self.prefix, self.keys, self.gates, self.kpool
+        )
 
 
 @dataclass(frozen=True)
@@ -199,35 +211,16 @@ class Schedule:
             f"({len(self.calls)} calls, {len(self.requests)} requests)"
         )
 
-    def ring_members(self, rid: int, length: int) -> RingSeed:
-        """The ring entries a request of this length has stashed.
-
-        These are the positions ``[length // kpool * kpool, length)``: the
-        members of its pool still filling, at ``pos % kpool`` (a ring of
-        one pool).
-
-        Args:
-            rid: The request.
-            length: Its length (tokens seen so far).
-
-        Returns:
-            The entries, as a :class:`RingSeed` on the request's slot.
-        """
-        req = self.requests[rid]
-        positions = np.arange(length // self.kpool * self.kpool, length)
-        return RingSeed(
-            rid=rid,
-            slot=req.slot,
-            ring_index=positions % self.kpool,
-            keys=req.keys[positions],
-            gates=req.gates[positions],
-        )
+    def ring_seed(self, rid: int) -> RingSeed:
+        """The ring restore of request ``rid`` resuming from its prefix."""
+        r = self.requests[rid]
+        return RingSeed(rid, r.slot, r.prefix, r.keys, r.gates, self.kpool)
 
     def call_inputs(self, index: int) -> CallInputs:
         """The operands of call ``index``, with the ring seeds to apply."""
         call = self.calls[index]
         seeds = tuple(
-            self.ring_members(rid, self.requests[rid].prefix)
+            self.ring_seed(rid)
             for rid in call.joins
             if self.requests[rid].prefix % self.kpool
         )
@@ -257,18 +250,21 @@ class Schedule:
         seeds: tuple[RingSeed, ...],
         slots: Sequence[int],
     ) -> CallInputs:
-        empty = np.zeros((0, self.head_dim), dtype=self.dtype)
-        keys = [self.requests[rid].keys[lo:hi] for rid, lo, hi in rows]
-        gates = [self.requests[rid].gates[lo:hi] for rid, lo, hi in rows]
-        counts = [hi - lo for _, lo, hi in rows]
+        packed = pack_call(
+            [
+                (
+                    [self.requests[rid].keys[lo:hi]],
+                    [self.requests[rid].gates[lo:hi]],
+                    lo,
+                    slot,
+                )
+                for (rid, lo, hi), slot in zip(rows, slots, strict=True)
+            ],
+            self.head_dim,
+            self.dtype,
+        )
         return CallInputs(
-            k=np.concatenate([empty, *keys]),
-            gate=np.concatenate([empty, *gates]),
-            input_row_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(
-                np.uint32
-            ),
-            cache_lengths=np.array([lo for _, lo, _ in rows], np.uint32),
-            slot_idx=np.array(slots, np.uint32),
+            **packed.operands(),
             rids=tuple(rid for rid, _, _ in rows),
             ring_seeds=seeds,
         )

@@ -658,9 +658,24 @@ def test_summary_counts_problems_in_singular_and_plural():
         (["a", "b", "c"], "result: FAILED, 3 problems (above)"),
     ]:
         totals = serving.Totals(problems=problems, call_seconds=[1e-3])
-        summary = demo.summarize(config, plan, totals, 1.0, 2.0, None)
+        summary = serving.summarize(config, plan, totals, 1.0, 2.0, None)
         assert summary["ok"] is False
         assert demo.format_summary(summary).splitlines()[-1] == text
+
+
+@pytest.mark.parametrize(
+    "dtype, rel",
+    [("float32", 1e-5), ("float16", 2e-3), ("bfloat16", 1.6e-2)],
+)
+def test_tolerance_per_key_dtype(dtype, rel):
+    # The oracle tolerances of the contract: float32 1e-5, float16 2e-3,
+    # bfloat16 1.6e-2 (about one bfloat16 ulp, 2^-6 = 1.5625e-2).
+    assert serving.tolerance(serving.DTYPES[dtype]) == rel
+
+
+def test_tolerance_rejects_a_non_key_dtype():
+    with pytest.raises(KeyError):
+        serving.tolerance(np.int32)
 
 
 @pytest.mark.parametrize(

@@ -60,7 +60,14 @@ from kpool_cases import (
 )
 from mla_kpool import reference, ring_length
 from mla_kpool.runner import Runner, StepResult
-from mla_kpool.serving import pools_completed, reference_step
+from mla_kpool.serving import (
+    PoolRecord,
+    keep_latest,
+    pack_call,
+    pools_completed,
+    reference_step,
+    step_pools,
+)
 
 KPOOL = 4
 #: Most drafts per verify call: 8 tokens, vLLM's kpool-4 production case.
@@ -134,10 +141,6 @@ class SpecPiece:
     draft_keys: np.ndarray = field(repr=False)
     draft_gates: np.ndarray = field(repr=False)
 
-    def accepted_pool(self, pool: int, kpool: int) -> bool:
-        """Whether every member of ``pool`` is an accepted token."""
-        return (pool + 1) * kpool <= self.cache_length + self.accepted
-
 
 @dataclass(frozen=True)
 class SpecSchedule:
@@ -165,29 +168,19 @@ class SpecSchedule:
 
     def call_inputs(self, index: int) -> dict[str, np.ndarray]:
         """Operands of call ``index`` (besides the ring and ``ape``)."""
-        cfg = self.cfg
-        keys = [np.zeros((0, cfg.head_dim), cfg.dtype)]
-        gates = [np.zeros((0, cfg.head_dim), cfg.dtype)]
+        rows = []
         for p in self.calls[index]:
             r = self.requests[p.rid]
             span = slice(p.cache_length, p.cache_length + p.accepted)
-            keys += [r.keys[span], p.draft_keys]
-            gates += [r.gates[span], p.draft_gates]
-        counts = [p.tokens for p in self.calls[index]]
-        return {
-            "k": np.concatenate(keys),
-            "gate": np.concatenate(gates),
-            "input_row_offsets": np.concatenate(
-                [[0], np.cumsum(counts)]
-            ).astype(np.uint32),
-            "cache_lengths": np.array(
-                [p.cache_length for p in self.calls[index]], np.uint32
-            ),
-            "slot_idx": np.array(
-                [self.requests[p.rid].slot for p in self.calls[index]],
-                np.uint32,
-            ),
-        }
+            rows.append(
+                (
+                    [r.keys[span], p.draft_keys],
+                    [r.gates[span], p.draft_gates],
+                    p.cache_length,
+                    r.slot,
+                )
+            )
+        return pack_call(rows, self.cfg.head_dim, self.cfg.dtype).operands()
 
     def features(self) -> frozenset[str]:
         """What the schedule exercises (checked, so no case is vacuous)."""
@@ -361,20 +354,11 @@ def random_spec_schedule(
 # --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Row:
-    """The row a pipeline keeps for one pool id: the latest call's output."""
-
-    key: np.ndarray
-    call: int
-    accepted: bool
-
-
 @dataclass
 class Served:
     """What a served schedule left: per request, pool id -> kept row."""
 
-    final: dict[int, dict[int, Row]]
+    final: dict[int, dict[int, PoolRecord]]
     rewrites: int = 0
 
 
@@ -409,7 +393,9 @@ def serve(runner: Runner, s: SpecSchedule, ring_len: int) -> Served:
             f"{where}: ring differs from the oracle's at [slot, plane, index] "
             f"{bad.tolist()[:8]}"
         )
-        for b, (p, got) in enumerate(zip(call, result.pools(), strict=True)):
+        for b, (p, got) in enumerate(
+            zip(call, step_pools(result), strict=True)
+        ):
             row = (
                 f"{where}, row {b} (request {p.rid}, slot "
                 f"{s.requests[p.rid].slot}, c={p.cache_length}, "
@@ -420,24 +406,26 @@ def serve(runner: Runner, s: SpecSchedule, ring_len: int) -> Served:
                 f"{row}: produced pools {sorted(got)}, expected "
                 f"{list(expected)}"
             )
-            for pool, key in got.items():
+            for pool, produced in got.items():
                 assert_pooled_close(
-                    key,
+                    produced.key,
                     want[b][pool].key,
                     cfg.dtype,
                     scale,
                     what=f"{row}: pool {pool} vs the oracle's step",
                 )
-                kept = served.final[p.rid].get(pool)
-                if kept is not None:
-                    assert not kept.accepted, (
-                        f"{row}: pool {pool} again, but call {kept.call} "
-                        f"already produced it from accepted tokens"
-                    )
-                    served.rewrites += 1
-                served.final[p.rid][pool] = Row(
-                    key, index, p.accepted_pool(pool, kp)
-                )
+            rewritten, twice = keep_latest(
+                served.final[p.rid],
+                got,
+                index,
+                p.cache_length + p.accepted,
+                kp,
+            )
+            assert not twice, (
+                f"{row}: pools {twice} again, but an earlier call already "
+                f"produced them from accepted tokens"
+            )
+            served.rewrites += rewritten
     return served
 
 
@@ -642,18 +630,6 @@ def test_random_spec_schedule_breaks_one_pool_ring(
 # --------------------------------------------------------------------------
 
 
-def _restore_prefixes(
-    host: np.ndarray, s: sch.Schedule, inputs: sch.CallInputs
-) -> None:
-    """Puts a resumed prefix's pending members at ``pos % R`` of a ring."""
-    ring_len = host.shape[2]
-    for seed in inputs.ring_seeds:
-        prefix = s.requests[seed.rid].prefix
-        positions = np.arange(prefix // s.kpool * s.kpool, prefix)
-        host[seed.slot, 0, positions % ring_len] = seed.keys
-        host[seed.slot, 1, positions % ring_len] = seed.gates
-
-
 NO_REJECTION_CASES = [
     pytest.param(cfg, seed, id=f"{cfg.id}-seed{seed}")
     for cfg in DTYPE_CONFIGS
@@ -702,9 +678,10 @@ def test_deep_ring_bitwise_equal_without_rejection(
         for n in lengths:
             if inputs.ring_seeds:
                 host = runner.read(rings[n])
-                _restore_prefixes(host, s, inputs)
+                for seed in inputs.ring_seeds:
+                    seed.apply(host)
+                    seed.apply(mirrors[n])
                 rings[n] = runner.to_device(host)
-                _restore_prefixes(mirrors[n], s, inputs)
             outs[n] = runner.step(rings[n], *args)
             mirrors[n] = reference.seed_tail(
                 mirrors[n],

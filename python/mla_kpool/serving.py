@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,24 +71,59 @@ if TYPE_CHECKING:
     from .runner import Runner
 
 __all__ = [
+    "ACCEPTANCE",
     "COMPRESS",
+    "DEFAULT_POOL_TOPK",
+    "DTYPES",
+    "FAULT_KINDS",
+    "GATE_SCALE",
+    "MAX_LISTED",
     "RING_CLOSE",
+    "SKIPPED_ID_SHARE",
+    "TOLERANCE",
     "Call",
+    "CallInputs",
+    "Config",
     "Entry",
+    "Fault",
+    "LiveRequest",
     "Plan",
+    "PoolRecord",
     "PoolRow",
     "Request",
     "ScheduleError",
     "ScheduleFile",
-    "generate_requests",
-    "load_schedule",
+    "Totals",
+    "check_expansion",
+    "check_request",
+    "collect_pools",
+    "compile_models",
+    "corrupt_selection",
+    "draft_rows",
+    "expand_and_check",
     "first_pool_ids",
+    "generate_requests",
+    "keep_latest",
+    "load_schedule",
+    "make_ape",
+    "make_plan",
+    "pack_call",
     "parse_schedule",
+    "place_fault",
     "plan",
+    "plural",
     "pools_completed",
     "pools_of_call",
     "reference_step",
+    "request_rows",
+    "restore_prefix",
+    "restore_ring",
     "schedule",
+    "select_pools",
+    "serve",
+    "step_pools",
+    "summarize",
+    "tolerance",
 ]
 
 
@@ -99,9 +135,10 @@ DTYPES = {
 }
 
 
-#: Tolerance against the float64 oracle (see :func:`tolerance`), relative to the
-#: largest member magnitude of the pool (a pooled key is a convex
-#: combination of its members, so that is the scale its rounding lives on).
+#: Tolerance against the float64 oracle (see :func:`tolerance`), relative
+#: to the largest member magnitude of the pool (a pooled key is a convex
+#: combination of its members, so that is the scale its rounding lives
+#: on).
 TOLERANCE = {
     DTYPES["float32"]: 1e-5,
     DTYPES["float16"]: 2e-3,
@@ -886,6 +923,48 @@ class Config:
         return ring_length(self.kpool, self.spec_tokens + 1)
 
 
+def make_plan(
+    config: Config,
+    requests: int | Sequence[Request],
+    calls: Sequence[Sequence[tuple[int, ...]]] | None = None,
+) -> Plan:
+    """The plan of a run: requests, batching and slots, from the seed.
+
+    One random stream, seeded ``[config.seed, 0]``, draws in turn the
+    requests (when only their count is given), the batching (when
+    ``calls`` is ``None``; :func:`schedule` with the config's token budget,
+    ring slots, chunk and speculative tokens) and the slots (:func:`plan`).
+
+    Args:
+        config: The run's configuration.
+        requests: The requests, or how many to generate
+            (:func:`generate_requests`).
+        calls: Per call, ``(request, tokens)`` pairs in batch order; ``None``
+            to batch with :func:`schedule`.
+
+    Returns:
+        The plan, on ``config.max_running`` ring slots.
+
+    Raises:
+        ScheduleError: As :func:`plan`.
+    """
+    rng = np.random.default_rng([config.seed, 0])
+    if isinstance(requests, int):
+        requests = generate_requests(
+            rng, requests, config.kpool, chunk=config.chunk
+        )
+    if calls is None:
+        calls = schedule(
+            requests,
+            rng,
+            token_budget=config.token_budget,
+            max_running=config.max_running,
+            chunk=config.chunk,
+            spec_tokens=config.spec_tokens,
+        )
+    return plan(requests, calls, config.max_running, rng)
+
+
 def request_rows(
     seed: int, index: int, length: int, head_dim: int, dtype: np.dtype
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -1055,6 +1134,71 @@ class PoolRecord:
     call: int
     writer: str
     accepted: bool = True
+
+
+def keep_latest(
+    kept: dict[int, PoolRecord],
+    produced: Mapping[int, PoolRow],
+    call: int,
+    accepted_end: int,
+    kpool: int,
+) -> tuple[int, list[int]]:
+    """Files one call's pools of one request, keeping each id's latest row.
+
+    A pipeline that stores pool rows keeps, per pool id, the row of the
+    latest call that produced it: a verify step may produce a pool with
+    rejected drafts among its members, and a later call produces the same
+    id again from kept tokens. A row whose members were all kept is final;
+    producing its id again is a bug.
+
+    Args:
+        kept: The request's rows so far, ``pool id -> PoolRecord``; updated
+            in place.
+        produced: This call's pools of the request (:func:`pools_of_call`).
+        call: The call's number.
+        accepted_end: Position after the request's last kept token of this
+            call (``cache_length + accepted``); a pool is kept tokens only
+            when ``(pool + 1) * kpool <= accepted_end``.
+        kpool: Tokens per pool.
+
+    Returns:
+        ``(rewritten, twice)``: how many rows replaced a row holding a
+        rejected draft, and the pool ids produced again although their row
+        was final (those keep the earlier row).
+    """
+    rewritten, twice = 0, []
+    for pool, row in produced.items():
+        before = kept.get(pool)
+        if before is not None and before.accepted:
+            twice.append(pool)
+            continue
+        rewritten += before is not None
+        accepted = (pool + 1) * kpool <= accepted_end
+        kept[pool] = PoolRecord(row.key, call, row.writer, accepted)
+    return rewritten, twice
+
+
+def step_pools(result: Any) -> list[dict[int, PoolRow]]:
+    """:func:`pools_of_call` of a :class:`mla_kpool.runner.StepResult`.
+
+    Args:
+        result: Anything with the step's five outputs as attributes
+            (``ring_closed_pool``, ``ring_pooled``, ``pooled``,
+            ``pool_row_offsets``, ``first_pool``).
+
+    Returns:
+        Per request, ``{pool_id: PoolRow}``.
+
+    Raises:
+        ValueError: As :func:`pools_of_call`.
+    """
+    return pools_of_call(
+        result.ring_closed_pool,
+        result.ring_pooled,
+        result.pooled,
+        result.pool_row_offsets,
+        result.first_pool,
+    )
 
 
 @dataclass
@@ -1309,6 +1453,97 @@ def check_expansion(
     return len(bad), problems
 
 
+def restore_prefix(
+    ring: np.ndarray,
+    slot: int,
+    cache_length: int,
+    k: np.ndarray,
+    gate: np.ndarray,
+    kpool: int,
+) -> None:
+    """Puts a cached prefix's pending members back into a host ring.
+
+    A prefix cache keeps the complete pools of a prefix, but the members
+    of a partial last pool live only in the ring, so an engine admitting a
+    request whose cached prefix ends mid-pool must restore them into the
+    request's new slot: positions ``[cache_length // kpool * kpool,
+    cache_length)``, member ``pos`` at ring index ``pos % R``.
+
+    Args:
+        ring: Host ring ``[max_slots, 2, R, head_dim]``, written in place.
+        slot: The request's ring slot.
+        cache_length: Length of the cached prefix.
+        k: ``[>= cache_length, head_dim]`` the request's keys from
+            position 0.
+        gate: Its gate scores, same shape.
+        kpool: Tokens per pool.
+    """
+    positions = np.arange(cache_length // kpool * kpool, cache_length)
+    index = positions % ring.shape[2]
+    ring[slot, 0, index] = k[positions]
+    ring[slot, 1, index] = gate[positions]
+
+
+@dataclass(frozen=True)
+class CallInputs:
+    """The operands of one step call besides the ring and ``ape``.
+
+    Attributes:
+        k: ``[total_tokens, head_dim]`` keys, batch rows in order.
+        gate: ``[total_tokens, head_dim]`` gate scores.
+        input_row_offsets: ``[batch + 1]`` uint32.
+        cache_lengths: ``[batch]`` uint32.
+        slot_idx: ``[batch]`` uint32.
+    """
+
+    k: np.ndarray
+    gate: np.ndarray
+    input_row_offsets: np.ndarray
+    cache_lengths: np.ndarray
+    slot_idx: np.ndarray
+
+    def operands(self) -> dict[str, np.ndarray]:
+        """The fields by the step's argument names, for ``**`` calls."""
+        return {
+            "k": self.k,
+            "gate": self.gate,
+            "input_row_offsets": self.input_row_offsets,
+            "cache_lengths": self.cache_lengths,
+            "slot_idx": self.slot_idx,
+        }
+
+
+def pack_call(
+    rows: Sequence[tuple[Sequence[np.ndarray], Sequence[np.ndarray], int, int]],
+    head_dim: int,
+    dtype: npt.DTypeLike,
+) -> CallInputs:
+    """Packs a call's batch rows into the step's ragged operands.
+
+    Args:
+        rows: Per batch row ``(k_parts, gate_parts, cache_length, slot)``:
+            the row's keys and gate scores as consecutive pieces (for a
+            verify step, the kept tokens then the drafts), each
+            ``[m, head_dim]``.
+        head_dim: Channels per key (for an empty call).
+        dtype: Key dtype.
+
+    Returns:
+        The operands.
+    """
+    empty = np.zeros((0, head_dim), dtype=dtype)
+    counts = [sum(len(part) for part in k) for k, _, _, _ in rows]
+    offsets = np.zeros(len(rows) + 1, np.uint32)
+    offsets[1:] = np.cumsum(counts)
+    return CallInputs(
+        k=np.concatenate([empty, *(p for k, _, _, _ in rows for p in k)]),
+        gate=np.concatenate([empty, *(p for _, g, _, _ in rows for p in g)]),
+        input_row_offsets=offsets,
+        cache_lengths=np.array([c for _, _, c, _ in rows], np.uint32),
+        slot_idx=np.array([s for _, _, _, s in rows], np.uint32),
+    )
+
+
 def restore_ring(
     runner: Runner,
     ring: Any,
@@ -1318,20 +1553,13 @@ def restore_ring(
 ) -> Any:
     """Writes cached-prefix members (and a ring fault) into the ring.
 
-    A prefix cache keeps the complete pools of a prefix, but the members
-    of a partial last pool live only in the ring, so an engine admitting a
-    request whose cached prefix ends mid-pool must put them back into the
-    request's new slot, member ``pos`` at ring index ``pos % R``. The demo
-    does it host-side: read, patch, upload.
+    The engine's restore on admission (:func:`restore_prefix`), done
+    host-side: read, patch, upload.
     """
     host = runner.read(ring)
     ring_len = host.shape[2]
     for e, live in restores:
-        for pos in range(
-            e.cache_length - e.cache_length % kpool, e.cache_length
-        ):
-            host[e.slot, 0, pos % ring_len] = live.k[pos]
-            host[e.slot, 1, pos % ring_len] = live.gate[pos]
+        restore_prefix(host, e.slot, e.cache_length, live.k, live.gate, kpool)
     if fault is not None:
         slot, pos, delta = fault
         member = host[slot, 0, pos % ring_len].astype(np.float64)
@@ -1390,12 +1618,11 @@ def serve(
         if restores or ring_fault:
             ring = restore_ring(runner, ring, restores, ring_fault, kpool)
 
-        k_parts, gate_parts = [], []
+        rows = []
         for e in call:
             state = live[e.request]
             kept = slice(e.cache_length, e.cache_length + e.accepted)
-            k_parts.append(state.k[kept])
-            gate_parts.append(state.gate[kept])
+            k_parts, gate_parts = [state.k[kept]], [state.gate[kept]]
             if e.rejected:
                 drafted = slice(kept.stop, kept.stop + e.rejected)
                 dk, dg = draft_rows(
@@ -1408,18 +1635,15 @@ def serve(
                 )
                 k_parts.append(dk)
                 gate_parts.append(dg)
-        k = np.concatenate(k_parts)
-        gate = np.concatenate(gate_parts)
-        offsets = np.zeros(len(call) + 1, np.uint32)
-        offsets[1:] = np.cumsum([e.tokens for e in call])
+            rows.append((k_parts, gate_parts, e.cache_length, e.slot))
+        inputs = pack_call(rows, head_dim, dtype)
         if here is not None and here.kind == "key":
-            row = int(offsets[here.entry])
-            k[row] = (k[row].astype(np.float64) + delta).astype(dtype)
-        cache = np.array([e.cache_length for e in call], np.uint32)
-        slots = np.array([e.slot for e in call], np.uint32)
+            row = int(inputs.input_row_offsets[here.entry])
+            k_row = inputs.k[row].astype(np.float64)
+            inputs.k[row] = (k_row + delta).astype(dtype)
 
         start = time.perf_counter()
-        out = runner.step(ring, k, gate, ape, offsets, cache, slots, kpool)
+        out = runner.step(ring, ape=ape, kpool=kpool, **inputs.operands())
         totals.call_seconds.append(time.perf_counter() - start)
 
         collect_pools(c, call, out, live, totals, kpool)
@@ -1507,34 +1731,26 @@ def collect_pools(
     twice is a problem.
     """
     try:
-        rows = pools_of_call(
-            out.ring_closed_pool,
-            out.ring_pooled,
-            out.pooled,
-            out.pool_row_offsets,
-            out.first_pool,
-        )
+        rows = step_pools(out)
     except ValueError as err:
         totals.problems.append(f"call {c}: {err}")
         return
     for e, got in zip(call, rows, strict=True):
         state = live[e.request]
-        name = f"request {e.request} (slot {e.slot})"
-        produced = [(p, row.key, row.writer) for p, row in got.items()]
-        totals.ring_close += sum(w == RING_CLOSE for _, _, w in produced)
-        totals.compress += sum(w == COMPRESS for _, _, w in produced)
-        kept_end = e.cache_length + e.accepted
-        for pool, key, writer in produced:
-            before = state.pools.get(pool)
-            if before is not None and before.accepted:
-                state.problems.append(
-                    f"{name}: pool {pool} came out twice: {before.writer} in "
-                    f"call {before.call}, {writer} in call {c}"
-                )
-                continue
-            totals.rewritten += before is not None
-            accepted = (pool + 1) * kpool <= kept_end
-            state.pools[pool] = PoolRecord(key, c, writer, accepted)
+        writers = [row.writer for row in got.values()]
+        totals.ring_close += writers.count(RING_CLOSE)
+        totals.compress += writers.count(COMPRESS)
+        earlier = {p: state.pools[p] for p in got if p in state.pools}
+        rewritten, twice = keep_latest(
+            state.pools, got, c, e.cache_length + e.accepted, kpool
+        )
+        totals.rewritten += rewritten
+        for pool in twice:
+            state.problems.append(
+                f"request {e.request} (slot {e.slot}): pool {pool} came out "
+                f"twice: {earlier[pool].writer} in call {earlier[pool].call}, "
+                f"{got[pool].writer} in call {c}"
+            )
 
 
 def compile_models(runner: Runner, config: Config) -> None:
@@ -1575,3 +1791,121 @@ def compile_models(runner: Runner, config: Config) -> None:
             always_select_tail=True,
         )
     )
+
+
+def summarize(
+    config: Config,
+    plan_: Plan,
+    totals: Totals,
+    compile_s: float,
+    wall_s: float,
+    fault: str | None,
+) -> dict[str, Any]:
+    """The run's numbers, as the demo prints them and writes with ``--json``.
+
+    Args:
+        config: The run's configuration.
+        plan_: Its plan.
+        totals: What :func:`serve` counted.
+        compile_s: Seconds spent compiling the models.
+        wall_s: Seconds the whole run took.
+        fault: The injected fault's description, or ``None``.
+
+    Returns:
+        A JSON-ready dict: configuration, token, call and pool counts, the
+        worst error against the oracle, expand_topk counts, timings, the
+        problems, and (with speculation) verify-step counts.
+    """
+    reqs = plan_.requests
+    prefill = decode = 0
+    for call in plan_.calls:
+        for e in call:
+            prompt = reqs[e.request].prompt
+            end = e.cache_length + e.accepted
+            prefill += max(0, min(end, prompt) - e.cache_length)
+            decode += max(0, end - max(e.cache_length, prompt))
+    tokens = prefill + decode
+    step_s = sum(totals.call_seconds)
+    calls = len(plan_.calls)
+    summary = {
+        "ok": not totals.problems,
+        "config": {
+            "dtype": config.dtype.name,
+            "kpool": config.kpool,
+            "head_dim": config.head_dim,
+            "device": config.device,
+            "seed": config.seed,
+            "token_budget": None if config.schedule else config.token_budget,
+            "max_running": config.max_running,
+            "chunk": None if config.schedule else config.chunk,
+            "schedule": config.schedule,
+            "pool_topk": config.pool_topk,
+        },
+        "requests": len(reqs),
+        "requests_with_cached_prefix": sum(r.cached_prefix > 0 for r in reqs),
+        "tokens": tokens,
+        "prefill_tokens": prefill,
+        "decode_tokens": decode,
+        "cached_prefix_tokens": sum(r.cached_prefix for r in reqs),
+        "calls": calls,
+        "max_batch": max(len(call) for call in plan_.calls),
+        "max_call_tokens": max(
+            sum(e.tokens for e in call) for call in plan_.calls
+        ),
+        "slot_reuses": plan_.slot_reuses,
+        "pools": totals.ring_close + totals.compress,
+        "pools_expected": sum(
+            r.length // config.kpool - r.cached_prefix // config.kpool
+            for r in reqs
+        ),
+        "pools_ring_close": totals.ring_close,
+        "pools_compress": totals.compress,
+        "pools_checked": totals.checked_pools,
+        "max_abs_error": totals.max_abs_error,
+        "max_error_over_tolerance": totals.worst_ratio,
+        "tolerance": tolerance(config.dtype),
+        "expand_topk": {
+            "rows_expanded": totals.expand_rows,
+            "rows_checked": totals.expand_checked,
+            "mismatches": totals.expand_mismatches,
+            "skipped_ids": totals.expand_skipped_ids,
+            "mean_call_seconds": (
+                statistics.fmean(totals.expand_seconds)
+                if totals.expand_seconds
+                else None
+            ),
+        },
+        "mean_call_seconds": step_s / calls,
+        "median_call_seconds": statistics.median(totals.call_seconds),
+        "tokens_per_second": tokens / step_s if step_s > 0 else None,
+        "compile_seconds": compile_s,
+        "wall_seconds": wall_s,
+        "fault": fault,
+        "problems": totals.problems,
+    }
+    if config.spec_tokens:
+        verify = [
+            e
+            for call in plan_.calls
+            for e in call
+            if e.cache_length >= reqs[e.request].prompt
+        ]
+        drafts = sum(e.tokens - 1 for e in verify)
+        accepted = sum(e.accepted - 1 for e in verify)
+        summary["speculative"] = {
+            "spec_tokens": config.spec_tokens,
+            "ring_len": config.ring_len,
+            "verify_steps": len(verify),
+            "draft_tokens": drafts,
+            "accepted_drafts": accepted,
+            "rejected_drafts": drafts - accepted,
+            "verify_steps_all_rejected": sum(
+                e.accepted == 1 < e.tokens for e in verify
+            ),
+            "verify_steps_all_accepted": sum(
+                e.accepted == e.tokens > 1 for e in verify
+            ),
+            "pools_rewritten": totals.rewritten,
+            "pools_dropped": totals.dropped,
+        }
+    return summary
