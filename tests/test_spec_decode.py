@@ -1,5 +1,5 @@
 """Speculative decoding through the step: the one-pool ring hazard, and rings
-of several pools (issue 7).
+of several pools.
 
 A verify call brings a request's next true token followed by ``d`` draft
 tokens. The target model keeps the first ``a`` of the ``n = d + 1`` tokens
@@ -21,9 +21,10 @@ have overwritten the pending pool's older members. A ring of
   tokens at position 6 keeping 1, then true tokens from 7): pool 1 comes out
   wrong with ``R = 4`` and with ``R = 8`` (one pool less than needed), right
   with ``R = ring_length(4, 8) = 12``;
-- seeded speculative schedules (1-8 tokens per verify, none to all drafts
-  accepted, several requests per call on slots that are not their rows,
-  slots reused) on ``R = 12``: every pool's final row matches
+- seeded speculative schedules from the serving model's scheduler
+  (:func:`mla_kpool.serving.schedule`: 1-8 tokens per verify, none to all
+  drafts accepted, several requests per call on slots that are not their
+  rows, slots reused) on ``R = 12``: every pool's final row matches
   :func:`reference.pool_sequence` of the accepted stream and is bitwise equal
   to the same model's one-shot compress of that stream; the same schedules
   on ``R = kpool`` break a pool;
@@ -43,6 +44,7 @@ three at ``R = 12``, and float32 k4 d128 at ``R = 8``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,12 +60,11 @@ from kpool_cases import (
     Config,
     assert_pooled_close,
 )
-from mla_kpool import reference, ring_length
+from mla_kpool import reference, ring_length, serving
 from mla_kpool.runner import Runner, StepResult
 from mla_kpool.serving import (
     PoolRecord,
     keep_latest,
-    pack_call,
     pools_completed,
     reference_step,
     step_pools,
@@ -86,17 +87,8 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return a.view(f"u{a.dtype.itemsize}")
 
 
-def _draw(
-    rng: np.random.Generator, rows: int, head_dim: int, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray]:
-    """Keys ~ N(0, 1), gates ~ N(0, 4^2): every member counts."""
-    keys = rng.standard_normal((rows, head_dim)).astype(dtype)
-    gates = (4.0 * rng.standard_normal((rows, head_dim))).astype(dtype)
-    return keys, gates
-
-
 # --------------------------------------------------------------------------
-# Speculative schedules
+# Speculative schedules: plans of the serving model
 # --------------------------------------------------------------------------
 
 
@@ -118,41 +110,47 @@ class SpecRequest:
 
 
 @dataclass(frozen=True)
-class SpecPiece:
-    """One request's row in one call.
-
-    Attributes:
-        rid: The request.
-        cache_length: Accepted tokens before the call (``c``).
-        tokens: Tokens the call brings (``n``).
-        accepted: Of those, how many the request keeps (``a``, the first
-            ``a``); ``n`` for prefill.
-        verify: Whether it is a verify step (else a prefill chunk).
-        draft_keys: ``[n - a, head_dim]`` keys of the rejected tokens, all
-            different from the true keys of those positions.
-        draft_gates: ``[n - a, head_dim]`` their gate scores.
-    """
-
-    rid: int
-    cache_length: int
-    tokens: int
-    accepted: int
-    verify: bool
-    draft_keys: np.ndarray = field(repr=False)
-    draft_gates: np.ndarray = field(repr=False)
-
-
-@dataclass(frozen=True)
 class SpecSchedule:
-    """Calls of verify steps and prefill chunks for some requests."""
+    """A speculative serving plan with its data, all from the serving model.
+
+    The calls are a :class:`mla_kpool.serving.Plan` (verify steps are the
+    entries at or past the prompt; ``accepted`` of ``tokens`` kept); keys,
+    gates, drafts and ``ape`` are the serving model's seeded ones
+    (:func:`mla_kpool.serving.request_rows`, ``draft_rows``, ``make_ape``),
+    so this is the data the demo would serve for the same plan and seed.
+    """
 
     name: str
     seed: int
     cfg: Config
-    max_slots: int
-    ape: np.ndarray = field(repr=False)
-    requests: tuple[SpecRequest, ...] = field(repr=False)
-    calls: tuple[tuple[SpecPiece, ...], ...] = field(repr=False)
+    plan: serving.Plan = field(repr=False)
+
+    @property
+    def max_slots(self) -> int:
+        return self.plan.max_slots
+
+    @property
+    def calls(self) -> tuple[serving.Call, ...]:
+        return self.plan.calls
+
+    @functools.cached_property
+    def ape(self) -> np.ndarray:
+        return serving.make_ape(self.seed, self.cfg.kpool, self.cfg.head_dim)
+
+    @functools.cached_property
+    def requests(self) -> tuple[SpecRequest, ...]:
+        slots = {e.request: e.slot for call in self.calls for e in call}
+        cfg = self.cfg
+        return tuple(
+            SpecRequest(
+                rid,
+                slots[rid],
+                *serving.request_rows(
+                    self.seed, rid, r.length, cfg.head_dim, cfg.dtype
+                ),
+            )
+            for rid, r in enumerate(self.plan.requests)
+        )
 
     def describe(self) -> str:
         return (
@@ -163,37 +161,33 @@ class SpecSchedule:
     def accepted_length(self, rid: int) -> int:
         """Length of the request's accepted stream after the last call."""
         return sum(
-            p.accepted for call in self.calls for p in call if p.rid == rid
+            e.accepted for call in self.calls for e in call if e.request == rid
         )
 
     def call_inputs(self, index: int) -> dict[str, np.ndarray]:
         """Operands of call ``index`` (besides the ring and ``ape``)."""
-        rows = []
-        for p in self.calls[index]:
-            r = self.requests[p.rid]
-            span = slice(p.cache_length, p.cache_length + p.accepted)
-            rows.append(
-                (
-                    [r.keys[span], p.draft_keys],
-                    [r.gates[span], p.draft_gates],
-                    p.cache_length,
-                    r.slot,
-                )
-            )
-        return pack_call(rows, self.cfg.head_dim, self.cfg.dtype).operands()
+        sequences = {r.rid: (r.keys, r.gates) for r in self.requests}
+        return serving.plan_call_inputs(
+            self.seed,
+            index,
+            self.calls[index],
+            sequences,
+            self.cfg.head_dim,
+            self.cfg.dtype,
+        ).operands()
 
     def features(self) -> frozenset[str]:
         """What the schedule exercises (checked, so no case is vacuous)."""
         kp = self.cfg.kpool
         out = set()
         for call in self.calls:
-            for row, p in enumerate(call):
-                c, n, a = p.cache_length, p.tokens, p.accepted
-                if self.requests[p.rid].slot != row:
+            for row, e in enumerate(call):
+                c, n, a = e.cache_length, e.tokens, e.accepted
+                if e.slot != row:
                     out.add("slot_not_row")
                 if len(call) > 1:
                     out.add("batched")
-                if not p.verify:
+                if c < self.plan.requests[e.request].prompt:
                     out.add("prefill")
                     continue
                 if n == 1:
@@ -213,38 +207,9 @@ class SpecSchedule:
                     out.add("pending_pool_rejected")
                 if (c + n) // kp > -(-c // kp) and (c + n) // kp * kp > c + a:
                     out.add("compress_pool_rejected")
-        slots = [r.slot for r in self.requests]
-        if len(set(slots)) < len(slots):
+        if self.plan.slot_reuses:
             out.add("slot_reuse")
         return frozenset(out)
-
-
-def _drafts(
-    rng: np.random.Generator,
-    req: SpecRequest,
-    start: int,
-    count: int,
-    cfg: Config,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Draft rows for positions from ``start`` on, never the true ones."""
-    keys, gates = _draw(rng, count, cfg.head_dim, cfg.dtype)
-    true = req.keys[start : start + count]
-    same = np.all(_bits(keys[: len(true)]) == _bits(true), axis=1)
-    assert not same.any(), "a draft key equals the true key"
-    return keys, gates
-
-
-def _piece(
-    rng: np.random.Generator,
-    req: SpecRequest,
-    c: int,
-    n: int,
-    a: int,
-    verify: bool,
-    cfg: Config,
-) -> SpecPiece:
-    keys, gates = _drafts(rng, req, c + a, n - a, cfg)
-    return SpecPiece(req.rid, c, n, a, verify, keys, gates)
 
 
 #: The hand scenario, one request: ``(tokens, accepted)`` per call. Positions
@@ -259,17 +224,13 @@ assert HAND_LENGTH == 20
 
 
 def hand_scenario(cfg: Config, seed: int = 7) -> SpecSchedule:
-    """The hand scenario on slot 2 of 3 (batch row 0)."""
+    """The hand scenario: a 6-token prompt, then verify steps, 3 slots."""
+    request = serving.Request(prompt=6, generate=HAND_LENGTH - 6)
+    calls = [[(0, n, a)] for n, a in HAND_CALLS]
     rng = np.random.default_rng(seed)
-    ape = (2.0 * rng.standard_normal((cfg.kpool, cfg.head_dim))).astype(
-        np.float32
+    return SpecSchedule(
+        "hand", seed, cfg, serving.plan([request], calls, 3, rng)
     )
-    req = SpecRequest(0, 2, *_draw(rng, HAND_LENGTH, cfg.head_dim, cfg.dtype))
-    calls, c = [], 0
-    for n, a in HAND_CALLS:
-        calls.append((_piece(rng, req, c, n, a, n > 1 and a < n, cfg),))
-        c += a
-    return SpecSchedule("hand", seed, cfg, 3, ape, (req,), tuple(calls))
 
 
 def random_spec_schedule(
@@ -277,75 +238,37 @@ def random_spec_schedule(
     cfg: Config,
     requests: int = 6,
     max_batch: int = 3,
-    max_slots: int = 5,
 ) -> SpecSchedule:
-    """A seeded speculative serving loop.
+    """A seeded speculative serving loop of the serving model's scheduler.
 
-    Each request prefills a prompt of 1 to ``3 * kpool + 5`` tokens in
-    chunks of 1 to ``2 * kpool + 3`` (all accepted), then decodes through
-    verify steps of ``1 + d`` tokens, ``d`` uniform in ``0..MAX_DRAFTS``;
-    the accepted count is 1 (no draft kept) or ``n`` (all kept) with
-    probability 0.3 each, else uniform in ``1..n``, and never runs past the
-    request's length (drafts may). Requests join while batch room and a
-    slot are free (the last freed slot first), sit out a call now and then,
-    and leave when their sequence is accepted to the end. Batch rows are
-    shuffled every call.
+    Each request has a prompt of 1 to ``3 * kpool + 5`` tokens, prefilled
+    in chunks of at most ``2 * kpool + 3``, then ``6 * kpool`` to
+    ``12 * kpool - 1`` tokens decoded through verify steps of ``1 + d``
+    tokens, ``d`` uniform in ``0..MAX_DRAFTS``, each draft kept with the
+    scheduler's acceptance after the ones before it (never past the
+    request's end; drafts may run past it). At most ``max_batch`` requests
+    run at once, so later ones join in slots earlier ones freed.
     """
     rng = np.random.default_rng(seed)
-    kp, hd = cfg.kpool, cfg.head_dim
-    ape = (2.0 * rng.standard_normal((kp, hd))).astype(np.float32)
-    free = [int(s) for s in rng.permutation(max_slots)]
-    reqs: list[SpecRequest] = []
-    prompts: list[int] = []
-    pos: list[int] = []
-    live: list[int] = []
-    calls: list[tuple[SpecPiece, ...]] = []
-    while len(reqs) < requests or live:
-        joins = 2 if not calls else int(rng.random() < 0.6)
-        for _ in range(joins):
-            if len(reqs) < requests and len(live) < max_batch and free:
-                prompt = int(rng.integers(1, 3 * kp + 6))
-                length = prompt + int(rng.integers(6 * kp, 12 * kp))
-                rid = len(reqs)
-                reqs.append(
-                    SpecRequest(
-                        rid, free.pop(), *_draw(rng, length, hd, cfg.dtype)
-                    )
-                )
-                prompts.append(prompt)
-                pos.append(0)
-                live.append(rid)
-        pieces = []
-        for i in rng.permutation(len(live)):
-            rid = live[int(i)]
-            req, c = reqs[rid], pos[rid]
-            left = req.keys.shape[0] - c
-            if rng.random() < 0.1:
-                continue
-            if c < prompts[rid]:
-                n = min(prompts[rid] - c, int(rng.integers(1, 2 * kp + 4)))
-                piece = _piece(rng, req, c, n, n, False, cfg)
-            else:
-                n = 1 + int(rng.integers(0, MAX_DRAFTS + 1))
-                u = rng.random()
-                a = (
-                    1
-                    if u < 0.3
-                    else n
-                    if u < 0.6
-                    else int(rng.integers(1, n + 1))
-                )
-                piece = _piece(rng, req, c, n, min(a, left), True, cfg)
-            pieces.append(piece)
-            pos[rid] += piece.accepted
-        if pieces:
-            calls.append(tuple(pieces))
-        for rid in list(live):
-            if pos[rid] == reqs[rid].keys.shape[0]:
-                live.remove(rid)
-                free.append(reqs[rid].slot)
+    kp = cfg.kpool
+    reqs = [
+        serving.Request(
+            prompt=int(rng.integers(1, 3 * kp + 6)),
+            generate=int(rng.integers(6 * kp, 12 * kp)),
+        )
+        for _ in range(requests)
+    ]
+    calls = serving.schedule(
+        reqs,
+        rng,
+        token_budget=4 * (MAX_DRAFTS + 1) * max_batch,
+        max_running=max_batch,
+        chunk=2 * kp + 3,
+        spec_tokens=MAX_DRAFTS,
+        min_spec_tokens=0,
+    )
     return SpecSchedule(
-        "random", seed, cfg, max_slots, ape, tuple(reqs), tuple(calls)
+        "random", seed, cfg, serving.plan(reqs, calls, max_batch, rng)
     )
 
 
@@ -397,8 +320,8 @@ def serve(runner: Runner, s: SpecSchedule, ring_len: int) -> Served:
             zip(call, step_pools(result), strict=True)
         ):
             row = (
-                f"{where}, row {b} (request {p.rid}, slot "
-                f"{s.requests[p.rid].slot}, c={p.cache_length}, "
+                f"{where}, row {b} (request {p.request}, slot "
+                f"{p.slot}, c={p.cache_length}, "
                 f"n={p.tokens}, a={p.accepted})"
             )
             expected = pools_completed(p.cache_length, p.tokens, kp)
@@ -415,7 +338,7 @@ def serve(runner: Runner, s: SpecSchedule, ring_len: int) -> Served:
                     what=f"{row}: pool {pool} vs the oracle's step",
                 )
             rewritten, twice = keep_latest(
-                served.final[p.rid],
+                served.final[p.request],
                 got,
                 index,
                 p.cache_length + p.accepted,

@@ -111,6 +111,7 @@ __all__ = [
     "parse_schedule",
     "place_fault",
     "plan",
+    "plan_call_inputs",
     "plural",
     "pools_completed",
     "pools_of_call",
@@ -368,6 +369,7 @@ def schedule(
     max_decode: int = 4,
     spec_tokens: int = 0,
     acceptance: float = ACCEPTANCE,
+    min_spec_tokens: int | None = None,
 ) -> list[list[tuple[int, ...]]]:
     """Batches requests into calls the way a serving engine does.
 
@@ -397,6 +399,9 @@ def schedule(
             (without ``spec_tokens``).
         spec_tokens: Drafts per verify step; 0 for plain decode.
         acceptance: Chance a draft is accepted after accepted ones.
+        min_spec_tokens: If given, each verify step drafts a seeded number
+            of tokens from ``min_spec_tokens`` to ``spec_tokens`` instead
+            (a drafter that stops early when unsure).
 
     Returns:
         Per call, in batch order (decodes first, then prefill chunks),
@@ -416,7 +421,14 @@ def schedule(
             seen = r.cached_prefix + done[i]
             left = r.length - seen
             if seen >= r.prompt and spec_tokens:
-                n = min(spec_tokens + 1, budget)
+                drafts = spec_tokens
+                if min_spec_tokens is not None:
+                    drafts = int(
+                        rng.integers(
+                            min_spec_tokens, spec_tokens, endpoint=True
+                        )
+                    )
+                n = min(drafts + 1, budget)
                 if n:
                     kept = 1
                     while kept < n and rng.random() < acceptance:
@@ -1544,6 +1556,49 @@ def pack_call(
     )
 
 
+def plan_call_inputs(
+    seed: int,
+    call_index: int,
+    call: Sequence[Entry],
+    sequences: Mapping[int, tuple[np.ndarray, np.ndarray]],
+    head_dim: int,
+    dtype: npt.DTypeLike,
+) -> CallInputs:
+    """The step operands of one planned call.
+
+    Each entry brings its request's kept tokens ``[cache_length,
+    cache_length + accepted)`` from the request's sequence, then, for a
+    verify step, its rejected drafts (:func:`draft_rows`, drawn from
+    ``seed``, the request and the call).
+
+    Args:
+        seed: The run's seed (for the drafts).
+        call_index: The call's number (each verify step drafts afresh).
+        call: The call's entries, in batch order.
+        sequences: Request -> ``(k, gate)`` of its whole sequence, each
+            ``[length, head_dim]``.
+        head_dim: Channels per key.
+        dtype: Key dtype.
+
+    Returns:
+        The operands.
+    """
+    rows = []
+    for e in call:
+        k, gate = sequences[e.request]
+        kept = slice(e.cache_length, e.cache_length + e.accepted)
+        k_parts, gate_parts = [k[kept]], [gate[kept]]
+        if e.rejected:
+            drafted = slice(kept.stop, kept.stop + e.rejected)
+            dk, dg = draft_rows(
+                seed, e.request, call_index, e.rejected, k[drafted], dtype
+            )
+            k_parts.append(dk)
+            gate_parts.append(dg)
+        rows.append((k_parts, gate_parts, e.cache_length, e.slot))
+    return pack_call(rows, head_dim, dtype)
+
+
 def restore_ring(
     runner: Runner,
     ring: Any,
@@ -1618,25 +1673,12 @@ def serve(
         if restores or ring_fault:
             ring = restore_ring(runner, ring, restores, ring_fault, kpool)
 
-        rows = []
-        for e in call:
-            state = live[e.request]
-            kept = slice(e.cache_length, e.cache_length + e.accepted)
-            k_parts, gate_parts = [state.k[kept]], [state.gate[kept]]
-            if e.rejected:
-                drafted = slice(kept.stop, kept.stop + e.rejected)
-                dk, dg = draft_rows(
-                    config.seed,
-                    e.request,
-                    c,
-                    e.rejected,
-                    state.k[drafted],
-                    dtype,
-                )
-                k_parts.append(dk)
-                gate_parts.append(dg)
-            rows.append((k_parts, gate_parts, e.cache_length, e.slot))
-        inputs = pack_call(rows, head_dim, dtype)
+        sequences = {
+            e.request: (live[e.request].k, live[e.request].gate) for e in call
+        }
+        inputs = plan_call_inputs(
+            config.seed, c, call, sequences, head_dim, dtype
+        )
         if here is not None and here.kind == "key":
             row = int(inputs.input_row_offsets[here.entry])
             k_row = inputs.k[row].astype(np.float64)
