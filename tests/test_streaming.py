@@ -1,11 +1,13 @@
 """Seeded serving schedules through the (fused) step, pool for pool.
 
-Each schedule (see :mod:`schedules`) draws every request's whole sequence
-first, then feeds it through :meth:`Runner.step` over many calls: chunked
-prefill, single- and multi-token decode, requests joining late and leaving
-early, ring slots handed from a finished request to a new one, and requests
-resuming from a cached prefix that ends mid-pool (ring pre-seeded with the
-prefix's trailing members). Per schedule:
+Each schedule (see :mod:`schedules`: named workloads planned by the
+serving model, :mod:`mla_kpool.serving`) knows every request's whole
+sequence first, then feeds it through :meth:`Runner.step` over many calls:
+chunked prefill, single- and multi-token decode, rows with no tokens,
+requests joining late and leaving early, ring slots handed from a finished
+request to a new one, and requests resuming from a cached prefix that ends
+mid-pool (the prefix's trailing members restored into the ring on
+admission). Per schedule:
 
 - every call produces exactly the pools it completes, per request
   (:func:`schedules.replay`), so every pool comes out exactly once;
@@ -13,9 +15,10 @@ prefix's trailing members). Per schedule:
   float64 oracle served the same calls (unused entries start NaN, so a
   stale read poisons a pool and a stray write shows);
 - every pool matches :func:`reference.pool_sequence` on the request's
-  whole sequence within SPEC tolerance, and is bitwise equal to the same
-  step model run once on the whole sequence with ``cache_lengths = 0``
-  (compress builds every pool then), whichever writer built it streaming.
+  whole sequence within the key dtype's tolerance, and is bitwise equal to
+  the same step model run once on the whole sequence with
+  ``cache_lengths = 0`` (compress builds every pool then), whichever
+  writer built it streaming.
 
 The last test shows the ordering hazard is real: a step that runs seed_tail
 before ring_close on the same ring closes a pool from overwritten members.
@@ -316,10 +319,7 @@ def test_scenarios_cover_the_reported_patterns() -> None:
     assert any(r.prefix % 128 == 64 for r in prefix.requests)
     pair = _interleaved(0, MAIN)
     for call in pair.calls:
-        assert [(p.rid, pair.requests[p.rid].slot) for p in call.pieces] == [
-            (0, 5),
-            (1, 0),
-        ]
+        assert [(e.request, e.slot) for e in call] == [(0, 5), (1, 0)]
     long = SCENARIOS[3].build(0, KPOOL_128)
     head = long.requests[0]
     assert head.prefix > 5000 and head.prefix % 128

@@ -212,11 +212,16 @@ class Request:
             starts (a prefix-cache hit), ``0 <= cached_prefix < prompt``.
             Their complete pools are not produced again; a partial last
             pool's members must be restored into the ring on admission.
+        abort_at: If given, the client aborts the request once it holds
+            this many tokens (``cached_prefix < abort_at < length``): the
+            engine stops feeding it and frees its slot, so its pools end
+            at ``abort_at // kpool``.
     """
 
     prompt: int
     generate: int = 0
     cached_prefix: int = 0
+    abort_at: int | None = None
 
     @property
     def length(self) -> int:
@@ -224,9 +229,14 @@ class Request:
         return self.prompt + self.generate
 
     @property
+    def end(self) -> int:
+        """Tokens the request reaches: ``abort_at``, else ``length``."""
+        return self.length if self.abort_at is None else self.abort_at
+
+    @property
     def new_tokens(self) -> int:
-        """Tokens the calls must bring, ``length - cached_prefix``."""
-        return self.length - self.cached_prefix
+        """Tokens the calls must bring, ``end - cached_prefix``."""
+        return self.end - self.cached_prefix
 
 
 @dataclass(frozen=True)
@@ -370,6 +380,7 @@ def schedule(
     spec_tokens: int = 0,
     acceptance: float = ACCEPTANCE,
     min_spec_tokens: int | None = None,
+    idle_prob: float = 0.0,
 ) -> list[list[tuple[int, ...]]]:
     """Batches requests into calls the way a serving engine does.
 
@@ -402,6 +413,8 @@ def schedule(
         min_spec_tokens: If given, each verify step drafts a seeded number
             of tokens from ``min_spec_tokens`` to ``spec_tokens`` instead
             (a drafter that stops early when unsure).
+        idle_prob: Chance that a running request still in prefill sits in
+            the batch with no tokens (a row with ``n = 0``).
 
     Returns:
         Per call, in batch order (decodes first, then prefill chunks),
@@ -419,7 +432,7 @@ def schedule(
         for i in running:
             r = requests[i]
             seen = r.cached_prefix + done[i]
-            left = r.length - seen
+            left = r.end - seen
             if seen >= r.prompt and spec_tokens:
                 drafts = spec_tokens
                 if min_spec_tokens is not None:
@@ -438,15 +451,18 @@ def schedule(
                 n = min(int(rng.integers(1, max_decode + 1)), left, budget)
                 if n:
                     decodes.append((i, n))
+            elif idle_prob and rng.random() < idle_prob:
+                n = 0
+                decodes.append((i, 0, 0) if spec_tokens else (i, 0))
             else:
-                n = min(chunk, r.prompt - seen, budget)
+                n = min(chunk, min(r.prompt, r.end) - seen, budget)
                 if n:
                     prefills.append((i, n, n) if spec_tokens else (i, n))
             budget -= n
         while waiting and len(running) < max_running and budget > 0:
             i = waiting.pop(0)
             r = requests[i]
-            n = min(chunk, r.prompt - r.cached_prefix, budget)
+            n = min(chunk, min(r.prompt, r.end) - r.cached_prefix, budget)
             running.append(i)
             prefills.append((i, n, n) if spec_tokens else (i, n))
             budget -= n
@@ -468,12 +484,13 @@ def plan(
     calls: Sequence[Sequence[tuple[int, ...]]],
     max_slots: int,
     rng: np.random.Generator,
+    slots: Mapping[int, int] | None = None,
 ) -> Plan:
     """Resolves every call's cache lengths and ring slots.
 
-    A request takes a ring slot, drawn at random from the free ones, in its
-    first call, keeps it while it runs, and frees it after the call that
-    keeps its last token.
+    A request takes a ring slot, drawn at random from the free ones (or the
+    one ``slots`` names for it), in its first call, keeps it while it runs,
+    and frees it after the call that keeps its last token.
 
     Args:
         requests: The workload.
@@ -482,6 +499,8 @@ def plan(
             trailing ``tokens - kept`` drafts were rejected.
         max_slots: Ring slots, ``>= 1``.
         rng: Random source for the slot choice.
+        slots: Request -> the ring slot it must take, for the requests
+            whose slot is fixed; the others draw one.
 
     Returns:
         The plan.
@@ -490,7 +509,8 @@ def plan(
         ScheduleError: If a call names an unknown or finished request, names
             one twice, keeps more tokens than the request has left (or more
             than it brings, or none of a verify step's), needs a slot when
-            all are held, or the calls leave a request unfinished.
+            all are held (or the slot ``slots`` names is held), or the
+            calls leave a request short of its end.
     """
     if not requests:
         raise ScheduleError("the workload has no requests")
@@ -541,7 +561,15 @@ def plan(
                         f"{max_slots} are held by unfinished requests "
                         f"(raise max_running)"
                     )
-                slot = int(rng.choice(sorted(free)))
+                if slots is not None and i in slots:
+                    slot = slots[i]
+                    if slot not in free:
+                        raise ScheduleError(
+                            f"{at}: request {i} needs ring slot {slot}, "
+                            f"which is not free"
+                        )
+                else:
+                    slot = int(rng.choice(sorted(free)))
                 free.discard(slot)
                 reuses += slot in used
                 used.add(slot)
@@ -1292,7 +1320,7 @@ def check_request(
     name = f"request {index} (slot {live.slot})"
     problems = list(live.problems)
     first = request.cached_prefix // kpool
-    last = request.length // kpool  # exclusive
+    last = request.end // kpool  # exclusive
     expected = reference.pool_sequence(live.k, live.gate, ape, kpool)
     extra = sorted(
         p
@@ -1708,7 +1736,7 @@ def serve(
             totals.dropped += sum(
                 1
                 for p in state.pools
-                if p >= plan_.requests[e.request].length // kpool
+                if p >= plan_.requests[e.request].end // kpool
                 and not state.pools[p].accepted
             )
             totals.problems += problems
@@ -1897,7 +1925,7 @@ def summarize(
         "slot_reuses": plan_.slot_reuses,
         "pools": totals.ring_close + totals.compress,
         "pools_expected": sum(
-            r.length // config.kpool - r.cached_prefix // config.kpool
+            r.end // config.kpool - r.cached_prefix // config.kpool
             for r in reqs
         ),
         "pools_ring_close": totals.ring_close,
