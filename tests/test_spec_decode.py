@@ -44,8 +44,7 @@ three at ``R = 12``, and float32 k4 d128 at ``R = 8``.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -93,88 +92,28 @@ def _bits(a: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class SpecRequest:
-    """A request and its true sequence (the accepted stream's tokens).
+class SpecSchedule(sch.Schedule):
+    """A :class:`schedules.Schedule` of speculative decoding.
 
-    Attributes:
-        rid: Request id (index in :attr:`SpecSchedule.requests`).
-        slot: Ring slot while in flight.
-        keys: ``[length, head_dim]`` true keys of positions ``0..length-1``.
-        gates: ``[length, head_dim]`` true gate scores.
+    Its entries at or past the prompt are verify steps: ``tokens`` brought,
+    the first ``accepted`` kept, the rest drafts (the serving model's
+    :func:`mla_kpool.serving.draft_rows`, never the true keys).
     """
 
-    rid: int
-    slot: int
-    keys: np.ndarray = field(repr=False)
-    gates: np.ndarray = field(repr=False)
-
-
-@dataclass(frozen=True)
-class SpecSchedule:
-    """A speculative serving plan with its data, all from the serving model.
-
-    The calls are a :class:`mla_kpool.serving.Plan` (verify steps are the
-    entries at or past the prompt; ``accepted`` of ``tokens`` kept); keys,
-    gates, drafts and ``ape`` are the serving model's seeded ones
-    (:func:`mla_kpool.serving.request_rows`, ``draft_rows``, ``make_ape``),
-    so this is the data the demo would serve for the same plan and seed.
-    """
-
-    name: str
-    seed: int
-    cfg: Config
-    plan: serving.Plan = field(repr=False)
-
     @property
-    def max_slots(self) -> int:
-        return self.plan.max_slots
-
-    @property
-    def calls(self) -> tuple[serving.Call, ...]:
-        return self.plan.calls
-
-    @functools.cached_property
-    def ape(self) -> np.ndarray:
-        return serving.make_ape(self.seed, self.cfg.kpool, self.cfg.head_dim)
-
-    @functools.cached_property
-    def requests(self) -> tuple[SpecRequest, ...]:
-        slots = {e.request: e.slot for call in self.calls for e in call}
-        cfg = self.cfg
-        return tuple(
-            SpecRequest(
-                rid,
-                slots[rid],
-                *serving.request_rows(
-                    self.seed, rid, r.length, cfg.head_dim, cfg.dtype
-                ),
-            )
-            for rid, r in enumerate(self.plan.requests)
-        )
-
-    def describe(self) -> str:
-        return (
-            f"spec schedule {self.name!r} seed={self.seed} {self.cfg.id} "
-            f"({len(self.calls)} calls, {len(self.requests)} requests)"
-        )
+    def cfg(self) -> Config:
+        return Config(self.dtype, self.kpool, self.head_dim)
 
     def accepted_length(self, rid: int) -> int:
         """Length of the request's accepted stream after the last call."""
-        return sum(
-            e.accepted for call in self.calls for e in call if e.request == rid
-        )
+        return self.requests[rid].fed
 
-    def call_inputs(self, index: int) -> dict[str, np.ndarray]:
+    def operands(self, index: int) -> dict[str, np.ndarray]:
         """Operands of call ``index`` (besides the ring and ``ape``)."""
-        sequences = {r.rid: (r.keys, r.gates) for r in self.requests}
-        return serving.plan_call_inputs(
-            self.seed,
-            index,
-            self.calls[index],
-            sequences,
-            self.cfg.head_dim,
-            self.cfg.dtype,
-        ).operands()
+        ins = self.call_inputs(index)
+        assert not ins.ring_seeds, "speculative plans have no cached prefix"
+        names = ("k", "gate", "input_row_offsets", "cache_lengths", "slot_idx")
+        return {name: getattr(ins, name) for name in names}
 
     def features(self) -> frozenset[str]:
         """What the schedule exercises (checked, so no case is vacuous)."""
@@ -228,9 +167,8 @@ def hand_scenario(cfg: Config, seed: int = 7) -> SpecSchedule:
     request = serving.Request(prompt=6, generate=HAND_LENGTH - 6)
     calls = [[(0, n, a)] for n, a in HAND_CALLS]
     rng = np.random.default_rng(seed)
-    return SpecSchedule(
-        "hand", seed, cfg, serving.plan([request], calls, 3, rng)
-    )
+    plan = serving.plan([request], calls, 3, rng)
+    return SpecSchedule("hand", seed, cfg.dtype, cfg.kpool, cfg.head_dim, plan)
 
 
 def random_spec_schedule(
@@ -267,8 +205,9 @@ def random_spec_schedule(
         spec_tokens=MAX_DRAFTS,
         min_spec_tokens=0,
     )
+    plan = serving.plan(reqs, calls, max_batch, rng)
     return SpecSchedule(
-        "random", seed, cfg, serving.plan(reqs, calls, max_batch, rng)
+        "random", seed, cfg.dtype, cfg.kpool, cfg.head_dim, plan
     )
 
 
@@ -305,7 +244,7 @@ def serve(runner: Runner, s: SpecSchedule, ring_len: int) -> Served:
     )
     served = Served({r.rid: {} for r in s.requests})
     for index, call in enumerate(s.calls):
-        ins = s.call_inputs(index)
+        ins = s.operands(index)
         result = runner.step(ring, ape=s.ape, kpool=kp, **ins)
         want, mirror = reference_step(mirror, ape=s.ape, kpool=kp, **ins)
         where = f"{s.describe()}, R={ring_len}, call {index}"
