@@ -29,14 +29,20 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mla_kpool import serving
 from mla_kpool.serving import pools_completed, reference_step, restore_prefix
 
+if TYPE_CHECKING:
+    from mla_kpool.runner import Runner
+
 __all__ = [
     "CallInputs",
+    "CallPools",
+    "DeviceServer",
     "PoolAccountingError",
     "ReferenceServer",
     "Request",
@@ -44,6 +50,7 @@ __all__ = [
     "Schedule",
     "ScheduleParams",
     "StepFn",
+    "bits",
     "interleaved_pair",
     "random_schedule",
     "replay",
@@ -453,6 +460,10 @@ def interleaved_pair(
 # --------------------------------------------------------------------------
 
 
+#: One call's pools per batch row, with their writers.
+CallPools = list[dict[int, serving.PoolRow]]
+
+
 class PoolAccountingError(Exception):
     """A step produced a pool twice, out of turn, or not at all."""
 
@@ -539,8 +550,8 @@ class ReferenceServer:
             )
         self.ring = ring
 
-    def __call__(self, inputs: CallInputs) -> list[dict[int, np.ndarray]]:
-        """Runs one call on the oracle; returns per row ``{pool_id: key}``."""
+    def run(self, inputs: CallInputs) -> CallPools:
+        """Runs one call on the oracle; returns per row its pools."""
         for seed in inputs.ring_seeds:
             seed.apply(self.ring)
         pools, self.ring = reference_step(
@@ -553,4 +564,112 @@ class ReferenceServer:
             inputs.slot_idx,
             self.schedule.kpool,
         )
-        return [{p: row.key for p, row in got.items()} for got in pools]
+        return pools
+
+    def __call__(self, inputs: CallInputs) -> list[dict[int, np.ndarray]]:
+        """Runs one call on the oracle; returns per row ``{pool_id: key}``."""
+        return _keys(self.run(inputs))
+
+
+def _keys(pools: CallPools) -> list[dict[int, Any]]:
+    return [{p: row.key for p, row in got.items()} for got in pools]
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """The raw bits of an array, for bitwise comparison (NaN equals NaN)."""
+    a = np.ascontiguousarray(a)
+    return a.view(f"u{a.dtype.itemsize}")
+
+
+class DeviceServer:
+    """A :data:`StepFn` on a compiled step, mirrored by the oracle.
+
+    The device ring and the oracle's (:class:`ReferenceServer`) have the same
+    length, start NaN and receive the same restores and tokens; after each
+    call the device ring must equal the oracle's bit for bit.
+
+    Args:
+        runner: Where the step runs.
+        schedule: The schedule to serve.
+        ring_len: Ring length ``R``; ``kpool`` if None.
+        step: A step with :meth:`mla_kpool.runner.Runner.step`'s arguments
+            and result; ``runner.step`` if None.
+        check_ring: Whether to compare the rings after each call.
+    """
+
+    def __init__(
+        self,
+        runner: Runner,
+        schedule: Schedule,
+        ring_len: int | None = None,
+        step: Callable[..., Any] | None = None,
+        check_ring: bool = True,
+    ) -> None:
+        s = schedule
+        self.runner, self.schedule = runner, schedule
+        self.step = step or runner.step
+        self.ring_len = ring_len or s.kpool
+        self.ring = runner.new_ring(
+            s.max_slots, self.ring_len, s.head_dim, s.dtype, fill=np.nan
+        )
+        shape = (s.max_slots, 2, self.ring_len, s.head_dim)
+        self.oracle = ReferenceServer(s, np.full(shape, np.nan, s.dtype))
+        self.check_ring = check_ring
+        self.calls = 0
+
+    def run(
+        self, inputs: CallInputs
+    ) -> tuple[
+        list[dict[int, serving.PoolRow]], list[dict[int, serving.PoolRow]]
+    ]:
+        """Runs one call on the device and on the oracle.
+
+        Returns:
+            ``(device pools, oracle pools)``, per batch row.
+        """
+        if inputs.ring_seeds:
+            host = self.runner.read(self.ring)
+            for seed in inputs.ring_seeds:
+                seed.apply(host)
+            self.ring = self.runner.to_device(host)
+        want = self.oracle.run(inputs)
+        result = self.step(
+            self.ring,
+            inputs.k,
+            inputs.gate,
+            self.schedule.ape,
+            inputs.input_row_offsets,
+            inputs.cache_lengths,
+            inputs.slot_idx,
+            self.schedule.kpool,
+        )
+        if self.check_ring:
+            ring = self.runner.read(self.ring)
+            bad = np.argwhere(
+                np.any(bits(ring) != bits(self.oracle.ring), axis=-1)
+            )
+            assert bad.size == 0, (
+                f"{self.schedule.describe()}, R={self.ring_len}: after call "
+                f"{self.calls} the ring differs from the oracle's at [slot, "
+                f"plane, index] {bad.tolist()[:8]}; batch rows (request, "
+                f"slot, cache_length, tokens): {self._rows(inputs)}"
+            )
+        self.calls += 1
+        return serving.step_pools(result), want
+
+    def __call__(self, inputs: CallInputs) -> list[dict[int, np.ndarray]]:
+        """Runs one call; returns per row ``{pool_id: key}`` of the device."""
+        return _keys(self.run(inputs)[0])
+
+    @staticmethod
+    def _rows(inputs: CallInputs) -> list[tuple[int, int, int, int]]:
+        off = inputs.input_row_offsets
+        return [
+            (
+                rid,
+                int(inputs.slot_idx[b]),
+                int(inputs.cache_lengths[b]),
+                int(off[b + 1] - off[b]),
+            )
+            for b, rid in enumerate(inputs.rids)
+        ]

@@ -65,8 +65,6 @@ from mla_kpool.serving import (
     PoolRecord,
     keep_latest,
     pools_completed,
-    reference_step,
-    step_pools,
 )
 
 KPOOL = 4
@@ -79,11 +77,6 @@ assert DEEP == 12
 #: One step model per dtype at kpool 4 (all in STEP_CONFIGS at R = kpool).
 DTYPE_CONFIGS = [MAIN, Config(BF16, 4, 128), Config(F16, 4, 96)]
 assert all(c in STEP_CONFIGS for c in DTYPE_CONFIGS)
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    return a.view(f"u{a.dtype.itemsize}")
 
 
 # --------------------------------------------------------------------------
@@ -107,13 +100,6 @@ class SpecSchedule(sch.Schedule):
     def accepted_length(self, rid: int) -> int:
         """Length of the request's accepted stream after the last call."""
         return self.requests[rid].fed
-
-    def operands(self, index: int) -> dict[str, np.ndarray]:
-        """Operands of call ``index`` (besides the ring and ``ape``)."""
-        ins = self.call_inputs(index)
-        assert not ins.ring_seeds, "speculative plans have no cached prefix"
-        names = ("k", "gate", "input_row_offsets", "cache_lengths", "slot_idx")
-        return {name: getattr(ins, name) for name in names}
 
     def features(self) -> frozenset[str]:
         """What the schedule exercises (checked, so no case is vacuous)."""
@@ -234,30 +220,16 @@ def serve(runner: Runner, s: SpecSchedule, ring_len: int) -> Served:
     again (only rows with a rejected member may be redone).
     """
     cfg, kp = s.cfg, s.cfg.kpool
-    shape = (s.max_slots, 2, ring_len, cfg.head_dim)
-    ring = runner.new_ring(
-        s.max_slots, ring_len, cfg.head_dim, cfg.dtype, fill=np.nan
-    )
-    mirror = np.full(shape, np.nan, dtype=cfg.dtype)
+    server = sch.DeviceServer(runner, s, ring_len)
     scale = max(
         float(np.abs(r.keys.astype(np.float64)).max()) for r in s.requests
     )
     served = Served({r.rid: {} for r in s.requests})
     for index, call in enumerate(s.calls):
-        ins = s.operands(index)
-        result = runner.step(ring, ape=s.ape, kpool=kp, **ins)
-        want, mirror = reference_step(mirror, ape=s.ape, kpool=kp, **ins)
+        # Checks the device ring against the oracle's, bit for bit.
+        produced_pools, want = server.run(s.call_inputs(index))
         where = f"{s.describe()}, R={ring_len}, call {index}"
-        bad = np.argwhere(
-            np.any(_bits(runner.read(ring)) != _bits(mirror), axis=-1)
-        )
-        assert bad.size == 0, (
-            f"{where}: ring differs from the oracle's at [slot, plane, index] "
-            f"{bad.tolist()[:8]}"
-        )
-        for b, (p, got) in enumerate(
-            zip(call, step_pools(result), strict=True)
-        ):
+        for b, (p, got) in enumerate(zip(call, produced_pools, strict=True)):
             row = (
                 f"{where}, row {b} (request {p.request}, slot "
                 f"{p.slot}, c={p.cache_length}, "
@@ -370,7 +342,7 @@ def assert_accepted_stream(
             p
             for p in ids
             if not np.array_equal(
-                _bits(served.final[r.rid][p].key), _bits(whole[r.rid][p])
+                sch.bits(served.final[r.rid][p].key), sch.bits(whole[r.rid][p])
             )
         ]
         assert not differ, (
@@ -555,7 +527,7 @@ def test_deep_ring_bitwise_equal_without_rejection(
                 cfg.kpool,
             )
             host = runner.read(rings[n])
-            assert np.array_equal(_bits(host), _bits(mirrors[n])), (
+            assert np.array_equal(sch.bits(host), sch.bits(mirrors[n])), (
                 f"{s.describe()}: R={n} ring differs from the oracle's "
                 f"after call {index}"
             )
@@ -568,7 +540,7 @@ def test_deep_ring_bitwise_equal_without_rejection(
             "first_pool",
         ):
             a, b = getattr(short, name), getattr(deep, name)
-            assert np.array_equal(_bits(a), _bits(b)), (
+            assert np.array_equal(sch.bits(a), sch.bits(b)), (
                 f"{s.describe()}: call {index}: {name} differs between "
                 f"R={lengths[0]} and R={lengths[1]}"
             )

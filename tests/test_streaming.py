@@ -160,81 +160,6 @@ CASES = [
 ]
 
 
-def _bits(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    return a.view(f"u{a.dtype.itemsize}")
-
-
-class DeviceServer:
-    """A :data:`schedules.StepFn` on a compiled step, mirrored by the oracle.
-
-    After each call the device ring must equal the oracle server's ring bit
-    for bit (both start NaN and receive the same seeds and tokens).
-    """
-
-    def __init__(
-        self,
-        runner: Runner,
-        schedule: sch.Schedule,
-        step: Callable[..., StepResult] | None = None,
-        check_ring: bool = True,
-    ) -> None:
-        s = schedule
-        self.runner, self.schedule = runner, schedule
-        self.step = step or runner.step
-        self.ring = runner.new_ring(
-            s.max_slots, s.kpool, s.head_dim, s.dtype, fill=np.nan
-        )
-        self.oracle = sch.ReferenceServer(s)
-        self.check_ring = check_ring
-        self.calls = 0
-
-    def __call__(self, inputs: sch.CallInputs) -> list[dict[int, np.ndarray]]:
-        if inputs.ring_seeds:
-            host = self.runner.read(self.ring)
-            for seed in inputs.ring_seeds:
-                seed.apply(host)
-            self.ring = self.runner.to_device(host)
-        self.oracle(inputs)  # advances the mirror ring
-        result = self.step(
-            self.ring,
-            inputs.k,
-            inputs.gate,
-            self.schedule.ape,
-            inputs.input_row_offsets,
-            inputs.cache_lengths,
-            inputs.slot_idx,
-            self.schedule.kpool,
-        )
-        if self.check_ring:
-            ring = self.runner.read(self.ring)
-            bad = np.argwhere(
-                np.any(_bits(ring) != _bits(self.oracle.ring), axis=-1)
-            )
-            assert bad.size == 0, (
-                f"{self.schedule.describe()}: after call {self.calls} the "
-                f"ring differs from the oracle's at [slot, plane, index] "
-                f"{bad.tolist()[:8]}; batch rows (request, slot, "
-                f"cache_length, tokens): "
-                f"{self._rows(inputs)}"
-            )
-        self.calls += 1
-        return result.pools()
-
-    @staticmethod
-    def _rows(inputs: sch.CallInputs) -> list[tuple[int, int, int, int]]:
-        off = inputs.input_row_offsets
-        return [
-            (
-                rid,
-                int(inputs.slot_idx[b]),
-                int(inputs.cache_lengths[b]),
-                int(off[b + 1] - off[b]),
-            )
-            for b, rid in enumerate(inputs.rids)
-        ]
-
-
 def whole_sequence_pools(
     runner: Runner, schedule: sch.Schedule
 ) -> dict[int, dict[int, np.ndarray]]:
@@ -267,7 +192,7 @@ def _stack(pools: dict[int, np.ndarray], ids: range, head_dim: int):
 def check_schedule(runner: Runner, schedule: sch.Schedule) -> int:
     """Replays ``schedule`` and checks every pool; returns the pool count."""
     s = schedule
-    streamed = sch.replay(s, DeviceServer(runner, s))
+    streamed = sch.replay(s, sch.DeviceServer(runner, s))
     one_shot = whole_sequence_pools(runner, s)
     total = 0
     for r in s.requests:
@@ -290,7 +215,7 @@ def check_schedule(runner: Runner, schedule: sch.Schedule) -> int:
         differ = [
             p
             for p, a, b in zip(ids, got, whole, strict=True)
-            if not np.array_equal(_bits(a), _bits(b))
+            if not np.array_equal(sch.bits(a), sch.bits(b))
         ]
         assert not differ, (
             f"{where}: pools {differ} differ bitwise from compress on the "
@@ -488,7 +413,8 @@ def test_seed_tail_before_ring_close_breaks_pools(device: str) -> None:
 
     schedule = sch.random_schedule(seed, cfg.dtype, kp, hd)
     streamed = sch.replay(
-        schedule, DeviceServer(runner, schedule, step=step, check_ring=False)
+        schedule,
+        sch.DeviceServer(runner, schedule, step=step, check_ring=False),
     )
     worst = 0.0
     for r in schedule.requests:
