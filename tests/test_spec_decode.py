@@ -34,7 +34,8 @@ have overwritten the pending pool's older members. A ring of
 Every call is mirrored on the float64 oracle (:mod:`mla_kpool.reference`)
 served the same inputs on a ring of the same length: the device ring must
 equal the oracle's bit for bit after every call, and every pool the call
-produced (drafts included) must match the oracle's within SPEC tolerance.
+produced (drafts included) must match the oracle's within the key dtype's
+tolerance.
 Unwritten ring entries start NaN, so a read of one poisons its pool.
 
 Models: the ``R = kpool`` step models of float32 k4 d128, bfloat16 k4 d128
