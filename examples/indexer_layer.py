@@ -50,6 +50,7 @@ from max.nn import LayerNorm, Linear, Module
 import mla_kpool
 from mla_kpool import reference
 from mla_kpool.buffers import to_buffer, to_numpy
+from mla_kpool.serving import pools_of_call, tolerance
 
 #: Layer sizes. ``head_dim`` and ``kpool`` are compile-time parameters of
 #: the kernels; everything per call (tokens, batch) is a symbolic graph dim.
@@ -62,10 +63,10 @@ LAYER_NORM_EPS = 1e-5
 #: Tolerance against the float64 recomputation, relative to the request's
 #: largest pooled-key magnitude (at most its largest ``|k|``: a pooled key is
 #: a convex combination of its members). The graph runs the projections, the
-#: layer norm and the pooling in float32 (SPEC: 1e-5 for the pooling alone);
-#: the projections and the norm add a few float32 roundings on top, so the
-#: check allows twice that. Seen: about 5e-7.
-TOLERANCE = 2e-5
+#: layer norm and the pooling in float32 (``tolerance(float32)``, 1e-5, for
+#: the pooling alone); the projections and the norm add a few float32
+#: roundings on top, so the check allows twice that. Seen: about 5e-7.
+TOLERANCE = 2 * tolerance(np.float32)
 
 #: Channels printed per pooled key.
 SHOWN_CHANNELS = 4
@@ -246,19 +247,13 @@ def run_call(
         to_numpy, outputs
     )
 
+    produced = pools_of_call(
+        ring_closed, ring_pooled, pooled, pool_rows, first_pool
+    )
     completed = []
-    for b, (request, n) in enumerate(batch):
-        if ring_closed[b] >= 0:
-            completed.append(
-                Completed(request, int(ring_closed[b]), "ring", ring_pooled[b])
-            )
-        lo, hi = int(pool_rows[b]), int(pool_rows[b + 1])
-        for j in range(hi - lo):
-            completed.append(
-                Completed(
-                    request, int(first_pool[b]) + j, "compress", pooled[lo + j]
-                )
-            )
+    for (request, n), pools in zip(batch, produced, strict=True):
+        for pool, row in pools.items():
+            completed.append(Completed(request, pool, row.writer, row.key))
         request.seen += n
     for c in completed:
         c.request.pools.setdefault(c.pool, []).append((step, c.key))
@@ -367,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(
                 f"  {done.request.name} pool {done.pool}"
-                f" ({done.writer:>8}): {head[:-1]} ...]"
+                f" ({done.writer:>10}): {head[:-1]} ...]"
             )
         if not completed:
             print("  no pool completed")

@@ -1,42 +1,48 @@
-"""Seeded serving schedules for the k-pool writers, and a pool-exact replay.
+"""Named serving schedules for the streaming tests: serving-model plans.
 
-A schedule is a deterministic (seeded) story of a serving loop: requests join,
-are fed through many calls (chunked prefill, single- and multi-token decode,
-calls where they sit out or bring no tokens), and leave, finished or aborted;
-a freed ring slot is handed to a later request. A request may resume from a
-cached prefix, in which case its ring slot is seeded with the prefix's
-trailing members first, as a prefix cache would restore it.
+A schedule is a seeded workload (requests as data: prompt, tokens generated,
+cached prefix, where the client aborts) run through the serving model's own
+scheduler and slot planner (:func:`mla_kpool.serving.schedule` and
+:func:`mla_kpool.serving.plan`): chunked prefill, single- and multi-token
+decode, rows that bring no tokens, requests joining late, leaving early and
+handing their ring slot to a later request, and requests resuming from a
+cached prefix that ends mid-pool (ring restored on admission with
+:func:`mla_kpool.serving.restore_prefix`).
 
-Each request's whole sequence of keys and gate scores is drawn when it is
-created, before any of it is fed, so the pools it must produce are known
-independently of how the schedule splits it: pool ``p`` is tokens
-``[p*kpool, (p+1)*kpool)`` of that sequence (:func:`mla_kpool.reference.
-pool_sequence`). A request resuming at ``prefix`` owns pools
-``prefix // kpool`` up to ``fed // kpool`` (the first one closed from its ring
-when the prefix ends mid-pool).
+Each request's keys and gate scores are the serving model's seeded ones
+(:func:`mla_kpool.serving.request_rows`), drawn for its whole sequence
+independently of how it is batched, so the pools it must produce are known
+in advance: pool ``p`` is tokens ``[p*kpool, (p+1)*kpool)``
+(:func:`mla_kpool.reference.pool_sequence`). A request resuming at
+``prefix`` and fed to ``fed`` owns pools ``prefix // kpool`` up to
+``fed // kpool``.
 
 :func:`replay` feeds a schedule call by call through any ``step`` function
-(the compiled step, or :class:`ReferenceServer`, the float64
-oracle) and checks the pool accounting: every call must produce exactly the
-pools it completes, so over the schedule every pool comes out exactly once.
-
-The module depends on NumPy and :mod:`mla_kpool.reference` only (not on
-pytest or MAX), so a demo can build and replay the same schedules.
+(the compiled step, or :class:`ReferenceServer`, the float64 oracle) and
+checks the pool accounting: every call must produce exactly the pools it
+completes (:func:`mla_kpool.serving.pools_completed`), so over the schedule
+every pool comes out exactly once.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mla_kpool import reference
+from mla_kpool import serving
+from mla_kpool.serving import pools_completed, reference_step, restore_prefix
+
+if TYPE_CHECKING:
+    from mla_kpool.runner import Runner
 
 __all__ = [
-    "Call",
     "CallInputs",
-    "Piece",
+    "CallPools",
+    "DeviceServer",
     "PoolAccountingError",
     "ReferenceServer",
     "Request",
@@ -44,50 +50,27 @@ __all__ = [
     "Schedule",
     "ScheduleParams",
     "StepFn",
+    "bits",
     "interleaved_pair",
-    "pools_completed",
     "random_schedule",
     "replay",
 ]
 
 
-def pools_completed(cache_length: int, tokens: int, kpool: int) -> range:
-    """Pool ids a call completes for one request.
-
-    Pool ``p`` completes when its last member ``(p + 1) * kpool - 1`` is among
-    the call's positions ``[cache_length, cache_length + tokens)``.
-
-    Args:
-        cache_length: Tokens the request had before the call.
-        tokens: Tokens the call brings.
-        kpool: Tokens per pool.
-
-    Returns:
-        ``range(cache_length // kpool, (cache_length + tokens) // kpool)``.
-    """
-    return range(cache_length // kpool, (cache_length + tokens) // kpool)
-
-
-# --------------------------------------------------------------------------
-# Data
-# --------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Request:
-    """One request: its slot, where it resumes, and its whole sequence.
+    """One request of a schedule: its slot, its span and its whole sequence.
 
     Attributes:
         rid: Request id (its index in :attr:`Schedule.requests`).
         slot: Ring slot it holds while in flight.
         prefix: Tokens already cached when it joins (0 for a fresh request).
         keys: ``[length, head_dim]`` keys of positions ``0..length-1``,
-            prefix included; the schedule may stop feeding before the end
-            (the request left early).
+            prefix included; an aborted request stops being fed before the
+            end.
         gates: ``[length, head_dim]`` gate scores, same dtype.
-        fed: Length reached when the schedule ends (``prefix`` plus every
-            token fed).
-        left_early: Whether it was aborted before its sequence ended.
+        fed: Length reached when the schedule ends.
+        left_early: Whether its client aborted it before its sequence ended.
     """
 
     rid: int
@@ -104,45 +87,34 @@ class Request:
 
 
 @dataclass(frozen=True)
-class Piece:
-    """One request's part of one call (one batch row).
-
-    Attributes:
-        rid: The request.
-        cache_length: Its length before the call (``cache_lengths[b]``).
-        tokens: New tokens this call brings (may be 0).
-        phase: ``"prefill"``, ``"decode"`` or ``"idle"`` (0 tokens); for
-            describing schedules only.
-    """
-
-    rid: int
-    cache_length: int
-    tokens: int
-    phase: str
-
-
-@dataclass(frozen=True)
 class RingSeed:
-    """Ring entries to restore before a call (a prefix-cache hit).
+    """A resumed prefix's pending members, to restore before a call.
 
     Attributes:
         rid: The request resuming.
         slot: Its ring slot.
-        ring_index: ``[m]`` ring indices (``pos % ring_len``).
-        keys: ``[m, head_dim]`` keys for those entries.
-        gates: ``[m, head_dim]`` gate scores.
+        prefix: Length of its cached prefix.
+        keys: ``[length, head_dim]`` its whole key sequence.
+        gates: ``[length, head_dim]`` its gate scores.
+        kpool: Tokens per pool.
     """
 
     rid: int
     slot: int
-    ring_index: np.ndarray
-    keys: np.ndarray
-    gates: np.ndarray
+    prefix: int
+    keys: np.ndarray = field(repr=False)
+    gates: np.ndarray = field(repr=False)
+    kpool: int
 
     def apply(self, ring: np.ndarray) -> None:
-        """Writes the entries into a host ring ``[slots, 2, R, head_dim]``."""
-        ring[self.slot, 0, self.ring_index] = self.keys
-        ring[self.slot, 1, self.ring_index] = self.gates
+        """Restores the members into a host ring ``[slots, 2, R, head_dim]``.
+
+        Member ``pos`` goes to ring index ``pos % R``
+        (:func:`mla_kpool.serving.restore_prefix`).
+        """
+        restore_prefix(
+            ring, self.slot, self.prefix, self.keys, self.gates, self.kpool
+        )
 
 
 @dataclass(frozen=True)
@@ -156,7 +128,7 @@ class CallInputs:
         cache_lengths: ``[batch]`` uint32.
         slot_idx: ``[batch]`` uint32.
         rids: Request of each batch row.
-        ring_seeds: Ring entries to write before the call.
+        ring_seeds: Ring entries to restore before the call.
     """
 
     k: np.ndarray
@@ -169,33 +141,17 @@ class CallInputs:
 
 
 @dataclass(frozen=True)
-class Call:
-    """One call of a schedule.
-
-    Attributes:
-        pieces: Batch rows in order.
-        joins: Requests that join before this call (their ring seeds, if
-            any, are applied before it).
-    """
-
-    pieces: tuple[Piece, ...]
-    joins: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class Schedule:
-    """A seeded serving schedule on one writer configuration.
+    """A named, seeded serving plan on one writer configuration.
 
     Attributes:
         name: Scenario name.
-        seed: The generator seed (reproduces the schedule exactly).
+        seed: The seed (reproduces the plan and its data exactly).
         dtype: Key dtype.
         kpool: Tokens per pool.
         head_dim: Channels per key.
-        max_slots: Ring slots the schedule uses (``[0, max_slots)``).
-        ape: ``[kpool, head_dim]`` float32 position embedding.
-        requests: Every request, by id.
-        calls: The calls in order.
+        plan: The serving model's plan: requests, and every call's entries
+            (request, slot, cache length, tokens) in batch order.
     """
 
     name: str
@@ -203,10 +159,44 @@ class Schedule:
     dtype: np.dtype
     kpool: int
     head_dim: int
-    max_slots: int
-    ape: np.ndarray = field(repr=False)
-    requests: tuple[Request, ...] = field(repr=False)
-    calls: tuple[Call, ...] = field(repr=False)
+    plan: serving.Plan = field(repr=False)
+
+    @property
+    def max_slots(self) -> int:
+        """Ring slots the plan uses (``[0, max_slots)``)."""
+        return self.plan.max_slots
+
+    @property
+    def calls(self) -> tuple[serving.Call, ...]:
+        """Every call's entries, in batch order."""
+        return self.plan.calls
+
+    @functools.cached_property
+    def ape(self) -> np.ndarray:
+        """``[kpool, head_dim]`` float32 position embedding."""
+        return serving.make_ape(self.seed, self.kpool, self.head_dim)
+
+    @functools.cached_property
+    def requests(self) -> tuple[Request, ...]:
+        """Every request with its slot and whole sequence, by id."""
+        slots = {e.request: e.slot for call in self.calls for e in call}
+        out = []
+        for rid, r in enumerate(self.plan.requests):
+            keys, gates = serving.request_rows(
+                self.seed, rid, r.length, self.head_dim, self.dtype
+            )
+            out.append(
+                Request(
+                    rid,
+                    slots[rid],
+                    r.cached_prefix,
+                    keys,
+                    gates,
+                    r.end,
+                    r.abort_at is not None,
+                )
+            )
+        return tuple(out)
 
     def describe(self) -> str:
         """One line naming the schedule: scenario, seed and configuration."""
@@ -216,78 +206,46 @@ class Schedule:
             f"({len(self.calls)} calls, {len(self.requests)} requests)"
         )
 
-    def ring_members(self, rid: int, length: int) -> RingSeed:
-        """The ring entries a request of this length has stashed.
-
-        These are the positions ``[length // kpool * kpool, length)``: the
-        members of its pool still filling, at ``pos % kpool`` (a ring of
-        one pool).
-
-        Args:
-            rid: The request.
-            length: Its length (tokens seen so far).
-
-        Returns:
-            The entries, as a :class:`RingSeed` on the request's slot.
-        """
-        req = self.requests[rid]
-        positions = np.arange(length // self.kpool * self.kpool, length)
-        return RingSeed(
-            rid=rid,
-            slot=req.slot,
-            ring_index=positions % self.kpool,
-            keys=req.keys[positions],
-            gates=req.gates[positions],
-        )
+    def ring_seed(self, rid: int) -> RingSeed:
+        """The ring restore of request ``rid`` resuming from its prefix."""
+        r = self.requests[rid]
+        return RingSeed(rid, r.slot, r.prefix, r.keys, r.gates, self.kpool)
 
     def call_inputs(self, index: int) -> CallInputs:
         """The operands of call ``index``, with the ring seeds to apply."""
         call = self.calls[index]
         seeds = tuple(
-            self.ring_members(rid, self.requests[rid].prefix)
-            for rid in call.joins
-            if self.requests[rid].prefix % self.kpool
+            self.ring_seed(e.request)
+            for e in call
+            if e.admitted and e.cache_length % self.kpool
         )
-        rows = [
-            (p.rid, p.cache_length, p.cache_length + p.tokens)
-            for p in call.pieces
-        ]
-        return self._inputs(
-            rows, seeds, [self.requests[p.rid].slot for p in call.pieces]
+        sequences = {r.rid: (r.keys, r.gates) for r in self.requests}
+        packed = serving.plan_call_inputs(
+            self.seed, index, call, sequences, self.head_dim, self.dtype
+        )
+        return CallInputs(
+            **packed.operands(),
+            rids=tuple(e.request for e in call),
+            ring_seeds=seeds,
         )
 
     def whole_sequence_inputs(self) -> CallInputs:
-        """One call feeding every request's whole sequence from position 0.
+        """One call feeding every request's sequence from position 0.
 
-        With every ``cache_length`` 0, ring_close has nothing to close and
-        compress builds every pool of every request: the one-shot result the
+        Each request brings its tokens up to ``fed``. With every
+        ``cache_length`` 0, ring_close has nothing to close and compress
+        builds every pool of every request: the one-shot result the
         streamed pools must match bit for bit. Request ``r`` is batch row
         ``r`` on slot ``r``, so the call needs a scratch ring of
         ``len(requests)`` slots.
         """
-        rows = [(r.rid, 0, r.keys.shape[0]) for r in self.requests]
-        return self._inputs(rows, (), list(range(len(self.requests))))
-
-    def _inputs(
-        self,
-        rows: Sequence[tuple[int, int, int]],
-        seeds: tuple[RingSeed, ...],
-        slots: Sequence[int],
-    ) -> CallInputs:
-        empty = np.zeros((0, self.head_dim), dtype=self.dtype)
-        keys = [self.requests[rid].keys[lo:hi] for rid, lo, hi in rows]
-        gates = [self.requests[rid].gates[lo:hi] for rid, lo, hi in rows]
-        counts = [hi - lo for _, lo, hi in rows]
+        rows = [
+            ([r.keys[: r.fed]], [r.gates[: r.fed]], 0, r.rid)
+            for r in self.requests
+        ]
+        packed = serving.pack_call(rows, self.head_dim, self.dtype)
         return CallInputs(
-            k=np.concatenate([empty, *keys]),
-            gate=np.concatenate([empty, *gates]),
-            input_row_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(
-                np.uint32
-            ),
-            cache_lengths=np.array([lo for _, lo, _ in rows], np.uint32),
-            slot_idx=np.array(slots, np.uint32),
-            rids=tuple(rid for rid, _, _ in rows),
-            ring_seeds=seeds,
+            **packed.operands(), rids=tuple(r.rid for r in self.requests)
         )
 
     def features(self) -> frozenset[str]:
@@ -301,214 +259,120 @@ class Schedule:
             and ``past_4096`` (a position above 4096).
         """
         out = set()
-        kp = self.kpool
+        reqs = self.plan.requests
         for index, call in enumerate(self.calls):
-            if index > 0 and call.joins:
-                out.add("late_join")
-            for row, p in enumerate(call.pieces):
-                if p.phase == "prefill" and p.tokens < (
-                    self.requests[p.rid].fed - self.requests[p.rid].prefix
-                ):
-                    out.add("chunked_prefill")
-                if p.phase == "decode":
+            for row, e in enumerate(call):
+                r = reqs[e.request]
+                if index > 0 and e.admitted:
+                    out.add("late_join")
+                if e.tokens == 0:
+                    out.add("idle_piece")
+                elif e.cache_length < r.prompt:
+                    prefill = min(r.prompt, r.end) - r.cached_prefix
+                    if e.tokens < prefill:
+                        out.add("chunked_prefill")
+                else:
                     out.add(
                         "single_token_decode"
-                        if p.tokens == 1
+                        if e.tokens == 1
                         else "multi_token_decode"
                     )
-                if p.tokens == 0:
-                    out.add("idle_piece")
-                if self.requests[p.rid].slot != row:
+                if e.slot != row:
                     out.add("slot_not_row")
-                if p.cache_length + p.tokens > 4096:
+                if e.cache_length + e.tokens > 4096:
                     out.add("past_4096")
-        slots = [r.slot for r in self.requests]
-        if len(set(slots)) < len(slots):
+        if self.plan.slot_reuses:
             out.add("slot_reuse")
-        for r in self.requests:
-            if r.prefix % kp:
-                out.add("mid_pool_prefix")
-            if r.left_early:
-                out.add("early_leave")
+        if any(r.cached_prefix % self.kpool for r in reqs):
+            out.add("mid_pool_prefix")
+        if any(r.abort_at is not None for r in reqs):
+            out.add("early_leave")
         return frozenset(out)
 
 
 # --------------------------------------------------------------------------
-# Generation
+# Named workloads
 # --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ScheduleParams:
-    """Knobs of :func:`random_schedule` (probabilities are per call).
+    """Knobs of :func:`random_schedule`.
 
     Attributes:
-        calls: Calls in the schedule.
-        max_batch: Most requests in flight at once.
-        max_slots: Ring slots (``>= max_batch``); slots are drawn at random,
-            a freed one usually handed to the next request.
-        join_prob: Chance per call (up to twice) that a request joins.
-        prefix_prob: Chance a joining request resumes from a cached prefix.
+        requests: Requests in the workload (besides the long one).
+        max_running: Most requests in flight at once, which is the number
+            of ring slots; later requests take the slots earlier ones free.
+        token_budget: Most tokens per call (0: ``3 * kpool + 16``), so
+            requests sit out calls when it runs short.
+        prefix_prob: Chance a request resumes from a cached prefix.
         prefix_granularity: Prefix lengths are multiples of this (a prefix
             cache's block size).
         max_prefix: Longest random prefix.
-        first_prefixes: Prefixes of requests forced to join at call 0.
-        prompt_max: Longest prompt (tokens fed in prefill).
-        chunk_max: Largest prefill chunk (0: ``2 * kpool + 3``).
-        decode_max: Most decode tokens per request.
-        multi_decode_prob: Chance a decode piece brings 2-8 tokens.
-        skip_prob: Chance a request sits out a call.
-        idle_prob: Chance a request is in the batch with 0 tokens.
-        leave_prob: Chance a request is aborted after a call.
-        long_prefix: If nonzero, request 0 resumes near this position and
-            decodes in multi-token chunks through the whole schedule.
+        first_prefixes: Prefixes of the first requests, fixed.
+        prompt_max: Longest prompt past the prefix (0: ``4 * kpool + 8``).
+        chunk: Largest prefill chunk (0: ``2 * kpool + 3``).
+        decode_max: Most tokens generated per request.
+        max_decode: Most decode tokens per request per call.
+        idle_prob: Chance a request still in prefill brings no tokens in a
+            call.
+        leave_prob: Chance a request's client aborts it midway (the first
+            request that can be aborted always is).
+        long_prefix: If nonzero, request 0 resumes a few tokens short of
+            the pool boundary past this position and decodes past it.
     """
 
-    calls: int = 24
-    max_batch: int = 8
-    max_slots: int = 10
-    join_prob: float = 0.45
+    requests: int = 22
+    max_running: int = 8
+    token_budget: int = 0
     prefix_prob: float = 0.35
     prefix_granularity: int = 1
     max_prefix: int = 300
     first_prefixes: tuple[int, ...] = ()
     prompt_max: int = 0
-    chunk_max: int = 0
+    chunk: int = 0
     decode_max: int = 24
-    multi_decode_prob: float = 0.5
-    skip_prob: float = 0.1
-    idle_prob: float = 0.04
-    leave_prob: float = 0.04
+    max_decode: int = 8
+    idle_prob: float = 0.05
+    leave_prob: float = 0.1
     long_prefix: int = 0
 
 
-def _draw_sequence(
-    rng: np.random.Generator, length: int, head_dim: int, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray]:
-    """Keys ~ N(0, 1); gates ~ N(0, 4^2), wide so that every member counts."""
-    keys = rng.standard_normal((length, head_dim)).astype(dtype)
-    gates = (4.0 * rng.standard_normal((length, head_dim))).astype(dtype)
-    return keys, gates
-
-
-@dataclass
-class _Live:
-    rid: int
-    slot: int
-    prefix: int
-    prompt_end: int
-    length: int
-    pos: int
-    long: bool = False
-    aborted: bool = False
-
-
-class _Builder:
-    """Mutable state while :func:`random_schedule` simulates the loop."""
-
-    def __init__(
-        self,
-        rng: np.random.Generator,
-        kpool: int,
-        head_dim: int,
-        dtype: np.dtype,
-        params: ScheduleParams,
-    ) -> None:
-        self.rng = rng
-        self.kpool = kpool
-        self.head_dim = head_dim
-        self.dtype = dtype
-        self.p = params
-        self.free = [int(s) for s in rng.permutation(params.max_slots)]
-        self.live: list[_Live] = []
-        self.seqs: list[tuple[np.ndarray, np.ndarray]] = []
-        self.meta: list[_Live] = []
-
-    def admit(self, prefix: int | None = None, long: bool = False) -> int:
-        rng, p, kp = self.rng, self.p, self.kpool
-        if prefix is None:
-            prefix = 0
-            if rng.random() < p.prefix_prob:
-                g = p.prefix_granularity
-                prefix = g * int(rng.integers(1, max(1, p.max_prefix // g) + 1))
-        prompt_max = p.prompt_max or 4 * kp + 8
-        prompt = 0 if long else int(rng.integers(1, prompt_max + 1))
-        decode = (
-            p.calls * (kp + 8)
-            if long
-            else int(rng.integers(0, p.decode_max + 1))
+def _workload(
+    rng: np.random.Generator, kpool: int, p: ScheduleParams
+) -> list[serving.Request]:
+    """The requests of :func:`random_schedule`, drawn from ``rng``."""
+    requests = []
+    if p.long_prefix:
+        # End the prefix a few tokens short of a pool boundary, so the
+        # ring carries most of a pool and the first tokens close it.
+        short = 1 + int(rng.integers(min(kpool, 24)))
+        prefix = (p.long_prefix // kpool + 1) * kpool - short
+        requests.append(
+            serving.Request(prefix + 1, kpool + 40, cached_prefix=prefix)
         )
-        # Hand over the most recently freed slot most of the time, so that a
-        # ring slot still holding a finished request's members gets reused.
-        pick = -1 if rng.random() < 0.6 else int(rng.integers(len(self.free)))
-        slot = self.free.pop(pick)
-        live = _Live(
-            rid=len(self.meta),
-            slot=slot,
-            prefix=prefix,
-            prompt_end=prefix + prompt,
-            length=prefix + prompt + decode,
-            pos=prefix,
-            long=long,
-        )
-        self.seqs.append(
-            _draw_sequence(rng, live.length, self.head_dim, self.dtype)
-        )
-        self.meta.append(live)
-        self.live.append(live)
-        return live.rid
-
-    def piece(self, live: _Live) -> Piece | None:
-        rng, p = self.rng, self.p
-        remaining = live.length - live.pos
-        if live.long:
-            big = rng.random() < 0.15
-            hi = self.kpool + 8 if big else 8
-            n = min(remaining, int(rng.integers(2, max(hi, 2) + 1)))
-            phase = "decode"
-        elif rng.random() < p.skip_prob:
-            return None
-        elif rng.random() < p.idle_prob:
-            n, phase = 0, "idle"
-        elif live.pos < live.prompt_end:
-            chunk_max = p.chunk_max or 2 * self.kpool + 3
-            n = min(
-                live.prompt_end - live.pos, int(rng.integers(1, chunk_max + 1))
-            )
-            phase = "prefill"
+    prompt_max = p.prompt_max or 4 * kpool + 8
+    aborted = False
+    for i in range(p.requests):
+        if i < len(p.first_prefixes):
+            prefix = p.first_prefixes[i]
+        elif rng.random() < p.prefix_prob:
+            g = p.prefix_granularity
+            prefix = g * int(rng.integers(1, max(1, p.max_prefix // g) + 1))
         else:
-            n = 1
-            if rng.random() < p.multi_decode_prob:
-                n = int(rng.integers(2, 9))
-            n = min(n, remaining)
-            phase = "decode"
-        piece = Piece(live.rid, live.pos, n, phase if n else "idle")
-        live.pos += n
-        return piece
-
-    def retire(self, force_abort: bool = False) -> None:
-        """Drops finished and aborted requests; frees their slots.
-
-        With ``force_abort``, the first unfinished request that has been fed
-        something leaves early if none has yet.
-        """
-        if force_abort and not any(m.aborted for m in self.meta):
-            for live in self.live:
-                if not live.long and live.prefix < live.pos < live.length:
-                    live.aborted = True
-                    break
-        still = []
-        for live in self.live:
-            done = live.pos >= live.length
-            aborted = live.aborted or (
-                not live.long and self.rng.random() < self.p.leave_prob
-            )
-            if done or aborted:
-                live.aborted = not done
-                self.free.append(live.slot)
-            else:
-                still.append(live)
-        self.live = still
+            prefix = 0
+        prompt = prefix + int(rng.integers(1, prompt_max + 1))
+        generate = int(rng.integers(0, p.decode_max + 1))
+        abort_at = None
+        if prompt + generate - prefix > 1 and (
+            not aborted or rng.random() < p.leave_prob
+        ):
+            abort_at = int(rng.integers(prefix + 1, prompt + generate))
+            aborted = True
+        requests.append(
+            serving.Request(prompt, generate, prefix, abort_at=abort_at)
+        )
+    return requests
 
 
 def random_schedule(
@@ -519,82 +383,39 @@ def random_schedule(
     params: ScheduleParams | None = None,
     name: str = "random",
 ) -> Schedule:
-    """Draws a random serving schedule.
+    """A seeded workload through the serving model's scheduler.
 
-    Call 0 starts with the forced requests (``params.first_prefixes``, and
-    the long request if ``params.long_prefix``) and one to half the batch of
-    random ones; each later call may admit up to two more while slots and
-    batch room remain. Every call shuffles the requests in flight into batch
-    rows; each brings a prefill chunk, one decode token, 2-8 decode tokens,
-    nothing, or sits out. After a call, finished requests leave and a few
-    are aborted early (one at least by mid-schedule, if one is in flight).
+    The requests (:class:`ScheduleParams`) arrive at once; the scheduler
+    batches them under the token budget, decodes running requests first
+    (1 to ``max_decode`` tokens), gives the others their next prefill chunk
+    (or, now and then, nothing), and admits waiting requests while ring
+    slots are free; the planner hands out random free slots.
 
     Args:
-        seed: Seed of the generator; the same seed gives the same schedule.
+        seed: Seed of the workload, the batching, the slots and the data.
         dtype: Key dtype (NumPy, or ``ml_dtypes.bfloat16``).
         kpool: Tokens per pool.
         head_dim: Channels per key.
-        params: Generator knobs; defaults of :class:`ScheduleParams`.
+        params: Workload knobs; defaults of :class:`ScheduleParams`.
         name: Scenario name, for messages.
 
     Returns:
         The schedule.
-
-    Raises:
-        ValueError: If ``max_slots < max_batch`` or ``calls < 1``.
     """
     p = params or ScheduleParams()
-    if p.max_slots < p.max_batch or p.calls < 1:
-        raise ValueError(f"need calls >= 1 and max_slots >= max_batch, got {p}")
-    dtype = np.dtype(dtype)
     rng = np.random.default_rng(seed)
-    ape = (2.0 * rng.standard_normal((kpool, head_dim))).astype(np.float32)
-    b = _Builder(rng, kpool, head_dim, dtype, p)
-    calls = []
-    for index in range(p.calls):
-        joins = []
-        if index == 0:
-            if p.long_prefix:
-                # End the prefix a few tokens short of a pool boundary, so
-                # the ring carries most of a pool and the first chunks close it.
-                short = 1 + int(rng.integers(min(kpool, 24)))
-                boundary = (p.long_prefix // kpool + 1) * kpool
-                joins.append(b.admit(prefix=boundary - short, long=True))
-            joins += [b.admit(prefix=f) for f in p.first_prefixes]
-            for _ in range(int(rng.integers(1, max(1, p.max_batch // 2) + 1))):
-                if len(b.live) < p.max_batch:
-                    joins.append(b.admit())
-        else:
-            for _ in range(2):
-                if (
-                    len(b.live) < p.max_batch
-                    and b.free
-                    and rng.random() < p.join_prob
-                ):
-                    joins.append(b.admit())
-        pieces = []
-        for i in rng.permutation(len(b.live)):
-            piece = b.piece(b.live[int(i)])
-            if piece is not None:
-                pieces.append(piece)
-        calls.append(Call(tuple(pieces), tuple(joins)))
-        # Halfway through, make sure some request has left early.
-        b.retire(force_abort=index == p.calls // 2)
-    requests = tuple(
-        Request(m.rid, m.slot, m.prefix, *b.seqs[m.rid], m.pos, m.aborted)
-        for m in b.meta
-    )
-    return Schedule(
-        name,
-        seed,
-        dtype,
-        kpool,
-        head_dim,
-        p.max_slots,
-        ape,
+    requests = _workload(rng, kpool, p)
+    calls = serving.schedule(
         requests,
-        tuple(calls),
+        rng,
+        token_budget=p.token_budget or 3 * kpool + 16,
+        max_running=p.max_running,
+        chunk=p.chunk or 2 * kpool + 3,
+        max_decode=p.max_decode,
+        idle_prob=p.idle_prob,
     )
+    plan = serving.plan(requests, calls, p.max_running, rng)
+    return Schedule(name, seed, np.dtype(dtype), kpool, head_dim, plan)
 
 
 def interleaved_pair(
@@ -613,7 +434,7 @@ def interleaved_pair(
     A wrong slot or row mapping mixes up their rings.
 
     Args:
-        seed: Generator seed.
+        seed: Seed of the token counts and the data.
         dtype: Key dtype.
         kpool: Tokens per pool.
         head_dim: Channels per key.
@@ -623,46 +444,24 @@ def interleaved_pair(
     Returns:
         The schedule, with ``max_slots = max(slots) + 1``.
     """
-    dtype = np.dtype(dtype)
     rng = np.random.default_rng(seed)
-    ape = (2.0 * rng.standard_normal((kpool, head_dim))).astype(np.float32)
     counts = rng.integers(1, kpool + 3, size=(calls, 2))
     lengths = counts.sum(axis=0)
-    requests = tuple(
-        Request(
-            rid,
-            slots[rid],
-            0,
-            *_draw_sequence(rng, int(lengths[rid]), head_dim, dtype),
-            fed=int(lengths[rid]),
-        )
-        for rid in range(2)
+    requests = [serving.Request(int(n)) for n in lengths]
+    explicit = [[(0, int(a)), (1, int(b))] for a, b in counts]
+    plan = serving.plan(
+        requests, explicit, max(slots) + 1, rng, slots=dict(enumerate(slots))
     )
-    pos = [0, 0]
-    schedule_calls = []
-    for index in range(calls):
-        pieces = []
-        for rid in range(2):
-            n = int(counts[index, rid])
-            pieces.append(Piece(rid, pos[rid], n, "prefill"))
-            pos[rid] += n
-        schedule_calls.append(Call(tuple(pieces), (0, 1) if index == 0 else ()))
-    return Schedule(
-        "interleaved",
-        seed,
-        dtype,
-        kpool,
-        head_dim,
-        max(slots) + 1,
-        ape,
-        requests,
-        tuple(schedule_calls),
-    )
+    return Schedule("interleaved", seed, np.dtype(dtype), kpool, head_dim, plan)
 
 
 # --------------------------------------------------------------------------
 # Replay
 # --------------------------------------------------------------------------
+
+
+#: One call's pools per batch row, with their writers.
+CallPools = list[dict[int, serving.PoolRow]]
 
 
 class PoolAccountingError(Exception):
@@ -680,13 +479,13 @@ def replay(
     """Feeds a schedule through ``step`` and collects every request's pools.
 
     Each call must produce, for each batch row, exactly the pools that call
-    completes for that request (:func:`pools_completed`); so over the
-    schedule each pool comes out exactly once and none is missing.
+    completes for that request; so over the schedule each pool comes out
+    exactly once and none is missing.
 
     Args:
         schedule: The schedule.
-        step: Runs one call (seeding the ring first); returns per batch row
-            ``{pool_id: key}``.
+        step: Runs one call (restoring the ring first); returns per batch
+            row ``{pool_id: key}``.
 
     Returns:
         ``{rid: {pool_id: key}}`` for every request.
@@ -700,25 +499,23 @@ def replay(
         r.rid: {} for r in schedule.requests
     }
     for index, call in enumerate(schedule.calls):
-        inputs = schedule.call_inputs(index)
-        rows = step(inputs)
-        if len(rows) != len(call.pieces):
+        rows = step(schedule.call_inputs(index))
+        if len(rows) != len(call):
             raise PoolAccountingError(
                 f"{schedule.describe()}: call {index} returned "
-                f"{len(rows)} rows for {len(call.pieces)} requests"
+                f"{len(rows)} rows for {len(call)} requests"
             )
-        for row, (piece, got) in enumerate(zip(call.pieces, rows, strict=True)):
-            want = pools_completed(piece.cache_length, piece.tokens, kp)
+        for row, (e, got) in enumerate(zip(call, rows, strict=True)):
+            want = pools_completed(e.cache_length, e.tokens, kp)
             if sorted(got) != list(want):
                 raise PoolAccountingError(
                     f"{schedule.describe()}: call {index} row {row} "
-                    f"(request {piece.rid}, slot "
-                    f"{schedule.requests[piece.rid].slot}, cache_length "
-                    f"{piece.cache_length}, tokens {piece.tokens}) produced "
+                    f"(request {e.request}, slot {e.slot}, cache_length "
+                    f"{e.cache_length}, tokens {e.tokens}) produced "
                     f"pools {sorted(got)}, expected {list(want)}"
                 )
             for pool_id, key in got.items():
-                pools[piece.rid][pool_id] = np.asarray(key)
+                pools[e.request][pool_id] = np.asarray(key)
     for r in schedule.requests:
         if sorted(pools[r.rid]) != list(r.pool_ids(kp)):
             raise PoolAccountingError(
@@ -731,9 +528,9 @@ def replay(
 class ReferenceServer:
     """A :data:`StepFn` on the float64 oracle, with its own host ring.
 
-    Runs :func:`mla_kpool.reference.ring_close`, ``compress`` and
-    ``seed_tail`` in serving order on a ring of the schedule's dtype,
-    initially NaN (so a stale read poisons the pool that makes it).
+    Runs :func:`mla_kpool.serving.reference_step` (the oracle's ring_close,
+    compress and seed_tail in serving order) on a ring of the schedule's
+    dtype, initially NaN (so a stale read poisons the pool that makes it).
 
     Args:
         schedule: The schedule to serve (gives shapes and ``ape``).
@@ -753,39 +550,126 @@ class ReferenceServer:
             )
         self.ring = ring
 
-    def __call__(self, inputs: CallInputs) -> list[dict[int, np.ndarray]]:
-        """Runs one call on the oracle; returns per row ``{pool_id: key}``."""
-        kp, sched = self.schedule.kpool, self.schedule
+    def run(self, inputs: CallInputs) -> CallPools:
+        """Runs one call on the oracle; returns per row its pools."""
         for seed in inputs.ring_seeds:
             seed.apply(self.ring)
-        args = (inputs.input_row_offsets, inputs.cache_lengths)
-        pooled, closed = reference.ring_close(
+        pools, self.ring = reference_step(
             self.ring,
             inputs.k,
             inputs.gate,
-            sched.ape,
-            *args,
+            self.schedule.ape,
+            inputs.input_row_offsets,
+            inputs.cache_lengths,
             inputs.slot_idx,
-            kp,
+            self.schedule.kpool,
         )
-        offsets = reference.pool_row_offsets(*args, kp)
-        rows = reference.compress(
+        return pools
+
+    def __call__(self, inputs: CallInputs) -> list[dict[int, np.ndarray]]:
+        """Runs one call on the oracle; returns per row ``{pool_id: key}``."""
+        return _keys(self.run(inputs))
+
+
+def _keys(pools: CallPools) -> list[dict[int, Any]]:
+    return [{p: row.key for p, row in got.items()} for got in pools]
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """The raw bits of an array, for bitwise comparison (NaN equals NaN)."""
+    a = np.ascontiguousarray(a)
+    return a.view(f"u{a.dtype.itemsize}")
+
+
+class DeviceServer:
+    """A :data:`StepFn` on a compiled step, mirrored by the oracle.
+
+    The device ring and the oracle's (:class:`ReferenceServer`) have the same
+    length, start NaN and receive the same restores and tokens; after each
+    call the device ring must equal the oracle's bit for bit.
+
+    Args:
+        runner: Where the step runs.
+        schedule: The schedule to serve.
+        ring_len: Ring length ``R``; ``kpool`` if None.
+        step: A step with :meth:`mla_kpool.runner.Runner.step`'s arguments
+            and result; ``runner.step`` if None.
+        check_ring: Whether to compare the rings after each call.
+    """
+
+    def __init__(
+        self,
+        runner: Runner,
+        schedule: Schedule,
+        ring_len: int | None = None,
+        step: Callable[..., Any] | None = None,
+        check_ring: bool = True,
+    ) -> None:
+        s = schedule
+        self.runner, self.schedule = runner, schedule
+        self.step = step or runner.step
+        self.ring_len = ring_len or s.kpool
+        self.ring = runner.new_ring(
+            s.max_slots, self.ring_len, s.head_dim, s.dtype, fill=np.nan
+        )
+        shape = (s.max_slots, 2, self.ring_len, s.head_dim)
+        self.oracle = ReferenceServer(s, np.full(shape, np.nan, s.dtype))
+        self.check_ring = check_ring
+        self.calls = 0
+
+    def run(
+        self, inputs: CallInputs
+    ) -> tuple[
+        list[dict[int, serving.PoolRow]], list[dict[int, serving.PoolRow]]
+    ]:
+        """Runs one call on the device and on the oracle.
+
+        Returns:
+            ``(device pools, oracle pools)``, per batch row.
+        """
+        if inputs.ring_seeds:
+            host = self.runner.read(self.ring)
+            for seed in inputs.ring_seeds:
+                seed.apply(host)
+            self.ring = self.runner.to_device(host)
+        want = self.oracle.run(inputs)
+        result = self.step(
+            self.ring,
             inputs.k,
             inputs.gate,
-            sched.ape,
+            self.schedule.ape,
             inputs.input_row_offsets,
-            offsets,
             inputs.cache_lengths,
-            kp,
+            inputs.slot_idx,
+            self.schedule.kpool,
         )
-        self.ring = reference.seed_tail(
-            self.ring, inputs.k, inputs.gate, *args, inputs.slot_idx, kp
-        )
-        out: list[dict[int, np.ndarray]] = []
-        for b, c in enumerate(inputs.cache_lengths):
-            got = {int(closed[b]): pooled[b]} if closed[b] >= 0 else {}
-            first = -(-int(c) // kp)
-            for j in range(int(offsets[b]), int(offsets[b + 1])):
-                got[first + j - int(offsets[b])] = rows[j]
-            out.append(got)
-        return out
+        if self.check_ring:
+            ring = self.runner.read(self.ring)
+            bad = np.argwhere(
+                np.any(bits(ring) != bits(self.oracle.ring), axis=-1)
+            )
+            assert bad.size == 0, (
+                f"{self.schedule.describe()}, R={self.ring_len}: after call "
+                f"{self.calls} the ring differs from the oracle's at [slot, "
+                f"plane, index] {bad.tolist()[:8]}; batch rows (request, "
+                f"slot, cache_length, tokens): {self._rows(inputs)}"
+            )
+        self.calls += 1
+        return serving.step_pools(result), want
+
+    def __call__(self, inputs: CallInputs) -> list[dict[int, np.ndarray]]:
+        """Runs one call; returns per row ``{pool_id: key}`` of the device."""
+        return _keys(self.run(inputs)[0])
+
+    @staticmethod
+    def _rows(inputs: CallInputs) -> list[tuple[int, int, int, int]]:
+        off = inputs.input_row_offsets
+        return [
+            (
+                rid,
+                int(inputs.slot_idx[b]),
+                int(inputs.cache_lengths[b]),
+                int(off[b + 1] - off[b]),
+            )
+            for b, rid in enumerate(inputs.rids)
+        ]

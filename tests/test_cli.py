@@ -29,7 +29,7 @@ from max import driver
 
 from conftest import get_runner
 from mla_kpool import __main__ as cli
-from mla_kpool import demo, workload
+from mla_kpool import demo, serving
 
 KPOOL = 4
 
@@ -255,14 +255,14 @@ def test_injected_topk_fault_fails_on_that_row(tmp_path, capsys):
 SPEC_ARGV = ["--requests", "3", "--seed", "5", "--spec-tokens", "7"]
 
 
-def spec_plan(argv: list[str]) -> workload.Plan:
+def spec_plan(argv: list[str]) -> serving.Plan:
     """The demo's plan for ``argv`` (what each call brings and keeps)."""
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
     return demo.build_plan(parser.parse_args(argv))[1]
 
 
-def spec_counts(plan: workload.Plan, kpool: int) -> dict[str, int]:
+def spec_counts(plan: serving.Plan, kpool: int) -> dict[str, int]:
     """Pool rows a correct speculative run writes, from the SPEC's rule.
 
     A call completes pools ``c // kpool`` to ``(c + n) // kpool``
@@ -363,11 +363,11 @@ def test_spec_tokens_with_listed_calls_is_a_usage_error(tmp_path, capsys):
 def test_spec_schedule_keeps_the_drafts_it_accepts():
     """schedule() with spec_tokens gives verify steps that plan() resolves."""
     rng = np.random.default_rng(3)
-    reqs = workload.generate_requests(rng, 12, KPOOL, chunk=64, max_prompt=80)
-    calls = workload.schedule(
+    reqs = serving.generate_requests(rng, 12, KPOOL, chunk=64, max_prompt=80)
+    calls = serving.schedule(
         reqs, rng, token_budget=96, max_running=4, chunk=64, spec_tokens=5
     )
-    plan = workload.plan(reqs, calls, 4, rng)
+    plan = serving.plan(reqs, calls, 4, rng)
     done = [r.cached_prefix for r in reqs]
     for call in plan.calls:
         for e in call:
@@ -526,12 +526,12 @@ def test_bad_option_values_exit_2(argv, capsys):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_generated_schedule_is_a_serving_loop(seed):
     rng = np.random.default_rng(seed)
-    reqs = workload.generate_requests(rng, 40, KPOOL, chunk=512)
+    reqs = serving.generate_requests(rng, 40, KPOOL, chunk=512)
     budget, running, chunk = 1024, 6, 256
-    calls = workload.schedule(
+    calls = serving.schedule(
         reqs, rng, token_budget=budget, max_running=running, chunk=chunk
     )
-    plan = workload.plan(reqs, calls, running, rng)
+    plan = serving.plan(reqs, calls, running, rng)
     where = f"seed {seed}"
     done = [0] * len(reqs)
     holder: dict[int, int] = {}  # slot -> request holding it
@@ -573,40 +573,40 @@ def test_generated_schedule_is_a_serving_loop(seed):
 
 def test_generated_requests_span_short_and_long():
     rng = np.random.default_rng(0)
-    reqs = workload.generate_requests(rng, 32, KPOOL, chunk=512)
+    reqs = serving.generate_requests(rng, 32, KPOOL, chunk=512)
     prompts = sorted(r.prompt for r in reqs)
     assert prompts[0] == 1
     assert KPOOL - 1 in prompts and 512 in prompts
     assert prompts[-1] >= 2000
     cached = [r for r in reqs if r.cached_prefix]
     assert cached and all(r.cached_prefix < r.prompt for r in cached)
-    again = workload.generate_requests(np.random.default_rng(0), 32, KPOOL)
+    again = serving.generate_requests(np.random.default_rng(0), 32, KPOOL)
     assert again == reqs
 
 
 def test_fault_placement_targets_a_closing_pool():
-    sched = workload.parse_schedule(SMALL)
-    plan = workload.plan(
+    sched = serving.parse_schedule(SMALL)
+    plan = serving.plan(
         sched.requests, sched.calls, 3, np.random.default_rng(0)
     )
-    fault = demo.place_fault(plan, "ring", KPOOL)
+    fault = serving.place_fault(plan, "ring", KPOOL)
     e = plan.calls[fault.call][fault.entry]
     c, n = e.cache_length, e.tokens
     assert c % KPOOL and c + n >= (c // KPOOL + 1) * KPOOL
     assert fault.pool == c // KPOOL
     assert fault.position == fault.pool * KPOOL  # member 0, in the ring
-    key = demo.place_fault(plan, "key", KPOOL)
+    key = serving.place_fault(plan, "key", KPOOL)
     e = plan.calls[key.call][key.entry]
     assert key.position == e.cache_length
     assert key.pool == e.cache_length // KPOOL
 
 
 def test_fault_placement_for_expand_topk():
-    sched = workload.parse_schedule(SMALL)
-    plan = workload.plan(
+    sched = serving.parse_schedule(SMALL)
+    plan = serving.plan(
         sched.requests, sched.calls, 3, np.random.default_rng(0)
     )
-    fault = demo.place_fault(plan, "topk", KPOOL)
+    fault = serving.place_fault(plan, "topk", KPOOL)
     call = plan.calls[fault.call]
     e = call[fault.entry]
     # The request's last token row of that call, which sees two or more
@@ -618,14 +618,14 @@ def test_fault_placement_for_expand_topk():
 
 @pytest.mark.parametrize("pool_topk", [1, 3, 512])
 def test_selection_picks_complete_visible_pools(pool_topk):
-    sched = workload.parse_schedule(SMALL)
-    plan = workload.plan(
+    sched = serving.parse_schedule(SMALL)
+    plan = serving.plan(
         sched.requests, sched.calls, 3, np.random.default_rng(0)
     )
     skipped_rows = 0
     for c, call in enumerate(plan.calls):
-        ids, skipped = demo.select_pools(9, c, call, pool_topk, KPOOL)
-        again, _ = demo.select_pools(9, c, call, pool_topk, KPOOL)
+        ids, skipped = serving.select_pools(9, c, call, pool_topk, KPOOL)
+        again, _ = serving.select_pools(9, c, call, pool_topk, KPOOL)
         np.testing.assert_array_equal(ids, again)
         assert ids.dtype == np.int32
         assert ids.shape == (sum(e.tokens for e in call), pool_topk)
@@ -657,10 +657,25 @@ def test_summary_counts_problems_in_singular_and_plural():
         (["a"], "result: FAILED, 1 problem (above)"),
         (["a", "b", "c"], "result: FAILED, 3 problems (above)"),
     ]:
-        totals = demo._Totals(problems=problems, call_seconds=[1e-3])
-        summary = demo.summarize(config, plan, totals, 1.0, 2.0, None)
+        totals = serving.Totals(problems=problems, call_seconds=[1e-3])
+        summary = serving.summarize(config, plan, totals, 1.0, 2.0, None)
         assert summary["ok"] is False
         assert demo.format_summary(summary).splitlines()[-1] == text
+
+
+@pytest.mark.parametrize(
+    "dtype, rel",
+    [("float32", 1e-5), ("float16", 2e-3), ("bfloat16", 1.6e-2)],
+)
+def test_tolerance_per_key_dtype(dtype, rel):
+    # The oracle tolerances of the contract: float32 1e-5, float16 2e-3,
+    # bfloat16 1.6e-2 (about one bfloat16 ulp, 2^-6 = 1.5625e-2).
+    assert serving.tolerance(serving.DTYPES[dtype]) == rel
+
+
+def test_tolerance_rejects_a_non_key_dtype():
+    with pytest.raises(KeyError):
+        serving.tolerance(np.int32)
 
 
 @pytest.mark.parametrize(
@@ -673,4 +688,4 @@ def test_summary_counts_problems_in_singular_and_plural():
     ],
 )
 def test_plural(count, noun, text):
-    assert demo.plural(count, noun) == text
+    assert serving.plural(count, noun) == text

@@ -32,7 +32,7 @@ REQUESTS = [("A", 2, 7), ("B", 0, 5), ("C", 3, 10)]
 DECODE_ORDER = ["C", "A", "B"]
 DECODE_STEPS = 5
 
-EVENT = re.compile(r"^  (\w) pool (\d+) \(\s*(ring|compress)\): \[")
+EVENT = re.compile(r"^  (\w) pool (\d+) \(\s*(ring_close|compress)\): \[")
 
 
 def _load(name: str) -> ModuleType:
@@ -65,7 +65,7 @@ def expected_events() -> list[list[tuple[str, int, str]]]:
             c = seen[name]
             p, r = divmod(c, KPOOL)
             if r and c + n >= (p + 1) * KPOOL:
-                step.append((name, p, "ring"))
+                step.append((name, p, "ring_close"))
             first = -(-c // KPOOL)
             for pool in range(first, (c + n) // KPOOL):
                 step.append((name, pool, "compress"))
@@ -91,7 +91,7 @@ def test_example_runs_and_prints_every_pool(example, capsys):
     assert f"OK: {pools} pools of 3 requests match" in out, out
     # The schedule exercises both writers and a call that completes nothing.
     writers = {writer for step in want for _, _, writer in step}
-    assert writers == {"ring", "compress"} and [] in want
+    assert writers == {"ring_close", "compress"} and [] in want
 
 
 def test_example_check_catches_wrong_missing_and_duplicate_pools(example):

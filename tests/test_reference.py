@@ -17,6 +17,7 @@ import pytest
 
 from mla_kpool import reference as ref
 from mla_kpool._metadata import check_metadata
+from mla_kpool.serving import first_pool_ids, pools_of_call
 
 NAN = np.nan
 U32_TOP = 2**32
@@ -816,18 +817,15 @@ def _stream(rng, lengths, kpool, ring, head_dim, index_dtype):
         out = ref.compress(k, g, ape, offsets, pool_offsets, meta[1], kpool)
         tail = ref.seed_tail(tail, k, g, *meta, kpool)
 
+        produced = pools_of_call(
+            closed, pooled, out, pool_offsets, first_pool_ids(cache, kpool)
+        )
         for b in range(batch):
-            found = []
-            if closed[b] >= 0:
-                found.append((int(closed[b]), pooled[b]))
-            first = -(-cache[b] // kpool)
-            for j in range(int(pool_offsets[b + 1] - pool_offsets[b])):
-                found.append((first + j, out[int(pool_offsets[b]) + j]))
-            for pool_id, value in found:
+            for pool_id, row in produced[b].items():
                 assert pool_id not in got[b], (
                     f"pool {pool_id} of request {b} twice"
                 )
-                got[b][pool_id] = value
+                got[b][pool_id] = row.key
             cache[b] += chunk[b]
     return got, keys, gates, ape
 

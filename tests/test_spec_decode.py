@@ -1,5 +1,5 @@
 """Speculative decoding through the step: the one-pool ring hazard, and rings
-of several pools (issue 7).
+of several pools.
 
 A verify call brings a request's next true token followed by ``d`` draft
 tokens. The target model keeps the first ``a`` of the ``n = d + 1`` tokens
@@ -21,9 +21,10 @@ have overwritten the pending pool's older members. A ring of
   tokens at position 6 keeping 1, then true tokens from 7): pool 1 comes out
   wrong with ``R = 4`` and with ``R = 8`` (one pool less than needed), right
   with ``R = ring_length(4, 8) = 12``;
-- seeded speculative schedules (1-8 tokens per verify, none to all drafts
-  accepted, several requests per call on slots that are not their rows,
-  slots reused) on ``R = 12``: every pool's final row matches
+- seeded speculative schedules from the serving model's scheduler
+  (:func:`mla_kpool.serving.schedule`: 1-8 tokens per verify, none to all
+  drafts accepted, several requests per call on slots that are not their
+  rows, slots reused) on ``R = 12``: every pool's final row matches
   :func:`reference.pool_sequence` of the accepted stream and is bitwise equal
   to the same model's one-shot compress of that stream; the same schedules
   on ``R = kpool`` break a pool;
@@ -33,7 +34,8 @@ have overwritten the pending pool's older members. A ring of
 Every call is mirrored on the float64 oracle (:mod:`mla_kpool.reference`)
 served the same inputs on a ring of the same length: the device ring must
 equal the oracle's bit for bit after every call, and every pool the call
-produced (drafts included) must match the oracle's within SPEC tolerance.
+produced (drafts included) must match the oracle's within the key dtype's
+tolerance.
 Unwritten ring entries start NaN, so a read of one poisons its pool.
 
 Models: the ``R = kpool`` step models of float32 k4 d128, bfloat16 k4 d128
@@ -43,7 +45,7 @@ three at ``R = 12``, and float32 k4 d128 at ``R = 8``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -58,8 +60,13 @@ from kpool_cases import (
     Config,
     assert_pooled_close,
 )
-from mla_kpool import reference, ring_length
+from mla_kpool import reference, ring_length, serving
 from mla_kpool.runner import Runner, StepResult
+from mla_kpool.serving import (
+    PoolRecord,
+    keep_latest,
+    pools_completed,
+)
 
 KPOOL = 4
 #: Most drafts per verify call: 8 tokens, vLLM's kpool-4 production case.
@@ -73,133 +80,40 @@ DTYPE_CONFIGS = [MAIN, Config(BF16, 4, 128), Config(F16, 4, 96)]
 assert all(c in STEP_CONFIGS for c in DTYPE_CONFIGS)
 
 
-def _bits(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    return a.view(f"u{a.dtype.itemsize}")
-
-
-def _draw(
-    rng: np.random.Generator, rows: int, head_dim: int, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray]:
-    """Keys ~ N(0, 1), gates ~ N(0, 4^2): every member counts."""
-    keys = rng.standard_normal((rows, head_dim)).astype(dtype)
-    gates = (4.0 * rng.standard_normal((rows, head_dim))).astype(dtype)
-    return keys, gates
-
-
 # --------------------------------------------------------------------------
-# Speculative schedules
+# Speculative schedules: plans of the serving model
 # --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class SpecRequest:
-    """A request and its true sequence (the accepted stream's tokens).
+class SpecSchedule(sch.Schedule):
+    """A :class:`schedules.Schedule` of speculative decoding.
 
-    Attributes:
-        rid: Request id (index in :attr:`SpecSchedule.requests`).
-        slot: Ring slot while in flight.
-        keys: ``[length, head_dim]`` true keys of positions ``0..length-1``.
-        gates: ``[length, head_dim]`` true gate scores.
+    Its entries at or past the prompt are verify steps: ``tokens`` brought,
+    the first ``accepted`` kept, the rest drafts (the serving model's
+    :func:`mla_kpool.serving.draft_rows`, never the true keys).
     """
 
-    rid: int
-    slot: int
-    keys: np.ndarray = field(repr=False)
-    gates: np.ndarray = field(repr=False)
-
-
-@dataclass(frozen=True)
-class SpecPiece:
-    """One request's row in one call.
-
-    Attributes:
-        rid: The request.
-        cache_length: Accepted tokens before the call (``c``).
-        tokens: Tokens the call brings (``n``).
-        accepted: Of those, how many the request keeps (``a``, the first
-            ``a``); ``n`` for prefill.
-        verify: Whether it is a verify step (else a prefill chunk).
-        draft_keys: ``[n - a, head_dim]`` keys of the rejected tokens, all
-            different from the true keys of those positions.
-        draft_gates: ``[n - a, head_dim]`` their gate scores.
-    """
-
-    rid: int
-    cache_length: int
-    tokens: int
-    accepted: int
-    verify: bool
-    draft_keys: np.ndarray = field(repr=False)
-    draft_gates: np.ndarray = field(repr=False)
-
-    def accepted_pool(self, pool: int, kpool: int) -> bool:
-        """Whether every member of ``pool`` is an accepted token."""
-        return (pool + 1) * kpool <= self.cache_length + self.accepted
-
-
-@dataclass(frozen=True)
-class SpecSchedule:
-    """Calls of verify steps and prefill chunks for some requests."""
-
-    name: str
-    seed: int
-    cfg: Config
-    max_slots: int
-    ape: np.ndarray = field(repr=False)
-    requests: tuple[SpecRequest, ...] = field(repr=False)
-    calls: tuple[tuple[SpecPiece, ...], ...] = field(repr=False)
-
-    def describe(self) -> str:
-        return (
-            f"spec schedule {self.name!r} seed={self.seed} {self.cfg.id} "
-            f"({len(self.calls)} calls, {len(self.requests)} requests)"
-        )
+    @property
+    def cfg(self) -> Config:
+        return Config(self.dtype, self.kpool, self.head_dim)
 
     def accepted_length(self, rid: int) -> int:
         """Length of the request's accepted stream after the last call."""
-        return sum(
-            p.accepted for call in self.calls for p in call if p.rid == rid
-        )
-
-    def call_inputs(self, index: int) -> dict[str, np.ndarray]:
-        """Operands of call ``index`` (besides the ring and ``ape``)."""
-        cfg = self.cfg
-        keys = [np.zeros((0, cfg.head_dim), cfg.dtype)]
-        gates = [np.zeros((0, cfg.head_dim), cfg.dtype)]
-        for p in self.calls[index]:
-            r = self.requests[p.rid]
-            span = slice(p.cache_length, p.cache_length + p.accepted)
-            keys += [r.keys[span], p.draft_keys]
-            gates += [r.gates[span], p.draft_gates]
-        counts = [p.tokens for p in self.calls[index]]
-        return {
-            "k": np.concatenate(keys),
-            "gate": np.concatenate(gates),
-            "input_row_offsets": np.concatenate(
-                [[0], np.cumsum(counts)]
-            ).astype(np.uint32),
-            "cache_lengths": np.array(
-                [p.cache_length for p in self.calls[index]], np.uint32
-            ),
-            "slot_idx": np.array(
-                [self.requests[p.rid].slot for p in self.calls[index]],
-                np.uint32,
-            ),
-        }
+        return self.requests[rid].fed
 
     def features(self) -> frozenset[str]:
         """What the schedule exercises (checked, so no case is vacuous)."""
         kp = self.cfg.kpool
         out = set()
         for call in self.calls:
-            for row, p in enumerate(call):
-                c, n, a = p.cache_length, p.tokens, p.accepted
-                if self.requests[p.rid].slot != row:
+            for row, e in enumerate(call):
+                c, n, a = e.cache_length, e.tokens, e.accepted
+                if e.slot != row:
                     out.add("slot_not_row")
                 if len(call) > 1:
                     out.add("batched")
-                if not p.verify:
+                if c < self.plan.requests[e.request].prompt:
                     out.add("prefill")
                     continue
                 if n == 1:
@@ -219,38 +133,9 @@ class SpecSchedule:
                     out.add("pending_pool_rejected")
                 if (c + n) // kp > -(-c // kp) and (c + n) // kp * kp > c + a:
                     out.add("compress_pool_rejected")
-        slots = [r.slot for r in self.requests]
-        if len(set(slots)) < len(slots):
+        if self.plan.slot_reuses:
             out.add("slot_reuse")
         return frozenset(out)
-
-
-def _drafts(
-    rng: np.random.Generator,
-    req: SpecRequest,
-    start: int,
-    count: int,
-    cfg: Config,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Draft rows for positions from ``start`` on, never the true ones."""
-    keys, gates = _draw(rng, count, cfg.head_dim, cfg.dtype)
-    true = req.keys[start : start + count]
-    same = np.all(_bits(keys[: len(true)]) == _bits(true), axis=1)
-    assert not same.any(), "a draft key equals the true key"
-    return keys, gates
-
-
-def _piece(
-    rng: np.random.Generator,
-    req: SpecRequest,
-    c: int,
-    n: int,
-    a: int,
-    verify: bool,
-    cfg: Config,
-) -> SpecPiece:
-    keys, gates = _drafts(rng, req, c + a, n - a, cfg)
-    return SpecPiece(req.rid, c, n, a, verify, keys, gates)
 
 
 #: The hand scenario, one request: ``(tokens, accepted)`` per call. Positions
@@ -265,17 +150,12 @@ assert HAND_LENGTH == 20
 
 
 def hand_scenario(cfg: Config, seed: int = 7) -> SpecSchedule:
-    """The hand scenario on slot 2 of 3 (batch row 0)."""
+    """The hand scenario: a 6-token prompt, then verify steps, 3 slots."""
+    request = serving.Request(prompt=6, generate=HAND_LENGTH - 6)
+    calls = [[(0, n, a)] for n, a in HAND_CALLS]
     rng = np.random.default_rng(seed)
-    ape = (2.0 * rng.standard_normal((cfg.kpool, cfg.head_dim))).astype(
-        np.float32
-    )
-    req = SpecRequest(0, 2, *_draw(rng, HAND_LENGTH, cfg.head_dim, cfg.dtype))
-    calls, c = [], 0
-    for n, a in HAND_CALLS:
-        calls.append((_piece(rng, req, c, n, a, n > 1 and a < n, cfg),))
-        c += a
-    return SpecSchedule("hand", seed, cfg, 3, ape, (req,), tuple(calls))
+    plan = serving.plan([request], calls, 3, rng)
+    return SpecSchedule("hand", seed, cfg.dtype, cfg.kpool, cfg.head_dim, plan)
 
 
 def random_spec_schedule(
@@ -283,75 +163,38 @@ def random_spec_schedule(
     cfg: Config,
     requests: int = 6,
     max_batch: int = 3,
-    max_slots: int = 5,
 ) -> SpecSchedule:
-    """A seeded speculative serving loop.
+    """A seeded speculative serving loop of the serving model's scheduler.
 
-    Each request prefills a prompt of 1 to ``3 * kpool + 5`` tokens in
-    chunks of 1 to ``2 * kpool + 3`` (all accepted), then decodes through
-    verify steps of ``1 + d`` tokens, ``d`` uniform in ``0..MAX_DRAFTS``;
-    the accepted count is 1 (no draft kept) or ``n`` (all kept) with
-    probability 0.3 each, else uniform in ``1..n``, and never runs past the
-    request's length (drafts may). Requests join while batch room and a
-    slot are free (the last freed slot first), sit out a call now and then,
-    and leave when their sequence is accepted to the end. Batch rows are
-    shuffled every call.
+    Each request has a prompt of 1 to ``3 * kpool + 5`` tokens, prefilled
+    in chunks of at most ``2 * kpool + 3``, then ``6 * kpool`` to
+    ``12 * kpool - 1`` tokens decoded through verify steps of ``1 + d``
+    tokens, ``d`` uniform in ``0..MAX_DRAFTS``, each draft kept with the
+    scheduler's acceptance after the ones before it (never past the
+    request's end; drafts may run past it). At most ``max_batch`` requests
+    run at once, so later ones join in slots earlier ones freed.
     """
     rng = np.random.default_rng(seed)
-    kp, hd = cfg.kpool, cfg.head_dim
-    ape = (2.0 * rng.standard_normal((kp, hd))).astype(np.float32)
-    free = [int(s) for s in rng.permutation(max_slots)]
-    reqs: list[SpecRequest] = []
-    prompts: list[int] = []
-    pos: list[int] = []
-    live: list[int] = []
-    calls: list[tuple[SpecPiece, ...]] = []
-    while len(reqs) < requests or live:
-        joins = 2 if not calls else int(rng.random() < 0.6)
-        for _ in range(joins):
-            if len(reqs) < requests and len(live) < max_batch and free:
-                prompt = int(rng.integers(1, 3 * kp + 6))
-                length = prompt + int(rng.integers(6 * kp, 12 * kp))
-                rid = len(reqs)
-                reqs.append(
-                    SpecRequest(
-                        rid, free.pop(), *_draw(rng, length, hd, cfg.dtype)
-                    )
-                )
-                prompts.append(prompt)
-                pos.append(0)
-                live.append(rid)
-        pieces = []
-        for i in rng.permutation(len(live)):
-            rid = live[int(i)]
-            req, c = reqs[rid], pos[rid]
-            left = req.keys.shape[0] - c
-            if rng.random() < 0.1:
-                continue
-            if c < prompts[rid]:
-                n = min(prompts[rid] - c, int(rng.integers(1, 2 * kp + 4)))
-                piece = _piece(rng, req, c, n, n, False, cfg)
-            else:
-                n = 1 + int(rng.integers(0, MAX_DRAFTS + 1))
-                u = rng.random()
-                a = (
-                    1
-                    if u < 0.3
-                    else n
-                    if u < 0.6
-                    else int(rng.integers(1, n + 1))
-                )
-                piece = _piece(rng, req, c, n, min(a, left), True, cfg)
-            pieces.append(piece)
-            pos[rid] += piece.accepted
-        if pieces:
-            calls.append(tuple(pieces))
-        for rid in list(live):
-            if pos[rid] == reqs[rid].keys.shape[0]:
-                live.remove(rid)
-                free.append(reqs[rid].slot)
+    kp = cfg.kpool
+    reqs = [
+        serving.Request(
+            prompt=int(rng.integers(1, 3 * kp + 6)),
+            generate=int(rng.integers(6 * kp, 12 * kp)),
+        )
+        for _ in range(requests)
+    ]
+    calls = serving.schedule(
+        reqs,
+        rng,
+        token_budget=4 * (MAX_DRAFTS + 1) * max_batch,
+        max_running=max_batch,
+        chunk=2 * kp + 3,
+        spec_tokens=MAX_DRAFTS,
+        min_spec_tokens=0,
+    )
+    plan = serving.plan(reqs, calls, max_batch, rng)
     return SpecSchedule(
-        "random", seed, cfg, max_slots, ape, tuple(reqs), tuple(calls)
+        "random", seed, cfg.dtype, cfg.kpool, cfg.head_dim, plan
     )
 
 
@@ -360,52 +203,12 @@ def random_spec_schedule(
 # --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Row:
-    """The row a pipeline keeps for one pool id: the latest call's output."""
-
-    key: np.ndarray
-    call: int
-    accepted: bool
-
-
 @dataclass
 class Served:
     """What a served schedule left: per request, pool id -> kept row."""
 
-    final: dict[int, dict[int, Row]]
+    final: dict[int, dict[int, PoolRecord]]
     rewrites: int = 0
-
-
-def _oracle_pools(
-    ring: np.ndarray, ins: dict[str, np.ndarray], ape: np.ndarray, kp: int
-) -> tuple[list[dict[int, np.ndarray]], np.ndarray]:
-    """The oracle's step: per row ``{pool: key}``, and the ring after it."""
-    meta = (ins["input_row_offsets"], ins["cache_lengths"])
-    pooled, closed = reference.ring_close(
-        ring, ins["k"], ins["gate"], ape, *meta, ins["slot_idx"], kp
-    )
-    offsets = reference.pool_row_offsets(*meta, kp)
-    rows = reference.compress(
-        ins["k"],
-        ins["gate"],
-        ape,
-        ins["input_row_offsets"],
-        offsets,
-        ins["cache_lengths"],
-        kp,
-    )
-    ring = reference.seed_tail(
-        ring, ins["k"], ins["gate"], *meta, ins["slot_idx"], kp
-    )
-    out = []
-    for b, c in enumerate(ins["cache_lengths"]):
-        got = {int(closed[b]): pooled[b]} if closed[b] >= 0 else {}
-        first = -(-int(c) // kp)
-        for j in range(int(offsets[b]), int(offsets[b + 1])):
-            got[first + j - int(offsets[b])] = rows[j]
-        out.append(got)
-    return out, ring
 
 
 def serve(runner: Runner, s: SpecSchedule, ring_len: int) -> Served:
@@ -418,56 +221,46 @@ def serve(runner: Runner, s: SpecSchedule, ring_len: int) -> Served:
     again (only rows with a rejected member may be redone).
     """
     cfg, kp = s.cfg, s.cfg.kpool
-    shape = (s.max_slots, 2, ring_len, cfg.head_dim)
-    ring = runner.new_ring(
-        s.max_slots, ring_len, cfg.head_dim, cfg.dtype, fill=np.nan
-    )
-    mirror = np.full(shape, np.nan, dtype=cfg.dtype)
+    server = sch.DeviceServer(runner, s, ring_len)
     scale = max(
         float(np.abs(r.keys.astype(np.float64)).max()) for r in s.requests
     )
     served = Served({r.rid: {} for r in s.requests})
     for index, call in enumerate(s.calls):
-        ins = s.call_inputs(index)
-        result = runner.step(ring, ape=s.ape, kpool=kp, **ins)
-        want, mirror = _oracle_pools(mirror, ins, s.ape, kp)
+        # Checks the device ring against the oracle's, bit for bit.
+        produced_pools, want = server.run(s.call_inputs(index))
         where = f"{s.describe()}, R={ring_len}, call {index}"
-        bad = np.argwhere(
-            np.any(_bits(runner.read(ring)) != _bits(mirror), axis=-1)
-        )
-        assert bad.size == 0, (
-            f"{where}: ring differs from the oracle's at [slot, plane, index] "
-            f"{bad.tolist()[:8]}"
-        )
-        for b, (p, got) in enumerate(zip(call, result.pools(), strict=True)):
+        for b, (p, got) in enumerate(zip(call, produced_pools, strict=True)):
             row = (
-                f"{where}, row {b} (request {p.rid}, slot "
-                f"{s.requests[p.rid].slot}, c={p.cache_length}, "
+                f"{where}, row {b} (request {p.request}, slot "
+                f"{p.slot}, c={p.cache_length}, "
                 f"n={p.tokens}, a={p.accepted})"
             )
-            expected = sch.pools_completed(p.cache_length, p.tokens, kp)
+            expected = pools_completed(p.cache_length, p.tokens, kp)
             assert sorted(got) == list(expected), (
                 f"{row}: produced pools {sorted(got)}, expected "
                 f"{list(expected)}"
             )
-            for pool, key in got.items():
+            for pool, produced in got.items():
                 assert_pooled_close(
-                    key,
-                    want[b][pool],
+                    produced.key,
+                    want[b][pool].key,
                     cfg.dtype,
                     scale,
                     what=f"{row}: pool {pool} vs the oracle's step",
                 )
-                kept = served.final[p.rid].get(pool)
-                if kept is not None:
-                    assert not kept.accepted, (
-                        f"{row}: pool {pool} again, but call {kept.call} "
-                        f"already produced it from accepted tokens"
-                    )
-                    served.rewrites += 1
-                served.final[p.rid][pool] = Row(
-                    key, index, p.accepted_pool(pool, kp)
-                )
+            rewritten, twice = keep_latest(
+                served.final[p.request],
+                got,
+                index,
+                p.cache_length + p.accepted,
+                kp,
+            )
+            assert not twice, (
+                f"{row}: pools {twice} again, but an earlier call already "
+                f"produced them from accepted tokens"
+            )
+            served.rewrites += rewritten
     return served
 
 
@@ -550,7 +343,7 @@ def assert_accepted_stream(
             p
             for p in ids
             if not np.array_equal(
-                _bits(served.final[r.rid][p].key), _bits(whole[r.rid][p])
+                sch.bits(served.final[r.rid][p].key), sch.bits(whole[r.rid][p])
             )
         ]
         assert not differ, (
@@ -672,18 +465,6 @@ def test_random_spec_schedule_breaks_one_pool_ring(
 # --------------------------------------------------------------------------
 
 
-def _restore_prefixes(
-    host: np.ndarray, s: sch.Schedule, inputs: sch.CallInputs
-) -> None:
-    """Puts a resumed prefix's pending members at ``pos % R`` of a ring."""
-    ring_len = host.shape[2]
-    for seed in inputs.ring_seeds:
-        prefix = s.requests[seed.rid].prefix
-        positions = np.arange(prefix // s.kpool * s.kpool, prefix)
-        host[seed.slot, 0, positions % ring_len] = seed.keys
-        host[seed.slot, 1, positions % ring_len] = seed.gates
-
-
 NO_REJECTION_CASES = [
     pytest.param(cfg, seed, id=f"{cfg.id}-seed{seed}")
     for cfg in DTYPE_CONFIGS
@@ -732,9 +513,10 @@ def test_deep_ring_bitwise_equal_without_rejection(
         for n in lengths:
             if inputs.ring_seeds:
                 host = runner.read(rings[n])
-                _restore_prefixes(host, s, inputs)
+                for seed in inputs.ring_seeds:
+                    seed.apply(host)
+                    seed.apply(mirrors[n])
                 rings[n] = runner.to_device(host)
-                _restore_prefixes(mirrors[n], s, inputs)
             outs[n] = runner.step(rings[n], *args)
             mirrors[n] = reference.seed_tail(
                 mirrors[n],
@@ -746,7 +528,7 @@ def test_deep_ring_bitwise_equal_without_rejection(
                 cfg.kpool,
             )
             host = runner.read(rings[n])
-            assert np.array_equal(_bits(host), _bits(mirrors[n])), (
+            assert np.array_equal(sch.bits(host), sch.bits(mirrors[n])), (
                 f"{s.describe()}: R={n} ring differs from the oracle's "
                 f"after call {index}"
             )
@@ -759,7 +541,7 @@ def test_deep_ring_bitwise_equal_without_rejection(
             "first_pool",
         ):
             a, b = getattr(short, name), getattr(deep, name)
-            assert np.array_equal(_bits(a), _bits(b)), (
+            assert np.array_equal(sch.bits(a), sch.bits(b)), (
                 f"{s.describe()}: call {index}: {name} differs between "
                 f"R={lengths[0]} and R={lengths[1]}"
             )

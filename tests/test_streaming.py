@@ -1,11 +1,13 @@
 """Seeded serving schedules through the (fused) step, pool for pool.
 
-Each schedule (see :mod:`schedules`) draws every request's whole sequence
-first, then feeds it through :meth:`Runner.step` over many calls: chunked
-prefill, single- and multi-token decode, requests joining late and leaving
-early, ring slots handed from a finished request to a new one, and requests
-resuming from a cached prefix that ends mid-pool (ring pre-seeded with the
-prefix's trailing members). Per schedule:
+Each schedule (see :mod:`schedules`: named workloads planned by the
+serving model, :mod:`mla_kpool.serving`) knows every request's whole
+sequence first, then feeds it through :meth:`Runner.step` over many calls:
+chunked prefill, single- and multi-token decode, rows with no tokens,
+requests joining late and leaving early, ring slots handed from a finished
+request to a new one, and requests resuming from a cached prefix that ends
+mid-pool (the prefix's trailing members restored into the ring on
+admission). Per schedule:
 
 - every call produces exactly the pools it completes, per request
   (:func:`schedules.replay`), so every pool comes out exactly once;
@@ -13,9 +15,10 @@ prefix's trailing members). Per schedule:
   float64 oracle served the same calls (unused entries start NaN, so a
   stale read poisons a pool and a stray write shows);
 - every pool matches :func:`reference.pool_sequence` on the request's
-  whole sequence within SPEC tolerance, and is bitwise equal to the same
-  step model run once on the whole sequence with ``cache_lengths = 0``
-  (compress builds every pool then), whichever writer built it streaming.
+  whole sequence within the key dtype's tolerance, and is bitwise equal to
+  the same step model run once on the whole sequence with
+  ``cache_lengths = 0`` (compress builds every pool then), whichever
+  writer built it streaming.
 
 The last test shows the ordering hazard is real: a step that runs seed_tail
 before ring_close on the same ring closes a pool from overwritten members.
@@ -157,81 +160,6 @@ CASES = [
 ]
 
 
-def _bits(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    return a.view(f"u{a.dtype.itemsize}")
-
-
-class DeviceServer:
-    """A :data:`schedules.StepFn` on a compiled step, mirrored by the oracle.
-
-    After each call the device ring must equal the oracle server's ring bit
-    for bit (both start NaN and receive the same seeds and tokens).
-    """
-
-    def __init__(
-        self,
-        runner: Runner,
-        schedule: sch.Schedule,
-        step: Callable[..., StepResult] | None = None,
-        check_ring: bool = True,
-    ) -> None:
-        s = schedule
-        self.runner, self.schedule = runner, schedule
-        self.step = step or runner.step
-        self.ring = runner.new_ring(
-            s.max_slots, s.kpool, s.head_dim, s.dtype, fill=np.nan
-        )
-        self.oracle = sch.ReferenceServer(s)
-        self.check_ring = check_ring
-        self.calls = 0
-
-    def __call__(self, inputs: sch.CallInputs) -> list[dict[int, np.ndarray]]:
-        if inputs.ring_seeds:
-            host = self.runner.read(self.ring)
-            for seed in inputs.ring_seeds:
-                seed.apply(host)
-            self.ring = self.runner.to_device(host)
-        self.oracle(inputs)  # advances the mirror ring
-        result = self.step(
-            self.ring,
-            inputs.k,
-            inputs.gate,
-            self.schedule.ape,
-            inputs.input_row_offsets,
-            inputs.cache_lengths,
-            inputs.slot_idx,
-            self.schedule.kpool,
-        )
-        if self.check_ring:
-            ring = self.runner.read(self.ring)
-            bad = np.argwhere(
-                np.any(_bits(ring) != _bits(self.oracle.ring), axis=-1)
-            )
-            assert bad.size == 0, (
-                f"{self.schedule.describe()}: after call {self.calls} the "
-                f"ring differs from the oracle's at [slot, plane, index] "
-                f"{bad.tolist()[:8]}; batch rows (request, slot, "
-                f"cache_length, tokens): "
-                f"{self._rows(inputs)}"
-            )
-        self.calls += 1
-        return result.pools()
-
-    @staticmethod
-    def _rows(inputs: sch.CallInputs) -> list[tuple[int, int, int, int]]:
-        off = inputs.input_row_offsets
-        return [
-            (
-                rid,
-                int(inputs.slot_idx[b]),
-                int(inputs.cache_lengths[b]),
-                int(off[b + 1] - off[b]),
-            )
-            for b, rid in enumerate(inputs.rids)
-        ]
-
-
 def whole_sequence_pools(
     runner: Runner, schedule: sch.Schedule
 ) -> dict[int, dict[int, np.ndarray]]:
@@ -264,7 +192,7 @@ def _stack(pools: dict[int, np.ndarray], ids: range, head_dim: int):
 def check_schedule(runner: Runner, schedule: sch.Schedule) -> int:
     """Replays ``schedule`` and checks every pool; returns the pool count."""
     s = schedule
-    streamed = sch.replay(s, DeviceServer(runner, s))
+    streamed = sch.replay(s, sch.DeviceServer(runner, s))
     one_shot = whole_sequence_pools(runner, s)
     total = 0
     for r in s.requests:
@@ -287,7 +215,7 @@ def check_schedule(runner: Runner, schedule: sch.Schedule) -> int:
         differ = [
             p
             for p, a, b in zip(ids, got, whole, strict=True)
-            if not np.array_equal(_bits(a), _bits(b))
+            if not np.array_equal(sch.bits(a), sch.bits(b))
         ]
         assert not differ, (
             f"{where}: pools {differ} differ bitwise from compress on the "
@@ -316,10 +244,7 @@ def test_scenarios_cover_the_reported_patterns() -> None:
     assert any(r.prefix % 128 == 64 for r in prefix.requests)
     pair = _interleaved(0, MAIN)
     for call in pair.calls:
-        assert [(p.rid, pair.requests[p.rid].slot) for p in call.pieces] == [
-            (0, 5),
-            (1, 0),
-        ]
+        assert [(e.request, e.slot) for e in call] == [(0, 5), (1, 0)]
     long = SCENARIOS[3].build(0, KPOOL_128)
     head = long.requests[0]
     assert head.prefix > 5000 and head.prefix % 128
@@ -488,7 +413,8 @@ def test_seed_tail_before_ring_close_breaks_pools(device: str) -> None:
 
     schedule = sch.random_schedule(seed, cfg.dtype, kp, hd)
     streamed = sch.replay(
-        schedule, DeviceServer(runner, schedule, step=step, check_ring=False)
+        schedule,
+        sch.DeviceServer(runner, schedule, step=step, check_ring=False),
     )
     worst = 0.0
     for r in schedule.requests:

@@ -558,15 +558,18 @@ class StepResult:
     first_pool: np.ndarray
 
     def pools(self) -> list[dict[int, np.ndarray]]:
-        """Every pool this call produced, per request: ``{pool_id: key}``."""
-        batch = self.ring_closed_pool.shape[0]
-        out: list[dict[int, np.ndarray]] = [{} for _ in range(batch)]
-        for b in range(batch):
-            closed = int(self.ring_closed_pool[b])
-            if closed >= 0:
-                out[b][closed] = self.ring_pooled[b]
-            lo = int(self.pool_row_offsets[b])
-            hi = int(self.pool_row_offsets[b + 1])
-            for j in range(hi - lo):
-                out[b][int(self.first_pool[b]) + j] = self.pooled[lo + j]
-        return out
+        """Every pool this call produced, per request: ``{pool_id: key}``.
+
+        The keys of :func:`mla_kpool.serving.pools_of_call`, which also
+        says which writer built each one.
+        """
+        from .serving import pools_of_call
+
+        rows = pools_of_call(
+            self.ring_closed_pool,
+            self.ring_pooled,
+            self.pooled,
+            self.pool_row_offsets,
+            self.first_pool,
+        )
+        return [{p: row.key for p, row in got.items()} for got in rows]
