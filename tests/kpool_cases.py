@@ -87,7 +87,7 @@ def assert_pooled_close(
     scale: float,
     what: str = "pooled",
 ) -> None:
-    """Asserts kernel output matches the float64 oracle within SPEC tolerance.
+    """Asserts kernel output matches the float64 oracle within tolerance.
 
     Args:
         actual: Kernel output (any float dtype).

@@ -1,17 +1,17 @@
 """The command line: ``python -m mla_kpool demo`` and its workloads.
 
-The demo runs in-process on small workloads with the suite's shared CPU
-runner, on two step models the suite compiles anyway (bfloat16 and float32
-at kpool 4, head_dim 128), so it adds no compile. Its counts are checked
-against numbers derived here from the schedule and the SPEC (pools per
-request, pools ring_close must close), not against the demo's own
-bookkeeping. ``--inject-fault`` must make it fail on exactly the corrupted
-pool; bad schedule files must give a usage error that says what is wrong.
-``--spec-tokens 7`` runs on the bfloat16 step model with the 12-entry ring
-that tests/test_spec_decode.py compiles too; its pool counts (rows written,
-rewritten after a rejection, dropped past the end) are derived from the
-plan's accepted counts and the SPEC's pool rule.
-The scheduler and slot planner are checked directly, with no kernels.
+The demo runs in-process on small workloads with the suite's shared CPU runner,
+on two step models the suite compiles anyway (bfloat16 and float32 at kpool 4,
+head_dim 128), so it adds no compile. Its counts are checked against numbers
+derived here from the schedule and the op contracts (pools per request, pools
+ring_close must close), not against the demo's own bookkeeping. ``--inject-
+fault`` must make it fail on exactly the corrupted pool; bad schedule files
+must give a usage error that says what is wrong. ``--spec-tokens 7`` runs on
+the bfloat16 step model with the 12-entry ring that tests/test_spec_decode.py
+compiles too; its pool counts (rows written, rewritten after a rejection,
+dropped past the end) are derived from the plan's accepted counts and the
+contracts' pool rule. The scheduler and slot planner are checked directly, with
+no kernels.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ SMALL = {
 
 
 def expected_counts(sched: dict[str, Any]) -> dict[str, int]:
-    """Counts a correct run must report, derived from the SPEC alone."""
+    """Counts a correct run must report, from the op contracts alone."""
     kpool = sched["kpool"]
     reqs = sched["requests"]
     seen = [r.get("cached_prefix", 0) for r in reqs]
@@ -68,7 +68,7 @@ def expected_counts(sched: dict[str, Any]) -> dict[str, int]:
     for call in sched["calls"]:
         for i, n in call:
             c = seen[i]
-            # SPEC 3: a pending pool (c % kpool != 0) closes when the call
+            # ring_close: a pending pool (c % kpool != 0) closes when the call
             # brings the rest of it.
             if c % kpool and c + n >= (c // kpool + 1) * kpool:
                 ring_close += 1
@@ -263,7 +263,7 @@ def spec_plan(argv: list[str]) -> serving.Plan:
 
 
 def spec_counts(plan: serving.Plan, kpool: int) -> dict[str, int]:
-    """Pool rows a correct speculative run writes, from the SPEC's rule.
+    """Pool rows a correct speculative run writes, from the contracts' rule.
 
     A call completes pools ``c // kpool`` to ``(c + n) // kpool``
     (exclusive) for a row of ``n`` tokens at cache length ``c``, drafts

@@ -4,7 +4,7 @@ Each case is data (:class:`Case`): the call's metadata and how its
 ``pool_ids`` are drawn. Every case runs on the CPU kernel, on the GPU
 kernel over the emulated grid, and on a real GPU when there is one, and
 must equal :func:`mla_kpool.reference.expand_topk` exactly (integers).
-Where the offsets decrease, the spec only promises each row is all ``-1``
+Where the offsets decrease, the contract only promises each row is all ``-1``
 or some owning request's expansion, and those rows are checked against
 :func:`mla_kpool.reference.expand_topk_candidates`.
 

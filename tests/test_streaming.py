@@ -302,7 +302,7 @@ def test_replay_rejects_missing_and_duplicate_pools() -> None:
 
 
 # --------------------------------------------------------------------------
-# The ordering hazard (SPEC section 8)
+# The ordering hazard (docs/serving.md, ordering the writers)
 # --------------------------------------------------------------------------
 
 

@@ -493,7 +493,7 @@ def compress_ambiguous_rows(
     kpool: int,
     total_tokens: int,
 ) -> np.ndarray:
-    """Marks `compress` output rows whose content the spec leaves open.
+    """Marks `compress` output rows whose content the contract leaves open.
 
     With non-decreasing `pool_row_offsets` every row is determined (each
     request's pools truncated to its own span, zeros elsewhere) and nothing
@@ -790,7 +790,7 @@ def expand_topk(
 def expand_topk_ambiguous_rows(
     input_row_offsets: np.ndarray, cache_lengths: np.ndarray, total_tokens: int
 ) -> np.ndarray:
-    """Marks `expand_topk` rows whose content the spec leaves open.
+    """Marks `expand_topk` rows whose content the contract leaves open.
 
     With non-decreasing `input_row_offsets` (every real batch) each row has
     at most one owner and nothing is marked. When the offsets decrease
