@@ -1,6 +1,6 @@
 """The mla-kpool Mojo package: CPU and GPU kernels of the k-pooled sparse-attention indexer.
 
-Registers four graph ops, under the names MAX 26.7 gives its GPU-only
+Registers four graph ops under the names MAX 26.7 gives its GPU-only
 builtins, so that a graph loading this package runs them on CPU and GPU:
 
 - `mo.mla.kpool.ring_close` (`ring_close.mojo`): closes each request's
@@ -13,8 +13,9 @@ builtins, so that a graph loading this package runs them on CPU and GPU:
   indexer selected per query token into the token positions attention
   reads.
 
-The three writers share the per-channel pooling routine in `pooling.mojo`,
-so a pool comes out bitwise identical whichever writer builds it.
+`ring_close`, `compress` and the fused step share the per-channel pooling
+routine in `pooling.mojo`, so a pool comes out bitwise identical whichever
+of them builds it; `seed_tail` only copies rows into the ring.
 
 `mla_kpool.step` (`step.mojo`, under a name of this package's own) does the
 three writers' work and the pool row offsets for one call in one op, bitwise

@@ -500,7 +500,7 @@ def compress_ambiguous_rows(
     is marked. When the offsets decrease somewhere, spans overlap or leave
     holes and the kernels only promise that each row holds zeros or some
     request's pool, never an out-of-bounds write: every row is marked, and
-    tests check those rows with :func:`compress_row_candidates` instead.
+    tests check those rows with :func:`compress_candidates` instead.
 
     Args:
         input_row_offsets: `[batch + 1]`, any integer dtype.
