@@ -9,7 +9,13 @@ Add a configuration only when a test needs a combination none of these has.
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -104,3 +110,42 @@ def assert_pooled_close(
         atol=tol * max(scale, 1e-30),
         err_msg=f"{what} ({np.dtype(dtype).name}) differs from the oracle",
     )
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mojo_command() -> str | None:
+    """The ``mojo`` beside this interpreter (the venv's), else on ``PATH``."""
+    beside = Path(sys.executable).parent / "mojo"
+    return str(beside) if beside.exists() else shutil.which("mojo")
+
+
+def run_mojo_suite(test_file: str, min_tests: int) -> str:
+    """Runs a ``tests/mojo`` file's ``TestSuite``; asserts every test passed.
+
+    Args:
+        test_file: Path relative to the repository root.
+        min_tests: Fewest tests the suite must report (so a file whose
+            tests were not discovered cannot pass).
+
+    Returns:
+        The suite's output.
+    """
+    mojo = mojo_command()
+    assert mojo is not None, "the mojo command is not found"
+    proc = subprocess.run(
+        [mojo, "run", "-I", str(ROOT), str(ROOT / test_file)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "MODULAR_DEBUG": "stack-trace-on-error"},
+        timeout=600,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    summary = re.search(r"(\d+) tests run: (\d+) passed", output)
+    assert summary, output
+    assert summary[1] == summary[2], output
+    assert int(summary[1]) >= min_tests, output
+    return output

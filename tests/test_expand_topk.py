@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
-import subprocess
-import sys
 import zlib
 from collections import Counter
 from collections.abc import Callable
@@ -47,11 +44,11 @@ from max.graph import DeviceRef, Graph, TensorType
 
 import mla_kpool
 from conftest import DEVICE_NAMES, get_runner
+from kpool_cases import mojo_command, run_mojo_suite
 from mla_kpool import reference as ref
 from mla_kpool._paths import compiled_kernels
 from mla_kpool.buffers import to_buffer, to_max_dtype, to_numpy
 
-ROOT = Path(__file__).resolve().parents[1]
 HAS_GPU = driver.accelerator_count() > 0
 I32, I64, U32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint32)
 INT32_MAX = 2**31 - 1
@@ -460,23 +457,12 @@ def test_fuzz_guarded(device: str, cfg: ExpandConfig) -> None:
 # --------------------------------------------------------------------------
 
 
-def _mojo() -> str | None:
-    beside = Path(sys.executable).parent / "mojo"
-    return str(beside) if beside.exists() else shutil.which("mojo")
-
-
-@pytest.mark.skipif(_mojo() is None, reason="the mojo command is not found")
+@pytest.mark.skipif(
+    mojo_command() is None, reason="the mojo command is not found"
+)
 def test_output_guards_and_emulated_grid_in_mojo() -> None:
     """tests/mojo/test_expand_topk.mojo: guarded outputs, CPU == GPU grid."""
-    proc = subprocess.run(
-        [_mojo(), "run", "-I", str(ROOT), "tests/mojo/test_expand_topk.mojo"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output
+    output = run_mojo_suite("tests/mojo/test_expand_topk.mojo", min_tests=4)
     assert "4 tests run: 4 passed" in output, output
 
 
