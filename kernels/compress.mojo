@@ -22,8 +22,9 @@ from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
 from max.gpu import block_idx, thread_idx
 
+from .operands import ANY, dims, expect_pool_rows, expect_shape
 from .parallel import cpu_for_each_range, emulate_grid, gpu_block_width
-from .pooling import cpu_pool_row, pool_channels
+from .pooling import PoolMembers, cpu_pool_row, pool_channels
 from .ragged import Ptr, full_pools, read_index, token_span
 
 
@@ -162,16 +163,12 @@ def compress_cpu[
                 continue
             var member0 = first * head_dim
             cpu_pool_row[dtype, kpool, head_dim](
-                k,
-                gate,
-                0,
-                k.unsafe_offset(member0),
-                gate.unsafe_offset(member0),
+                PoolMembers[dtype].new_rows(k, gate, member0),
                 ape,
                 dest,
-                gate,
-                0,
-                gate.unsafe_offset(member0 + kpool * head_dim),
+                PoolMembers[dtype].new_rows(
+                    k, gate, member0 + kpool * head_dim
+                ),
             )
 
     cpu_for_each_range(out_rows, out_rows * kpool * head_dim, write_rows)
@@ -227,14 +224,7 @@ def compress_thread[
             dest[unsafe_offset=ch] = 0
         else:
             dest[unsafe_offset=ch] = pool_channels[dtype, 1, kpool](
-                k,
-                gate,
-                0,
-                k.unsafe_offset(member0),
-                gate.unsafe_offset(member0),
-                ape,
-                head_dim,
-                ch,
+                PoolMembers[dtype].new_rows(k, gate, member0), ape, head_dim, ch
             )
 
 
@@ -412,23 +402,45 @@ struct MLAKPoolCompress:
             ctx: Device context.
 
         Raises:
-            Error: If the operand shapes disagree with `head_dim`/`kpool`.
+            Error: Naming the operand and both shapes, if an operand's
+                shape disagrees with `head_dim`, `kpool` or the batch (the
+                Python API rejects those before the graph is built).
         """
         var batch = cache_lengths.dim_size(0)
         var total_tokens = k.dim_size(0)
         var out_rows = pooled.dim_size(0)
-        if (
-            pooled.dim_size(1) != head_dim
-            or k.dim_size(1) != head_dim
-            or gate.dim_size(1) != head_dim
-            or gate.dim_size(0) != total_tokens
-            or ape.dim_size(0) != kpool
-            or ape.dim_size(1) != head_dim
-            or out_rows > total_tokens // kpool
-            or input_row_offsets.dim_size(0) != batch + 1
-            or pool_row_offsets.dim_size(0) != batch + 1
-        ):
-            raise Error("mo.mla.kpool.compress: operand shapes disagree")
+        comptime OP = "mo.mla.kpool.compress"
+        expect_shape(
+            OP, "pooled", pooled.shape(), "rows, head_dim", dims(ANY, head_dim)
+        )
+        expect_pool_rows[kpool](OP, "pooled", out_rows, total_tokens)
+        expect_shape(
+            OP, "k", k.shape(), "total_tokens, head_dim", dims(ANY, head_dim)
+        )
+        expect_shape(
+            OP,
+            "gate",
+            gate.shape(),
+            "total_tokens, head_dim",
+            dims(total_tokens, head_dim),
+        )
+        expect_shape(
+            OP, "ape", ape.shape(), "kpool, head_dim", dims(kpool, head_dim)
+        )
+        expect_shape(
+            OP,
+            "input_row_offsets",
+            input_row_offsets.shape(),
+            "batch + 1",
+            dims(batch + 1),
+        )
+        expect_shape(
+            OP,
+            "pool_row_offsets",
+            pool_row_offsets.shape(),
+            "batch + 1",
+            dims(batch + 1),
+        )
         comptime if emulate_gpu and target != "cpu":
             raise Error("mo.mla.kpool.compress: emulate_gpu needs a CPU target")
         comptime if target == "cpu" and not emulate_gpu:

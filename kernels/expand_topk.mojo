@@ -42,6 +42,7 @@ from max.gpu.host import DeviceContext
 from max.gpu import block_idx, thread_idx
 from std.math import iota, max, min
 
+from .operands import ANY, dims, expect_shape
 from .parallel import cpu_for_each_range, emulate_grid
 from .ragged import Ptr, read_index, token_span
 
@@ -464,22 +465,45 @@ struct MLAKPoolExpandTopK:
             ctx: Device context.
 
         Raises:
-            Error: If `kpool < 1` or the operand shapes disagree with
-                `kpool`/`pool_topk`/`always_select_tail` (the Python API
-                rejects those before the graph is built).
+            Error: If `kpool < 1`, or naming the operand and both shapes
+                if an operand's shape disagrees with `pool_topk`, the row
+                width or the batch (the Python API rejects those before the
+                graph is built).
         """
         comptime width = row_width[kpool, pool_topk, always_select_tail]()
         var total_tokens = pool_ids.dim_size(0)
         var batch = cache_lengths.dim_size(0)
-        if (
-            kpool < 1
-            or pool_topk < 0
-            or pool_ids.dim_size(1) != pool_topk
-            or positions.dim_size(0) != total_tokens
-            or positions.dim_size(1) != width
-            or input_row_offsets.dim_size(0) != batch + 1
-        ):
-            raise Error("mo.mla.kpool.expand_topk: operand shapes disagree")
+        comptime OP = "mo.mla.kpool.expand_topk"
+        comptime if kpool < 1 or pool_topk < 0:
+            raise Error(
+                OP,
+                ": kpool must be at least 1 and pool_topk at least 0, got",
+                " kpool=",
+                kpool,
+                ", pool_topk=",
+                pool_topk,
+            )
+        expect_shape(
+            OP,
+            "pool_ids",
+            pool_ids.shape(),
+            "total_tokens, pool_topk",
+            dims(ANY, pool_topk),
+        )
+        expect_shape(
+            OP,
+            "positions",
+            positions.shape(),
+            "total_tokens, pool_topk * kpool + tail",
+            dims(total_tokens, width),
+        )
+        expect_shape(
+            OP,
+            "input_row_offsets",
+            input_row_offsets.shape(),
+            "batch + 1",
+            dims(batch + 1),
+        )
         comptime if emulate_gpu and target != "cpu":
             raise Error(
                 "mo.mla.kpool.expand_topk: emulate_gpu needs a CPU target"

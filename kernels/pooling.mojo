@@ -8,16 +8,18 @@ A pool of `kpool` consecutive tokens collapses to one key, channel by channel:
 
 a softmax over the pool's members q, computed in float32 with max
 subtraction (gates of magnitude 100 cannot overflow) and cast to the key
-dtype at the end. `ring_close` and `compress` both call `pool_channels`, with
+dtype at the end. Every writer pools through this module (`pool_channels`
+on GPU, `cpu_pool_row` on CPU, the same arithmetic lane for lane), with
 the same member order, the same fused multiply-adds and the same SIMD width
-per channel, so a pool comes out bitwise identical whichever writer builds it
-(SPEC section 6). NaN in a gate, ape or key reaches only its own channel, as
-it does in a softmax.
+per channel, so a pool comes out bitwise identical whichever writer builds
+it on a device (docs/API.md, Numerics). NaN in a gate, ape or key reaches
+only its own channel, as it does in a softmax.
 
-Members come from two row segments: q < `split` from the ring segment (the
-pending pool's members stored in the tail ring, contiguous because a pool
-never straddles the ring's wrap point), q >= `split` from this call's rows
-of `k` and `gate`. `compress` passes `split = 0`.
+A pool's members come from two row segments, described by `PoolMembers`:
+q < `split` from the ring segment (the pending pool's members stored in the
+tail ring, contiguous because a pool never straddles the ring's wrap
+point), q >= `split` from this call's rows of `k` and `gate`. A pool made
+only of this call's rows (`compress`) has `split = 0`.
 """
 
 from std.math import exp, isnan
@@ -47,8 +49,8 @@ def cpu_pool_width[dtype: DType]() -> Int:
 def _member[
     dtype: DType, width: Int
 ](
-    key: Ptr[dtype],
-    gate: Ptr[dtype],
+    key: Pointer[Scalar[dtype], _],
+    gate: Pointer[Scalar[dtype], _],
     ape: Ptr[DType.float32],
     member_offset: Int,
     ape_offset: Int,
@@ -61,22 +63,71 @@ def _member[
     return (score, value)
 
 
-@always_inline
-def _member_row[
-    dtype: DType
-](
-    q: Int,
-    split: Int,
-    ring_key: Ptr[dtype],
-    ring_gate: Ptr[dtype],
-    new_key: Ptr[dtype],
-    new_gate: Ptr[dtype],
-    row_stride: Int,
-) -> Tuple[Ptr[dtype], Ptr[dtype], Int]:
-    """`(key, gate, offset)` of member `q`: ring row or new-token row."""
-    if q < split:
-        return (ring_key, ring_gate, q * row_stride)
-    return (new_key, new_gate, (q - split) * row_stride)
+@fieldwise_init
+struct PoolSegments[dtype: DType, origin: Origin[mut=False]](
+    ImplicitlyCopyable
+):
+    """Where one pool's members are: a ring segment, then this call's rows.
+
+    Member `q < split` is row `q` of `ring_key` / `ring_gate`; member
+    `q >= split` is row `q - split` of `new_key` / `new_gate`. Rows are
+    `row_stride` elements apart (`head_dim`). Kernels name it
+    `PoolMembers[dtype]`.
+
+    Parameters:
+        dtype: Key and gate dtype.
+        origin: Origin of the pointers (`ImmutAnyOrigin` in `PoolMembers`):
+            pooling only reads its members.
+    """
+
+    var ring_key: Pointer[Scalar[Self.dtype], Self.origin]
+    """Key row of member 0 in the ring segment."""
+    var ring_gate: Pointer[Scalar[Self.dtype], Self.origin]
+    """Gate row of member 0 in the ring segment."""
+    var split: Int
+    """Members taken from the ring segment (0 for a pool of new rows)."""
+    var new_key: Pointer[Scalar[Self.dtype], Self.origin]
+    """Key row of member `split`, in this call's `k`."""
+    var new_gate: Pointer[Scalar[Self.dtype], Self.origin]
+    """Gate row of member `split`, in this call's `gate`."""
+
+    @staticmethod
+    @always_inline
+    def new_rows(
+        k: Pointer[Scalar[Self.dtype], Self.origin],
+        gate: Pointer[Scalar[Self.dtype], Self.origin],
+        first: Int,
+    ) -> Self:
+        """A pool made only of this call's rows, member 0 at element `first`.
+
+        Args:
+            k: This call's keys.
+            gate: This call's gate scores.
+            first: Element offset of member 0 (`first_row * head_dim`).
+
+        Returns:
+            Members with an empty ring segment.
+        """
+        return Self(
+            k, gate, 0, k.unsafe_offset(first), gate.unsafe_offset(first)
+        )
+
+    @always_inline
+    def row(
+        self, q: Int, row_stride: Int
+    ) -> Tuple[
+        Pointer[Scalar[Self.dtype], Self.origin],
+        Pointer[Scalar[Self.dtype], Self.origin],
+        Int,
+    ]:
+        """`(key, gate, offset)` of member `q`: a ring or a new-token row."""
+        if q < self.split:
+            return (self.ring_key, self.ring_gate, q * row_stride)
+        return (self.new_key, self.new_gate, (q - self.split) * row_stride)
+
+
+comptime PoolMembers[dtype: DType] = PoolSegments[dtype, ImmutAnyOrigin]
+"""`PoolSegments` over the kernels' raw tensor pointers (`Ptr`)."""
 
 
 @always_inline
@@ -121,11 +172,7 @@ def _pooled[
 def pool_channels[
     dtype: DType, width: Int, kpool: Int
 ](
-    ring_key: Ptr[dtype],
-    ring_gate: Ptr[dtype],
-    split: Int,
-    new_key: Ptr[dtype],
-    new_gate: Ptr[dtype],
+    members: PoolMembers[dtype],
     ape: Ptr[DType.float32],
     row_stride: Int,
     ch: Int,
@@ -138,11 +185,7 @@ def pool_channels[
         kpool: Tokens per pool.
 
     Args:
-        ring_key: Key row of member 0 in the ring segment (`[*, row_stride]`).
-        ring_gate: Gate row of member 0 in the ring segment.
-        split: Members `q < split` come from the ring segment, row `q`.
-        new_key: Key row of member `split` in this call's `k`.
-        new_gate: Gate row of member `split` in this call's `gate`.
+        members: Where the pool's members are.
         ape: `[kpool, row_stride]` float32 within-pool position embedding.
         row_stride: Elements between consecutive member rows (`head_dim`).
         ch: First channel.
@@ -153,9 +196,7 @@ def pool_channels[
     # Pass 1: the per-channel maximum score, so no exp can overflow.
     var peak = SIMD[ACCUM, width](neg_inf[ACCUM]())
     for q in range(kpool):
-        var m = _member_row(
-            q, split, ring_key, ring_gate, new_key, new_gate, row_stride
-        )
+        var m = members.row(q, row_stride)
         var member = _member[dtype, width](
             m[0], m[1], ape, m[2] + ch, q * row_stride + ch
         )
@@ -165,9 +206,7 @@ def pool_channels[
     var acc = SIMD[ACCUM, width](0)
     var undefined = SIMD[DType.bool, width](fill=False)
     for q in range(kpool):
-        var m = _member_row(
-            q, split, ring_key, ring_gate, new_key, new_gate, row_stride
-        )
+        var m = members.row(q, row_stride)
         var member = _member[dtype, width](
             m[0], m[1], ape, m[2] + ch, q * row_stride + ch
         )
@@ -192,16 +231,10 @@ def cpu_chunk_width[dtype: DType, head_dim: Int]() -> Int:
 def cpu_pool_row[
     dtype: DType, kpool: Int, head_dim: Int
 ](
-    ring_key: Ptr[dtype],
-    ring_gate: Ptr[dtype],
-    split: Int,
-    new_key: Ptr[dtype],
-    new_gate: Ptr[dtype],
+    members: PoolMembers[dtype],
     ape: Ptr[DType.float32],
     dest: Ptr[dtype],
-    next_ring_gate: Ptr[dtype],
-    next_split: Int,
-    next_new_gate: Ptr[dtype],
+    next: PoolMembers[dtype],
 ):
     """Pools all `head_dim` channels of one pool into `dest[0:head_dim]`.
 
@@ -220,18 +253,12 @@ def cpu_pool_row[
         head_dim: Channels per key (also the member row stride).
 
     Args:
-        ring_key: See `pool_channels`.
-        ring_gate: See `pool_channels`.
-        split: See `pool_channels`.
-        new_key: See `pool_channels`.
-        new_gate: See `pool_channels`.
-        ape: See `pool_channels`.
+        members: Where the pool's members are.
+        ape: `[kpool, head_dim]` float32 within-pool position embedding.
         dest: Destination row, `head_dim` elements of `dtype`.
-        next_ring_gate: Ring gate rows of the pool this core pools next.
-        next_split: Its ring member count.
-        next_new_gate: Its first new-token gate row. The next pool's gate
-            rows are prefetched during pass 2, so its pass 1 finds them in
-            cache; only an address, never dereferenced (any value is safe).
+        next: The pool this core pools next. Its gate rows are prefetched
+            during pass 2, so its pass 1 finds them in cache; only
+            addresses, never dereferenced (any value is safe).
     """
     comptime width = cpu_chunk_width[dtype, head_dim]()
     comptime chunks = head_dim // width
@@ -245,9 +272,7 @@ def cpu_pool_row[
     )
     # Pass 1: every channel's maximum score, member rows in order.
     for q in range(kpool):
-        var m = _member_row(
-            q, split, ring_key, ring_gate, new_key, new_gate, head_dim
-        )
+        var m = members.row(q, head_dim)
         for ch in range(0, head_dim, line):
             prefetch[prefetch_read](m[0].unsafe_offset(m[2] + ch))
         for c in range(chunks):
@@ -258,18 +283,8 @@ def cpu_pool_row[
             peak[c] = max(peak[c], member[0])
     # Pass 2: weights and weighted sums, member rows in order.
     for q in range(kpool):
-        var m = _member_row(
-            q, split, ring_key, ring_gate, new_key, new_gate, head_dim
-        )
-        var ahead = _member_row(
-            q,
-            next_split,
-            next_ring_gate,
-            next_ring_gate,
-            next_new_gate,
-            next_new_gate,
-            head_dim,
-        )
+        var m = members.row(q, head_dim)
+        var ahead = next.row(q, head_dim)
         for ch in range(0, head_dim, line):
             prefetch[prefetch_read](ahead[1].unsafe_offset(ahead[2] + ch))
         for c in range(chunks):

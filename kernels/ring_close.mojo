@@ -22,8 +22,9 @@ from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 from max.gpu import block_idx, thread_idx
 
+from .operands import ANY, dims, expect_ring_length, expect_shape
 from .parallel import cpu_for_each_range, emulate_grid, gpu_block_width
-from .pooling import cpu_pool_row, pool_channels
+from .pooling import PoolMembers, cpu_pool_row, pool_channels
 from .ragged import Ptr, pending_pool, read_index, slot_ok, token_span
 
 
@@ -46,14 +47,14 @@ def plan_close[
     total_tokens: Int,
     max_slots: Int,
     ring_len: Int,
-) -> Tuple[Int, Int, Ptr[dtype], Ptr[dtype], Ptr[dtype], Ptr[dtype]]:
+) -> Tuple[Int, PoolMembers[dtype]]:
     """What request `b` closes, and where its members are (CPU and GPU).
 
     Returns:
-        `(pool, split, ring_key, ring_gate, new_key, new_gate)`: the pool id
-        closed, or -1 with the pointers unset; members `q < split` are rows
-        `q` of `ring_key`/`ring_gate`, the others rows `q - split` of
-        `new_key`/`new_gate` (see `pool_channels`).
+        `(pool, members)`: the pool id closed, or -1 (the members then
+        point at the operands' first rows, safe to prefetch and never
+        pooled); the first `c % kpool` members come from ring slot `s`, the
+        others from this call's rows.
     """
     var span = token_span(input_row_offsets, b, total_tokens)
     var c = read_index(cache_lengths, b)
@@ -62,18 +63,20 @@ def plan_close[
     if not span[2] or not slot_ok(s, max_slots):
         p = -1
     if p < 0:
-        return (-1, 0, tail, tail, k, gate)
+        return (-1, PoolMembers[dtype](tail, tail, 0, k, gate))
     var ring_key = tail.unsafe_offset(
         ((s * 2) * ring_len + (p * kpool) % ring_len) * head_dim
     )
     var first_new = span[0] * head_dim
     return (
         p,
-        c % kpool,
-        ring_key,
-        ring_key.unsafe_offset(ring_len * head_dim),
-        k.unsafe_offset(first_new),
-        gate.unsafe_offset(first_new),
+        PoolMembers[dtype](
+            ring_key,
+            ring_key.unsafe_offset(ring_len * head_dim),
+            c % kpool,
+            k.unsafe_offset(first_new),
+            gate.unsafe_offset(first_new),
+        ),
     )
 
 
@@ -126,9 +129,7 @@ def ring_close_cpu[
     """
 
     @always_inline
-    def plan(
-        b: Int,
-    ) {imm} -> Tuple[Int, Int, Ptr[dtype], Ptr[dtype], Ptr[dtype], Ptr[dtype]]:
+    def plan(b: Int) {imm} -> Tuple[Int, PoolMembers[dtype]]:
         return plan_close[
             dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
         ](
@@ -157,18 +158,7 @@ def ring_close_cpu[
                 for ch in range(head_dim):
                     row[unsafe_offset=ch] = 0
             else:
-                cpu_pool_row[dtype, kpool, head_dim](
-                    this[2],
-                    this[3],
-                    this[1],
-                    this[4],
-                    this[5],
-                    ape,
-                    row,
-                    next[3],
-                    next[1],
-                    next[5],
-                )
+                cpu_pool_row[dtype, kpool, head_dim](this[1], ape, row, next[1])
             this = next
 
     cpu_for_each_range(batch, batch * kpool * head_dim, close_requests)
@@ -232,7 +222,7 @@ def ring_close_thread[
             row[unsafe_offset=ch] = 0
         else:
             row[unsafe_offset=ch] = pool_channels[dtype, 1, kpool](
-                plan[2], plan[3], plan[1], plan[4], plan[5], ape, head_dim, ch
+                plan[1], ape, head_dim, ch
             )
 
 
@@ -419,30 +409,54 @@ struct MLAKPoolRingClose:
             ctx: Device context.
 
         Raises:
-            Error: If the operand shapes disagree with `head_dim`/`kpool`
-                (the Python API rejects those before the graph is built).
+            Error: Naming the operand and both shapes, if an operand's
+                shape disagrees with `head_dim`, `kpool` or the batch (the
+                Python API rejects those before the graph is built).
         """
         var batch = closed_pool.dim_size(0)
         var total_tokens = k.dim_size(0)
         var max_slots = tail.dim_size(0)
         var ring_len = tail.dim_size(2)
-        if (
-            pooled.dim_size(1) != head_dim
-            or k.dim_size(1) != head_dim
-            or gate.dim_size(1) != head_dim
-            or tail.dim_size(3) != head_dim
-            or tail.dim_size(1) != 2
-            or ring_len < kpool
-            or ring_len % kpool != 0
-            or ape.dim_size(0) != kpool
-            or ape.dim_size(1) != head_dim
-            or gate.dim_size(0) != total_tokens
-            or pooled.dim_size(0) != batch
-            or cache_lengths.dim_size(0) != batch
-            or slot_idx.dim_size(0) != batch
-            or input_row_offsets.dim_size(0) != batch + 1
-        ):
-            raise Error("mo.mla.kpool.ring_close: operand shapes disagree")
+        comptime OP = "mo.mla.kpool.ring_close"
+        expect_shape(
+            OP,
+            "pooled",
+            pooled.shape(),
+            "batch, head_dim",
+            dims(batch, head_dim),
+        )
+        expect_shape(
+            OP,
+            "tail",
+            tail.shape(),
+            "max_slots, 2, ring_len, head_dim",
+            dims(ANY, 2, ANY, head_dim),
+        )
+        expect_ring_length[kpool](OP, ring_len)
+        expect_shape(
+            OP, "k", k.shape(), "total_tokens, head_dim", dims(ANY, head_dim)
+        )
+        expect_shape(
+            OP,
+            "gate",
+            gate.shape(),
+            "total_tokens, head_dim",
+            dims(total_tokens, head_dim),
+        )
+        expect_shape(
+            OP, "ape", ape.shape(), "kpool, head_dim", dims(kpool, head_dim)
+        )
+        expect_shape(
+            OP,
+            "input_row_offsets",
+            input_row_offsets.shape(),
+            "batch + 1",
+            dims(batch + 1),
+        )
+        expect_shape(
+            OP, "cache_lengths", cache_lengths.shape(), "batch", dims(batch)
+        )
+        expect_shape(OP, "slot_idx", slot_idx.shape(), "batch", dims(batch))
         comptime if emulate_gpu and target != "cpu":
             raise Error(
                 "mo.mla.kpool.ring_close: emulate_gpu needs a CPU target"

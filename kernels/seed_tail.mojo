@@ -22,6 +22,7 @@ from max.gpu import block_idx, thread_idx
 from std.algorithm import vectorize
 from std.sys import simd_width_of
 
+from .operands import ANY, dims, expect_ring_length, expect_shape
 from .parallel import cpu_for_each_range, emulate_grid, gpu_block_width
 from .ragged import Ptr, read_index, slot_ok, token_span
 
@@ -357,24 +358,41 @@ struct MLAKPoolSeedTail:
             ctx: Device context.
 
         Raises:
-            Error: If the operand shapes disagree with `head_dim`/`kpool`.
+            Error: Naming the operand and both shapes, if an operand's
+                shape disagrees with `head_dim`, `kpool` or the batch (the
+                Python API rejects those before the graph is built).
         """
         var batch = cache_lengths.dim_size(0)
         var total_tokens = k.dim_size(0)
         var max_slots = tail.dim_size(0)
         var ring_len = tail.dim_size(2)
-        if (
-            k.dim_size(1) != head_dim
-            or gate.dim_size(1) != head_dim
-            or gate.dim_size(0) != total_tokens
-            or tail.dim_size(1) != 2
-            or tail.dim_size(3) != head_dim
-            or ring_len < kpool
-            or ring_len % kpool != 0
-            or slot_idx.dim_size(0) != batch
-            or input_row_offsets.dim_size(0) != batch + 1
-        ):
-            raise Error("mo.mla.kpool.seed_tail: operand shapes disagree")
+        comptime OP = "mo.mla.kpool.seed_tail"
+        expect_shape(
+            OP,
+            "tail",
+            tail.shape(),
+            "max_slots, 2, ring_len, head_dim",
+            dims(ANY, 2, ANY, head_dim),
+        )
+        expect_ring_length[kpool](OP, ring_len)
+        expect_shape(
+            OP, "k", k.shape(), "total_tokens, head_dim", dims(ANY, head_dim)
+        )
+        expect_shape(
+            OP,
+            "gate",
+            gate.shape(),
+            "total_tokens, head_dim",
+            dims(total_tokens, head_dim),
+        )
+        expect_shape(
+            OP,
+            "input_row_offsets",
+            input_row_offsets.shape(),
+            "batch + 1",
+            dims(batch + 1),
+        )
+        expect_shape(OP, "slot_idx", slot_idx.shape(), "batch", dims(batch))
         comptime if emulate_gpu and target != "cpu":
             raise Error(
                 "mo.mla.kpool.seed_tail: emulate_gpu needs a CPU target"

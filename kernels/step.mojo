@@ -61,8 +61,15 @@ from std.algorithm import vectorize
 from std.sys import num_physical_cores, simd_width_of
 
 from .compress import compress_thread, last_span_at, owner, pool_row_of
+from .operands import (
+    ANY,
+    dims,
+    expect_pool_rows,
+    expect_ring_length,
+    expect_shape,
+)
 from .parallel import cpu_for_each_range, emulate_grid, gpu_block_width
-from .pooling import cpu_pool_row
+from .pooling import PoolMembers, cpu_pool_row
 from .ragged import Ptr, full_pools, read_index
 from .ring_close import plan_close, ring_close_thread
 from .seed_tail import copy_row, plan_stash, seed_tail_thread
@@ -204,9 +211,7 @@ def step_cpu[
     )
 
     @always_inline
-    def plan(
-        b: Int,
-    ) {imm} -> Tuple[Int, Int, Ptr[dtype], Ptr[dtype], Ptr[dtype], Ptr[dtype]]:
+    def plan(b: Int) {imm} -> Tuple[Int, PoolMembers[dtype]]:
         return plan_close[
             dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
         ](
@@ -237,18 +242,7 @@ def step_cpu[
             if this[0] < 0:
                 zero_row[dtype, head_dim](row)
             else:
-                cpu_pool_row[dtype, kpool, head_dim](
-                    this[2],
-                    this[3],
-                    this[1],
-                    this[4],
-                    this[5],
-                    ape,
-                    row,
-                    next[3],
-                    next[1],
-                    next[5],
-                )
+                cpu_pool_row[dtype, kpool, head_dim](this[1], ape, row, next[1])
             this = next
 
     def compress_rows(lo: Int, hi: Int) {imm}:
@@ -277,16 +271,12 @@ def step_cpu[
                 continue
             var member0 = first * head_dim
             cpu_pool_row[dtype, kpool, head_dim](
-                k,
-                gate,
-                0,
-                k.unsafe_offset(member0),
-                gate.unsafe_offset(member0),
+                PoolMembers[dtype].new_rows(k, gate, member0),
                 ape,
                 dest,
-                gate,
-                0,
-                gate.unsafe_offset(member0 + kpool * head_dim),
+                PoolMembers[dtype].new_rows(
+                    k, gate, member0 + kpool * head_dim
+                ),
             )
 
     def seed_requests(lo: Int, hi: Int) {imm}:
@@ -718,37 +708,68 @@ struct MLAKPoolStep:
             ctx: Device context.
 
         Raises:
-            Error: If the operand shapes disagree with `head_dim`/`kpool`
-                or with each other (the Python API rejects most of those
-                before the graph is built), or `emulate_gpu` is set for a
-                GPU target.
+            Error: Naming the operand and both shapes, if an operand's
+                shape disagrees with `head_dim`, `kpool` or the batch (the
+                Python API rejects those before the graph is built).
+                Also if `emulate_gpu` is set for a GPU target.
         """
         var batch = ring_closed_pool.dim_size(0)
         var total_tokens = k.dim_size(0)
         var max_slots = tail.dim_size(0)
         var ring_len = tail.dim_size(2)
         var out_rows = pooled.dim_size(0)
-        if (
-            ring_pooled.dim_size(1) != head_dim
-            or pooled.dim_size(1) != head_dim
-            or k.dim_size(1) != head_dim
-            or gate.dim_size(1) != head_dim
-            or tail.dim_size(3) != head_dim
-            or tail.dim_size(1) != 2
-            or ring_len < kpool
-            or ring_len % kpool != 0
-            or ape.dim_size(0) != kpool
-            or ape.dim_size(1) != head_dim
-            or gate.dim_size(0) != total_tokens
-            or out_rows > total_tokens // kpool
-            or ring_pooled.dim_size(0) != batch
-            or first_pool.dim_size(0) != batch
-            or pool_row_offsets.dim_size(0) != batch + 1
-            or cache_lengths.dim_size(0) != batch
-            or slot_idx.dim_size(0) != batch
-            or input_row_offsets.dim_size(0) != batch + 1
-        ):
-            raise Error("mla_kpool.step: operand shapes disagree")
+        comptime OP = "mla_kpool.step"
+        expect_shape(
+            OP,
+            "ring_pooled",
+            ring_pooled.shape(),
+            "batch, head_dim",
+            dims(batch, head_dim),
+        )
+        expect_shape(
+            OP, "pooled", pooled.shape(), "rows, head_dim", dims(ANY, head_dim)
+        )
+        expect_pool_rows[kpool](OP, "pooled", out_rows, total_tokens)
+        expect_shape(
+            OP,
+            "pool_row_offsets",
+            pool_row_offsets.shape(),
+            "batch + 1",
+            dims(batch + 1),
+        )
+        expect_shape(OP, "first_pool", first_pool.shape(), "batch", dims(batch))
+        expect_shape(
+            OP,
+            "tail",
+            tail.shape(),
+            "max_slots, 2, ring_len, head_dim",
+            dims(ANY, 2, ANY, head_dim),
+        )
+        expect_ring_length[kpool](OP, ring_len)
+        expect_shape(
+            OP, "k", k.shape(), "total_tokens, head_dim", dims(ANY, head_dim)
+        )
+        expect_shape(
+            OP,
+            "gate",
+            gate.shape(),
+            "total_tokens, head_dim",
+            dims(total_tokens, head_dim),
+        )
+        expect_shape(
+            OP, "ape", ape.shape(), "kpool, head_dim", dims(kpool, head_dim)
+        )
+        expect_shape(
+            OP,
+            "input_row_offsets",
+            input_row_offsets.shape(),
+            "batch + 1",
+            dims(batch + 1),
+        )
+        expect_shape(
+            OP, "cache_lengths", cache_lengths.shape(), "batch", dims(batch)
+        )
+        expect_shape(OP, "slot_idx", slot_idx.shape(), "batch", dims(batch))
         comptime if emulate_gpu and target != "cpu":
             raise Error("mla_kpool.step: emulate_gpu needs a CPU target")
         comptime if target == "cpu" and not emulate_gpu:
