@@ -189,14 +189,17 @@ META_CASES = [
         "cache_lengths must be rank 1, got shape (1, 4)",
     ),
     MetaCase(
-        "kpool-zero", {"kpool": 0}, ValueError, "kpool must be >= 1, got 0"
+        "kpool-zero",
+        {"kpool": 0},
+        ValueError,
+        "kpool must be at least 1, got 0",
     ),
     MetaCase("kpool-float", {"kpool": 4.0}, TypeError, "kpool must be an int"),
     MetaCase(
         "total-tokens-negative",
         {"total_tokens": -1},
         ValueError,
-        "total_tokens must be >= 0, got -1",
+        "total_tokens must be at least 0, got -1",
     ),
     MetaCase(
         "max-slots-str",

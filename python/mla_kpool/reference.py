@@ -55,10 +55,15 @@ __all__ = [
 
 
 def _check_kpool(kpool: int) -> int:
+    """``kpool`` as an ``int``, checked positive, in the graph API's words.
+
+    A deliberate copy of ``mla_kpool._validate.check_kpool``: the oracle
+    imports nothing from the graph layer it checks.
+    """
     if isinstance(kpool, bool) or not isinstance(kpool, (int, np.integer)):
         raise TypeError(f"kpool must be an int, got {type(kpool).__name__}")
     if kpool < 1:
-        raise ValueError(f"kpool must be >= 1, got {kpool}")
+        raise ValueError(f"kpool must be at least 1, got {kpool}")
     return int(kpool)
 
 
