@@ -22,7 +22,7 @@ from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
 from max.gpu import block_idx, thread_idx
 
-from .operands import ANY, dims, expect_pool_rows, expect_shape
+from .operands import ANY, dims, expect_pool_rows, expect_rows, expect_shape
 from .parallel import cpu_for_each_range, emulate_grid, gpu_block_width
 from .pooling import PoolMembers, cpu_pool_row, pool_channels
 from .ragged import Ptr, full_pools, read_index, token_span
@@ -414,16 +414,7 @@ struct MLAKPoolCompress:
             OP, "pooled", pooled.shape(), "rows, head_dim", dims(ANY, head_dim)
         )
         expect_pool_rows[kpool](OP, "pooled", out_rows, total_tokens)
-        expect_shape(
-            OP, "k", k.shape(), "total_tokens, head_dim", dims(ANY, head_dim)
-        )
-        expect_shape(
-            OP,
-            "gate",
-            gate.shape(),
-            "total_tokens, head_dim",
-            dims(total_tokens, head_dim),
-        )
+        expect_rows(OP, k.shape(), gate.shape(), head_dim)
         expect_shape(
             OP, "ape", ape.shape(), "kpool, head_dim", dims(kpool, head_dim)
         )

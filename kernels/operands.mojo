@@ -154,3 +154,54 @@ def dims(d0: Int, d1: Int) -> IndexList[2]:
 def dims(d0: Int, d1: Int, d2: Int, d3: Int) -> IndexList[4]:
     """Expected sizes of a rank-4 operand, for `expect_shape`."""
     return IndexList[4](d0, d1, d2, d3)
+
+
+@always_inline
+def expect_rows(
+    op: StaticString, k: IndexList[2], gate: IndexList[2], head_dim: Int
+) raises:
+    """Raises unless `k` is `[total_tokens, head_dim]` and `gate` the same.
+
+    Args:
+        op: Registered op name, the message's prefix.
+        k: `k.shape()`.
+        gate: `gate.shape()`.
+        head_dim: The op's `head_dim` parameter.
+
+    Raises:
+        Error: From `expect_shape`, naming `k` or `gate`.
+    """
+    expect_shape(op, "k", k, "total_tokens, head_dim", dims(ANY, head_dim))
+    expect_shape(
+        op, "gate", gate, "total_tokens, head_dim", dims(k[0], head_dim)
+    )
+
+
+@always_inline
+def expect_ring[
+    kpool: Int
+](op: StaticString, tail: IndexList[4], head_dim: Int) raises:
+    """Raises unless `tail` is a ring for this `kpool` and `head_dim`.
+
+    That is `[max_slots, 2, R, head_dim]` with `R` a positive multiple of
+    `kpool`.
+
+    Parameters:
+        kpool: Tokens per pool.
+
+    Args:
+        op: Registered op name, the message's prefix.
+        tail: `tail.shape()`.
+        head_dim: The op's `head_dim` parameter.
+
+    Raises:
+        Error: From `expect_shape` or `expect_ring_length`.
+    """
+    expect_shape(
+        op,
+        "tail",
+        tail,
+        "max_slots, 2, ring_len, head_dim",
+        dims(ANY, 2, ANY, head_dim),
+    )
+    expect_ring_length[kpool](op, tail[2])

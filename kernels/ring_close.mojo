@@ -22,7 +22,7 @@ from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 from max.gpu import block_idx, thread_idx
 
-from .operands import ANY, dims, expect_ring_length, expect_shape
+from .operands import dims, expect_ring, expect_rows, expect_shape
 from .parallel import cpu_for_each_range, emulate_grid, gpu_block_width
 from .pooling import PoolMembers, cpu_pool_row, pool_channels
 from .ragged import Ptr, pending_pool, read_index, slot_ok, token_span
@@ -425,24 +425,8 @@ struct MLAKPoolRingClose:
             "batch, head_dim",
             dims(batch, head_dim),
         )
-        expect_shape(
-            OP,
-            "tail",
-            tail.shape(),
-            "max_slots, 2, ring_len, head_dim",
-            dims(ANY, 2, ANY, head_dim),
-        )
-        expect_ring_length[kpool](OP, ring_len)
-        expect_shape(
-            OP, "k", k.shape(), "total_tokens, head_dim", dims(ANY, head_dim)
-        )
-        expect_shape(
-            OP,
-            "gate",
-            gate.shape(),
-            "total_tokens, head_dim",
-            dims(total_tokens, head_dim),
-        )
+        expect_ring[kpool](OP, tail.shape(), head_dim)
+        expect_rows(OP, k.shape(), gate.shape(), head_dim)
         expect_shape(
             OP, "ape", ape.shape(), "kpool, head_dim", dims(kpool, head_dim)
         )

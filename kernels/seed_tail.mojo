@@ -22,7 +22,7 @@ from max.gpu import block_idx, thread_idx
 from std.algorithm import vectorize
 from std.sys import simd_width_of
 
-from .operands import ANY, dims, expect_ring_length, expect_shape
+from .operands import dims, expect_ring, expect_rows, expect_shape
 from .parallel import cpu_for_each_range, emulate_grid, gpu_block_width
 from .ragged import Ptr, read_index, slot_ok, token_span
 
@@ -367,24 +367,8 @@ struct MLAKPoolSeedTail:
         var max_slots = tail.dim_size(0)
         var ring_len = tail.dim_size(2)
         comptime OP = "mo.mla.kpool.seed_tail"
-        expect_shape(
-            OP,
-            "tail",
-            tail.shape(),
-            "max_slots, 2, ring_len, head_dim",
-            dims(ANY, 2, ANY, head_dim),
-        )
-        expect_ring_length[kpool](OP, ring_len)
-        expect_shape(
-            OP, "k", k.shape(), "total_tokens, head_dim", dims(ANY, head_dim)
-        )
-        expect_shape(
-            OP,
-            "gate",
-            gate.shape(),
-            "total_tokens, head_dim",
-            dims(total_tokens, head_dim),
-        )
+        expect_ring[kpool](OP, tail.shape(), head_dim)
+        expect_rows(OP, k.shape(), gate.shape(), head_dim)
         expect_shape(
             OP,
             "input_row_offsets",

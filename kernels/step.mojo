@@ -65,7 +65,8 @@ from .operands import (
     ANY,
     dims,
     expect_pool_rows,
-    expect_ring_length,
+    expect_ring,
+    expect_rows,
     expect_shape,
 )
 from .parallel import cpu_for_each_range, emulate_grid, gpu_block_width
@@ -741,24 +742,8 @@ struct MLAKPoolStep:
             dims(batch + 1),
         )
         expect_shape(OP, "first_pool", first_pool.shape(), "batch", dims(batch))
-        expect_shape(
-            OP,
-            "tail",
-            tail.shape(),
-            "max_slots, 2, ring_len, head_dim",
-            dims(ANY, 2, ANY, head_dim),
-        )
-        expect_ring_length[kpool](OP, ring_len)
-        expect_shape(
-            OP, "k", k.shape(), "total_tokens, head_dim", dims(ANY, head_dim)
-        )
-        expect_shape(
-            OP,
-            "gate",
-            gate.shape(),
-            "total_tokens, head_dim",
-            dims(total_tokens, head_dim),
-        )
+        expect_ring[kpool](OP, tail.shape(), head_dim)
+        expect_rows(OP, k.shape(), gate.shape(), head_dim)
         expect_shape(
             OP, "ape", ape.shape(), "kpool, head_dim", dims(kpool, head_dim)
         )
