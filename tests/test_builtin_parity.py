@@ -8,7 +8,7 @@ graph is built twice: once with ``max.nn.kernels`` and no
 Both run on the same inputs and a copy of the same ring.
 
 The two may round differently, so pooled keys are compared within the
-tolerance of docs/API.md, ours against the builtin and both against the
+tolerance of docs/ops.md, ours against the builtin and both against the
 float64 oracle;
 ``closed_pool`` and the ring after ``seed_tail`` must be exactly equal.
 The builtin documents its pooled row as meaningful only where

@@ -6,13 +6,13 @@ call's rows), so a pool landing on the wrong row or built from the wrong
 rows shows, and against :func:`reference.compress` for the full output.
 seed_tail runs on a ring filled with a distinct sentinel in every entry;
 afterwards the ring must equal, bit for bit, the sentinel with exactly the
-trailing positions overwritten (docs/API.md, seed_tail), so a write below
+trailing positions overwritten (docs/ops.md, seed_tail), so a write below
 ``cache_lengths`` or into a neighbouring slot cannot hide.
 
 The writer-against-writer test builds the same pool twice in one step call,
 once by ring_close (``r`` members pre-seeded in the ring, the rest new) and
-once by compress (all members new), and requires bitwise equality (docs/API.md,
-numerics), for every dtype.
+once by compress (all members new), and requires bitwise equality
+(docs/ops.md, numerics), for every dtype.
 """
 
 from __future__ import annotations

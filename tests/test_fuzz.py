@@ -1,6 +1,6 @@
 """Seeded fuzzing of runtime metadata, with guarded memory around the kernels.
 
-As docs/API.md (bad metadata) promises, bad runtime metadata never reads or
+As docs/ops.md (bad metadata) promises, bad runtime metadata never reads or
 writes out of bounds, and gives the documented answer (a skipped request, a
 zero row, ``-1``, a truncated span). Each vector below is a random call's
 metadata (``input_row_offsets``, ``cache_lengths``, ``slot_idx``, and for

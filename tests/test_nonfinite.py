@@ -1,4 +1,4 @@
-"""Non-finite inputs reach only their own pool's channel (API.md, numerics).
+"""Non-finite inputs reach only their own pool's channel (ops.md, numerics).
 
 A NaN or infinity in one member's key or gate, or in a row of ``ape``, must
 do to the pooled key exactly what the oracle's softmax does: a NaN key, NaN

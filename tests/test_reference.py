@@ -1,6 +1,6 @@
 """Tests of the NumPy oracle itself.
 
-Expected values are worked out by hand from the contracts in docs/API.md
+Expected values are worked out by hand from the contracts in docs/ops.md
 (closed forms: plain means for equal scores, the dominant member's key for a
 score 100 above the rest, the two-member sigmoid), never from a kernel. The
 streaming test then shows the oracle's three writers agree with one-shot

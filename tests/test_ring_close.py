@@ -14,7 +14,7 @@ Two families, both on every device (``runner`` fixture):
   tensors (two extra models, the only other ones this file compiles).
 
 Expected ``closed_pool`` values of the corner cases are written out by hand
-from the contract in docs/API.md, so they check the oracle as much as the
+from the contract in docs/ops.md, so they check the oracle as much as the
 kernel; pooled keys come from the oracle (``mla_kpool.reference``), never
 from a kernel.
 """

@@ -1,4 +1,4 @@
-"""Graph-build validation of the op wrappers (docs/API.md, Errors).
+"""Graph-build validation of the op wrappers (docs/ops.md, build-time checks).
 
 Every rejected case builds a graph whose operands are all good except one,
 calls each wrapper that takes that operand, and checks the exception type and

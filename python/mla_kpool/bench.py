@@ -28,7 +28,7 @@ positions of the pool still filling appended. Its ``dtype`` is that of
 
 Every ``--json`` record also says where it was measured (MAX and Mojo
 versions, CPU model and cores, device name, git commit, command line).
-``--markdown FILE`` prints the README's table from such a file and
+``--markdown FILE`` prints docs/performance.md's table from such a file and
 ``--plot IMAGE`` draws GB/s against batch per op with the memcpy line
 (matplotlib, an optional dependency); neither needs a compile when it reads
 a file.
@@ -781,11 +781,12 @@ def _num(value: float) -> str:
 
 
 def format_markdown(records: list[dict[str, Any]]) -> str:
-    """The README's results table for ``records`` (from :func:`load_records`).
+    """The results table of docs/performance.md for ``records``.
 
-    One row per record: ``median us``, ``GB/s``, ``of memcpy`` (GB/s over
-    the run's memcpy GB/s), the no-op ``floor us`` and ``x floor``
-    (median over floor), ``NumPy us`` and ``x NumPy`` (NumPy over median),
+    ``records`` come from :func:`load_records`. One row per record:
+    ``median us``, ``GB/s``, ``of memcpy`` (GB/s over the run's memcpy
+    GB/s), the no-op ``floor us`` and ``x floor`` (median over floor),
+    ``NumPy us`` and ``x NumPy`` (NumPy over median),
     plus ``builtin us`` and ``x builtin`` when a record has MAX's builtin
     time. A line above the table says where it was measured, from the
     first record's ``device_name``, ``cores``, versions and commit, where

@@ -153,7 +153,7 @@ def ring_close(
         kpool: Tokens per pool.
         emulate_gpu: Testing aid: run the op's GPU kernel on the CPU, every
             block and thread of its launch in turn, instead of the CPU
-            kernel (see the README). The operands must be on the CPU. Slow;
+            kernel (see docs/ops.md). The operands must be on the CPU. Slow;
             MAX's own wrappers never set it.
 
     Returns:
@@ -239,7 +239,7 @@ def compress(
         kpool: Tokens per pool.
         emulate_gpu: Testing aid: run the op's GPU kernel on the CPU, every
             block and thread of its launch in turn, instead of the CPU
-            kernel (see the README). The operands must be on the CPU. Slow;
+            kernel (see docs/ops.md). The operands must be on the CPU. Slow;
             MAX's own wrappers never set it.
 
     Returns:
@@ -335,7 +335,7 @@ def seed_tail(
         kpool: Tokens per pool.
         emulate_gpu: Testing aid: run the op's GPU kernel on the CPU, every
             block and thread of its launch in turn, instead of the CPU
-            kernel (see the README). The operands must be on the CPU. Slow;
+            kernel (see docs/ops.md). The operands must be on the CPU. Slow;
             MAX's own wrappers never set it.
 
     Raises:
@@ -517,7 +517,7 @@ def kpool_step(
         fused: One ``mla_kpool.step`` op (default), or the three writers.
         emulate_gpu: Testing aid: run the op's GPU kernel on the CPU, every
             block and thread of its launch in turn, instead of the CPU
-            kernel (see the README). The operands must be on the CPU. Slow;
+            kernel (see docs/ops.md). The operands must be on the CPU. Slow;
             MAX's own wrappers never set it.
 
     Returns:
@@ -658,7 +658,7 @@ def expand_topk(
         always_select_tail: Whether to append the pool still filling.
         emulate_gpu: Testing aid: run the op's GPU kernel on the CPU, every
             block and thread of its launch in turn, instead of the CPU
-            kernel (see the README). The operands must be on the CPU. Slow;
+            kernel (see docs/ops.md). The operands must be on the CPU. Slow;
             MAX's own wrappers never set it.
 
     Returns:

@@ -1,4 +1,4 @@
-"""NumPy oracle for the k-pooled indexer writers, written from the op contracts.
+"""NumPy oracle for the k-pooled indexer writers, from docs/ops.md's contracts.
 
 Each pool of ``kpool`` consecutive tokens collapses to one key, per channel::
 
