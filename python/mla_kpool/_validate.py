@@ -127,7 +127,7 @@ def check_tail(
 ) -> BufferValue:
     """Checks the ring ``[max_slots, 2, ring, head_dim]``.
 
-    ``ring`` is ``kpool`` for the documented op; a positive multiple of
+    ``ring`` is ``kpool`` as for MAX's builtins; a positive multiple of
     ``kpool`` (a ring of several pools) is accepted as well.
     """
     tail = check_buffer("tail", tail)

@@ -140,7 +140,7 @@ def ring_close(
     Args:
         tail: The ring, ``[max_slots, 2, ring, head_dim]``, dtype of ``k``;
             plane 0 keys, plane 1 gate scores, position ``pos`` at
-            ``pos % ring``. ``ring`` is ``kpool`` (documented) or a multiple
+            ``pos % ring``. ``ring`` is ``kpool`` (as MAX's) or a multiple
             of it. Read only, but a buffer: MAX only passes persistent state
             as buffers, and that also orders this op before :func:`seed_tail`.
         k: This call's keys, ``[total_tokens, head_dim]``, float32, bfloat16
@@ -313,9 +313,9 @@ def seed_tail(
     """Stashes each request's trailing incomplete tokens into the ring.
 
     Positions from ``max(c, ((c + n) // kpool) * kpool - (ring - kpool))``
-    to ``c + n`` are written to ``tail[s, :, pos % ring]``: with the
-    documented ``ring == kpool`` that is the trailing incomplete pool; a
-    deeper ring also keeps the ``ring - kpool`` tokens before it (see
+    to ``c + n`` are written to ``tail[s, :, pos % ring]``: with a
+    one-pool ``ring == kpool`` (as MAX's) that is the trailing incomplete
+    pool; a deeper ring also keeps the ``ring - kpool`` tokens before it (see
     :func:`ring_length`). Nothing below ``c`` is written, and a request
     whose slot or offsets do not address the ring and the call's rows is
     skipped.

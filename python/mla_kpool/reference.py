@@ -312,7 +312,7 @@ def ring_close(
 
     Args:
         tail: Ring `[max_slots, 2, ring, head_dim]` (plane 0 keys, plane 1
-            gates); `ring` is `kpool` for the documented op or a multiple of
+            gates); `ring` is `kpool` (MAX's builtin's ring) or a multiple of
             it. Read only.
         k: This call's keys `[total_tokens, head_dim]`, any float dtype.
         gate: This call's gate scores `[total_tokens, head_dim]`.
