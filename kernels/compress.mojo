@@ -22,29 +22,71 @@ from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
 from max.gpu import block_idx, thread_idx
 
-from .operands import ANY, dims, expect_pool_rows, expect_rows, expect_shape
-from .parallel import cpu_for_each_range, emulate_grid, gpu_block_width
-from .pooling import PoolMembers, cpu_pool_row, pool_channels
-from .ragged import Ptr, full_pools, read_index, token_span
+from .operands import (
+    ANY,
+    dims,
+    expect_offsets,
+    expect_pool_rows,
+    expect_rows,
+    expect_shape,
+    expect_target,
+)
+from .parallel import (
+    KernelOperands,
+    cpu_for_each_range,
+    emulate_grid,
+    gpu_block_width,
+)
+from .pooling import PoolMembers, cpu_pool_row, pool_channels, zero_row
+from .ragged import Field, full_pools, last_span_at, read_index, token_span
 
 
-@always_inline
-def last_span_at[
-    dtype: DType
-](pool_row_offsets: Ptr[dtype], batch: Int, row: Int) -> Int:
-    """The last `b` in `[0, batch]` with `pool_row_offsets[b] <= row`, else -1.
+@fieldwise_init
+struct CompressOperands[
+    dtype: DType,
+    offset_dtype: DType,
+    pool_offset_dtype: DType,
+    length_dtype: DType,
+    kpool: Int,
+    head_dim: Int,
+    origin: MutOrigin,
+](KernelOperands):
+    """One compress call: its tensors and sizes (see `execute`).
 
-    A binary search, exact when the offsets never decrease.
+    Parameters:
+        dtype: Key dtype of `pooled`, `k`, `gate`.
+        offset_dtype: Integer dtype of `input_row_offsets`.
+        pool_offset_dtype: Integer dtype of `pool_row_offsets`.
+        length_dtype: Integer dtype of `cache_lengths`.
+        kpool: Tokens per pool.
+        head_dim: Channels per key.
+        origin: Origin of the tensor pointers (`MutAnyOrigin` in kernels).
     """
-    var lo = 0
-    var hi = batch + 1
-    while lo < hi:
-        var mid = (lo + hi) // 2
-        if read_index(pool_row_offsets, mid) <= row:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+
+    var pooled: Field[Self.dtype, Self.origin]
+    """Output `[out_rows, head_dim]`."""
+    var k: Field[Self.dtype, Self.origin]
+    """`[total_tokens, head_dim]` keys."""
+    var gate: Field[Self.dtype, Self.origin]
+    """`[total_tokens, head_dim]` gate scores."""
+    var ape: Field[DType.float32, Self.origin]
+    """`[kpool, head_dim]` float32."""
+    var input_row_offsets: Field[Self.offset_dtype, Self.origin]
+    """`[batch + 1]` token row offsets."""
+    var pool_row_offsets: Field[Self.pool_offset_dtype, Self.origin]
+    """`[batch + 1]` pool row offsets."""
+    var cache_lengths: Field[Self.length_dtype, Self.origin]
+    """`[batch]` cached-prefix lengths."""
+    var batch: Int
+    """Requests in this call."""
+    var total_tokens: Int
+    """Rows of `k` and `gate`."""
+    var out_rows: Int
+    """Rows of `pooled` (at most `total_tokens // kpool`)."""
+
+
+comptime Compress = CompressOperands[..., origin=MutAnyOrigin]
+"""`CompressOperands` over the kernels' raw tensor pointers."""
 
 
 @always_inline
@@ -57,19 +99,7 @@ def owner(last_span: Int, batch: Int) -> Int:
 
 
 @always_inline
-def pool_row_of[
-    offset_dtype: DType,
-    pool_offset_dtype: DType,
-    length_dtype: DType,
-    kpool: Int,
-](
-    input_row_offsets: Ptr[offset_dtype],
-    pool_row_offsets: Ptr[pool_offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    b: Int,
-    row: Int,
-    total_tokens: Int,
-) -> Int:
+def pool_row_of(op: Compress, b: Int, row: Int) -> Int:
     """First `k` row of the pool request `b` writes at output `row`, or -1.
 
     -1 when the row lies past the request's pools, before its span, or the
@@ -77,123 +107,71 @@ def pool_row_of[
     """
     if b < 0:
         return -1
-    var span = token_span(input_row_offsets, b, total_tokens)
-    var c = read_index(cache_lengths, b)
-    var j = row - read_index(pool_row_offsets, b)
+    var span = token_span(op.input_row_offsets, b, op.total_tokens)
+    var c = read_index(op.cache_lengths, b)
+    var j = row - read_index(op.pool_row_offsets, b)
     if (
         not span[2]
         or c < 0
         or j < 0
-        or row >= read_index(pool_row_offsets, b + 1)
+        or row >= read_index(op.pool_row_offsets, b + 1)
     ):
         return -1
-    var pools = full_pools[kpool](c, span[1])
+    var pools = full_pools[op.kpool](c, span[1])
     if j >= pools[1]:
         return -1
-    return span[0] + (pools[0] + j) * kpool - c
+    return span[0] + (pools[0] + j) * op.kpool - c
 
 
-def compress_cpu[
-    dtype: DType,
-    offset_dtype: DType,
-    pool_offset_dtype: DType,
-    length_dtype: DType,
-    kpool: Int,
-    head_dim: Int,
-](
-    pooled: Ptr[dtype],
-    k: Ptr[dtype],
-    gate: Ptr[dtype],
-    ape: Ptr[DType.float32],
-    input_row_offsets: Ptr[offset_dtype],
-    pool_row_offsets: Ptr[pool_offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    batch: Int,
-    total_tokens: Int,
-    out_rows: Int,
-):
+def compress_rows(op: Compress, lo: Int, hi: Int):
+    """Writes output rows `[lo, hi)` on the calling core (CPU).
+
+    Finds the owner of row `lo` by binary search, then walks forward;
+    pools through `cpu_pool_row`, prefetching the next pool's gate rows.
+    """
+    comptime head_dim = op.head_dim
+    if lo >= hi:
+        return
+    var last = last_span_at(op.pool_row_offsets, op.batch, lo)
+    for row in range(lo, hi):
+        # Rows ascend, so the span start only moves forward.
+        while (
+            last < op.batch and read_index(op.pool_row_offsets, last + 1) <= row
+        ):
+            last += 1
+        var first = pool_row_of(op, owner(last, op.batch), row)
+        var dest = op.pooled.unsafe_offset(row * head_dim)
+        if first < 0:
+            zero_row[op.dtype, head_dim](dest)
+            continue
+        var member0 = first * head_dim
+        cpu_pool_row[op.dtype, op.kpool, head_dim](
+            PoolMembers[op.dtype].new_rows(op.k, op.gate, member0),
+            op.ape,
+            dest,
+            PoolMembers[op.dtype].new_rows(
+                op.k, op.gate, member0 + op.kpool * head_dim
+            ),
+        )
+
+
+def compress_cpu(op: Compress):
     """CPU compress: output rows split evenly across the cores.
 
     Each core finds the owner of its first row by binary search, then
-    walks forward, so a long prefill and many short decodes balance alike.
-
-    Parameters:
-        dtype: Key dtype.
-        offset_dtype: Integer dtype of `input_row_offsets`.
-        pool_offset_dtype: Integer dtype of `pool_row_offsets`.
-        length_dtype: Integer dtype of `cache_lengths`.
-        kpool: Tokens per pool.
-        head_dim: Channels per key.
-
-    Args:
-        pooled: Output `[out_rows, head_dim]`.
-        k: `[total_tokens, head_dim]` keys.
-        gate: `[total_tokens, head_dim]` gate scores.
-        ape: `[kpool, head_dim]` float32.
-        input_row_offsets: `[batch + 1]` token row offsets.
-        pool_row_offsets: `[batch + 1]` pool row offsets.
-        cache_lengths: `[batch]` cached-prefix lengths.
-        batch: Requests.
-        total_tokens: Rows of `k`.
-        out_rows: Rows of `pooled` (`total_tokens // kpool`).
+    walks forward (`compress_rows`), so a long prefill and many short
+    decodes balance alike.
     """
 
     def write_rows(lo: Int, hi: Int) {imm}:
-        var last = last_span_at(pool_row_offsets, batch, lo)
-        for row in range(lo, hi):
-            # Rows ascend, so the span start only moves forward.
-            while (
-                last < batch and read_index(pool_row_offsets, last + 1) <= row
-            ):
-                last += 1
-            var first = pool_row_of[
-                offset_dtype, pool_offset_dtype, length_dtype, kpool
-            ](
-                input_row_offsets,
-                pool_row_offsets,
-                cache_lengths,
-                owner(last, batch),
-                row,
-                total_tokens,
-            )
-            var dest = pooled.unsafe_offset(row * head_dim)
-            if first < 0:
-                for ch in range(head_dim):
-                    dest[unsafe_offset=ch] = 0
-                continue
-            var member0 = first * head_dim
-            cpu_pool_row[dtype, kpool, head_dim](
-                PoolMembers[dtype].new_rows(k, gate, member0),
-                ape,
-                dest,
-                PoolMembers[dtype].new_rows(
-                    k, gate, member0 + kpool * head_dim
-                ),
-            )
+        compress_rows(op, lo, hi)
 
-    cpu_for_each_range(out_rows, out_rows * kpool * head_dim, write_rows)
+    cpu_for_each_range(
+        op.out_rows, op.out_rows * op.kpool * op.head_dim, write_rows
+    )
 
 
-def compress_thread[
-    dtype: DType,
-    offset_dtype: DType,
-    pool_offset_dtype: DType,
-    length_dtype: DType,
-    kpool: Int,
-    head_dim: Int,
-](
-    block: Int,
-    thread: Int,
-    pooled: Ptr[dtype],
-    k: Ptr[dtype],
-    gate: Ptr[dtype],
-    ape: Ptr[DType.float32],
-    input_row_offsets: Ptr[offset_dtype],
-    pool_row_offsets: Ptr[pool_offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    batch: Int,
-    total_tokens: Int,
-):
+def compress_thread(block: Int, thread: Int, op: Compress):
     """One GPU thread of compress: output row `block`, channels from `thread`.
 
     Block `i` finds the owner of output row `i` by binary search over
@@ -201,30 +179,25 @@ def compress_thread[
     no request owns it. Thread `t` writes channels `t`, `t + W`, ... with
     `W = gpu_block_width[head_dim]()`. `kpool_compress_kernel` runs this on
     a GPU, `emulate_grid` on the CPU.
-
-    Parameters and Args are those of `compress_cpu`, plus the launch
-    indices `block` and `thread`.
     """
+    comptime head_dim = op.head_dim
     comptime stride = gpu_block_width[head_dim]()
     var row = block
-    var first = pool_row_of[
-        offset_dtype, pool_offset_dtype, length_dtype, kpool
-    ](
-        input_row_offsets,
-        pool_row_offsets,
-        cache_lengths,
-        owner(last_span_at(pool_row_offsets, batch, row), batch),
+    var first = pool_row_of(
+        op,
+        owner(last_span_at(op.pool_row_offsets, op.batch, row), op.batch),
         row,
-        total_tokens,
     )
-    var dest = pooled.unsafe_offset(row * head_dim)
-    var member0 = max(first, 0) * head_dim
+    var dest = op.pooled.unsafe_offset(row * head_dim)
+    var members = PoolMembers[op.dtype].new_rows(
+        op.k, op.gate, max(first, 0) * head_dim
+    )
     for ch in range(thread, head_dim, stride):
         if first < 0:
             dest[unsafe_offset=ch] = 0
         else:
-            dest[unsafe_offset=ch] = pool_channels[dtype, 1, kpool](
-                PoolMembers[dtype].new_rows(k, gate, member0), ape, head_dim, ch
+            dest[unsafe_offset=ch] = pool_channels[op.dtype, 1, op.kpool](
+                members, op.ape, head_dim, ch
             )
 
 
@@ -236,35 +209,22 @@ def kpool_compress_kernel[
     kpool: Int,
     head_dim: Int,
 ](
-    pooled: Ptr[dtype],
-    k: Ptr[dtype],
-    gate: Ptr[dtype],
-    ape: Ptr[DType.float32],
-    input_row_offsets: Ptr[offset_dtype],
-    pool_row_offsets: Ptr[pool_offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    batch: Int64,
-    total_tokens: Int64,
+    op: CompressOperands[
+        dtype,
+        offset_dtype,
+        pool_offset_dtype,
+        length_dtype,
+        kpool,
+        head_dim,
+        MutAnyOrigin,
+    ]
 ):
     """GPU entry of compress: `compress_thread` at this block and thread.
 
-    Parameters and Args are those of `compress_cpu` (sizes as Int64).
+    Parameters are those of `CompressOperands`; they name the instance in a
+    profiler trace.
     """
-    compress_thread[
-        dtype, offset_dtype, pool_offset_dtype, length_dtype, kpool, head_dim
-    ](
-        Int(block_idx.x),
-        Int(thread_idx.x),
-        pooled,
-        k,
-        gate,
-        ape,
-        input_row_offsets,
-        pool_row_offsets,
-        cache_lengths,
-        Int(batch),
-        Int(total_tokens),
-    )
+    compress_thread(Int(block_idx.x), Int(thread_idx.x), op)
 
 
 @always_inline
@@ -273,86 +233,32 @@ def compress_launch[head_dim: Int](out_rows: Int) -> Tuple[Int, Int]:
     return (out_rows, gpu_block_width[head_dim]())
 
 
-def compress_gpu[
-    dtype: DType,
-    offset_dtype: DType,
-    pool_offset_dtype: DType,
-    length_dtype: DType,
-    kpool: Int,
-    head_dim: Int,
-    emulate: Bool,
-](
-    pooled: Ptr[dtype],
-    k: Ptr[dtype],
-    gate: Ptr[dtype],
-    ape: Ptr[DType.float32],
-    input_row_offsets: Ptr[offset_dtype],
-    pool_row_offsets: Ptr[pool_offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    batch: Int,
-    total_tokens: Int,
-    out_rows: Int,
-    ctx: DeviceContext,
-) raises:
+def compress_gpu[emulate: Bool](op: Compress, ctx: DeviceContext) raises:
     """GPU compress: launches `kpool_compress_kernel` on `ctx`.
 
     With `emulate`, runs the same threads through `emulate_grid` on the
     CPU instead (the operands are then host memory and `ctx` is unused).
-
-    Parameters and Args are those of `compress_cpu`, plus `emulate` and
-    `ctx`.
     """
-    if out_rows == 0:
+    if op.out_rows == 0:
         return
-    var shape = compress_launch[head_dim](out_rows)
+    var shape = compress_launch[op.head_dim](op.out_rows)
     comptime if emulate:
 
         def thread_work(block: Int, thread: Int) {imm}:
-            compress_thread[
-                dtype,
-                offset_dtype,
-                pool_offset_dtype,
-                length_dtype,
-                kpool,
-                head_dim,
-            ](
-                block,
-                thread,
-                pooled,
-                k,
-                gate,
-                ape,
-                input_row_offsets,
-                pool_row_offsets,
-                cache_lengths,
-                batch,
-                total_tokens,
-            )
+            compress_thread(block, thread, op)
 
         emulate_grid("kpool_compress_kernel", shape[0], shape[1], thread_work)
     else:
         ctx.enqueue_function[
             kpool_compress_kernel[
-                dtype,
-                offset_dtype,
-                pool_offset_dtype,
-                length_dtype,
-                kpool,
-                head_dim,
+                op.dtype,
+                op.offset_dtype,
+                op.pool_offset_dtype,
+                op.length_dtype,
+                op.kpool,
+                op.head_dim,
             ]
-        ](
-            pooled,
-            k,
-            gate,
-            ape,
-            input_row_offsets,
-            pool_row_offsets,
-            cache_lengths,
-            Int64(batch),
-            Int64(total_tokens),
-            grid_dim=shape[0],
-            block_dim=shape[1],
-        )
+        ](op, grid_dim=shape[0], block_dim=shape[1])
 
 
 @extensibility.register("mo.mla.kpool.compress")
@@ -406,73 +312,43 @@ struct MLAKPoolCompress:
                 shape disagrees with `head_dim`, `kpool` or the batch (the
                 Python API rejects those before the graph is built).
         """
+        comptime OP = "mo.mla.kpool.compress"
         var batch = cache_lengths.dim_size(0)
         var total_tokens = k.dim_size(0)
-        var out_rows = pooled.dim_size(0)
-        comptime OP = "mo.mla.kpool.compress"
         expect_shape(
             OP, "pooled", pooled.shape(), "rows, head_dim", dims(ANY, head_dim)
         )
-        expect_pool_rows[kpool](OP, "pooled", out_rows, total_tokens)
+        expect_pool_rows[kpool](OP, "pooled", pooled.dim_size(0), total_tokens)
         expect_rows(OP, k.shape(), gate.shape(), head_dim)
         expect_shape(
             OP, "ape", ape.shape(), "kpool, head_dim", dims(kpool, head_dim)
         )
-        expect_shape(
-            OP,
-            "input_row_offsets",
-            input_row_offsets.shape(),
-            "batch + 1",
-            dims(batch + 1),
+        expect_offsets(
+            OP, "input_row_offsets", input_row_offsets.shape(), batch
         )
-        expect_shape(
-            OP,
-            "pool_row_offsets",
-            pool_row_offsets.shape(),
-            "batch + 1",
-            dims(batch + 1),
+        expect_offsets(OP, "pool_row_offsets", pool_row_offsets.shape(), batch)
+        expect_target[emulate_gpu, target](OP)
+        var op = CompressOperands[
+            pooled.dtype,
+            input_row_offsets.dtype,
+            pool_row_offsets.dtype,
+            cache_lengths.dtype,
+            kpool,
+            head_dim,
+            MutAnyOrigin,
+        ](
+            pooled.unsafe_ptr(),
+            k.unsafe_ptr(),
+            gate.unsafe_ptr(),
+            ape.unsafe_ptr(),
+            input_row_offsets.unsafe_ptr(),
+            pool_row_offsets.unsafe_ptr(),
+            cache_lengths.unsafe_ptr(),
+            batch,
+            total_tokens,
+            pooled.dim_size(0),
         )
-        comptime if emulate_gpu and target != "cpu":
-            raise Error("mo.mla.kpool.compress: emulate_gpu needs a CPU target")
         comptime if target == "cpu" and not emulate_gpu:
-            compress_cpu[
-                pooled.dtype,
-                input_row_offsets.dtype,
-                pool_row_offsets.dtype,
-                cache_lengths.dtype,
-                kpool,
-                head_dim,
-            ](
-                pooled.unsafe_ptr(),
-                k.unsafe_ptr(),
-                gate.unsafe_ptr(),
-                ape.unsafe_ptr(),
-                input_row_offsets.unsafe_ptr(),
-                pool_row_offsets.unsafe_ptr(),
-                cache_lengths.unsafe_ptr(),
-                batch,
-                total_tokens,
-                out_rows,
-            )
+            compress_cpu(op)
         else:
-            compress_gpu[
-                pooled.dtype,
-                input_row_offsets.dtype,
-                pool_row_offsets.dtype,
-                cache_lengths.dtype,
-                kpool,
-                head_dim,
-                emulate_gpu,
-            ](
-                pooled.unsafe_ptr(),
-                k.unsafe_ptr(),
-                gate.unsafe_ptr(),
-                ape.unsafe_ptr(),
-                input_row_offsets.unsafe_ptr(),
-                pool_row_offsets.unsafe_ptr(),
-                cache_lengths.unsafe_ptr(),
-                batch,
-                total_tokens,
-                out_rows,
-                ctx,
-            )
+            compress_gpu[emulate_gpu](op, ctx)

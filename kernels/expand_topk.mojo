@@ -42,9 +42,9 @@ from max.gpu.host import DeviceContext
 from max.gpu import block_idx, thread_idx
 from std.math import iota, max, min
 
-from .operands import ANY, dims, expect_shape
-from .parallel import cpu_for_each_range, emulate_grid
-from .ragged import Ptr, read_index, token_span
+from .operands import ANY, dims, expect_offsets, expect_shape, expect_target
+from .parallel import KernelOperands, cpu_for_each_range, emulate_grid
+from .ragged import Field, Ptr, last_span_at, read_index, token_span
 
 comptime POSITION_LIMIT = 1 << 31
 """Most positions a query may see: its newest one must fit int32."""
@@ -74,16 +74,53 @@ def row_width[kpool: Int, pool_topk: Int, always_select_tail: Bool]() -> Int:
     return pool_topk * kpool + tail_width[kpool, always_select_tail]()
 
 
+@fieldwise_init
+struct ExpandTopKOperands[
+    pool_dtype: DType,
+    offset_dtype: DType,
+    length_dtype: DType,
+    kpool: Int,
+    pool_topk: Int,
+    always_select_tail: Bool,
+    origin: MutOrigin,
+](KernelOperands):
+    """One expand_topk call: its tensors and sizes (see `execute`).
+
+    Parameters:
+        pool_dtype: Integer dtype of `pool_ids` (int32 by MAX's convention).
+        offset_dtype: Integer dtype of `input_row_offsets`.
+        length_dtype: Integer dtype of `cache_lengths`.
+        kpool: Tokens per pool.
+        pool_topk: Selected pools per token row.
+        always_select_tail: Whether rows carry the pool still filling.
+        origin: Origin of the tensor pointers (`MutAnyOrigin` in kernels).
+    """
+
+    var positions: Field[DType.int32, Self.origin]
+    """Output `[total_tokens, row_width]` int32."""
+    var pool_ids: Field[Self.pool_dtype, Self.origin]
+    """`[total_tokens, pool_topk]` selected pool ids."""
+    var input_row_offsets: Field[Self.offset_dtype, Self.origin]
+    """`[batch + 1]` token row offsets."""
+    var cache_lengths: Field[Self.length_dtype, Self.origin]
+    """`[batch]` cached-prefix lengths."""
+    var batch: Int
+    """Requests in this call."""
+    var total_tokens: Int
+    """Token rows."""
+
+    comptime width = row_width[
+        Self.kpool, Self.pool_topk, Self.always_select_tail
+    ]()
+    """Output columns per token row."""
+
+
+comptime ExpandTopK = ExpandTopKOperands[..., origin=MutAnyOrigin]
+"""`ExpandTopKOperands` over the kernels' raw tensor pointers."""
+
+
 @always_inline
-def query_visible[
-    offset_dtype: DType, length_dtype: DType
-](
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    batch: Int,
-    total_tokens: Int,
-    row: Int,
-) -> Int:
+def query_visible(op: ExpandTopK, row: Int) -> Int:
     """How many positions token row `row` sees, or 0 for an all `-1` row.
 
     The owner is the last `b` in `[0, batch]` with `input_row_offsets[b] <=
@@ -92,21 +129,13 @@ def query_visible[
     exceeds `POSITION_LIMIT`. Never reads outside `input_row_offsets[0 :
     batch + 1]` and `cache_lengths[0 : batch]`.
     """
-    var lo = 0
-    var hi = batch + 1
-    while lo < hi:
-        var mid = (lo + hi) // 2
-        if read_index(input_row_offsets, mid) <= row:
-            lo = mid + 1
-        else:
-            hi = mid
-    var b = lo - 1
-    if b < 0 or b >= batch:
+    var b = last_span_at(op.input_row_offsets, op.batch, row)
+    if b < 0 or b >= op.batch:
         return 0
-    var span = token_span(input_row_offsets, b, total_tokens)
+    var span = token_span(op.input_row_offsets, b, op.total_tokens)
     if not span[2] or row < span[0] or row >= span[0] + span[1]:
         return 0
-    var c = read_index(cache_lengths, b)
+    var c = read_index(op.cache_lengths, b)
     # Checked before the sum, so an int64 length near 2^63 cannot wrap.
     if c < 0 or c >= POSITION_LIMIT:
         return 0
@@ -162,53 +191,22 @@ def cpu_expand_row[
         col += 1
 
 
-def expand_topk_cpu[
-    pool_dtype: DType,
-    offset_dtype: DType,
-    length_dtype: DType,
-    kpool: Int,
-    pool_topk: Int,
-    always_select_tail: Bool,
-](
-    positions: Ptr[DType.int32],
-    pool_ids: Ptr[pool_dtype],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    batch: Int,
-    total_tokens: Int,
-):
-    """CPU expand_topk: token rows split across cores, SIMD stores per row.
-
-    Parameters:
-        pool_dtype: Integer dtype of `pool_ids` (int32 by MAX's convention).
-        offset_dtype: Integer dtype of `input_row_offsets`.
-        length_dtype: Integer dtype of `cache_lengths`.
-        kpool: Tokens per pool.
-        pool_topk: Selected pools per token row.
-        always_select_tail: Whether rows carry the pool still filling.
-
-    Args:
-        positions: Output `[total_tokens, row_width]` int32.
-        pool_ids: `[total_tokens, pool_topk]` selected pool ids.
-        input_row_offsets: `[batch + 1]` token row offsets.
-        cache_lengths: `[batch]` cached-prefix lengths.
-        batch: Requests in this call.
-        total_tokens: Token rows.
-    """
-    comptime width = row_width[kpool, pool_topk, always_select_tail]()
+def expand_topk_cpu(op: ExpandTopK):
+    """CPU expand_topk: token rows split across cores, SIMD stores per row."""
+    comptime width = op.width
 
     def expand_rows(lo: Int, hi: Int) {imm}:
         for row in range(lo, hi):
-            cpu_expand_row[pool_dtype, kpool, pool_topk, always_select_tail](
-                pool_ids.unsafe_offset(row * pool_topk),
-                positions.unsafe_offset(row * width),
-                query_visible(
-                    input_row_offsets, cache_lengths, batch, total_tokens, row
-                ),
+            cpu_expand_row[
+                op.pool_dtype, op.kpool, op.pool_topk, op.always_select_tail
+            ](
+                op.pool_ids.unsafe_offset(row * op.pool_topk),
+                op.positions.unsafe_offset(row * width),
+                query_visible(op, row),
             )
 
     cpu_for_each_range(
-        total_tokens, total_tokens * (pool_topk + width), expand_rows
+        op.total_tokens, op.total_tokens * (op.pool_topk + width), expand_rows
     )
 
 
@@ -229,23 +227,7 @@ def gpu_expand_width[
     )
 
 
-def expand_topk_thread[
-    pool_dtype: DType,
-    offset_dtype: DType,
-    length_dtype: DType,
-    kpool: Int,
-    pool_topk: Int,
-    always_select_tail: Bool,
-](
-    block: Int,
-    thread: Int,
-    positions: Ptr[DType.int32],
-    pool_ids: Ptr[pool_dtype],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    batch: Int,
-    total_tokens: Int,
-):
+def expand_topk_thread(block: Int, thread: Int, op: ExpandTopK):
     """One GPU thread of expand_topk: token row `block`, every W-th column.
 
     Block `t` writes output row `t`; thread `i` of its `W =
@@ -256,22 +238,20 @@ def expand_topk_thread[
     communicate, so the result does not depend on their order.
     `kpool_expand_topk_kernel` runs this on a GPU, `emulate_grid` on the
     CPU.
-
-    Parameters and Args are those of `expand_topk_cpu`, plus the launch
-    indices `block` and `thread`.
     """
-    comptime width = row_width[kpool, pool_topk, always_select_tail]()
-    comptime stride = gpu_expand_width[kpool, pool_topk, always_select_tail]()
+    comptime kpool = op.kpool
+    comptime width = op.width
+    comptime stride = gpu_expand_width[
+        kpool, op.pool_topk, op.always_select_tail
+    ]()
     var row = block
-    var visible = query_visible(
-        input_row_offsets, cache_lengths, batch, total_tokens, row
-    )
+    var visible = query_visible(op, row)
     var complete = visible // kpool
-    var ids = pool_ids.unsafe_offset(row * pool_topk)
-    var dest = positions.unsafe_offset(row * width)
+    var ids = op.pool_ids.unsafe_offset(row * op.pool_topk)
+    var dest = op.positions.unsafe_offset(row * width)
     var col = thread
     var filled = 0
-    for j in range(pool_topk):
+    for j in range(op.pool_topk):
         var p = read_index(ids, j)
         if p >= 0 and p < complete:
             filled += kpool
@@ -281,7 +261,7 @@ def expand_topk_thread[
                     p * kpool - filled + kpool + col
                 )
                 col += stride
-    comptime if always_select_tail:
+    comptime if op.always_select_tail:
         filled += visible % kpool
         while col < filled:
             dest[unsafe_offset=col] = Int32(visible - filled + col)
@@ -299,35 +279,22 @@ def kpool_expand_topk_kernel[
     pool_topk: Int,
     always_select_tail: Bool,
 ](
-    positions: Ptr[DType.int32],
-    pool_ids: Ptr[pool_dtype],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    batch: Int64,
-    total_tokens: Int64,
-):
-    """GPU entry of expand_topk: `expand_topk_thread` at this block and thread.
-
-    Parameters and Args are those of `expand_topk_cpu` (sizes as Int64:
-    GPU kernel arguments need fixed-width integers).
-    """
-    expand_topk_thread[
+    op: ExpandTopKOperands[
         pool_dtype,
         offset_dtype,
         length_dtype,
         kpool,
         pool_topk,
         always_select_tail,
-    ](
-        Int(block_idx.x),
-        Int(thread_idx.x),
-        positions,
-        pool_ids,
-        input_row_offsets,
-        cache_lengths,
-        Int(batch),
-        Int(total_tokens),
-    )
+        MutAnyOrigin,
+    ]
+):
+    """GPU entry of expand_topk: `expand_topk_thread` at this block and thread.
+
+    Parameters are those of `ExpandTopKOperands`; they name the instance in
+    a profiler trace.
+    """
+    expand_topk_thread(Int(block_idx.x), Int(thread_idx.x), op)
 
 
 @always_inline
@@ -341,59 +308,23 @@ def expand_topk_launch[
     )
 
 
-def expand_topk_gpu[
-    pool_dtype: DType,
-    offset_dtype: DType,
-    length_dtype: DType,
-    kpool: Int,
-    pool_topk: Int,
-    always_select_tail: Bool,
-    emulate: Bool,
-](
-    positions: Ptr[DType.int32],
-    pool_ids: Ptr[pool_dtype],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    batch: Int,
-    total_tokens: Int,
-    ctx: DeviceContext,
-) raises:
+def expand_topk_gpu[emulate: Bool](op: ExpandTopK, ctx: DeviceContext) raises:
     """GPU expand_topk: launches `kpool_expand_topk_kernel` on `ctx`.
 
     Nothing is launched when there is nothing to write (no token rows, or
     rows of zero columns). With `emulate`, runs the same threads through
     `emulate_grid` on the CPU instead (the operands are then host memory
     and `ctx` is unused).
-
-    Parameters and Args are those of `expand_topk_cpu`, plus `emulate` and
-    `ctx`.
     """
-    comptime width = row_width[kpool, pool_topk, always_select_tail]()
-    if total_tokens == 0 or width == 0:
+    if op.total_tokens == 0 or op.width == 0:
         return
-    var shape = expand_topk_launch[kpool, pool_topk, always_select_tail](
-        total_tokens
-    )
+    var shape = expand_topk_launch[
+        op.kpool, op.pool_topk, op.always_select_tail
+    ](op.total_tokens)
     comptime if emulate:
 
         def thread_work(block: Int, thread: Int) {imm}:
-            expand_topk_thread[
-                pool_dtype,
-                offset_dtype,
-                length_dtype,
-                kpool,
-                pool_topk,
-                always_select_tail,
-            ](
-                block,
-                thread,
-                positions,
-                pool_ids,
-                input_row_offsets,
-                cache_lengths,
-                batch,
-                total_tokens,
-            )
+            expand_topk_thread(block, thread, op)
 
         emulate_grid(
             "kpool_expand_topk_kernel", shape[0], shape[1], thread_work
@@ -401,23 +332,14 @@ def expand_topk_gpu[
     else:
         ctx.enqueue_function[
             kpool_expand_topk_kernel[
-                pool_dtype,
-                offset_dtype,
-                length_dtype,
-                kpool,
-                pool_topk,
-                always_select_tail,
+                op.pool_dtype,
+                op.offset_dtype,
+                op.length_dtype,
+                op.kpool,
+                op.pool_topk,
+                op.always_select_tail,
             ]
-        ](
-            positions,
-            pool_ids,
-            input_row_offsets,
-            cache_lengths,
-            Int64(batch),
-            Int64(total_tokens),
-            grid_dim=shape[0],
-            block_dim=shape[1],
-        )
+        ](op, grid_dim=shape[0], block_dim=shape[1])
 
 
 @extensibility.register("mo.mla.kpool.expand_topk")
@@ -497,48 +419,27 @@ struct MLAKPoolExpandTopK:
             "total_tokens, pool_topk * kpool + tail",
             dims(total_tokens, width),
         )
-        expect_shape(
-            OP,
-            "input_row_offsets",
-            input_row_offsets.shape(),
-            "batch + 1",
-            dims(batch + 1),
+        expect_offsets(
+            OP, "input_row_offsets", input_row_offsets.shape(), batch
         )
-        comptime if emulate_gpu and target != "cpu":
-            raise Error(
-                "mo.mla.kpool.expand_topk: emulate_gpu needs a CPU target"
-            )
+        expect_target[emulate_gpu, target](OP)
+        var op = ExpandTopKOperands[
+            pool_ids.dtype,
+            input_row_offsets.dtype,
+            cache_lengths.dtype,
+            kpool,
+            pool_topk,
+            always_select_tail,
+            MutAnyOrigin,
+        ](
+            positions.unsafe_ptr(),
+            pool_ids.unsafe_ptr(),
+            input_row_offsets.unsafe_ptr(),
+            cache_lengths.unsafe_ptr(),
+            batch,
+            total_tokens,
+        )
         comptime if target == "cpu" and not emulate_gpu:
-            expand_topk_cpu[
-                pool_ids.dtype,
-                input_row_offsets.dtype,
-                cache_lengths.dtype,
-                kpool,
-                pool_topk,
-                always_select_tail,
-            ](
-                positions.unsafe_ptr(),
-                pool_ids.unsafe_ptr(),
-                input_row_offsets.unsafe_ptr(),
-                cache_lengths.unsafe_ptr(),
-                batch,
-                total_tokens,
-            )
+            expand_topk_cpu(op)
         else:
-            expand_topk_gpu[
-                pool_ids.dtype,
-                input_row_offsets.dtype,
-                cache_lengths.dtype,
-                kpool,
-                pool_topk,
-                always_select_tail,
-                emulate_gpu,
-            ](
-                positions.unsafe_ptr(),
-                pool_ids.unsafe_ptr(),
-                input_row_offsets.unsafe_ptr(),
-                cache_lengths.unsafe_ptr(),
-                batch,
-                total_tokens,
-                ctx,
-            )
+            expand_topk_gpu[emulate_gpu](op, ctx)

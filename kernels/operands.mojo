@@ -205,3 +205,41 @@ def expect_ring[
         dims(ANY, 2, ANY, head_dim),
     )
     expect_ring_length[kpool](op, tail[2])
+
+
+@always_inline
+def expect_offsets(
+    op: StaticString, operand: StaticString, got: IndexList[1], batch: Int
+) raises:
+    """Raises unless a row-offsets operand is `[batch + 1]`.
+
+    Args:
+        op: Registered op name, the message's prefix.
+        operand: `input_row_offsets` or `pool_row_offsets`.
+        got: The operand's shape.
+        batch: Requests in the call.
+
+    Raises:
+        Error: From `expect_shape`.
+    """
+    expect_shape(op, operand, got, "batch + 1", dims(batch + 1))
+
+
+@always_inline
+def expect_target[
+    emulate_gpu: Bool, target: StaticString
+](op: StaticString) raises:
+    """Raises if `emulate_gpu` is asked of a GPU target.
+
+    Parameters:
+        emulate_gpu: The op's `emulate_gpu` parameter.
+        target: The op's `target` parameter.
+
+    Args:
+        op: Registered op name, the message's prefix.
+
+    Raises:
+        Error: `"<op>: emulate_gpu needs a CPU target"`.
+    """
+    comptime if emulate_gpu and target != "cpu":
+        raise Error(op, ": emulate_gpu needs a CPU target")

@@ -1,13 +1,17 @@
 """How the writers split work: CPU core ranges, GPU launches, emulated grids.
 
-Every GPU kernel of this package is a thin shim over a plain function of
-`(block, thread, operands...)` that does one thread's work. On a GPU the
-shim passes `block_idx.x` and `thread_idx.x`; `emulate_grid` runs the same
-function on the CPU for every block and thread of the launch, so the code
-that is tested without an accelerator is exactly the code a GPU runs.
+Each op gathers one call's operands into a struct (`RingCloseOperands`,
+...), written once and passed whole to its CPU driver, its thread body and
+its GPU kernel. Every GPU kernel of this package is a thin shim over a
+plain function of `(block, thread, operands)` that does one thread's work.
+On a GPU the shim passes `block_idx.x` and `thread_idx.x`; `emulate_grid`
+runs the same function on the CPU for every block and thread of the
+launch, so the code that is tested without an accelerator is exactly the
+code a GPU runs.
 """
 
 from max.algorithm import sync_parallelize
+from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
 from std.math import ceildiv, min
 from std.sys import num_physical_cores
 
@@ -21,13 +25,32 @@ comptime CPU_MIN_PARALLEL_WORK = 1 << 17
 """Element-members below which one core finishes before others could wake.
 
 Inside a MAX graph, waking the runtime's worker threads costs about as
-much as pooling 100-200 pools of 4 x 128 channels on one core (a direct
-call of the step's CPU body pools 128 such pools in about 18 us here,
-serially or split over 2 cores alike). With a threshold of 2^14 the
-three-op step at bfloat16, batch 64, kpool 4 (three parallel regions) took
-105-173 us in `python -m mla_kpool bench`; with 2^17 it took 76-89 us, and
-ring_close alone at float32, batch 64, kpool 4 stayed at 1.2-1.4x its
-no-op floor either way (three runs each on a 2-core AMD EPYC VM)."""
+much as pooling 100-200 pools of 4 x 128 channels on one core, so
+decode-sized calls stay on the calling thread (docs/performance.md)."""
+
+
+trait KernelOperands(DevicePassable, TrivialRegisterPassable):
+    """One call's operands of an op: raw tensor pointers and sizes.
+
+    A struct of this trait is built once in the op's `execute` and passed
+    whole to the CPU driver, the thread body and the GPU kernel, which
+    receives it as one by-value kernel argument (its bytes copied as they
+    are: pointers and 64-bit integers, laid out alike on host and device).
+    """
+
+    comptime device_type: AnyType = Self
+    """The kernel receives the struct itself."""
+
+    def _to_device_type(
+        self, mut encoder: Some[DeviceTypeEncoder], target: MutOpaquePointer[_]
+    ):
+        """Copies the struct into the kernel's argument buffer."""
+        encoder.encode(self, target)
+
+    @staticmethod
+    def get_type_name() -> String:
+        """Name used in launch diagnostics."""
+        return "mla_kpool kernel operands"
 
 
 @always_inline

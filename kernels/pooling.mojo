@@ -12,7 +12,7 @@ dtype at the end. Every writer pools through this module (`pool_channels`
 on GPU, `cpu_pool_row` on CPU, the same arithmetic lane for lane), with
 the same member order, the same fused multiply-adds and the same SIMD width
 per channel, so a pool comes out bitwise identical whichever writer builds
-it on a device (docs/API.md, Numerics). NaN in a gate, ape or key reaches
+it on a device (docs/ops.md, Numerics). NaN in a gate, ape or key reaches
 only its own channel, as it does in a softmax.
 
 A pool's members come from two row segments, described by `PoolMembers`:
@@ -23,6 +23,7 @@ only of this call's rows (`compress`) has `split = 0`.
 """
 
 from std.math import exp, isnan
+from std.algorithm import vectorize
 from std.sys import PrefetchOptions, prefetch, simd_width_of, size_of
 from std.utils.numerics import nan, neg_inf
 
@@ -244,8 +245,7 @@ def cpu_pool_row[
     small stack arrays: each pass streams whole rows instead of hopping a
     row stride per channel chunk. Pass 1 prefetches each member's key row
     for pass 2, and pass 2 prefetches the next pool's gate rows for its
-    pass 1, so the core rarely waits on memory (ring_close at batch 4096,
-    kpool 128 went from about 10 to about 20 GB/s on 2 cores).
+    pass 1, so the core rarely waits on memory (docs/performance.md).
 
     Parameters:
         dtype: Key dtype.
@@ -299,3 +299,13 @@ def cpu_pool_row[
         dest.unsafe_store[width=width](
             c * width, _pooled[dtype](total[c], acc[c], undefined[c])
         )
+
+
+@always_inline
+def zero_row[dtype: DType, head_dim: Int](dest: Ptr[dtype]):
+    """Writes `head_dim` zeros (+0.0) with full-width SIMD stores (CPU)."""
+
+    def chunk[width: Int](ch: Int) {imm}:
+        dest.unsafe_store[width=width](ch, SIMD[dtype, width](0))
+
+    vectorize[simd_width_of[dtype]()](head_dim, chunk)

@@ -10,6 +10,11 @@ wrap) and report whether the request is safe to touch.
 comptime Ptr[dtype: DType] = Pointer[Scalar[dtype], MutAnyOrigin]
 """Raw element pointer every kernel works through (tensor data, any origin)."""
 
+comptime Field[dtype: DType, origin: MutOrigin] = Pointer[Scalar[dtype], origin]
+"""A tensor pointer held in an operand struct (`Ptr` once `origin` is bound:
+struct fields must name their origin, so the structs take it as a parameter
+and the kernels use them with `MutAnyOrigin`)."""
+
 
 @always_inline
 def read_index[dtype: DType](ptr: Ptr[dtype], i: Int) -> Int:
@@ -76,3 +81,24 @@ def full_pools[
     var first = (cache_length + kpool - 1) // kpool
     var count = (cache_length + new_tokens) // kpool - first
     return (first, max(count, 0))
+
+
+@always_inline
+def last_span_at[
+    dtype: DType
+](row_offsets: Ptr[dtype], batch: Int, row: Int) -> Int:
+    """The last `b` in `[0, batch]` with `row_offsets[b] <= row`, else -1.
+
+    A binary search over `[batch + 1]` row offsets (`input_row_offsets` or
+    `pool_row_offsets`), exact when they never decrease; it reads only
+    entries `0..batch`.
+    """
+    var lo = 0
+    var hi = batch + 1
+    while lo < hi:
+        var mid = (lo + hi) // 2
+        if read_index(row_offsets, mid) <= row:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1

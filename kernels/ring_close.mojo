@@ -11,7 +11,7 @@ with `closed_pool[b] = p`. Otherwise (nothing pending, too few tokens, or
 metadata that does not address the ring or the call's rows)
 `closed_pool[b] = -1` and `pooled[b]` is zero. `tail` is only read.
 
-`R` is the ring length `tail.dim_size(2)`: `kpool` for the documented op, or
+`R` is the ring length `tail.dim_size(2)`: `kpool` for MAX's op, or
 a multiple of it for a deeper ring. Since `p * kpool % R` is a multiple of
 `kpool` and `R` is too, a pool's members never wrap around the ring's end.
 """
@@ -22,87 +22,41 @@ from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 from max.gpu import block_idx, thread_idx
 
-from .operands import dims, expect_ring, expect_rows, expect_shape
-from .parallel import cpu_for_each_range, emulate_grid, gpu_block_width
-from .pooling import PoolMembers, cpu_pool_row, pool_channels
-from .ragged import Ptr, pending_pool, read_index, slot_ok, token_span
+from .operands import (
+    dims,
+    expect_offsets,
+    expect_ring,
+    expect_rows,
+    expect_shape,
+    expect_target,
+)
+from .parallel import (
+    KernelOperands,
+    cpu_for_each_range,
+    emulate_grid,
+    gpu_block_width,
+)
+from .pooling import (
+    PoolMembers,
+    PoolSegments,
+    cpu_pool_row,
+    pool_channels,
+    zero_row,
+)
+from .ragged import Field, Ptr, pending_pool, read_index, slot_ok, token_span
 
 
-@always_inline
-def plan_close[
+@fieldwise_init
+struct RingCloseOperands[
     dtype: DType,
     offset_dtype: DType,
     length_dtype: DType,
     slot_dtype: DType,
     kpool: Int,
     head_dim: Int,
-](
-    b: Int,
-    tail: Ptr[dtype],
-    k: Ptr[dtype],
-    gate: Ptr[dtype],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    slot_idx: Ptr[slot_dtype],
-    total_tokens: Int,
-    max_slots: Int,
-    ring_len: Int,
-) -> Tuple[Int, PoolMembers[dtype]]:
-    """What request `b` closes, and where its members are (CPU and GPU).
-
-    Returns:
-        `(pool, members)`: the pool id closed, or -1 (the members then
-        point at the operands' first rows, safe to prefetch and never
-        pooled); the first `c % kpool` members come from ring slot `s`, the
-        others from this call's rows.
-    """
-    var span = token_span(input_row_offsets, b, total_tokens)
-    var c = read_index(cache_lengths, b)
-    var s = read_index(slot_idx, b)
-    var p = pending_pool[kpool](c, span[1])
-    if not span[2] or not slot_ok(s, max_slots):
-        p = -1
-    if p < 0:
-        return (-1, PoolMembers[dtype](tail, tail, 0, k, gate))
-    var ring_key = tail.unsafe_offset(
-        ((s * 2) * ring_len + (p * kpool) % ring_len) * head_dim
-    )
-    var first_new = span[0] * head_dim
-    return (
-        p,
-        PoolMembers[dtype](
-            ring_key,
-            ring_key.unsafe_offset(ring_len * head_dim),
-            c % kpool,
-            k.unsafe_offset(first_new),
-            gate.unsafe_offset(first_new),
-        ),
-    )
-
-
-def ring_close_cpu[
-    dtype: DType,
-    offset_dtype: DType,
-    length_dtype: DType,
-    slot_dtype: DType,
-    kpool: Int,
-    head_dim: Int,
-](
-    pooled: Ptr[dtype],
-    closed_pool: Ptr[DType.int32],
-    tail: Ptr[dtype],
-    k: Ptr[dtype],
-    gate: Ptr[dtype],
-    ape: Ptr[DType.float32],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    slot_idx: Ptr[slot_dtype],
-    batch: Int,
-    total_tokens: Int,
-    max_slots: Int,
-    ring_len: Int,
-):
-    """CPU ring_close: requests split across cores, channels in SIMD steps.
+    origin: MutOrigin,
+](KernelOperands):
+    """One ring_close call: its tensors and sizes (see `execute`).
 
     Parameters:
         dtype: Key dtype of `pooled`, `tail`, `k`, `gate`.
@@ -111,82 +65,127 @@ def ring_close_cpu[
         slot_dtype: Integer dtype of `slot_idx`.
         kpool: Tokens per pool.
         head_dim: Channels per key.
-
-    Args:
-        pooled: Output `[batch, head_dim]`.
-        closed_pool: Output `[batch]` int32.
-        tail: Ring `[max_slots, 2, ring_len, head_dim]`, read only.
-        k: `[total_tokens, head_dim]` keys.
-        gate: `[total_tokens, head_dim]` gate scores.
-        ape: `[kpool, head_dim]` float32.
-        input_row_offsets: `[batch + 1]` token row offsets.
-        cache_lengths: `[batch]` cached-prefix lengths.
-        slot_idx: `[batch]` ring slots.
-        batch: Requests in this call.
-        total_tokens: Rows of `k` and `gate`.
-        max_slots: Ring slots.
-        ring_len: Ring length R (a multiple of `kpool`).
+        origin: Origin of the tensor pointers (`MutAnyOrigin` in kernels).
     """
 
-    @always_inline
-    def plan(b: Int) {imm} -> Tuple[Int, PoolMembers[dtype]]:
-        return plan_close[
-            dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
-        ](
-            b,
-            tail,
-            k,
-            gate,
-            input_row_offsets,
-            cache_lengths,
-            slot_idx,
-            total_tokens,
-            max_slots,
-            ring_len,
+    var pooled: Field[Self.dtype, Self.origin]
+    """Output `[batch, head_dim]`."""
+    var closed_pool: Field[DType.int32, Self.origin]
+    """Output `[batch]` int32."""
+    var tail: Field[Self.dtype, Self.origin]
+    """Ring `[max_slots, 2, ring_len, head_dim]`, read only."""
+    var k: Field[Self.dtype, Self.origin]
+    """`[total_tokens, head_dim]` keys."""
+    var gate: Field[Self.dtype, Self.origin]
+    """`[total_tokens, head_dim]` gate scores."""
+    var ape: Field[DType.float32, Self.origin]
+    """`[kpool, head_dim]` float32."""
+    var input_row_offsets: Field[Self.offset_dtype, Self.origin]
+    """`[batch + 1]` token row offsets."""
+    var cache_lengths: Field[Self.length_dtype, Self.origin]
+    """`[batch]` cached-prefix lengths."""
+    var slot_idx: Field[Self.slot_dtype, Self.origin]
+    """`[batch]` ring slots."""
+    var batch: Int
+    """Requests in this call."""
+    var total_tokens: Int
+    """Rows of `k` and `gate`."""
+    var max_slots: Int
+    """Ring slots."""
+    var ring_len: Int
+    """Ring length R (a multiple of `kpool`)."""
+
+
+comptime RingClose = RingCloseOperands[..., origin=MutAnyOrigin]
+"""`RingCloseOperands` over the kernels' raw tensor pointers."""
+
+
+@fieldwise_init
+struct ClosingPool[dtype: DType, origin: Origin[mut=False]](ImplicitlyCopyable):
+    """What one request closes: a pool id and where its members are.
+
+    Parameters:
+        dtype: Key dtype.
+        origin: Origin of the member pointers (`ImmutAnyOrigin` in
+            `ClosePlan`).
+    """
+
+    var pool: Int
+    """The pool id closed, or -1 (nothing to close)."""
+    var members: PoolSegments[Self.dtype, Self.origin]
+    """The pool's members: the first `c % kpool` from the ring slot, the
+    others from this call's rows. For `pool == -1` they point at the
+    operands' first rows: safe to prefetch, never pooled."""
+
+
+comptime ClosePlan[dtype: DType] = ClosingPool[dtype, ImmutAnyOrigin]
+"""`ClosingPool` over the kernels' raw tensor pointers."""
+
+
+@always_inline
+def plan_close(b: Int, op: RingClose) -> ClosePlan[op.dtype]:
+    """What request `b` closes, and where its members are (CPU and GPU)."""
+    comptime kpool = op.kpool
+    comptime head_dim = op.head_dim
+    var span = token_span(op.input_row_offsets, b, op.total_tokens)
+    var c = read_index(op.cache_lengths, b)
+    var s = read_index(op.slot_idx, b)
+    var p = pending_pool[kpool](c, span[1])
+    if not span[2] or not slot_ok(s, op.max_slots):
+        p = -1
+    if p < 0:
+        return ClosePlan(
+            -1, PoolMembers[op.dtype](op.tail, op.tail, 0, op.k, op.gate)
         )
-
-    def close_requests(lo: Int, hi: Int) {imm}:
-        if lo >= hi:
-            return
-        var this = plan(lo)
-        for b in range(lo, hi):
-            # The next request's gates are prefetched while this one pools.
-            var next = plan(min(b + 1, hi - 1))
-            var row = pooled.unsafe_offset(b * head_dim)
-            closed_pool[unsafe_offset=b] = Int32(this[0])
-            if this[0] < 0:
-                for ch in range(head_dim):
-                    row[unsafe_offset=ch] = 0
-            else:
-                cpu_pool_row[dtype, kpool, head_dim](this[1], ape, row, next[1])
-            this = next
-
-    cpu_for_each_range(batch, batch * kpool * head_dim, close_requests)
+    var ring_key = op.tail.unsafe_offset(
+        ((s * 2) * op.ring_len + (p * kpool) % op.ring_len) * head_dim
+    )
+    var first_new = span[0] * head_dim
+    return ClosePlan(
+        p,
+        PoolMembers[op.dtype](
+            ring_key,
+            ring_key.unsafe_offset(op.ring_len * head_dim),
+            c % kpool,
+            op.k.unsafe_offset(first_new),
+            op.gate.unsafe_offset(first_new),
+        ),
+    )
 
 
-def ring_close_thread[
-    dtype: DType,
-    offset_dtype: DType,
-    length_dtype: DType,
-    slot_dtype: DType,
-    kpool: Int,
-    head_dim: Int,
-](
-    block: Int,
-    thread: Int,
-    pooled: Ptr[dtype],
-    closed_pool: Ptr[DType.int32],
-    tail: Ptr[dtype],
-    k: Ptr[dtype],
-    gate: Ptr[dtype],
-    ape: Ptr[DType.float32],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    slot_idx: Ptr[slot_dtype],
-    total_tokens: Int,
-    max_slots: Int,
-    ring_len: Int,
-):
+def close_requests(op: RingClose, lo: Int, hi: Int):
+    """Closes requests `[lo, hi)` on the calling core (CPU).
+
+    Channels go in SIMD steps through `cpu_pool_row`; the next request's
+    gate rows are prefetched while this one pools.
+    """
+    comptime head_dim = op.head_dim
+    if lo >= hi:
+        return
+    var this = plan_close(lo, op)
+    for b in range(lo, hi):
+        var next = plan_close(min(b + 1, hi - 1), op)
+        var row = op.pooled.unsafe_offset(b * head_dim)
+        op.closed_pool[unsafe_offset=b] = Int32(this.pool)
+        if this.pool < 0:
+            zero_row[op.dtype, head_dim](row)
+        else:
+            cpu_pool_row[op.dtype, op.kpool, head_dim](
+                this.members, op.ape, row, next.members
+            )
+        this = next
+
+
+def ring_close_cpu(op: RingClose):
+    """CPU ring_close: requests split across cores (`close_requests`)."""
+
+    def close(lo: Int, hi: Int) {imm}:
+        close_requests(op, lo, hi)
+
+    cpu_for_each_range(op.batch, op.batch * op.kpool * op.head_dim, close)
+
+
+def ring_close_thread(block: Int, thread: Int, op: RingClose):
     """One GPU thread of ring_close: request `block`, channels from `thread`.
 
     Block `b` closes request `b`; thread `t` pools channels `t`, `t + W`,
@@ -195,34 +194,19 @@ def ring_close_thread[
     `closed_pool[b]`. A request with nothing to close writes -1 and zeros
     and never touches the ring. `kpool_ring_close_kernel` runs this on a
     GPU, `emulate_grid` on the CPU.
-
-    Parameters and Args are those of `ring_close_cpu`, plus the launch
-    indices `block` and `thread`.
     """
+    comptime head_dim = op.head_dim
     comptime stride = gpu_block_width[head_dim]()
-    var plan = plan_close[
-        dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
-    ](
-        block,
-        tail,
-        k,
-        gate,
-        input_row_offsets,
-        cache_lengths,
-        slot_idx,
-        total_tokens,
-        max_slots,
-        ring_len,
-    )
-    var row = pooled.unsafe_offset(block * head_dim)
+    var plan = plan_close(block, op)
+    var row = op.pooled.unsafe_offset(block * head_dim)
     if thread == 0:
-        closed_pool[unsafe_offset=block] = Int32(plan[0])
+        op.closed_pool[unsafe_offset=block] = Int32(plan.pool)
     for ch in range(thread, head_dim, stride):
-        if plan[0] < 0:
+        if plan.pool < 0:
             row[unsafe_offset=ch] = 0
         else:
-            row[unsafe_offset=ch] = pool_channels[dtype, 1, kpool](
-                plan[1], ape, head_dim, ch
+            row[unsafe_offset=ch] = pool_channels[op.dtype, 1, op.kpool](
+                plan.members, op.ape, head_dim, ch
             )
 
 
@@ -234,42 +218,22 @@ def kpool_ring_close_kernel[
     kpool: Int,
     head_dim: Int,
 ](
-    pooled: Ptr[dtype],
-    closed_pool: Ptr[DType.int32],
-    tail: Ptr[dtype],
-    k: Ptr[dtype],
-    gate: Ptr[dtype],
-    ape: Ptr[DType.float32],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    slot_idx: Ptr[slot_dtype],
-    total_tokens: Int64,
-    max_slots: Int64,
-    ring_len: Int64,
+    op: RingCloseOperands[
+        dtype,
+        offset_dtype,
+        length_dtype,
+        slot_dtype,
+        kpool,
+        head_dim,
+        MutAnyOrigin,
+    ]
 ):
     """GPU entry of ring_close: `ring_close_thread` at this block and thread.
 
-    Parameters and Args are those of `ring_close_cpu` (sizes as Int64:
-    GPU kernel arguments need fixed-width integers).
+    Parameters are those of `RingCloseOperands`; they name the instance in
+    a profiler trace.
     """
-    ring_close_thread[
-        dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
-    ](
-        Int(block_idx.x),
-        Int(thread_idx.x),
-        pooled,
-        closed_pool,
-        tail,
-        k,
-        gate,
-        ape,
-        input_row_offsets,
-        cache_lengths,
-        slot_idx,
-        Int(total_tokens),
-        Int(max_slots),
-        Int(ring_len),
-    )
+    ring_close_thread(Int(block_idx.x), Int(thread_idx.x), op)
 
 
 @always_inline
@@ -278,85 +242,32 @@ def ring_close_launch[head_dim: Int](batch: Int) -> Tuple[Int, Int]:
     return (batch, gpu_block_width[head_dim]())
 
 
-def ring_close_gpu[
-    dtype: DType,
-    offset_dtype: DType,
-    length_dtype: DType,
-    slot_dtype: DType,
-    kpool: Int,
-    head_dim: Int,
-    emulate: Bool,
-](
-    pooled: Ptr[dtype],
-    closed_pool: Ptr[DType.int32],
-    tail: Ptr[dtype],
-    k: Ptr[dtype],
-    gate: Ptr[dtype],
-    ape: Ptr[DType.float32],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    slot_idx: Ptr[slot_dtype],
-    batch: Int,
-    total_tokens: Int,
-    max_slots: Int,
-    ring_len: Int,
-    ctx: DeviceContext,
-) raises:
+def ring_close_gpu[emulate: Bool](op: RingClose, ctx: DeviceContext) raises:
     """GPU ring_close: launches `kpool_ring_close_kernel` on `ctx`.
 
     With `emulate`, runs the same threads through `emulate_grid` on the
     CPU instead (the operands are then host memory and `ctx` is unused).
-
-    Parameters and Args are those of `ring_close_cpu`, plus `emulate` and
-    `ctx`.
     """
-    if batch == 0:
+    if op.batch == 0:
         return
-    var shape = ring_close_launch[head_dim](batch)
+    var shape = ring_close_launch[op.head_dim](op.batch)
     comptime if emulate:
 
         def thread_work(block: Int, thread: Int) {imm}:
-            ring_close_thread[
-                dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
-            ](
-                block,
-                thread,
-                pooled,
-                closed_pool,
-                tail,
-                k,
-                gate,
-                ape,
-                input_row_offsets,
-                cache_lengths,
-                slot_idx,
-                total_tokens,
-                max_slots,
-                ring_len,
-            )
+            ring_close_thread(block, thread, op)
 
         emulate_grid("kpool_ring_close_kernel", shape[0], shape[1], thread_work)
     else:
         ctx.enqueue_function[
             kpool_ring_close_kernel[
-                dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
+                op.dtype,
+                op.offset_dtype,
+                op.length_dtype,
+                op.slot_dtype,
+                op.kpool,
+                op.head_dim,
             ]
-        ](
-            pooled,
-            closed_pool,
-            tail,
-            k,
-            gate,
-            ape,
-            input_row_offsets,
-            cache_lengths,
-            slot_idx,
-            Int64(total_tokens),
-            Int64(max_slots),
-            Int64(ring_len),
-            grid_dim=shape[0],
-            block_dim=shape[1],
-        )
+        ](op, grid_dim=shape[0], block_dim=shape[1])
 
 
 @extensibility.register("mo.mla.kpool.ring_close")
@@ -413,11 +324,8 @@ struct MLAKPoolRingClose:
                 shape disagrees with `head_dim`, `kpool` or the batch (the
                 Python API rejects those before the graph is built).
         """
-        var batch = closed_pool.dim_size(0)
-        var total_tokens = k.dim_size(0)
-        var max_slots = tail.dim_size(0)
-        var ring_len = tail.dim_size(2)
         comptime OP = "mo.mla.kpool.ring_close"
+        var batch = closed_pool.dim_size(0)
         expect_shape(
             OP,
             "pooled",
@@ -430,66 +338,38 @@ struct MLAKPoolRingClose:
         expect_shape(
             OP, "ape", ape.shape(), "kpool, head_dim", dims(kpool, head_dim)
         )
-        expect_shape(
-            OP,
-            "input_row_offsets",
-            input_row_offsets.shape(),
-            "batch + 1",
-            dims(batch + 1),
+        expect_offsets(
+            OP, "input_row_offsets", input_row_offsets.shape(), batch
         )
         expect_shape(
             OP, "cache_lengths", cache_lengths.shape(), "batch", dims(batch)
         )
         expect_shape(OP, "slot_idx", slot_idx.shape(), "batch", dims(batch))
-        comptime if emulate_gpu and target != "cpu":
-            raise Error(
-                "mo.mla.kpool.ring_close: emulate_gpu needs a CPU target"
-            )
+        expect_target[emulate_gpu, target](OP)
+        var op = RingCloseOperands[
+            pooled.dtype,
+            input_row_offsets.dtype,
+            cache_lengths.dtype,
+            slot_idx.dtype,
+            kpool,
+            head_dim,
+            MutAnyOrigin,
+        ](
+            pooled.unsafe_ptr(),
+            closed_pool.unsafe_ptr(),
+            tail.unsafe_ptr(),
+            k.unsafe_ptr(),
+            gate.unsafe_ptr(),
+            ape.unsafe_ptr(),
+            input_row_offsets.unsafe_ptr(),
+            cache_lengths.unsafe_ptr(),
+            slot_idx.unsafe_ptr(),
+            batch,
+            k.dim_size(0),
+            tail.dim_size(0),
+            tail.dim_size(2),
+        )
         comptime if target == "cpu" and not emulate_gpu:
-            ring_close_cpu[
-                pooled.dtype,
-                input_row_offsets.dtype,
-                cache_lengths.dtype,
-                slot_idx.dtype,
-                kpool,
-                head_dim,
-            ](
-                pooled.unsafe_ptr(),
-                closed_pool.unsafe_ptr(),
-                tail.unsafe_ptr(),
-                k.unsafe_ptr(),
-                gate.unsafe_ptr(),
-                ape.unsafe_ptr(),
-                input_row_offsets.unsafe_ptr(),
-                cache_lengths.unsafe_ptr(),
-                slot_idx.unsafe_ptr(),
-                batch,
-                total_tokens,
-                max_slots,
-                ring_len,
-            )
+            ring_close_cpu(op)
         else:
-            ring_close_gpu[
-                pooled.dtype,
-                input_row_offsets.dtype,
-                cache_lengths.dtype,
-                slot_idx.dtype,
-                kpool,
-                head_dim,
-                emulate_gpu,
-            ](
-                pooled.unsafe_ptr(),
-                closed_pool.unsafe_ptr(),
-                tail.unsafe_ptr(),
-                k.unsafe_ptr(),
-                gate.unsafe_ptr(),
-                ape.unsafe_ptr(),
-                input_row_offsets.unsafe_ptr(),
-                cache_lengths.unsafe_ptr(),
-                slot_idx.unsafe_ptr(),
-                batch,
-                total_tokens,
-                max_slots,
-                ring_len,
-                ctx,
-            )
+            ring_close_gpu[emulate_gpu](op, ctx)

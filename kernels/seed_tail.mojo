@@ -3,7 +3,7 @@
 In place on `tail[max_slots, 2, R, head_dim]`: for every absolute position
 `pos` in `[max(c, floor((c + n) / kpool) * kpool - (R - kpool)), c + n)`, row
 `start + pos - c` of `k` and `gate` is copied to `tail[s, 0, pos % R]` and
-`tail[s, 1, pos % R]`. With the documented ring (`R == kpool`) that is exactly
+`tail[s, 1, pos % R]`. With MAX's one-pool ring (`R == kpool`) that is exactly
 the trailing incomplete pool's tokens; a deeper ring also keeps the
 `R - kpool` tokens before them (for speculative decoding, where a pool closed
 by a draft that is later rejected must be redone from intact members).
@@ -22,9 +22,99 @@ from max.gpu import block_idx, thread_idx
 from std.algorithm import vectorize
 from std.sys import simd_width_of
 
-from .operands import dims, expect_ring, expect_rows, expect_shape
-from .parallel import cpu_for_each_range, emulate_grid, gpu_block_width
-from .ragged import Ptr, read_index, slot_ok, token_span
+from .operands import (
+    dims,
+    expect_offsets,
+    expect_ring,
+    expect_rows,
+    expect_shape,
+    expect_target,
+)
+from .parallel import (
+    KernelOperands,
+    cpu_for_each_range,
+    emulate_grid,
+    gpu_block_width,
+)
+from .ragged import Field, Ptr, read_index, slot_ok, token_span
+
+
+@fieldwise_init
+struct SeedTailOperands[
+    dtype: DType,
+    offset_dtype: DType,
+    length_dtype: DType,
+    slot_dtype: DType,
+    kpool: Int,
+    head_dim: Int,
+    origin: MutOrigin,
+](KernelOperands):
+    """One seed_tail call: its tensors and sizes (see `execute`).
+
+    Parameters:
+        dtype: Key dtype of `tail`, `k`, `gate`.
+        offset_dtype: Integer dtype of `input_row_offsets`.
+        length_dtype: Integer dtype of `cache_lengths`.
+        slot_dtype: Integer dtype of `slot_idx`.
+        kpool: Tokens per pool.
+        head_dim: Channels per key.
+        origin: Origin of the tensor pointers (`MutAnyOrigin` in kernels).
+    """
+
+    var tail: Field[Self.dtype, Self.origin]
+    """Ring `[max_slots, 2, ring_len, head_dim]`, written in place."""
+    var k: Field[Self.dtype, Self.origin]
+    """`[total_tokens, head_dim]` keys."""
+    var gate: Field[Self.dtype, Self.origin]
+    """`[total_tokens, head_dim]` gate scores."""
+    var input_row_offsets: Field[Self.offset_dtype, Self.origin]
+    """`[batch + 1]` token row offsets."""
+    var cache_lengths: Field[Self.length_dtype, Self.origin]
+    """`[batch]` cached-prefix lengths."""
+    var slot_idx: Field[Self.slot_dtype, Self.origin]
+    """`[batch]` ring slots."""
+    var batch: Int
+    """Requests in this call."""
+    var total_tokens: Int
+    """Rows of `k` and `gate`."""
+    var max_slots: Int
+    """Ring slots."""
+    var ring_len: Int
+    """Ring length R (a multiple of `kpool`)."""
+
+
+comptime SeedTail = SeedTailOperands[..., origin=MutAnyOrigin]
+"""`SeedTailOperands` over the kernels' raw tensor pointers."""
+
+
+@fieldwise_init
+struct Stashing[dtype: DType, origin: MutOrigin](ImplicitlyCopyable):
+    """What one request stashes, and where.
+
+    Absolute positions `[lo, hi)` go from rows `first_row + pos - lo` of
+    `k` / `gate` to rows `pos % ring_len` of the slot's key and gate
+    planes. `lo == hi` (nothing) for a request whose slot or offsets are
+    bad.
+
+    Parameters:
+        dtype: Key dtype.
+        origin: Origin of the ring pointers (`MutAnyOrigin` in `Stash`).
+    """
+
+    var lo: Int
+    """First position stashed."""
+    var hi: Int
+    """One past the last position stashed (`c + n`)."""
+    var first_row: Int
+    """Row of `k` / `gate` holding position `lo`."""
+    var ring_key: Field[Self.dtype, Self.origin]
+    """Row 0 of the slot's key plane."""
+    var ring_gate: Field[Self.dtype, Self.origin]
+    """Row 0 of the slot's gate plane."""
+
+
+comptime Stash[dtype: DType] = Stashing[dtype, MutAnyOrigin]
+"""`Stashing` over the kernels' raw tensor pointers."""
 
 
 @always_inline
@@ -38,165 +128,71 @@ def copy_row[dtype: DType, head_dim: Int](dest: Ptr[dtype], src: Ptr[dtype]):
 
 
 @always_inline
-def plan_stash[
-    dtype: DType,
-    offset_dtype: DType,
-    length_dtype: DType,
-    slot_dtype: DType,
-    kpool: Int,
-    head_dim: Int,
-](
-    b: Int,
-    tail: Ptr[dtype],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    slot_idx: Ptr[slot_dtype],
-    total_tokens: Int,
-    max_slots: Int,
-    ring_len: Int,
-) -> Tuple[Int, Int, Int, Ptr[dtype], Ptr[dtype]]:
-    """What request `b` stashes, and where (CPU and GPU).
-
-    Returns:
-        `(lo, hi, row_of_lo, ring_key, ring_gate)`: absolute positions
-        `[lo, hi)` go from rows `row_of_lo + pos - lo` of `k`/`gate` to
-        rows `pos % ring_len` of the slot's key and gate planes. `lo == hi`
-        (nothing) for a request whose slot or offsets are bad.
-    """
-    var span = token_span(input_row_offsets, b, total_tokens)
-    var c = read_index(cache_lengths, b)
-    var s = read_index(slot_idx, b)
-    if not span[2] or c < 0 or not slot_ok(s, max_slots):
-        return (0, 0, 0, tail, tail)
+def plan_stash(b: Int, op: SeedTail) -> Stash[op.dtype]:
+    """What request `b` stashes, and where (CPU and GPU)."""
+    var span = token_span(op.input_row_offsets, b, op.total_tokens)
+    var c = read_index(op.cache_lengths, b)
+    var s = read_index(op.slot_idx, b)
+    if not span[2] or c < 0 or not slot_ok(s, op.max_slots):
+        return Stash[op.dtype](0, 0, 0, op.tail, op.tail)
     var hi = c + span[1]
-    var lo = max(c, (hi // kpool) * kpool - (ring_len - kpool))
-    var ring_key = tail.unsafe_offset(s * 2 * ring_len * head_dim)
-    return (
+    var lo = max(c, (hi // op.kpool) * op.kpool - (op.ring_len - op.kpool))
+    var ring_key = op.tail.unsafe_offset(s * 2 * op.ring_len * op.head_dim)
+    return Stash[op.dtype](
         lo,
         hi,
         span[0] + lo - c,
         ring_key,
-        ring_key.unsafe_offset(ring_len * head_dim),
+        ring_key.unsafe_offset(op.ring_len * op.head_dim),
     )
 
 
-def seed_tail_cpu[
-    dtype: DType,
-    offset_dtype: DType,
-    length_dtype: DType,
-    slot_dtype: DType,
-    kpool: Int,
-    head_dim: Int,
-](
-    tail: Ptr[dtype],
-    k: Ptr[dtype],
-    gate: Ptr[dtype],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    slot_idx: Ptr[slot_dtype],
-    batch: Int,
-    total_tokens: Int,
-    max_slots: Int,
-    ring_len: Int,
-):
-    """CPU seed_tail: a SIMD row copy per stashed position.
-
-    Parameters:
-        dtype: Key dtype.
-        offset_dtype: Integer dtype of `input_row_offsets`.
-        length_dtype: Integer dtype of `cache_lengths`.
-        slot_dtype: Integer dtype of `slot_idx`.
-        kpool: Tokens per pool.
-        head_dim: Channels per key.
-
-    Args:
-        tail: Ring `[max_slots, 2, ring_len, head_dim]`, written in place.
-        k: `[total_tokens, head_dim]` keys.
-        gate: `[total_tokens, head_dim]` gate scores.
-        input_row_offsets: `[batch + 1]` token row offsets.
-        cache_lengths: `[batch]` cached-prefix lengths.
-        slot_idx: `[batch]` ring slots.
-        batch: Requests.
-        total_tokens: Rows of `k`.
-        max_slots: Ring slots.
-        ring_len: Ring length R (a multiple of `kpool`).
-    """
-
-    def seed_requests(lo: Int, hi: Int) {imm}:
-        for b in range(lo, hi):
-            var plan = plan_stash[
-                dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
-            ](
-                b,
-                tail,
-                input_row_offsets,
-                cache_lengths,
-                slot_idx,
-                total_tokens,
-                max_slots,
-                ring_len,
+def seed_requests(op: SeedTail, lo: Int, hi: Int):
+    """Stashes requests `[lo, hi)` on the calling core: a SIMD row copy per
+    position (CPU)."""
+    comptime head_dim = op.head_dim
+    for b in range(lo, hi):
+        var stash = plan_stash(b, op)
+        for pos in range(stash.lo, stash.hi):
+            var src = (stash.first_row + pos - stash.lo) * head_dim
+            var dst = (pos % op.ring_len) * head_dim
+            copy_row[op.dtype, head_dim](
+                stash.ring_key.unsafe_offset(dst), op.k.unsafe_offset(src)
             )
-            for pos in range(plan[0], plan[1]):
-                var src = (plan[2] + pos - plan[0]) * head_dim
-                var dst = (pos % ring_len) * head_dim
-                copy_row[dtype, head_dim](
-                    plan[3].unsafe_offset(dst), k.unsafe_offset(src)
-                )
-                copy_row[dtype, head_dim](
-                    plan[4].unsafe_offset(dst), gate.unsafe_offset(src)
-                )
-
-    cpu_for_each_range(batch, batch * ring_len * head_dim, seed_requests)
+            copy_row[op.dtype, head_dim](
+                stash.ring_gate.unsafe_offset(dst), op.gate.unsafe_offset(src)
+            )
 
 
-def seed_tail_thread[
-    dtype: DType,
-    offset_dtype: DType,
-    length_dtype: DType,
-    slot_dtype: DType,
-    kpool: Int,
-    head_dim: Int,
-](
-    block: Int,
-    thread: Int,
-    tail: Ptr[dtype],
-    k: Ptr[dtype],
-    gate: Ptr[dtype],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    slot_idx: Ptr[slot_dtype],
-    total_tokens: Int,
-    max_slots: Int,
-    ring_len: Int,
-):
+def seed_tail_cpu(op: SeedTail):
+    """CPU seed_tail: requests split across cores (`seed_requests`)."""
+
+    def seed(lo: Int, hi: Int) {imm}:
+        seed_requests(op, lo, hi)
+
+    cpu_for_each_range(op.batch, op.batch * op.ring_len * op.head_dim, seed)
+
+
+def seed_tail_thread(block: Int, thread: Int, op: SeedTail):
     """One GPU thread of seed_tail: request `block`, channels from `thread`.
 
     Block `b` stashes request `b`'s trailing positions; thread `t` copies
     channels `t`, `t + W`, ... of each (`W = gpu_block_width[head_dim]()`).
     `kpool_seed_tail_kernel` runs this on a GPU, `emulate_grid` on the CPU.
-
-    Parameters and Args are those of `seed_tail_cpu`, plus the launch
-    indices `block` and `thread`.
     """
+    comptime head_dim = op.head_dim
     comptime stride = gpu_block_width[head_dim]()
-    var plan = plan_stash[
-        dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
-    ](
-        block,
-        tail,
-        input_row_offsets,
-        cache_lengths,
-        slot_idx,
-        total_tokens,
-        max_slots,
-        ring_len,
-    )
-    for pos in range(plan[0], plan[1]):
-        var src = (plan[2] + pos - plan[0]) * head_dim
-        var dst = (pos % ring_len) * head_dim
+    var stash = plan_stash(block, op)
+    for pos in range(stash.lo, stash.hi):
+        var src = (stash.first_row + pos - stash.lo) * head_dim
+        var dst = (pos % op.ring_len) * head_dim
         for ch in range(thread, head_dim, stride):
-            plan[3][unsafe_offset=dst + ch] = k[unsafe_offset=src + ch]
-            plan[4][unsafe_offset=dst + ch] = gate[unsafe_offset=src + ch]
+            stash.ring_key[unsafe_offset=dst + ch] = op.k[
+                unsafe_offset=src + ch
+            ]
+            stash.ring_gate[unsafe_offset=dst + ch] = op.gate[
+                unsafe_offset=src + ch
+            ]
 
 
 def kpool_seed_tail_kernel[
@@ -207,35 +203,22 @@ def kpool_seed_tail_kernel[
     kpool: Int,
     head_dim: Int,
 ](
-    tail: Ptr[dtype],
-    k: Ptr[dtype],
-    gate: Ptr[dtype],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    slot_idx: Ptr[slot_dtype],
-    total_tokens: Int64,
-    max_slots: Int64,
-    ring_len: Int64,
+    op: SeedTailOperands[
+        dtype,
+        offset_dtype,
+        length_dtype,
+        slot_dtype,
+        kpool,
+        head_dim,
+        MutAnyOrigin,
+    ]
 ):
     """GPU entry of seed_tail: `seed_tail_thread` at this block and thread.
 
-    Parameters and Args are those of `seed_tail_cpu` (sizes as Int64).
+    Parameters are those of `SeedTailOperands`; they name the instance in a
+    profiler trace.
     """
-    seed_tail_thread[
-        dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
-    ](
-        Int(block_idx.x),
-        Int(thread_idx.x),
-        tail,
-        k,
-        gate,
-        input_row_offsets,
-        cache_lengths,
-        slot_idx,
-        Int(total_tokens),
-        Int(max_slots),
-        Int(ring_len),
-    )
+    seed_tail_thread(Int(block_idx.x), Int(thread_idx.x), op)
 
 
 @always_inline
@@ -244,76 +227,32 @@ def seed_tail_launch[head_dim: Int](batch: Int) -> Tuple[Int, Int]:
     return (batch, gpu_block_width[head_dim]())
 
 
-def seed_tail_gpu[
-    dtype: DType,
-    offset_dtype: DType,
-    length_dtype: DType,
-    slot_dtype: DType,
-    kpool: Int,
-    head_dim: Int,
-    emulate: Bool,
-](
-    tail: Ptr[dtype],
-    k: Ptr[dtype],
-    gate: Ptr[dtype],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    slot_idx: Ptr[slot_dtype],
-    batch: Int,
-    total_tokens: Int,
-    max_slots: Int,
-    ring_len: Int,
-    ctx: DeviceContext,
-) raises:
+def seed_tail_gpu[emulate: Bool](op: SeedTail, ctx: DeviceContext) raises:
     """GPU seed_tail: launches `kpool_seed_tail_kernel` on `ctx`.
 
     With `emulate`, runs the same threads through `emulate_grid` on the
     CPU instead (the operands are then host memory and `ctx` is unused).
-
-    Parameters and Args are those of `seed_tail_cpu`, plus `emulate` and
-    `ctx`.
     """
-    if batch == 0:
+    if op.batch == 0:
         return
-    var shape = seed_tail_launch[head_dim](batch)
+    var shape = seed_tail_launch[op.head_dim](op.batch)
     comptime if emulate:
 
         def thread_work(block: Int, thread: Int) {imm}:
-            seed_tail_thread[
-                dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
-            ](
-                block,
-                thread,
-                tail,
-                k,
-                gate,
-                input_row_offsets,
-                cache_lengths,
-                slot_idx,
-                total_tokens,
-                max_slots,
-                ring_len,
-            )
+            seed_tail_thread(block, thread, op)
 
         emulate_grid("kpool_seed_tail_kernel", shape[0], shape[1], thread_work)
     else:
         ctx.enqueue_function[
             kpool_seed_tail_kernel[
-                dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
+                op.dtype,
+                op.offset_dtype,
+                op.length_dtype,
+                op.slot_dtype,
+                op.kpool,
+                op.head_dim,
             ]
-        ](
-            tail,
-            k,
-            gate,
-            input_row_offsets,
-            cache_lengths,
-            slot_idx,
-            Int64(total_tokens),
-            Int64(max_slots),
-            Int64(ring_len),
-            grid_dim=shape[0],
-            block_dim=shape[1],
-        )
+        ](op, grid_dim=shape[0], block_dim=shape[1])
 
 
 @extensibility.register("mo.mla.kpool.seed_tail")
@@ -362,64 +301,36 @@ struct MLAKPoolSeedTail:
                 shape disagrees with `head_dim`, `kpool` or the batch (the
                 Python API rejects those before the graph is built).
         """
-        var batch = cache_lengths.dim_size(0)
-        var total_tokens = k.dim_size(0)
-        var max_slots = tail.dim_size(0)
-        var ring_len = tail.dim_size(2)
         comptime OP = "mo.mla.kpool.seed_tail"
+        var batch = cache_lengths.dim_size(0)
         expect_ring[kpool](OP, tail.shape(), head_dim)
         expect_rows(OP, k.shape(), gate.shape(), head_dim)
-        expect_shape(
-            OP,
-            "input_row_offsets",
-            input_row_offsets.shape(),
-            "batch + 1",
-            dims(batch + 1),
+        expect_offsets(
+            OP, "input_row_offsets", input_row_offsets.shape(), batch
         )
         expect_shape(OP, "slot_idx", slot_idx.shape(), "batch", dims(batch))
-        comptime if emulate_gpu and target != "cpu":
-            raise Error(
-                "mo.mla.kpool.seed_tail: emulate_gpu needs a CPU target"
-            )
+        expect_target[emulate_gpu, target](OP)
+        var op = SeedTailOperands[
+            tail.dtype,
+            input_row_offsets.dtype,
+            cache_lengths.dtype,
+            slot_idx.dtype,
+            kpool,
+            head_dim,
+            MutAnyOrigin,
+        ](
+            tail.unsafe_ptr(),
+            k.unsafe_ptr(),
+            gate.unsafe_ptr(),
+            input_row_offsets.unsafe_ptr(),
+            cache_lengths.unsafe_ptr(),
+            slot_idx.unsafe_ptr(),
+            batch,
+            k.dim_size(0),
+            tail.dim_size(0),
+            tail.dim_size(2),
+        )
         comptime if target == "cpu" and not emulate_gpu:
-            seed_tail_cpu[
-                tail.dtype,
-                input_row_offsets.dtype,
-                cache_lengths.dtype,
-                slot_idx.dtype,
-                kpool,
-                head_dim,
-            ](
-                tail.unsafe_ptr(),
-                k.unsafe_ptr(),
-                gate.unsafe_ptr(),
-                input_row_offsets.unsafe_ptr(),
-                cache_lengths.unsafe_ptr(),
-                slot_idx.unsafe_ptr(),
-                batch,
-                total_tokens,
-                max_slots,
-                ring_len,
-            )
+            seed_tail_cpu(op)
         else:
-            seed_tail_gpu[
-                tail.dtype,
-                input_row_offsets.dtype,
-                cache_lengths.dtype,
-                slot_idx.dtype,
-                kpool,
-                head_dim,
-                emulate_gpu,
-            ](
-                tail.unsafe_ptr(),
-                k.unsafe_ptr(),
-                gate.unsafe_ptr(),
-                input_row_offsets.unsafe_ptr(),
-                cache_lengths.unsafe_ptr(),
-                slot_idx.unsafe_ptr(),
-                batch,
-                total_tokens,
-                max_slots,
-                ring_len,
-                ctx,
-            )
+            seed_tail_gpu[emulate_gpu](op, ctx)

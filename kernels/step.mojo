@@ -22,9 +22,10 @@ tokens are written into it, inside the op, so callers cannot order the
 writers wrongly. Two requests of one call on the same ring slot are a
 caller error with no defined result (as with the separate writers).
 
-The op reuses the writers' plan functions and thread bodies, so the two
-paths cannot drift apart: the CPU path pools with `cpu_pool_row`, the GPU
-path runs `ring_close_thread`, `seed_tail_thread` and `compress_thread`.
+The op holds the three writers' operand structs and runs their code on
+them, so the paths cannot drift apart: the CPU path runs `close_requests`,
+`compress_rows` and `seed_requests` over ranges, the GPU path runs
+`ring_close_thread`, `seed_tail_thread` and `compress_thread`.
 
 GPU launches. The prefix sum of pool counts is the only dependency across
 requests: a compress row must know which request owns it. Two launches on
@@ -57,128 +58,45 @@ from extensibility import InputTensor, OutputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 from max.gpu import block_idx, thread_idx
-from std.algorithm import vectorize
-from std.sys import num_physical_cores, simd_width_of
+from std.sys import num_physical_cores
 
-from .compress import compress_thread, last_span_at, owner, pool_row_of
+from .compress import CompressOperands, compress_rows, compress_thread
 from .operands import (
     ANY,
     dims,
+    expect_offsets,
     expect_pool_rows,
     expect_ring,
     expect_rows,
     expect_shape,
+    expect_target,
 )
-from .parallel import cpu_for_each_range, emulate_grid, gpu_block_width
-from .pooling import PoolMembers, cpu_pool_row
-from .ragged import Ptr, full_pools, read_index
-from .ring_close import plan_close, ring_close_thread
-from .seed_tail import copy_row, plan_stash, seed_tail_thread
+from .parallel import (
+    KernelOperands,
+    cpu_for_each_range,
+    emulate_grid,
+    gpu_block_width,
+)
+from .ragged import Field, full_pools, read_index
+from .ring_close import RingCloseOperands, close_requests, ring_close_thread
+from .seed_tail import SeedTailOperands, seed_requests, seed_tail_thread
 
 
-@always_inline
-def step_pool_count[
-    offset_dtype: DType, length_dtype: DType, kpool: Int
-](
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    b: Int,
-) -> Int:
-    """Request `b`'s count in `pool_row_offsets` (the graph helper's rule).
-
-    The span is not checked against `total_tokens` (the helper cannot see
-    it): a request whose rows lie past the call's counts its pools, and
-    compress then writes zeros for them.
-    """
-    var n = read_index(input_row_offsets, b + 1) - read_index(
-        input_row_offsets, b
-    )
-    var c = read_index(cache_lengths, b)
-    if n < 0 or c < 0:
-        return 0
-    return full_pools[kpool](c, n)[1]
-
-
-@always_inline
-def step_first_pool[
-    length_dtype: DType, kpool: Int
-](cache_lengths: Ptr[length_dtype], b: Int) -> Int64:
-    """`first_pool[b]`: `(c + kpool - 1) // kpool`, rounded down."""
-    return Int64((read_index(cache_lengths, b) + kpool - 1) // kpool)
-
-
-@always_inline
-def zero_row[dtype: DType, head_dim: Int](dest: Ptr[dtype]):
-    """Writes `head_dim` zeros (+0.0) with full-width SIMD stores (CPU)."""
-
-    def chunk[width: Int](ch: Int) {imm}:
-        dest.unsafe_store[width=width](ch, SIMD[dtype, width](0))
-
-    vectorize[simd_width_of[dtype]()](head_dim, chunk)
-
-
-def scan_pool_rows[
-    offset_dtype: DType, length_dtype: DType, kpool: Int
-](
-    pool_row_offsets: Ptr[DType.uint32],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    batch: Int,
-):
-    """Writes `pool_row_offsets[0..batch]`, serially (CPU and GPU).
-
-    Parameters:
-        offset_dtype: Integer dtype of `input_row_offsets`.
-        length_dtype: Integer dtype of `cache_lengths`.
-        kpool: Tokens per pool.
-
-    Args:
-        pool_row_offsets: Output `[batch + 1]` uint32, the 64-bit prefix sum
-            of `step_pool_count` modulo 2^32.
-        input_row_offsets: `[batch + 1]` token row offsets.
-        cache_lengths: `[batch]` cached-prefix lengths.
-        batch: Requests.
-    """
-    var total = 0
-    pool_row_offsets[unsafe_offset=0] = 0
-    for b in range(batch):
-        total += step_pool_count[offset_dtype, length_dtype, kpool](
-            input_row_offsets, cache_lengths, b
-        )
-        pool_row_offsets[unsafe_offset=b + 1] = UInt32(total)
-
-
-def step_cpu[
+@fieldwise_init
+struct StepOperands[
     dtype: DType,
     offset_dtype: DType,
     length_dtype: DType,
     slot_dtype: DType,
     kpool: Int,
     head_dim: Int,
-](
-    ring_pooled: Ptr[dtype],
-    closed_pool: Ptr[DType.int32],
-    pooled: Ptr[dtype],
-    pool_row_offsets: Ptr[DType.uint32],
-    first_pool: Ptr[DType.int64],
-    tail: Ptr[dtype],
-    k: Ptr[dtype],
-    gate: Ptr[dtype],
-    ape: Ptr[DType.float32],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    slot_idx: Ptr[slot_dtype],
-    batch: Int,
-    total_tokens: Int,
-    max_slots: Int,
-    ring_len: Int,
-    out_rows: Int,
-):
-    """CPU step: the scan, then one parallel region for everything else.
+    origin: MutOrigin,
+](KernelOperands):
+    """One step call: the three writers' operands over its tensors.
 
-    Part `i` of `num_physical_cores()` equal parts is a range of requests
-    (closed, then seeded) and a range of output rows (compressed): an equal
-    share of the rows before `pool_row_offsets[batch]` and of those after.
+    `close.pooled` is the op's `ring_pooled`; `compress.pool_row_offsets`
+    is its uint32 output, written by the scan before `compress` reads it;
+    `seed.tail` is `close.tail`.
 
     Parameters:
         dtype: Key dtype of the pooled outputs, `tail`, `k`, `gate`.
@@ -187,129 +105,101 @@ def step_cpu[
         slot_dtype: Integer dtype of `slot_idx`.
         kpool: Tokens per pool.
         head_dim: Channels per key.
-
-    Args:
-        ring_pooled: Output `[batch, head_dim]`.
-        closed_pool: Output `[batch]` int32.
-        pooled: Output `[out_rows, head_dim]`.
-        pool_row_offsets: Output `[batch + 1]` uint32.
-        first_pool: Output `[batch]` int64.
-        tail: Ring `[max_slots, 2, ring_len, head_dim]`, updated in place.
-        k: `[total_tokens, head_dim]` keys.
-        gate: `[total_tokens, head_dim]` gate scores.
-        ape: `[kpool, head_dim]` float32.
-        input_row_offsets: `[batch + 1]` token row offsets.
-        cache_lengths: `[batch]` cached-prefix lengths.
-        slot_idx: `[batch]` ring slots.
-        batch: Requests in this call.
-        total_tokens: Rows of `k` and `gate`.
-        max_slots: Ring slots.
-        ring_len: Ring length R (a multiple of `kpool`).
-        out_rows: Rows of `pooled` (`total_tokens // kpool`).
+        origin: Origin of the tensor pointers (`MutAnyOrigin` in kernels).
     """
-    scan_pool_rows[offset_dtype, length_dtype, kpool](
-        pool_row_offsets, input_row_offsets, cache_lengths, batch
-    )
 
-    @always_inline
-    def plan(b: Int) {imm} -> Tuple[Int, PoolMembers[dtype]]:
-        return plan_close[
-            dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
-        ](
-            b,
-            tail,
-            k,
-            gate,
-            input_row_offsets,
-            cache_lengths,
-            slot_idx,
-            total_tokens,
-            max_slots,
-            ring_len,
-        )
+    var close: RingCloseOperands[
+        Self.dtype,
+        Self.offset_dtype,
+        Self.length_dtype,
+        Self.slot_dtype,
+        Self.kpool,
+        Self.head_dim,
+        Self.origin,
+    ]
+    """Operands of ring_close."""
+    var compress: CompressOperands[
+        Self.dtype,
+        Self.offset_dtype,
+        DType.uint32,
+        Self.length_dtype,
+        Self.kpool,
+        Self.head_dim,
+        Self.origin,
+    ]
+    """Operands of compress."""
+    var seed: SeedTailOperands[
+        Self.dtype,
+        Self.offset_dtype,
+        Self.length_dtype,
+        Self.slot_dtype,
+        Self.kpool,
+        Self.head_dim,
+        Self.origin,
+    ]
+    """Operands of seed_tail."""
+    var first_pool: Field[DType.int64, Self.origin]
+    """Output `[batch]` int64."""
 
-    def close_requests(lo: Int, hi: Int) {imm}:
-        if lo >= hi:
-            return
-        var this = plan(lo)
-        for b in range(lo, hi):
-            # The next request's gates are prefetched while this one pools.
-            var next = plan(min(b + 1, hi - 1))
-            var row = ring_pooled.unsafe_offset(b * head_dim)
-            closed_pool[unsafe_offset=b] = Int32(this[0])
-            first_pool[unsafe_offset=b] = step_first_pool[length_dtype, kpool](
-                cache_lengths, b
-            )
-            if this[0] < 0:
-                zero_row[dtype, head_dim](row)
-            else:
-                cpu_pool_row[dtype, kpool, head_dim](this[1], ape, row, next[1])
-            this = next
 
-    def compress_rows(lo: Int, hi: Int) {imm}:
-        if lo >= hi:
-            return
-        var last = last_span_at(pool_row_offsets, batch, lo)
-        for row in range(lo, hi):
-            # Rows ascend, so the span start only moves forward.
-            while (
-                last < batch and read_index(pool_row_offsets, last + 1) <= row
-            ):
-                last += 1
-            var first = pool_row_of[
-                offset_dtype, DType.uint32, length_dtype, kpool
-            ](
-                input_row_offsets,
-                pool_row_offsets,
-                cache_lengths,
-                owner(last, batch),
-                row,
-                total_tokens,
-            )
-            var dest = pooled.unsafe_offset(row * head_dim)
-            if first < 0:
-                zero_row[dtype, head_dim](dest)
-                continue
-            var member0 = first * head_dim
-            cpu_pool_row[dtype, kpool, head_dim](
-                PoolMembers[dtype].new_rows(k, gate, member0),
-                ape,
-                dest,
-                PoolMembers[dtype].new_rows(
-                    k, gate, member0 + kpool * head_dim
-                ),
-            )
+comptime Step = StepOperands[..., origin=MutAnyOrigin]
+"""`StepOperands` over the kernels' raw tensor pointers."""
 
-    def seed_requests(lo: Int, hi: Int) {imm}:
-        for b in range(lo, hi):
-            var stash = plan_stash[
-                dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
-            ](
-                b,
-                tail,
-                input_row_offsets,
-                cache_lengths,
-                slot_idx,
-                total_tokens,
-                max_slots,
-                ring_len,
-            )
-            for pos in range(stash[0], stash[1]):
-                var src = (stash[2] + pos - stash[0]) * head_dim
-                var dst = (pos % ring_len) * head_dim
-                copy_row[dtype, head_dim](
-                    stash[3].unsafe_offset(dst), k.unsafe_offset(src)
-                )
-                copy_row[dtype, head_dim](
-                    stash[4].unsafe_offset(dst), gate.unsafe_offset(src)
-                )
 
+@always_inline
+def step_pool_count(op: Step, b: Int) -> Int:
+    """Request `b`'s count in `pool_row_offsets` (the graph helper's rule).
+
+    The span is not checked against `total_tokens` (the helper cannot see
+    it): a request whose rows lie past the call's counts its pools, and
+    compress then writes zeros for them.
+    """
+    var offsets = op.compress.input_row_offsets
+    var n = read_index(offsets, b + 1) - read_index(offsets, b)
+    var c = read_index(op.compress.cache_lengths, b)
+    if n < 0 or c < 0:
+        return 0
+    return full_pools[op.kpool](c, n)[1]
+
+
+@always_inline
+def write_first_pool(op: Step, b: Int):
+    """`first_pool[b]`: `(c + kpool - 1) // kpool`, rounded down."""
+    var c = read_index(op.compress.cache_lengths, b)
+    op.first_pool[unsafe_offset=b] = Int64((c + op.kpool - 1) // op.kpool)
+
+
+def scan_pool_rows(op: Step):
+    """Writes `pool_row_offsets[0..batch]`, serially (CPU and GPU).
+
+    The 64-bit prefix sum of `step_pool_count`, stored modulo 2^32.
+    """
+    var pool_row_offsets = op.compress.pool_row_offsets
+    var total = 0
+    pool_row_offsets[unsafe_offset=0] = 0
+    for b in range(op.compress.batch):
+        total += step_pool_count(op, b)
+        pool_row_offsets[unsafe_offset=b + 1] = UInt32(total)
+
+
+def step_cpu(op: Step):
+    """CPU step: the scan, then one parallel region for everything else.
+
+    Part `i` of `num_physical_cores()` equal parts is a range of requests
+    (closed, then seeded) and a range of output rows (compressed): an equal
+    share of the rows before `pool_row_offsets[batch]` and of those after.
+    """
+    scan_pool_rows(op)
+    var batch = op.close.batch
+    var out_rows = op.compress.out_rows
     var parts = num_physical_cores()
     # Rows past the last pool are only zeroed (the output's row count is an
     # upper bound): each part gets an equal share of the pooled rows and of
     # the rest, not an equal share of all rows, or the first part would
     # pool them all. Any split is correct; every row is written once.
-    var used = min(max(read_index(pool_row_offsets, batch), 0), out_rows)
+    var used = min(
+        max(read_index(op.compress.pool_row_offsets, batch), 0), out_rows
+    )
     var spare = out_rows - used
 
     def run_parts(lo: Int, hi: Int) {imm}:
@@ -317,65 +207,33 @@ def step_cpu[
             var b0 = batch * part // parts
             var b1 = batch * (part + 1) // parts
             # A request's ring slot is read (closed) before it is written.
-            close_requests(b0, b1)
-            compress_rows(used * part // parts, used * (part + 1) // parts)
+            close_requests(op.close, b0, b1)
+            for b in range(b0, b1):
+                write_first_pool(op, b)
             compress_rows(
+                op.compress, used * part // parts, used * (part + 1) // parts
+            )
+            compress_rows(
+                op.compress,
                 used + spare * part // parts,
                 used + spare * (part + 1) // parts,
             )
-            seed_requests(b0, b1)
+            seed_requests(op.seed, b0, b1)
 
     # Pooling work only, on the scale of the ops it replaces (ring_close's
     # batch * kpool, compress's out_rows * kpool): seeding copies a few rows
     # per request, an order of magnitude cheaper per element than pooling.
-    var work = (batch + out_rows) * kpool * head_dim
+    var work = (batch + out_rows) * op.kpool * op.head_dim
     cpu_for_each_range(parts, work, run_parts)
 
 
-def step_scan_thread[
-    offset_dtype: DType, length_dtype: DType, kpool: Int
-](
-    block: Int,
-    thread: Int,
-    pool_row_offsets: Ptr[DType.uint32],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    batch: Int,
-):
-    """The one GPU thread of launch 1: `scan_pool_rows` (see the module).
-
-    Parameters and Args are those of `scan_pool_rows`, plus the launch
-    indices `block` and `thread` (both 0).
-    """
+def step_scan_thread(block: Int, thread: Int, op: Step):
+    """The one GPU thread of launch 1: `scan_pool_rows` (see the module)."""
     if block == 0 and thread == 0:
-        scan_pool_rows[offset_dtype, length_dtype, kpool](
-            pool_row_offsets, input_row_offsets, cache_lengths, batch
-        )
+        scan_pool_rows(op)
 
 
 def kpool_step_scan_kernel[
-    offset_dtype: DType, length_dtype: DType, kpool: Int
-](
-    pool_row_offsets: Ptr[DType.uint32],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    batch: Int64,
-):
-    """GPU entry of launch 1: `step_scan_thread` at this block and thread.
-
-    Parameters and Args are those of `scan_pool_rows` (`batch` as Int64).
-    """
-    step_scan_thread[offset_dtype, length_dtype, kpool](
-        Int(block_idx.x),
-        Int(thread_idx.x),
-        pool_row_offsets,
-        input_row_offsets,
-        cache_lengths,
-        Int(batch),
-    )
-
-
-def step_thread[
     dtype: DType,
     offset_dtype: DType,
     length_dtype: DType,
@@ -383,25 +241,24 @@ def step_thread[
     kpool: Int,
     head_dim: Int,
 ](
-    block: Int,
-    thread: Int,
-    ring_pooled: Ptr[dtype],
-    closed_pool: Ptr[DType.int32],
-    pooled: Ptr[dtype],
-    pool_row_offsets: Ptr[DType.uint32],
-    first_pool: Ptr[DType.int64],
-    tail: Ptr[dtype],
-    k: Ptr[dtype],
-    gate: Ptr[dtype],
-    ape: Ptr[DType.float32],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    slot_idx: Ptr[slot_dtype],
-    batch: Int,
-    total_tokens: Int,
-    max_slots: Int,
-    ring_len: Int,
+    op: StepOperands[
+        dtype,
+        offset_dtype,
+        length_dtype,
+        slot_dtype,
+        kpool,
+        head_dim,
+        MutAnyOrigin,
+    ]
 ):
+    """GPU entry of launch 1: `step_scan_thread` at this block and thread.
+
+    Parameters are those of `StepOperands`.
+    """
+    step_scan_thread(Int(block_idx.x), Int(thread_idx.x), op)
+
+
+def step_thread(block: Int, thread: Int, op: Step):
     """One GPU thread of launch 2: a request's close and seed, or a row.
 
     Block `b < batch`: thread `t` runs `ring_close_thread` and then
@@ -411,64 +268,15 @@ def step_thread[
     `first_pool[b]`. Block `batch + i`: `compress_thread` for output row
     `i`, over the `pool_row_offsets` that launch 1 wrote.
     `kpool_step_kernel` runs this on a GPU, `emulate_grid` on the CPU.
-
-    Parameters and Args are those of `step_cpu` (but `out_rows`), plus the
-    launch indices `block` and `thread`.
     """
+    var batch = op.close.batch
     if block < batch:
-        ring_close_thread[
-            dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
-        ](
-            block,
-            thread,
-            ring_pooled,
-            closed_pool,
-            tail,
-            k,
-            gate,
-            ape,
-            input_row_offsets,
-            cache_lengths,
-            slot_idx,
-            total_tokens,
-            max_slots,
-            ring_len,
-        )
-        seed_tail_thread[
-            dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
-        ](
-            block,
-            thread,
-            tail,
-            k,
-            gate,
-            input_row_offsets,
-            cache_lengths,
-            slot_idx,
-            total_tokens,
-            max_slots,
-            ring_len,
-        )
+        ring_close_thread(block, thread, op.close)
+        seed_tail_thread(block, thread, op.seed)
         if thread == 0:
-            first_pool[unsafe_offset=block] = step_first_pool[
-                length_dtype, kpool
-            ](cache_lengths, block)
+            write_first_pool(op, block)
     else:
-        compress_thread[
-            dtype, offset_dtype, DType.uint32, length_dtype, kpool, head_dim
-        ](
-            block - batch,
-            thread,
-            pooled,
-            k,
-            gate,
-            ape,
-            input_row_offsets,
-            pool_row_offsets,
-            cache_lengths,
-            batch,
-            total_tokens,
-        )
+        compress_thread(block - batch, thread, op.compress)
 
 
 def kpool_step_kernel[
@@ -479,48 +287,22 @@ def kpool_step_kernel[
     kpool: Int,
     head_dim: Int,
 ](
-    ring_pooled: Ptr[dtype],
-    closed_pool: Ptr[DType.int32],
-    pooled: Ptr[dtype],
-    pool_row_offsets: Ptr[DType.uint32],
-    first_pool: Ptr[DType.int64],
-    tail: Ptr[dtype],
-    k: Ptr[dtype],
-    gate: Ptr[dtype],
-    ape: Ptr[DType.float32],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    slot_idx: Ptr[slot_dtype],
-    batch: Int64,
-    total_tokens: Int64,
-    max_slots: Int64,
-    ring_len: Int64,
+    op: StepOperands[
+        dtype,
+        offset_dtype,
+        length_dtype,
+        slot_dtype,
+        kpool,
+        head_dim,
+        MutAnyOrigin,
+    ]
 ):
     """GPU entry of launch 2: `step_thread` at this block and thread.
 
-    Parameters and Args are those of `step_cpu` but `out_rows` (sizes as
-    Int64: GPU kernel arguments need fixed-width integers).
+    Parameters are those of `StepOperands`; they name the instance in a
+    profiler trace.
     """
-    step_thread[dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim](
-        Int(block_idx.x),
-        Int(thread_idx.x),
-        ring_pooled,
-        closed_pool,
-        pooled,
-        pool_row_offsets,
-        first_pool,
-        tail,
-        k,
-        gate,
-        ape,
-        input_row_offsets,
-        cache_lengths,
-        slot_idx,
-        Int(batch),
-        Int(total_tokens),
-        Int(max_slots),
-        Int(ring_len),
-    )
+    step_thread(Int(block_idx.x), Int(thread_idx.x), op)
 
 
 @always_inline
@@ -535,78 +317,21 @@ def step_launch[head_dim: Int](batch: Int, out_rows: Int) -> Tuple[Int, Int]:
     return (batch + out_rows, gpu_block_width[head_dim]())
 
 
-def step_gpu[
-    dtype: DType,
-    offset_dtype: DType,
-    length_dtype: DType,
-    slot_dtype: DType,
-    kpool: Int,
-    head_dim: Int,
-    emulate: Bool,
-](
-    ring_pooled: Ptr[dtype],
-    closed_pool: Ptr[DType.int32],
-    pooled: Ptr[dtype],
-    pool_row_offsets: Ptr[DType.uint32],
-    first_pool: Ptr[DType.int64],
-    tail: Ptr[dtype],
-    k: Ptr[dtype],
-    gate: Ptr[dtype],
-    ape: Ptr[DType.float32],
-    input_row_offsets: Ptr[offset_dtype],
-    cache_lengths: Ptr[length_dtype],
-    slot_idx: Ptr[slot_dtype],
-    batch: Int,
-    total_tokens: Int,
-    max_slots: Int,
-    ring_len: Int,
-    out_rows: Int,
-    ctx: DeviceContext,
-) raises:
+def step_gpu[emulate: Bool](op: Step, ctx: DeviceContext) raises:
     """GPU step: the two launches of the module docstring, on `ctx`.
 
     With `emulate`, runs the same threads through `emulate_grid` on the
     CPU instead (the operands are then host memory and `ctx` is unused).
-
-    Parameters and Args are those of `step_cpu`, plus `emulate` and `ctx`.
     """
     var scan = step_scan_launch()
-    var shape = step_launch[head_dim](batch, out_rows)
+    var shape = step_launch[op.head_dim](op.close.batch, op.compress.out_rows)
     comptime if emulate:
 
         def scan_work(block: Int, thread: Int) {imm}:
-            step_scan_thread[offset_dtype, length_dtype, kpool](
-                block,
-                thread,
-                pool_row_offsets,
-                input_row_offsets,
-                cache_lengths,
-                batch,
-            )
+            step_scan_thread(block, thread, op)
 
         def thread_work(block: Int, thread: Int) {imm}:
-            step_thread[
-                dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
-            ](
-                block,
-                thread,
-                ring_pooled,
-                closed_pool,
-                pooled,
-                pool_row_offsets,
-                first_pool,
-                tail,
-                k,
-                gate,
-                ape,
-                input_row_offsets,
-                cache_lengths,
-                slot_idx,
-                batch,
-                total_tokens,
-                max_slots,
-                ring_len,
-            )
+            step_thread(block, thread, op)
 
         emulate_grid("kpool_step_scan_kernel", scan[0], scan[1], scan_work)
         if shape[0] == 0:
@@ -614,41 +339,27 @@ def step_gpu[
         emulate_grid("kpool_step_kernel", shape[0], shape[1], thread_work)
     else:
         ctx.enqueue_function[
-            kpool_step_scan_kernel[offset_dtype, length_dtype, kpool]
-        ](
-            pool_row_offsets,
-            input_row_offsets,
-            cache_lengths,
-            Int64(batch),
-            grid_dim=scan[0],
-            block_dim=scan[1],
-        )
+            kpool_step_scan_kernel[
+                op.dtype,
+                op.offset_dtype,
+                op.length_dtype,
+                op.slot_dtype,
+                op.kpool,
+                op.head_dim,
+            ]
+        ](op, grid_dim=scan[0], block_dim=scan[1])
         if shape[0] == 0:
             return
         ctx.enqueue_function[
             kpool_step_kernel[
-                dtype, offset_dtype, length_dtype, slot_dtype, kpool, head_dim
+                op.dtype,
+                op.offset_dtype,
+                op.length_dtype,
+                op.slot_dtype,
+                op.kpool,
+                op.head_dim,
             ]
-        ](
-            ring_pooled,
-            closed_pool,
-            pooled,
-            pool_row_offsets,
-            first_pool,
-            tail,
-            k,
-            gate,
-            ape,
-            input_row_offsets,
-            cache_lengths,
-            slot_idx,
-            Int64(batch),
-            Int64(total_tokens),
-            Int64(max_slots),
-            Int64(ring_len),
-            grid_dim=shape[0],
-            block_dim=shape[1],
-        )
+        ](op, grid_dim=shape[0], block_dim=shape[1])
 
 
 @extensibility.register("mla_kpool.step")
@@ -717,12 +428,9 @@ struct MLAKPoolStep:
                 Python API rejects those before the graph is built).
                 Also if `emulate_gpu` is set for a GPU target.
         """
+        comptime OP = "mla_kpool.step"
         var batch = ring_closed_pool.dim_size(0)
         var total_tokens = k.dim_size(0)
-        var max_slots = tail.dim_size(0)
-        var ring_len = tail.dim_size(2)
-        var out_rows = pooled.dim_size(0)
-        comptime OP = "mla_kpool.step"
         expect_shape(
             OP,
             "ring_pooled",
@@ -733,86 +441,94 @@ struct MLAKPoolStep:
         expect_shape(
             OP, "pooled", pooled.shape(), "rows, head_dim", dims(ANY, head_dim)
         )
-        expect_pool_rows[kpool](OP, "pooled", out_rows, total_tokens)
-        expect_shape(
-            OP,
-            "pool_row_offsets",
-            pool_row_offsets.shape(),
-            "batch + 1",
-            dims(batch + 1),
-        )
+        expect_pool_rows[kpool](OP, "pooled", pooled.dim_size(0), total_tokens)
+        expect_offsets(OP, "pool_row_offsets", pool_row_offsets.shape(), batch)
         expect_shape(OP, "first_pool", first_pool.shape(), "batch", dims(batch))
         expect_ring[kpool](OP, tail.shape(), head_dim)
         expect_rows(OP, k.shape(), gate.shape(), head_dim)
         expect_shape(
             OP, "ape", ape.shape(), "kpool, head_dim", dims(kpool, head_dim)
         )
-        expect_shape(
-            OP,
-            "input_row_offsets",
-            input_row_offsets.shape(),
-            "batch + 1",
-            dims(batch + 1),
+        expect_offsets(
+            OP, "input_row_offsets", input_row_offsets.shape(), batch
         )
         expect_shape(
             OP, "cache_lengths", cache_lengths.shape(), "batch", dims(batch)
         )
         expect_shape(OP, "slot_idx", slot_idx.shape(), "batch", dims(batch))
-        comptime if emulate_gpu and target != "cpu":
-            raise Error("mla_kpool.step: emulate_gpu needs a CPU target")
+        expect_target[emulate_gpu, target](OP)
+        comptime dtype = ring_pooled.dtype
+        comptime offset_dtype = input_row_offsets.dtype
+        comptime length_dtype = cache_lengths.dtype
+        comptime slot_dtype = slot_idx.dtype
+        var close = RingCloseOperands[
+            dtype,
+            offset_dtype,
+            length_dtype,
+            slot_dtype,
+            kpool,
+            head_dim,
+            MutAnyOrigin,
+        ](
+            ring_pooled.unsafe_ptr(),
+            ring_closed_pool.unsafe_ptr(),
+            tail.unsafe_ptr(),
+            k.unsafe_ptr(),
+            gate.unsafe_ptr(),
+            ape.unsafe_ptr(),
+            input_row_offsets.unsafe_ptr(),
+            cache_lengths.unsafe_ptr(),
+            slot_idx.unsafe_ptr(),
+            batch,
+            total_tokens,
+            tail.dim_size(0),
+            tail.dim_size(2),
+        )
+        var op = StepOperands(
+            close,
+            CompressOperands[
+                dtype,
+                offset_dtype,
+                DType.uint32,
+                length_dtype,
+                kpool,
+                head_dim,
+                MutAnyOrigin,
+            ](
+                pooled.unsafe_ptr(),
+                close.k,
+                close.gate,
+                close.ape,
+                close.input_row_offsets,
+                pool_row_offsets.unsafe_ptr(),
+                close.cache_lengths,
+                batch,
+                total_tokens,
+                pooled.dim_size(0),
+            ),
+            SeedTailOperands[
+                dtype,
+                offset_dtype,
+                length_dtype,
+                slot_dtype,
+                kpool,
+                head_dim,
+                MutAnyOrigin,
+            ](
+                close.tail,
+                close.k,
+                close.gate,
+                close.input_row_offsets,
+                close.cache_lengths,
+                close.slot_idx,
+                batch,
+                total_tokens,
+                close.max_slots,
+                close.ring_len,
+            ),
+            first_pool.unsafe_ptr(),
+        )
         comptime if target == "cpu" and not emulate_gpu:
-            step_cpu[
-                ring_pooled.dtype,
-                input_row_offsets.dtype,
-                cache_lengths.dtype,
-                slot_idx.dtype,
-                kpool,
-                head_dim,
-            ](
-                ring_pooled.unsafe_ptr(),
-                ring_closed_pool.unsafe_ptr(),
-                pooled.unsafe_ptr(),
-                pool_row_offsets.unsafe_ptr(),
-                first_pool.unsafe_ptr(),
-                tail.unsafe_ptr(),
-                k.unsafe_ptr(),
-                gate.unsafe_ptr(),
-                ape.unsafe_ptr(),
-                input_row_offsets.unsafe_ptr(),
-                cache_lengths.unsafe_ptr(),
-                slot_idx.unsafe_ptr(),
-                batch,
-                total_tokens,
-                max_slots,
-                ring_len,
-                out_rows,
-            )
+            step_cpu(op)
         else:
-            step_gpu[
-                ring_pooled.dtype,
-                input_row_offsets.dtype,
-                cache_lengths.dtype,
-                slot_idx.dtype,
-                kpool,
-                head_dim,
-                emulate_gpu,
-            ](
-                ring_pooled.unsafe_ptr(),
-                ring_closed_pool.unsafe_ptr(),
-                pooled.unsafe_ptr(),
-                pool_row_offsets.unsafe_ptr(),
-                first_pool.unsafe_ptr(),
-                tail.unsafe_ptr(),
-                k.unsafe_ptr(),
-                gate.unsafe_ptr(),
-                ape.unsafe_ptr(),
-                input_row_offsets.unsafe_ptr(),
-                cache_lengths.unsafe_ptr(),
-                slot_idx.unsafe_ptr(),
-                batch,
-                total_tokens,
-                max_slots,
-                ring_len,
-                out_rows,
-                ctx,
-            )
+            step_gpu[emulate_gpu](op, ctx)

@@ -7,9 +7,9 @@ three compiles start together on first use and each test waits for its own.
 A test passes when the process printed the script's marker line, which it
 does only after MAX returned the compiled model; on failure the assertion
 shows the process's output. Checked by hand that it can fail: a copy of the
-kernels capturing an ``Int`` in the GPU ring_close closure (passed as the
-script's ``KERNELS_DIR``) fails for sm_90a with "Int and UInt do not
-conform to DevicePassable", while that copy still compiles and runs on CPU.
+kernels whose GPU ring_close kernel took an ``Int`` argument (passed as the
+script's ``KERNELS_DIR``) failed for sm_90a with "Int and UInt do not
+conform to DevicePassable", while that copy still compiled and ran on CPU.
 
 A fourth compile, for cuda/sm_90a only, puts a ``kpool_step`` on each of two
 virtual GPUs in one graph (a sharded indexer runs one replica of the ops per

@@ -88,8 +88,8 @@ MUTANTS = [
         # request's span goes to the next request, which has no such pool.
         "compress_owner_off_by_one",
         "compress.mojo",
-        "last_span_at(pool_row_offsets, batch, row)",
-        "last_span_at(pool_row_offsets, batch, row + 1)",
+        "last_span_at(op.pool_row_offsets, op.batch, row)",
+        "last_span_at(op.pool_row_offsets, op.batch, row + 1)",
         lambda runner: rc.check_step_mixed_batch(runner, MAIN, MUTANT_SEED),
         AssertionError,
         "compressed pools",
@@ -99,7 +99,7 @@ MUTANTS = [
         # GPU refuses and the emulator refuses the same way.
         "ring_close_missing_empty_batch_guard",
         "ring_close.mojo",
-        "if batch == 0:\n        return\n    var shape = ring_close_launch",
+        "if op.batch == 0:\n        return\n    var shape = ring_close_launch",
         "var shape = ring_close_launch",
         _empty_batch,
         ValueError,

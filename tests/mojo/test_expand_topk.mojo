@@ -18,7 +18,12 @@ The values themselves are checked against the NumPy oracle in Python.
 from max.gpu.host import DeviceContext
 from std.testing import TestSuite, assert_equal, assert_true
 
-from kernels.expand_topk import expand_topk_cpu, expand_topk_gpu, row_width
+from kernels.expand_topk import (
+    ExpandTopKOperands,
+    expand_topk_cpu,
+    expand_topk_gpu,
+    row_width,
+)
 from kernels.ragged import Ptr
 
 comptime SENTINEL = Int32(0x5A5A5A5A)
@@ -101,36 +106,34 @@ def _fuzz[
         var size = total_tokens * width
         var cpu = List[Int32](length=size + 2 * GUARD, fill=SENTINEL)
         var gpu = List[Int32](length=size + 2 * GUARD, fill=SENTINEL)
-        expand_topk_cpu[
+        comptime Op = ExpandTopKOperands[
             pool_dtype,
             index_dtype,
             index_dtype,
             kpool,
             pool_topk,
             always_select_tail,
-        ](
-            _ptr(cpu).unsafe_offset(GUARD),
-            _ptr(ids),
-            _ptr(offsets),
-            _ptr(cache),
-            batch,
-            total_tokens,
+            MutAnyOrigin,
+        ]
+        expand_topk_cpu(
+            Op(
+                _ptr(cpu).unsafe_offset(GUARD),
+                _ptr(ids),
+                _ptr(offsets),
+                _ptr(cache),
+                batch,
+                total_tokens,
+            )
         )
-        expand_topk_gpu[
-            pool_dtype,
-            index_dtype,
-            index_dtype,
-            kpool,
-            pool_topk,
-            always_select_tail,
-            True,
-        ](
-            _ptr(gpu).unsafe_offset(GUARD),
-            _ptr(ids),
-            _ptr(offsets),
-            _ptr(cache),
-            batch,
-            total_tokens,
+        expand_topk_gpu[True](
+            Op(
+                _ptr(gpu).unsafe_offset(GUARD),
+                _ptr(ids),
+                _ptr(offsets),
+                _ptr(cache),
+                batch,
+                total_tokens,
+            ),
             ctx,
         )
         for i in range(GUARD):

@@ -67,7 +67,7 @@ def _compile_all[arch: StaticString]() raises -> List[String]:
     out.append(
         String(
             _compile_code[
-                kpool_step_scan_kernel[U32, U32, 4],
+                kpool_step_scan_kernel[BF16, U32, U32, U32, 4, 128],
                 target=get_gpu_target[arch](),
             ]()
         )
