@@ -430,8 +430,13 @@ def test_fuzz_guarded(device: str, cfg: ExpandConfig) -> None:
         ids = draw_pool_ids(rng, cfg, offsets, cache, total, "mixed")
         offsets_a = np.array(offsets, cfg.index_dtype)
         cache_a = np.array(cache, cfg.index_dtype)
-        model, _ = runner.prepare_expand_topk(
-            ids, offsets_a, cache_a, cfg.kpool, cfg.always_select_tail
+        model, _ = runner.prepare(
+            "expand_topk",
+            cfg.kpool,
+            pool_ids=ids,
+            input_row_offsets=offsets_a,
+            cache_lengths=cache_a,
+            always_select_tail=cfg.always_select_tail,
         )
         guarded = [Guarded(a, runner.device) for a in (ids, offsets_a, cache_a)]
         (out,) = model.execute(*(g.view for g in guarded))

@@ -488,10 +488,7 @@ class Call:
             operands["slot_idx"] = idx["slot_idx"]
             if self.op == "ring_close":
                 operands["ape"] = d.ape
-        tail, tensors, indices = Runner.operands(self.op, **operands)
-        model, args = self.runner.prepare(
-            self.op, KPOOL, d.k, tail, tensors, indices
-        )
+        model, args = self.runner.prepare(self.op, KPOOL, **operands)
         first = 0 if self.op == "compress" else 1
         args[first], args[first + 1] = k.view, gate.view
         outs = [to_numpy(out) for out in model.execute(*args)]

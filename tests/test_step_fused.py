@@ -249,8 +249,9 @@ def run_guarded(
     k = Guarded(data.k, GUARD_ROWS * HEAD_DIM, device)
     gate = Guarded(data.gate, GUARD_ROWS * HEAD_DIM, device)
     kind = "step" if fused else "step3"
-    tail, tensors, indices = Runner.operands(
+    model, args = runner.prepare(
         kind,
+        KPOOL,
         k=data.k,
         gate=data.gate,
         ape=data.ape,
@@ -259,7 +260,6 @@ def run_guarded(
         cache_lengths=idx["cache_lengths"],
         slot_idx=idx["slot_idx"],
     )
-    model, args = runner.prepare(kind, KPOOL, data.k, tail, tensors, indices)
     args[1], args[2] = k.view, gate.view
     outs = [to_numpy(out) for out in model.execute(*args)]
     where = f"{kind}, {meta.describe()}"

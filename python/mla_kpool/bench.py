@@ -57,6 +57,7 @@ import numpy as np
 from max.dtype import DType
 from tqdm import tqdm
 
+from . import runner as kpool_runner
 from ._paths import NOOP_KERNELS
 from ._sysinfo import run_info
 from .buffers import to_numpy_dtype
@@ -405,30 +406,23 @@ class _ModelCall:
     def __init__(self, runner: Runner, case: Case, w: Workload) -> None:
         self._runner = runner
         self._sync = runner.device_name == "gpu"
-        if case.op == "expand_topk":
-            assert w.pool_ids is not None
-            self._model, self._args = runner.prepare_expand_topk(
-                w.pool_ids, w.input_row_offsets, w.cache_lengths, case.kpool
-            )
-            return
         ring = None
-        if case.op != "compress":
+        if kpool_runner.OPS[case.op].in_place:
             ring = runner.new_ring(
                 case.batch, case.kpool, case.head_dim, w.k.dtype, fill=w.ring
             )
-        self._ring, tensors, indices = runner.operands(
+        self._model, self._args = runner.prepare(
             case.op,
+            case.kpool,
+            tail=ring,
             k=w.k,
             gate=w.gate,
             ape=w.ape,
+            pool_ids=w.pool_ids,
             input_row_offsets=w.input_row_offsets,
             cache_lengths=w.cache_lengths,
             slot_idx=w.slot_idx,
             pool_row_offsets=w.pool_row_offsets,
-            tail=ring,
-        )
-        self._model, self._args = runner.prepare(
-            case.op, case.kpool, w.k, self._ring, tensors, indices
         )
 
     def __call__(self) -> None:

@@ -1834,31 +1834,23 @@ def compile_models(runner: Runner, config: Config) -> None:
         runner: Where they run.
         config: The run's dtype, kpool, head_dim, ring and top-k.
     """
-    from max.dtype import DType
-
-    from .buffers import to_max_dtype
-    from .runner import ModelKey
+    from .runner import model_key
 
     runner.model(
-        ModelKey(
-            kind="step",
-            dtype=to_max_dtype(config.dtype),
-            kpool=config.kpool,
+        model_key(
+            "step",
+            config.kpool,
+            dtype=config.dtype,
             head_dim=config.head_dim,
             ring_len=config.ring_len,
-            index_dtypes=(DType.uint32,) * 3,
         )
     )
     runner.model(
-        ModelKey(
-            kind="expand_topk",
-            dtype=DType.int32,
-            kpool=config.kpool,
-            head_dim=0,
-            ring_len=0,
-            index_dtypes=(DType.uint32,) * 2,
+        model_key(
+            "expand_topk",
+            config.kpool,
+            dtype=np.int32,
             pool_topk=config.pool_topk,
-            always_select_tail=True,
         )
     )
 
