@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +38,7 @@ from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
 import mla_kpool
-from conftest import DEVICE_NAMES, get_runner
+from conftest import DEVICE_NAMES
 from kpool_cases import (
     BF16,
     F16,
@@ -181,8 +182,10 @@ def draw_call(
 
 
 @pytest.mark.parametrize(("device", "case"), _stream_params())
-def test_stream_fused_equals_three_op(device: str, case: StreamCase) -> None:
-    runner = get_runner(device)
+def test_stream_fused_equals_three_op(
+    device: str, case: StreamCase, runners: Callable[[str], Runner]
+) -> None:
+    runner = runners(device)
     cfg, kp, hd = case.cfg, case.cfg.kpool, case.cfg.head_dim
     seed = zlib.crc32(repr(("stream", case.id)).encode())
     rng = np.random.default_rng(seed)
@@ -275,8 +278,10 @@ def run_guarded(
 
 
 @pytest.mark.parametrize("device", DEVICE_NAMES)
-def test_guarded_fuzz_fused_equals_three_op(device: str) -> None:
-    runner = get_runner(device)
+def test_guarded_fuzz_fused_equals_three_op(
+    device: str, runners: Callable[[str], Runner]
+) -> None:
+    runner = runners(device)
     count = FUZZ_VECTORS[device]
     start = time.perf_counter()
     failures: dict[str, str] = {}
