@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from ._argtypes import int_at_least
 from .runner import DEVICES
 from .serving import (
     DEFAULT_POOL_TOPK,
@@ -62,27 +63,8 @@ class DemoError(Exception):
 # --------------------------------------------------------------------------
 
 
-def _int_at_least(minimum: int):
-    """An argparse type: an integer no smaller than ``minimum``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"must be an integer, got {text!r}"
-            ) from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(
-                f"must be >= {minimum}, got {value}"
-            )
-        return value
-
-    return parse
-
-
-_positive = _int_at_least(1)
-_non_negative = _int_at_least(0)
+_positive = int_at_least(1)
+_non_negative = int_at_least(0)
 
 
 DESCRIPTION = (
