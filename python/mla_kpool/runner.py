@@ -8,6 +8,12 @@ token count. Graph dims that vary per call are symbolic (``"tokens"``,
 batch shape; only dtype, ``kpool``, ``head_dim``, the ring length and the
 index dtypes (compile-time parameters of the kernels) pick a new model.
 
+Each op is described once, as data, in :data:`OPS` (its operands and their
+graph types, the :mod:`mla_kpool.graph` wrapper it calls, its outputs);
+:meth:`Runner.prepare` and :meth:`Runner.run` take any op by name from it,
+and :func:`model_key` keys a model from a configuration. The per-op methods
+(:meth:`Runner.step` and the rest) are conveniences over :meth:`Runner.run`.
+
 The ring is persistent state, so it lives in a ``max.driver.Buffer`` that
 the caller owns (:meth:`Runner.new_ring`) and the in-place ops update.
 
