@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 
 import max.nn  # noqa: F401  (imported first on purpose, see below)
 import pytest
@@ -77,17 +79,21 @@ def driver_device(device_ref: DeviceRef) -> driver.Device:
     return driver.Accelerator()
 
 
-_RUNNERS: dict[str, Runner] = {}
+@pytest.fixture(scope="session")
+def runners() -> Callable[[str], Runner]:
+    """The session's one :class:`Runner` per device name, made on first use.
 
-
-def get_runner(device: str) -> Runner:
-    """The session's one :class:`Runner` per device (models cached inside)."""
-    if device not in _RUNNERS:
-        _RUNNERS[device] = Runner(device)
-    return _RUNNERS[device]
+    Returns a function ``device -> Runner``; each runner caches the models it
+    compiles, so every test on a device shares them. Tests that put the
+    device into their own parametrization call it; the rest take
+    :func:`runner`.
+    """
+    return functools.cache(Runner)
 
 
 @pytest.fixture(params=DEVICE_NAMES)
-def runner(request: pytest.FixtureRequest) -> Runner:
+def runner(
+    request: pytest.FixtureRequest, runners: Callable[[str], Runner]
+) -> Runner:
     """A compile-once runner on each device (GPU skipped without one)."""
-    return get_runner(request.param)
+    return runners(request.param)

@@ -3,7 +3,7 @@
 Every distinct (kind, dtype, kpool, head_dim, ring length, index dtypes)
 compiles one MAX model (20-40 s cold on a 2-core machine), so the suite draws
 its kernel configurations from the short lists below and shares one
-:class:`mla_kpool.runner.Runner` per device (``conftest.get_runner``).
+:class:`mla_kpool.runner.Runner` per device (conftest's ``runners`` fixture).
 Add a configuration only when a test needs a combination none of these has.
 """
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,9 @@ import numpy as np
 import pytest
 from max import driver
 
-from conftest import get_runner
 from mla_kpool import __main__ as cli
 from mla_kpool import demo, serving
+from mla_kpool.runner import Runner
 
 KPOOL = 4
 
@@ -104,10 +105,17 @@ def table(stdout: str) -> dict[str, str]:
     return rows
 
 
-def run_demo(argv: list[str], device: str = "cpu") -> int:
-    return demo.main(
-        ["--no-progress", "--device", device, *argv], runner=get_runner(device)
-    )
+@pytest.fixture
+def run_demo(runners: Callable[[str], Runner]) -> Callable[..., int]:
+    """``run_demo(argv, device="cpu")``: the demo on the session's runner."""
+
+    def run(argv: list[str], device: str = "cpu") -> int:
+        return demo.main(
+            ["--no-progress", "--device", device, *argv],
+            runner=runners(device),
+        )
+
+    return run
 
 
 # --------------------------------------------------------------------------
@@ -115,7 +123,7 @@ def run_demo(argv: list[str], device: str = "cpu") -> int:
 # --------------------------------------------------------------------------
 
 
-def test_small_schedule_counts_every_pool(tmp_path, capsys):
+def test_small_schedule_counts_every_pool(tmp_path, capsys, run_demo):
     path = write(tmp_path, SMALL)
     out_json = tmp_path / "summary.json"
     status = run_demo(["--schedule", str(path), "--json", str(out_json)])
@@ -151,7 +159,7 @@ def test_small_schedule_counts_every_pool(tmp_path, capsys):
 
 
 @pytest.mark.emulated
-def test_demo_on_emulated_gpu_kernels(tmp_path, capsys):
+def test_demo_on_emulated_gpu_kernels(tmp_path, capsys, run_demo):
     # The main job through the GPU kernels, on the step model the
     # gpu-emulated kernel tests compile anyway (bfloat16, kpool 4).
     path = write(tmp_path, SMALL)
@@ -168,7 +176,7 @@ def test_demo_on_emulated_gpu_kernels(tmp_path, capsys):
     assert summary["expand_topk"]["mismatches"] == 0
 
 
-def test_generated_workload_float32(tmp_path, capsys):
+def test_generated_workload_float32(tmp_path, capsys, run_demo):
     out_json = tmp_path / "summary.json"
     argv = ["--requests", "4", "--seed", "7", "--dtype", "float32"]
     status = run_demo([*argv, "--json", str(out_json)])
@@ -200,7 +208,7 @@ def test_generated_workload_float32(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("kind", ["ring", "key"])
-def test_injected_fault_fails_on_that_pool(tmp_path, capsys, kind):
+def test_injected_fault_fails_on_that_pool(tmp_path, capsys, kind, run_demo):
     path = write(tmp_path, SMALL)
     status = run_demo(["--schedule", str(path), "--inject-fault", kind])
     captured = capsys.readouterr()
@@ -222,7 +230,7 @@ def test_injected_fault_fails_on_that_pool(tmp_path, capsys, kind):
     assert "result: FAILED" in captured.out
 
 
-def test_injected_topk_fault_fails_on_that_row(tmp_path, capsys):
+def test_injected_topk_fault_fails_on_that_row(tmp_path, capsys, run_demo):
     path = write(tmp_path, SMALL)
     status = run_demo(["--schedule", str(path), "--inject-fault", "topk"])
     captured = capsys.readouterr()
@@ -290,7 +298,9 @@ def spec_counts(plan: serving.Plan, kpool: int) -> dict[str, int]:
     }
 
 
-def test_spec_tokens_keeps_the_latest_row_of_each_pool(tmp_path, capsys):
+def test_spec_tokens_keeps_the_latest_row_of_each_pool(
+    tmp_path, capsys, run_demo
+):
     out_json = tmp_path / "summary.json"
     status = run_demo([*SPEC_ARGV, "--json", str(out_json)])
     out = capsys.readouterr().out
@@ -331,7 +341,7 @@ def test_spec_tokens_keeps_the_latest_row_of_each_pool(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("kind", ["ring", "key"])
-def test_spec_tokens_injected_fault_fails(capsys, kind):
+def test_spec_tokens_injected_fault_fails(capsys, kind, run_demo):
     status = run_demo([*SPEC_ARGV, "--inject-fault", kind])
     captured = capsys.readouterr()
     assert status == 1, captured.out

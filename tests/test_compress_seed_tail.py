@@ -17,12 +17,13 @@ once by compress (all members new), and requires bitwise equality
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from conftest import DEVICE_NAMES, get_runner
+from conftest import DEVICE_NAMES
 from kpool_cases import (
     BF16,
     F16,
@@ -34,6 +35,7 @@ from kpool_cases import (
     random_rows,
 )
 from mla_kpool import reference
+from mla_kpool.runner import Runner
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -93,7 +95,9 @@ COMPRESS_CASES = [
 
 @pytest.mark.parametrize("batch", COMPRESS_CASES, ids=lambda b: b.id)
 @pytest.mark.parametrize("device", DEVICE_NAMES)
-def test_compress_places_every_pool(batch: Batch, device: str) -> None:
+def test_compress_places_every_pool(
+    batch: Batch, device: str, runners: Callable[[str], Runner]
+) -> None:
     cfg, seed = MAIN, 11
     kp = cfg.kpool
     rng = np.random.default_rng(seed)
@@ -103,7 +107,7 @@ def test_compress_places_every_pool(batch: Batch, device: str) -> None:
     k, gate = random_rows(rng, total, cfg.head_dim, cfg.dtype)
     pool_rows = reference.pool_row_offsets(offsets, batch.cache, kp)
 
-    got = get_runner(device).compress(
+    got = runners(device).compress(
         k, gate, ape, offsets, pool_rows.astype(np.uint32), batch.cache, kp
     )
 
@@ -197,14 +201,13 @@ def _expected_ring(
 
 
 def _run_seed_tail(
-    device: str, batch: Batch, seed: int
+    runner: Runner, batch: Batch, seed: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     cfg = MAIN
     rng = np.random.default_rng(seed)
     offsets = _offsets(batch.counts)
     k, gate = random_rows(rng, int(offsets[-1]), cfg.head_dim, cfg.dtype)
     before = _sentinel_ring(cfg.dtype, cfg.head_dim, cfg.kpool)
-    runner = get_runner(device)
     ring = runner.new_ring(
         SEED_SLOTS, cfg.kpool, cfg.head_dim, cfg.dtype, fill=before
     )
@@ -217,10 +220,12 @@ def _run_seed_tail(
 @pytest.mark.parametrize("batch", SEED_CASES, ids=lambda b: b.id)
 @pytest.mark.parametrize("device", DEVICE_NAMES)
 def test_seed_tail_writes_exactly_the_trailing_positions(
-    batch: Batch, device: str
+    batch: Batch, device: str, runners: Callable[[str], Runner]
 ) -> None:
     seed, kp = 5, MAIN.kpool
-    before, after, k, gate, offsets = _run_seed_tail(device, batch, seed)
+    before, after, k, gate, offsets = _run_seed_tail(
+        runners(device), batch, seed
+    )
     expected, written = _expected_ring(before, k, gate, batch, offsets, kp)
     where = f"{batch.id} (seed {seed}, {MAIN.id}, {device})"
 
@@ -249,7 +254,7 @@ def test_seed_tail_writes_exactly_the_trailing_positions(
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("device", DEVICE_NAMES)
 def test_seed_tail_random_batches_leave_other_entries(
-    seed: int, device: str
+    seed: int, device: str, runners: Callable[[str], Runner]
 ) -> None:
     """Random ``(c, n)`` on distinct random slots; the whole ring is checked."""
     rng = np.random.default_rng(1000 + seed)
@@ -262,7 +267,9 @@ def test_seed_tail_random_batches_leave_other_entries(
             for s in slots
         ),
     )
-    before, after, k, gate, offsets = _run_seed_tail(device, batch, seed)
+    before, after, k, gate, offsets = _run_seed_tail(
+        runners(device), batch, seed
+    )
     expected, _ = _expected_ring(before, k, gate, batch, offsets, MAIN.kpool)
     np.testing.assert_array_equal(
         _bits(after),
@@ -284,7 +291,7 @@ assert all(c in STEP_CONFIGS for c in WRITER_CONFIGS)
 @pytest.mark.parametrize("cfg", WRITER_CONFIGS, ids=lambda c: c.id)
 @pytest.mark.parametrize("device", DEVICE_NAMES)
 def test_ring_close_and_compress_agree_bitwise(
-    cfg: Config, device: str
+    cfg: Config, device: str, runners: Callable[[str], Runner]
 ) -> None:
     """For every ``r`` in ``1..kpool-1``, one request closes a pool from ``r``
     ring members plus new tokens (ring_close) while another request brings
@@ -319,7 +326,7 @@ def test_ring_close_and_compress_agree_bitwise(
     slot_idx = np.array(slots[: 2 * (kp - 1)], np.uint32)
     offsets = _offsets(counts)
 
-    runner = get_runner(device)
+    runner = runners(device)
     ring = runner.new_ring(max_slots, kp, hd, cfg.dtype, fill=ring_host)
     res = runner.step(
         ring,

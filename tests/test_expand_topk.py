@@ -43,11 +43,12 @@ from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType
 
 import mla_kpool
-from conftest import DEVICE_NAMES, get_runner
+from conftest import DEVICE_NAMES
 from kpool_cases import mojo_command, run_mojo_suite
 from mla_kpool import reference as ref
 from mla_kpool._paths import compiled_kernels
 from mla_kpool.buffers import to_buffer, to_max_dtype, to_numpy
+from mla_kpool.runner import Runner
 
 HAS_GPU = driver.accelerator_count() > 0
 I32, I64, U32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint32)
@@ -314,15 +315,19 @@ def check_expansion(
     return want
 
 
-def _run(device: str, case: Case) -> None:
+def _run(runner: Runner, case: Case) -> None:
     cfg = case.config
     pool_ids, offsets, cache = case.operands()
-    runner = get_runner(device)
     got = runner.expand_topk(
         pool_ids, offsets, cache, cfg.kpool, cfg.always_select_tail
     )
     want = check_expansion(
-        got, cfg, pool_ids, offsets, cache, f"{case.name} on {device}"
+        got,
+        cfg,
+        pool_ids,
+        offsets,
+        cache,
+        f"{case.name} on {runner.device_name}",
     )
     if case.expected is not None:
         for t, lead in enumerate(case.expected):
@@ -333,8 +338,10 @@ def _run(device: str, case: Case) -> None:
 
 @pytest.mark.parametrize("device", DEVICE_NAMES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_matches_oracle(device: str, case: Case) -> None:
-    _run(device, case)
+def test_matches_oracle(
+    device: str, case: Case, runners: Callable[[str], Runner]
+) -> None:
+    _run(runners(device), case)
 
 
 def test_cases_cover_the_contract() -> None:
@@ -420,8 +427,10 @@ class Guarded:
 
 @pytest.mark.parametrize("device", DEVICE_NAMES)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.id)
-def test_fuzz_guarded(device: str, cfg: ExpandConfig) -> None:
-    runner = get_runner(device)
+def test_fuzz_guarded(
+    device: str, cfg: ExpandConfig, runners: Callable[[str], Runner]
+) -> None:
+    runner = runners(device)
     seen: Counter[str] = Counter()
     for call in range(FUZZ_CALLS):
         seed = zlib.crc32(f"expand fuzz {cfg.id} {call}".encode())
@@ -430,8 +439,13 @@ def test_fuzz_guarded(device: str, cfg: ExpandConfig) -> None:
         ids = draw_pool_ids(rng, cfg, offsets, cache, total, "mixed")
         offsets_a = np.array(offsets, cfg.index_dtype)
         cache_a = np.array(cache, cfg.index_dtype)
-        model, _ = runner.prepare_expand_topk(
-            ids, offsets_a, cache_a, cfg.kpool, cfg.always_select_tail
+        model, _ = runner.prepare(
+            "expand_topk",
+            cfg.kpool,
+            pool_ids=ids,
+            input_row_offsets=offsets_a,
+            cache_lengths=cache_a,
+            always_select_tail=cfg.always_select_tail,
         )
         guarded = [Guarded(a, runner.device) for a in (ids, offsets_a, cache_a)]
         (out,) = model.execute(*(g.view for g in guarded))

@@ -52,7 +52,6 @@ import pytest
 from max.driver import Buffer, Device
 from max.dtype import DType
 
-from conftest import get_runner
 from kpool_cases import MAIN, TOLERANCE, random_ape, random_rows
 from mla_kpool import KERNELS
 from mla_kpool import reference as ref
@@ -488,10 +487,7 @@ class Call:
             operands["slot_idx"] = idx["slot_idx"]
             if self.op == "ring_close":
                 operands["ape"] = d.ape
-        tail, tensors, indices = Runner.operands(self.op, **operands)
-        model, args = self.runner.prepare(
-            self.op, KPOOL, d.k, tail, tensors, indices
-        )
+        model, args = self.runner.prepare(self.op, KPOOL, **operands)
         first = 0 if self.op == "compress" else 1
         args[first], args[first + 1] = k.view, gate.view
         outs = [to_numpy(out) for out in model.execute(*args)]
@@ -959,7 +955,9 @@ def _hits_slot_max(meta: Meta) -> bool:
     return False
 
 
-def test_guard_catches_planted_slot_off_by_one(tmp_path: Path) -> None:
+def test_guard_catches_planted_slot_off_by_one(
+    tmp_path: Path, runners: Callable[[str], Runner]
+) -> None:
     """seed_tail compiled with ``slot <= max_slots`` fails the guard check.
 
     One extra compile (seed_tail at MAIN, CPU, from a copy of the kernels).
@@ -982,7 +980,7 @@ def test_guard_catches_planted_slot_off_by_one(tmp_path: Path) -> None:
     reached = {m.name for m in metas if _hits_slot_max(m)}
     assert len(reached) >= 50, len(reached)
 
-    failures, _ = fuzz(get_runner("cpu"), "seed_tail", metas)
+    failures, _ = fuzz(runners("cpu"), "seed_tail", metas)
     assert not failures, list(failures.values())[:3]
 
     buggy = Runner("cpu", kernels=kernels)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +38,7 @@ from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
 import mla_kpool
-from conftest import DEVICE_NAMES, get_runner
+from conftest import DEVICE_NAMES
 from kpool_cases import (
     BF16,
     F16,
@@ -181,8 +182,10 @@ def draw_call(
 
 
 @pytest.mark.parametrize(("device", "case"), _stream_params())
-def test_stream_fused_equals_three_op(device: str, case: StreamCase) -> None:
-    runner = get_runner(device)
+def test_stream_fused_equals_three_op(
+    device: str, case: StreamCase, runners: Callable[[str], Runner]
+) -> None:
+    runner = runners(device)
     cfg, kp, hd = case.cfg, case.cfg.kpool, case.cfg.head_dim
     seed = zlib.crc32(repr(("stream", case.id)).encode())
     rng = np.random.default_rng(seed)
@@ -249,8 +252,9 @@ def run_guarded(
     k = Guarded(data.k, GUARD_ROWS * HEAD_DIM, device)
     gate = Guarded(data.gate, GUARD_ROWS * HEAD_DIM, device)
     kind = "step" if fused else "step3"
-    tail, tensors, indices = Runner.operands(
+    model, args = runner.prepare(
         kind,
+        KPOOL,
         k=data.k,
         gate=data.gate,
         ape=data.ape,
@@ -259,7 +263,6 @@ def run_guarded(
         cache_lengths=idx["cache_lengths"],
         slot_idx=idx["slot_idx"],
     )
-    model, args = runner.prepare(kind, KPOOL, data.k, tail, tensors, indices)
     args[1], args[2] = k.view, gate.view
     outs = [to_numpy(out) for out in model.execute(*args)]
     where = f"{kind}, {meta.describe()}"
@@ -275,8 +278,10 @@ def run_guarded(
 
 
 @pytest.mark.parametrize("device", DEVICE_NAMES)
-def test_guarded_fuzz_fused_equals_three_op(device: str) -> None:
-    runner = get_runner(device)
+def test_guarded_fuzz_fused_equals_three_op(
+    device: str, runners: Callable[[str], Runner]
+) -> None:
+    runner = runners(device)
     count = FUZZ_VECTORS[device]
     start = time.perf_counter()
     failures: dict[str, str] = {}

@@ -39,7 +39,7 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType
 
 import mla_kpool
 import schedules as sch
-from conftest import DEVICE_NAMES, get_runner
+from conftest import DEVICE_NAMES
 from kpool_cases import (
     BF16,
     F16,
@@ -227,7 +227,11 @@ def check_schedule(runner: Runner, schedule: sch.Schedule) -> int:
 @pytest.mark.parametrize(("scenario", "cfg", "seed"), CASES)
 @pytest.mark.parametrize("device", DEVICE_NAMES)
 def test_schedule(
-    scenario: Scenario, cfg: Config, seed: int, device: str
+    scenario: Scenario,
+    cfg: Config,
+    seed: int,
+    device: str,
+    runners: Callable[[str], Runner],
 ) -> None:
     schedule = scenario.build(seed, cfg)
     features = schedule.features()
@@ -235,7 +239,7 @@ def test_schedule(
         features |= {"mid_pool_prefix"}  # no pool has a middle
     missing = scenario.features - features
     assert not missing, f"{schedule.describe()} never exercises {missing}"
-    assert check_schedule(get_runner(device), schedule) > 0
+    assert check_schedule(runners(device), schedule) > 0
 
 
 def test_scenarios_cover_the_reported_patterns() -> None:
@@ -365,7 +369,9 @@ def _swapped_step(runner: Runner, cfg: Config):
 
 
 @pytest.mark.parametrize("device", DEVICE_NAMES)
-def test_seed_tail_before_ring_close_breaks_pools(device: str) -> None:
+def test_seed_tail_before_ring_close_breaks_pools(
+    device: str, runners: Callable[[str], Runner]
+) -> None:
     """Swapping the writers is caught: the pool closed from the ring is wrong.
 
     Hand case: kpool 4, ``c = 2`` (positions 0, 1 in the ring), 5 new
@@ -376,7 +382,7 @@ def test_seed_tail_before_ring_close_breaks_pools(device: str) -> None:
     """
     cfg, seed = MAIN, 7
     kp, hd = cfg.kpool, cfg.head_dim
-    runner = get_runner(device)
+    runner = runners(device)
     step = _swapped_step(runner, cfg)
     rng = np.random.default_rng(seed)
     ape = (2.0 * rng.standard_normal((kp, hd))).astype(np.float32)

@@ -57,6 +57,8 @@ import numpy as np
 from max.dtype import DType
 from tqdm import tqdm
 
+from . import runner as kpool_runner
+from ._argtypes import int_at_least, non_negative_float
 from ._paths import NOOP_KERNELS
 from ._sysinfo import run_info
 from .buffers import to_numpy_dtype
@@ -405,30 +407,23 @@ class _ModelCall:
     def __init__(self, runner: Runner, case: Case, w: Workload) -> None:
         self._runner = runner
         self._sync = runner.device_name == "gpu"
-        if case.op == "expand_topk":
-            assert w.pool_ids is not None
-            self._model, self._args = runner.prepare_expand_topk(
-                w.pool_ids, w.input_row_offsets, w.cache_lengths, case.kpool
-            )
-            return
         ring = None
-        if case.op != "compress":
+        if kpool_runner.OPS[case.op].in_place:
             ring = runner.new_ring(
                 case.batch, case.kpool, case.head_dim, w.k.dtype, fill=w.ring
             )
-        self._ring, tensors, indices = runner.operands(
+        self._model, self._args = runner.prepare(
             case.op,
+            case.kpool,
+            tail=ring,
             k=w.k,
             gate=w.gate,
             ape=w.ape,
+            pool_ids=w.pool_ids,
             input_row_offsets=w.input_row_offsets,
             cache_lengths=w.cache_lengths,
             slot_idx=w.slot_idx,
             pool_row_offsets=w.pool_row_offsets,
-            tail=ring,
-        )
-        self._model, self._args = runner.prepare(
-            case.op, case.kpool, w.k, self._ring, tensors, indices
         )
 
     def __call__(self) -> None:
@@ -581,32 +576,7 @@ def format_table(records: list[Record]) -> str:
     return "\n".join(lines)
 
 
-def _positive_int(text: str) -> int:
-    """An argparse type: an integer ``>= 1``."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer, got {text!r}"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    """An argparse type: a finite number ``>= 0``."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be a number, got {text!r}"
-        ) from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(
-            f"must be a finite number >= 0, got {text}"
-        )
-    return value
+_positive = int_at_least(1)
 
 
 def _device(text: str) -> str:
@@ -661,20 +631,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batches",
         nargs="+",
-        type=_positive_int,
+        type=_positive,
         default=list(BATCHES),
         help="requests per call (1 64 512 4096)",
     )
     parser.add_argument(
         "--kpools",
         nargs="+",
-        type=_positive_int,
+        type=_positive,
         default=list(KPOOLS),
         help="tokens per pool (4 16 128); each compiles a model per op",
     )
     parser.add_argument(
         "--head-dim",
-        type=_positive_int,
+        type=_positive,
         default=HEAD_DIM,
         help="channels (128)",
     )
@@ -708,7 +678,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--min-seconds",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=0.3,
         help="measure each configuration at least this long (0.3)",
     )

@@ -25,32 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from . import serving
+from ._argtypes import int_at_least
 from .runner import DEVICES
-from .serving import (
-    DEFAULT_POOL_TOPK,
-    DTYPES,
-    FAULT_KINDS,
-    Config,
-    Plan,
-    ScheduleError,
-    compile_models,
-    load_schedule,
-    make_plan,
-    place_fault,
-    plural,
-    serve,
-    summarize,
-)
+from .serving import Config, Plan
 
 if TYPE_CHECKING:
     from .runner import Runner
-
-#: GLM-5-Next indexer shapes, the default configuration.
-DEFAULT_DTYPE = "bfloat16"
-DEFAULT_KPOOL = 4
-DEFAULT_HEAD_DIM = 128
-DEFAULT_REQUESTS = 32
-DEFAULT_MAX_RUNNING = 16
 
 
 class DemoError(Exception):
@@ -62,27 +43,8 @@ class DemoError(Exception):
 # --------------------------------------------------------------------------
 
 
-def _int_at_least(minimum: int):
-    """An argparse type: an integer no smaller than ``minimum``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"must be an integer, got {text!r}"
-            ) from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(
-                f"must be >= {minimum}, got {value}"
-            )
-        return value
-
-    return parse
-
-
-_positive = _int_at_least(1)
-_non_negative = _int_at_least(0)
+_positive = int_at_least(1)
+_non_negative = int_at_least(0)
 
 
 DESCRIPTION = (
@@ -105,21 +67,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        choices=list(DTYPES),
-        help=f"key dtype ({DEFAULT_DTYPE})",
+        choices=list(serving.DTYPES),
+        help=f"key dtype ({serving.DEFAULT_DTYPE})",
     )
     parser.add_argument(
-        "--kpool", type=_positive, help=f"tokens per pool ({DEFAULT_KPOOL})"
+        "--kpool",
+        type=_positive,
+        help=f"tokens per pool ({serving.DEFAULT_KPOOL})",
     )
     parser.add_argument(
         "--head-dim",
         type=_positive,
-        help=f"channels per key ({DEFAULT_HEAD_DIM})",
+        help=f"channels per key ({serving.DEFAULT_HEAD_DIM})",
     )
     parser.add_argument(
         "--requests",
         type=_positive,
-        help=f"requests to generate ({DEFAULT_REQUESTS}); not with --schedule",
+        help=(
+            f"requests to generate ({serving.DEFAULT_REQUESTS}); not with "
+            "--schedule"
+        ),
     )
     parser.add_argument(
         "--device",
@@ -141,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive,
         help=(
             "most requests in flight at once, which is the number of ring "
-            f"slots ({DEFAULT_MAX_RUNNING})"
+            f"slots ({serving.DEFAULT_MAX_RUNNING})"
         ),
     )
     parser.add_argument(
@@ -158,17 +125,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pool-topk",
         type=_positive,
-        default=DEFAULT_POOL_TOPK,
+        default=serving.DEFAULT_POOL_TOPK,
         help=(
             "pool ids each query token selects for expand_topk "
-            f"({DEFAULT_POOL_TOPK})"
+            f"({serving.DEFAULT_POOL_TOPK})"
         ),
     )
     parser.add_argument(
         "--inject-fault",
         nargs="?",
-        const=FAULT_KINDS[0],
-        choices=FAULT_KINDS,
+        const=serving.FAULT_KINDS[0],
+        choices=serving.FAULT_KINDS,
         help=(
             "corrupt one ring member (ring, the default), one key row (key) "
             "or one selected pool id sent to expand_topk (topk) that the "
@@ -222,20 +189,6 @@ def main(
 # --------------------------------------------------------------------------
 
 
-def _pick(name: str, option: Any, in_file: Any, default: Any, path: Any) -> Any:
-    """The command line's value, else the schedule file's, else the default."""
-    if option is not None and in_file is not None and option != in_file:
-        flag = "--" + name.replace("_", "-")
-        raise DemoError(
-            f"{flag} {option} disagrees with {path}, which has "
-            f'"{name}": {json.dumps(in_file)}'
-        )
-    for value in (option, in_file):
-        if value is not None:
-            return value
-    return default
-
-
 def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
     """Resolves the options (and the schedule file) into a config and plan.
 
@@ -256,26 +209,33 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
                 "lists its requests)"
             )
         try:
-            loaded = load_schedule(args.schedule)
-        except ScheduleError as err:
+            loaded = serving.load_schedule(args.schedule)
+        except serving.ScheduleError as err:
             raise DemoError(str(err)) from err
 
     def pick(name: str, default: Any) -> Any:
+        """The option's value, else the schedule file's, else ``default``."""
+        option = getattr(args, name)
         in_file = getattr(loaded, name) if loaded else None
-        return _pick(name, getattr(args, name), in_file, default, args.schedule)
+        if option is not None and in_file is not None and option != in_file:
+            raise DemoError(
+                f"--{name.replace('_', '-')} {option} disagrees with "
+                f'{args.schedule}, which has "{name}": {json.dumps(in_file)}'
+            )
+        return next((v for v in (option, in_file) if v is not None), default)
 
     config = Config(
-        dtype=DTYPES[pick("dtype", DEFAULT_DTYPE)],
-        kpool=pick("kpool", DEFAULT_KPOOL),
-        head_dim=pick("head_dim", DEFAULT_HEAD_DIM),
+        dtype=serving.DTYPES[pick("dtype", serving.DEFAULT_DTYPE)],
+        kpool=pick("kpool", serving.DEFAULT_KPOOL),
+        head_dim=pick("head_dim", serving.DEFAULT_HEAD_DIM),
         device=args.device,
         seed=args.seed,
         token_budget=args.token_budget,
-        max_running=pick("max_running", DEFAULT_MAX_RUNNING),
+        max_running=pick("max_running", serving.DEFAULT_MAX_RUNNING),
         chunk=args.chunk,
         schedule=args.schedule,
-        spec_tokens=getattr(args, "spec_tokens", None) or 0,
-        pool_topk=getattr(args, "pool_topk", None) or DEFAULT_POOL_TOPK,
+        spec_tokens=args.spec_tokens or 0,
+        pool_topk=args.pool_topk,
     )
     if config.spec_tokens and loaded is not None and loaded.calls is not None:
         raise DemoError(
@@ -283,12 +243,13 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
             f'lists every call\'s tokens in "calls"'
         )
     try:
-        return config, make_plan(
+        requests = args.requests or serving.DEFAULT_REQUESTS
+        return config, serving.make_plan(
             config,
-            loaded.requests if loaded else args.requests or DEFAULT_REQUESTS,
+            loaded.requests if loaded else requests,
             loaded.calls if loaded else None,
         )
-    except ScheduleError as err:
+    except serving.ScheduleError as err:
         where = f"{args.schedule}: " if args.schedule else ""
         raise DemoError(f"{where}{err}") from err
 
@@ -300,14 +261,13 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
 
 def format_summary(s: dict[str, Any]) -> str:
     """The summary table the demo prints."""
-    cfg = s["config"]
+    cfg, spec, ex = s["config"], s.get("speculative"), s["expand_topk"]
     head = (
         f"mla-kpool demo: {cfg['dtype']}, kpool {cfg['kpool']}, head_dim "
         f"{cfg['head_dim']}, {cfg['device']}, seed {cfg['seed']}"
     )
     if cfg["schedule"]:
         head += f", schedule {cfg['schedule']}"
-    spec = s.get("speculative")
     if spec:
         head += (
             f", {spec['spec_tokens']} speculative tokens, ring "
@@ -318,14 +278,13 @@ def format_summary(s: dict[str, Any]) -> str:
         if cfg["token_budget"]
         else ""
     )
-    tps = s["tokens_per_second"]
     rows = [
         (
             "requests",
             f"{s['requests']}",
             f"{s['requests_with_cached_prefix']} with a cached prefix, "
-            f"{plural(cfg['max_running'], 'ring slot')}, "
-            f"{plural(s['slot_reuses'], 'slot reuse')}",
+            f"{serving.plural(cfg['max_running'], 'ring slot')}, "
+            f"{serving.plural(s['slot_reuses'], 'slot reuse')}",
         ),
         (
             "tokens",
@@ -339,31 +298,28 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{batching}max batch {s['max_batch']}, max tokens "
             f"{s['max_call_tokens']}",
         ),
-        (
-            "pools",
-            f"{s['pools']}",
-            f"expected {s['pools_expected']}, checked {s['pools_checked']}",
-        ),
-        ("  closed by ring_close", f"{s['pools_ring_close']}", ""),
-        ("  built by compress", f"{s['pools_compress']}", ""),
     ]
+    pools = f"expected {s['pools_expected']}, checked {s['pools_checked']}"
     if spec:
-        rows[3] = (
-            "pools",
-            f"{s['pools']}",
-            f"rows written; expected {s['pools_expected']} pool ids, final "
-            f"rows checked {s['pools_checked']}",
-        )
-        rows.insert(
-            3,
+        rows.append(
             (
                 "verify steps",
                 f"{spec['verify_steps']}",
                 f"{spec['draft_tokens']} drafts, {spec['accepted_drafts']} "
                 f"accepted; {spec['verify_steps_all_rejected']} kept no "
                 f"draft, {spec['verify_steps_all_accepted']} kept all",
-            ),
+            )
         )
+        pools = (
+            f"rows written; expected {s['pools_expected']} pool ids, final "
+            f"rows checked {s['pools_checked']}"
+        )
+    rows += [
+        ("pools", f"{s['pools']}", pools),
+        ("  closed by ring_close", f"{s['pools_ring_close']}", ""),
+        ("  built by compress", f"{s['pools_compress']}", ""),
+    ]
+    if spec:
         rows += [
             (
                 "  rewritten after a rejection",
@@ -376,7 +332,7 @@ def format_summary(s: dict[str, Any]) -> str:
                 "pools of drafts past the request's end",
             ),
         ]
-    ex = s["expand_topk"]
+    tps = s["tokens_per_second"]
     rows += [
         (
             "expand_topk rows",
@@ -386,8 +342,6 @@ def format_summary(s: dict[str, Any]) -> str:
             f"the oracle; top {cfg['pool_topk']} pool ids per query, "
             f"{ex['skipped_ids']} ids the op must skip",
         ),
-    ]
-    rows += [
         (
             "max abs error vs oracle",
             f"{s['max_abs_error']:.3g}",
@@ -430,9 +384,8 @@ def format_summary(s: dict[str, Any]) -> str:
             "and matches the oracle; every expand_topk row matches the oracle"
         )
     else:
-        lines.append(
-            f"result: FAILED, {plural(len(s['problems']), 'problem')} (above)"
-        )
+        problems = serving.plural(len(s["problems"]), "problem")
+        lines.append(f"result: FAILED, {problems} (above)")
     return "\n".join(lines)
 
 
@@ -459,13 +412,13 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
         config, plan_ = build_plan(args)
         fault = None
         if args.inject_fault:
-            fault = place_fault(plan_, args.inject_fault, config.kpool)
+            fault = serving.place_fault(plan_, args.inject_fault, config.kpool)
             if fault is None:
                 raise DemoError(
                     f"--inject-fault {args.inject_fault}: no call in this "
                     f"workload offers a place for it"
                 )
-        runner = _get_runner(config.device, runner)
+        runner = _runner_on(config.device, runner)
     except DemoError as e:
         print(f"mla-kpool demo: error: {e}", file=err)
         return 2
@@ -478,14 +431,9 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
         file=err,
         flush=True,
     )
-    t0 = time.perf_counter()
-    compile_models(runner, config)
-    compile_s = time.perf_counter() - t0
-
-    described = None
+    compile_s = serving.compile_models(runner, config)
+    described = fault.describe() if fault is not None else None
     if fault is not None:
-        slot = plan_.calls[fault.call][fault.entry].slot
-        described = fault.describe(slot)
         print(f"injecting a fault: {described}", file=err)
     progress = tqdm(
         total=len(plan_.calls),
@@ -494,25 +442,17 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
         file=err,
         disable=args.no_progress or not err.isatty(),
     )
-    totals = serve(config, plan_, runner, fault, progress)
-    summary = summarize(
-        config,
-        plan_,
-        totals,
-        compile_s,
-        time.perf_counter() - started,
-        described,
+    totals = serving.serve(config, plan_, runner, fault, progress)
+    wall_s = time.perf_counter() - started
+    summary = serving.summarize(
+        config, plan_, totals, compile_s, wall_s, described
     )
     for problem in totals.problems:
         print(f"FAIL {problem}", file=out)
     print(format_summary(summary), file=out)
     if fault is not None:
-        caught = any(fault.caught_by(p) for p in totals.problems)
-        print(
-            f"injected fault {'caught' if caught else 'NOT caught'}: "
-            f"{described}",
-            file=out,
-        )
+        caught = "caught" if fault.caught(totals.problems) else "NOT caught"
+        print(f"injected fault {caught}: {described}", file=out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
@@ -520,17 +460,20 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
     return 0 if summary["ok"] else 1
 
 
-def _get_runner(device: str, runner: Runner | None) -> Runner:
-    if runner is not None:
-        if runner.device_name != device:
+def _runner_on(device: str, runner: Runner | None) -> Runner:
+    """``runner`` if it is on ``device``, else a new runner there."""
+    if runner is None:
+        from max import driver
+
+        from .runner import Runner
+
+        if device == "gpu" and driver.accelerator_count() == 0:
             raise DemoError(
-                f"the runner given is on {runner.device_name}, not {device}"
+                "--device gpu: no accelerator found (try --device cpu)"
             )
-        return runner
-    from max import driver
-
-    from .runner import Runner
-
-    if device == "gpu" and driver.accelerator_count() == 0:
-        raise DemoError("--device gpu: no accelerator found (try --device cpu)")
-    return Runner(device)
+        return Runner(device)
+    if runner.device_name != device:
+        raise DemoError(
+            f"the runner given is on {runner.device_name}, not {device}"
+        )
+    return runner

@@ -8,6 +8,12 @@ token count. Graph dims that vary per call are symbolic (``"tokens"``,
 batch shape; only dtype, ``kpool``, ``head_dim``, the ring length and the
 index dtypes (compile-time parameters of the kernels) pick a new model.
 
+Each op is described once, as data, in :data:`OPS` (its operands and their
+graph types, the :mod:`mla_kpool.graph` wrapper it calls, its outputs);
+:meth:`Runner.prepare` and :meth:`Runner.run` take any op by name from it,
+and :func:`model_key` keys a model from a configuration. The per-op methods
+(:meth:`Runner.step` and the rest) are conveniences over :meth:`Runner.run`.
+
 The ring is persistent state, so it lives in a ``max.driver.Buffer`` that
 the caller owns (:meth:`Runner.new_ring`) and the in-place ops update.
 
@@ -20,6 +26,7 @@ on a machine without an accelerator.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,11 +48,14 @@ from .buffers import to_buffer, to_max_dtype, to_numpy
 class ModelKey:
     """What a compiled model is specialized on.
 
+    Make one with :func:`model_key` (from a configuration) or let
+    :meth:`Runner.prepare` derive it from a call's arrays.
+
     Attributes:
-        kind: ``"ring_close"``, ``"compress"``, ``"seed_tail"``, ``"step"``
-            (the fused ``mla_kpool.step`` op), ``"step3"`` (the three
-            writers and the offsets helper, ``kpool_step(fused=False)``)
-            or ``"expand_topk"``.
+        kind: An op of :data:`OPS`: ``"ring_close"``, ``"compress"``,
+            ``"seed_tail"``, ``"step"`` (the fused ``mla_kpool.step`` op),
+            ``"step3"`` (the three writers and the offsets helper,
+            ``kpool_step(fused=False)``) or ``"expand_topk"``.
         dtype: Key dtype (``k``, ``gate``, ``tail``, pooled outputs); for
             expand_topk, the dtype of ``pool_ids``.
         kpool: Tokens per pool.
@@ -66,6 +76,277 @@ class ModelKey:
     index_dtypes: tuple[DType, ...]
     pool_topk: int = 0
     always_select_tail: bool = False
+
+
+#: Graph dims of each array operand, from the model key. ``"tokens"``,
+#: ``"slots"``, ``"offsets"`` and ``"batch"`` are symbolic: they vary per call.
+_DIMS: dict[str, Callable[[ModelKey], list[Any]]] = {
+    "tail": lambda key: ["slots", 2, key.ring_len, key.head_dim],
+    "k": lambda key: ["tokens", key.head_dim],
+    "gate": lambda key: ["tokens", key.head_dim],
+    "ape": lambda key: [key.kpool, key.head_dim],
+    "pool_ids": lambda key: ["tokens", key.pool_topk],
+}
+
+#: The one (symbolic) dim of each index operand.
+_INDEX_DIMS = {
+    "input_row_offsets": "offsets",
+    "pool_row_offsets": "offsets",
+    "cache_lengths": "batch",
+    "slot_idx": "batch",
+}
+
+
+def _writer_suffix(key: ModelKey) -> str:
+    return f"d{key.head_dim}_r{key.ring_len}"
+
+
+def _expand_suffix(key: ModelKey) -> str:
+    tail = "tail" if key.always_select_tail else "notail"
+    return f"t{key.pool_topk}_{tail}"
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op the runner can compile and run, described once.
+
+    Attributes:
+        kind: The :attr:`ModelKey.kind` it is compiled under.
+        wrapper: The :mod:`mla_kpool.graph` function that adds it to a
+            graph; called as ``wrapper(*operands, kpool, emulate_gpu=...,
+            **options)``.
+        tensors: The ring and float (or ``pool_ids``) operands in argument
+            order; ``"tail"``, when present, is first: the ring buffer the
+            op updates in place, which the caller owns.
+        indices: The index operands in argument order, after ``tensors``.
+        outputs: The op's outputs, in order (none for seed_tail).
+        width: The :class:`ModelKey` field that the second dim of the first
+            non-ring tensor gives (``k``'s ``head_dim``, ``pool_ids``'s
+            ``pool_topk``).
+        suffix: The graph name's tail, from the key (what a profiler trace
+            needs to tell two compiled instances apart).
+        options: Fixed keyword arguments for ``wrapper``.
+        key_options: :class:`ModelKey` fields passed to ``wrapper`` as
+            keyword arguments.
+    """
+
+    kind: str
+    wrapper: Callable[..., Any]
+    tensors: tuple[str, ...]
+    indices: tuple[str, ...]
+    outputs: tuple[str, ...]
+    width: str = "head_dim"
+    suffix: Callable[[ModelKey], str] = _writer_suffix
+    options: tuple[tuple[str, Any], ...] = ()
+    key_options: tuple[str, ...] = ()
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the first operand is the ring, updated in place."""
+        return self.tensors[0] == "tail"
+
+    @property
+    def operands(self) -> tuple[str, ...]:
+        """Every operand's name, in argument order."""
+        return self.tensors + self.indices
+
+    def input_types(
+        self, key: ModelKey, device: DeviceRef
+    ) -> list[TensorType | BufferType]:
+        """The graph's input types for ``key``, in argument order."""
+        types: list[TensorType | BufferType] = []
+        for name in self.tensors:
+            dtype = DType.float32 if name == "ape" else key.dtype
+            make = BufferType if name == "tail" else TensorType
+            types.append(make(dtype, _DIMS[name](key), device))
+        for name, dtype in zip(self.indices, key.index_dtypes, strict=True):
+            types.append(TensorType(dtype, [_INDEX_DIMS[name]], device))
+        return types
+
+    def graph_name(self, key: ModelKey, emulate_gpu: bool) -> str:
+        """The graph's name: the op and everything it is specialized on."""
+        name = f"mla_kpool_{self.kind}_{key.dtype}_k{key.kpool}"
+        name += f"_{self.suffix(key)}"
+        return name + "_gpu_emulated" if emulate_gpu else name
+
+    def add(
+        self, values: Sequence[Any], key: ModelKey, emulate_gpu: bool
+    ) -> list[Any]:
+        """Adds the op on the graph's input ``values``; returns its outputs."""
+        options = dict(self.options)
+        options.update({name: getattr(key, name) for name in self.key_options})
+        result = self.wrapper(
+            *values, key.kpool, emulate_gpu=emulate_gpu, **options
+        )
+        if len(self.outputs) == 1:
+            return [result]
+        return list(result or ())
+
+    def host_operands(self, operands: Mapping[str, Any]) -> list[Any]:
+        """This op's operands from ``operands``, in argument order.
+
+        The ring stays the caller's buffer, ``ape`` becomes float32 and
+        index operands given as lists become uint32 arrays; names the op
+        does not take are ignored.
+
+        Raises:
+            TypeError: If an operand the op takes is missing or ``None``.
+        """
+        missing = [n for n in self.operands if operands.get(n) is None]
+        if missing:
+            raise TypeError(f"{self.kind} needs {', '.join(missing)}")
+        values: list[Any] = []
+        for name in self.tensors:
+            value = operands[name]
+            if name == "ape":
+                value = np.asarray(value, np.float32)
+            values.append(value)
+        values += [_index_array(operands[n]) for n in self.indices]
+        return values
+
+    def key(
+        self,
+        kpool: int,
+        values: Sequence[Any],
+        always_select_tail: bool = True,
+    ) -> ModelKey:
+        """The model key of a call on ``values`` (:meth:`host_operands`)."""
+        named = dict(zip(self.operands, values, strict=True))
+        first = named[self.tensors[1 if self.in_place else 0]]
+        sizes = {self.width: int(first.shape[1])}
+        if self.in_place:
+            sizes["ring_len"] = int(named["tail"].shape[2])
+        return model_key(
+            self.kind,
+            kpool,
+            dtype=first.dtype,
+            index_dtypes=[named[n].dtype for n in self.indices],
+            always_select_tail=always_select_tail,
+            **sizes,
+        )
+
+
+_PER_REQUEST = ("input_row_offsets", "cache_lengths", "slot_idx")
+_RING_OPERANDS = ("tail", "k", "gate", "ape")
+
+#: Every op the runner runs, by :attr:`ModelKey.kind`.
+OPS: dict[str, Op] = {
+    op.kind: op
+    for op in (
+        Op(
+            "ring_close",
+            kpool_graph.ring_close,
+            _RING_OPERANDS,
+            _PER_REQUEST,
+            ("pooled", "closed_pool"),
+        ),
+        Op(
+            "compress",
+            kpool_graph.compress,
+            ("k", "gate", "ape"),
+            ("input_row_offsets", "pool_row_offsets", "cache_lengths"),
+            ("pooled",),
+        ),
+        Op(
+            "seed_tail",
+            kpool_graph.seed_tail,
+            ("tail", "k", "gate"),
+            _PER_REQUEST,
+            (),
+        ),
+        Op(
+            "step",
+            kpool_graph.kpool_step,
+            _RING_OPERANDS,
+            _PER_REQUEST,
+            kpool_graph.KPoolStep._fields,
+        ),
+        Op(
+            "step3",
+            kpool_graph.kpool_step,
+            _RING_OPERANDS,
+            _PER_REQUEST,
+            kpool_graph.KPoolStep._fields,
+            options=(("fused", False),),
+        ),
+        Op(
+            "expand_topk",
+            kpool_graph.expand_topk,
+            ("pool_ids",),
+            ("input_row_offsets", "cache_lengths"),
+            ("positions",),
+            width="pool_topk",
+            suffix=_expand_suffix,
+            key_options=("always_select_tail",),
+        ),
+    )
+}
+
+
+def _op(kind: str) -> Op:
+    try:
+        return OPS[kind]
+    except KeyError:
+        raise ValueError(
+            f"kind must be one of {', '.join(OPS)}, got {kind!r}"
+        ) from None
+
+
+def _max_dtype(dtype: DType | npt.DTypeLike) -> DType:
+    return dtype if isinstance(dtype, DType) else to_max_dtype(dtype)
+
+
+def model_key(
+    kind: str,
+    kpool: int,
+    *,
+    dtype: DType | npt.DTypeLike,
+    head_dim: int = 0,
+    ring_len: int = 0,
+    index_dtypes: DType | npt.DTypeLike | Sequence[Any] = np.uint32,
+    pool_topk: int = 0,
+    always_select_tail: bool = True,
+) -> ModelKey:
+    """The :class:`ModelKey` of an op on a configuration.
+
+    What :meth:`Runner.model` takes to compile a model ahead of its first
+    call; :meth:`Runner.prepare` makes the same key from the call's arrays.
+
+    Args:
+        kind: An op of :data:`OPS`.
+        kpool: Tokens per pool.
+        dtype: Key dtype (for expand_topk, that of ``pool_ids``), NumPy or
+            MAX.
+        head_dim: Channels per key (writers and steps).
+        ring_len: Ring length (ops that take the ring).
+        index_dtypes: One dtype for every index operand (uint32, MAX's,
+            by default) or one per operand, in argument order.
+        pool_topk: Selected pools per token row (expand_topk).
+        always_select_tail: Whether rows carry the pool still filling
+            (expand_topk; ignored by the other ops).
+
+    Returns:
+        The key.
+
+    Raises:
+        ValueError: If ``kind`` is not an op of :data:`OPS`.
+    """
+    op = _op(kind)
+    if isinstance(index_dtypes, (list, tuple)):
+        dtypes = tuple(_max_dtype(d) for d in index_dtypes)
+    else:
+        dtypes = (_max_dtype(index_dtypes),) * len(op.indices)
+    return ModelKey(
+        kind=kind,
+        dtype=_max_dtype(dtype),
+        kpool=int(kpool),
+        head_dim=int(head_dim),
+        ring_len=int(ring_len),
+        index_dtypes=dtypes,
+        pool_topk=int(pool_topk),
+        always_select_tail=bool(always_select_tail)
+        and "always_select_tail" in op.key_options,
+    )
 
 
 def _index_array(values: npt.ArrayLike) -> np.ndarray:
@@ -181,182 +462,74 @@ class Runner:
         return contextlib.nullcontext()
 
     def _build(self, key: ModelKey) -> Graph:
-        if key.kind == "expand_topk":
-            return self._build_expand_topk(key)
-        dev = self._ref
-        hd, kp, dt = key.head_dim, key.kpool, key.dtype
-        ring = BufferType(dt, ["slots", 2, key.ring_len, hd], dev)
-        rows = TensorType(dt, ["tokens", hd], dev)
-        ape = TensorType(DType.float32, [kp, hd], dev)
-        off_dt, *rest = key.index_dtypes
-        offsets = TensorType(off_dt, ["offsets"], dev)
-        name = f"mla_kpool_{key.kind}_{dt}_k{kp}_d{hd}_r{key.ring_len}"
-        if self.emulate_gpu:
-            name += "_gpu_emulated"
-        emulate = {"emulate_gpu": self.emulate_gpu}
-
-        if key.kind == "compress":
-            pool_dt, len_dt = rest
-            inputs: list[Any] = [
-                rows,
-                rows,
-                ape,
-                offsets,
-                TensorType(pool_dt, ["offsets"], dev),
-                TensorType(len_dt, ["batch"], dev),
-            ]
-        else:
-            len_dt, slot_dt = rest
-            per_request = [
-                TensorType(len_dt, ["batch"], dev),
-                TensorType(slot_dt, ["batch"], dev),
-            ]
-            if key.kind == "seed_tail":
-                inputs = [ring, rows, rows, offsets, *per_request]
-            else:
-                inputs = [ring, rows, rows, ape, offsets, *per_request]
-
+        """The graph of one op of :data:`OPS`, specialized on ``key``."""
+        op = _op(key.kind)
         with (
             self._kernel_scope(),
             Graph(
-                name,
-                input_types=inputs,
+                op.graph_name(key, self.emulate_gpu),
+                input_types=op.input_types(key, self._ref),
                 custom_extensions=[self.kernels] if self.kernels else [],
             ) as g,
         ):
-            x = [
-                value.buffer
-                if i == 0 and key.kind != "compress"
-                else value.tensor
-                for i, value in enumerate(g.inputs)
+            values = [
+                value.buffer if name == "tail" else value.tensor
+                for name, value in zip(op.operands, g.inputs, strict=True)
             ]
-            if key.kind == "ring_close":
-                g.output(*kpool_graph.ring_close(*x, kp, **emulate))
-            elif key.kind == "compress":
-                g.output(kpool_graph.compress(*x, kp, **emulate))
-            elif key.kind == "seed_tail":
-                kpool_graph.seed_tail(*x, kp, **emulate)
-                g.output()
-            elif key.kind == "step":
-                g.output(*kpool_graph.kpool_step(*x, kp, **emulate))
-            elif key.kind == "step3":
-                g.output(
-                    *kpool_graph.kpool_step(*x, kp, fused=False, **emulate)
-                )
-            else:
-                raise ValueError(f"unknown kind {key.kind!r}")
-        return g
-
-    def _build_expand_topk(self, key: ModelKey) -> Graph:
-        dev = self._ref
-        off_dt, len_dt = key.index_dtypes
-        tail = "tail" if key.always_select_tail else "notail"
-        name = (
-            f"mla_kpool_expand_topk_{key.dtype}_k{key.kpool}"
-            f"_t{key.pool_topk}_{tail}"
-        )
-        if self.emulate_gpu:
-            name += "_gpu_emulated"
-        inputs = [
-            TensorType(key.dtype, ["tokens", key.pool_topk], dev),
-            TensorType(off_dt, ["offsets"], dev),
-            TensorType(len_dt, ["batch"], dev),
-        ]
-        with (
-            self._kernel_scope(),
-            Graph(
-                name,
-                input_types=inputs,
-                custom_extensions=[self.kernels] if self.kernels else [],
-            ) as g,
-        ):
-            g.output(
-                kpool_graph.expand_topk(
-                    *(value.tensor for value in g.inputs),
-                    key.kpool,
-                    key.always_select_tail,
-                    emulate_gpu=self.emulate_gpu,
-                )
-            )
+            g.output(*op.add(values, key, self.emulate_gpu))
         return g
 
     # -- calls -----------------------------------------------------------
-
-    @staticmethod
-    def operands(
-        kind: str,
-        *,
-        k: np.ndarray,
-        gate: np.ndarray,
-        input_row_offsets: npt.ArrayLike,
-        cache_lengths: npt.ArrayLike,
-        tail: Buffer | None = None,
-        ape: np.ndarray | None = None,
-        slot_idx: npt.ArrayLike | None = None,
-        pool_row_offsets: npt.ArrayLike | None = None,
-    ) -> tuple[Buffer | None, list[np.ndarray], list[npt.ArrayLike]]:
-        """A kind's operands in the op's argument order.
-
-        Returns:
-            ``(ring, float operands, index operands)`` for :meth:`prepare`.
-        """
-        if kind == "compress":
-            return (
-                None,
-                [k, gate, np.asarray(ape, np.float32)],
-                [input_row_offsets, pool_row_offsets, cache_lengths],
-            )
-        per_request = [input_row_offsets, cache_lengths, slot_idx]
-        if kind == "seed_tail":
-            return tail, [k, gate], per_request
-        return tail, [k, gate, np.asarray(ape, np.float32)], per_request
 
     def prepare(
         self,
         kind: str,
         kpool: int,
-        k: np.ndarray,
-        ring: Buffer | None,
-        tensors: list[np.ndarray],
-        indices: list[npt.ArrayLike],
+        *,
+        always_select_tail: bool = True,
+        **operands: Any,
     ) -> tuple[Model, list[Buffer]]:
         """The compiled model for one call and its operands on the device.
 
         The benchmark times ``model.execute(*operands)`` on these directly,
-        so host-to-device copies stay out of the measurement.
+        so host-to-device copies stay out of the measurement; tests swap in
+        guarded operands (they are in the op's argument order, :data:`OPS`).
 
         Args:
-            kind: ``"ring_close"``, ``"compress"``, ``"seed_tail"``,
-                ``"step"`` or ``"step3"`` (see :class:`ModelKey`).
+            kind: An op of :data:`OPS` (see :class:`ModelKey`).
             kpool: Tokens per pool.
-            k: This call's keys (gives dtype and head_dim).
-            ring: The ring buffer, for every kind but compress.
-            tensors: The float operands in argument order.
-            indices: The index operands in argument order (lists become
-                uint32).
+            always_select_tail: For expand_topk: whether rows carry the
+                pool still filling.
+            **operands: The operands by the graph function's argument names
+                (``tail``, ``k``, ``gate``, ``ape``, ``pool_ids``, and the
+                index operands); the ring is a :meth:`new_ring` buffer, the
+                rest NumPy arrays, index operands as lists become uint32.
+                Names the op does not take are ignored, so one workload's
+                operands serve every op.
 
         Returns:
             ``(model, operands)``.
+
+        Raises:
+            ValueError: If ``kind`` is not an op of :data:`OPS`.
+            TypeError: If an operand the op takes is missing.
         """
-        index_arrays = [_index_array(i) for i in indices]
-        key = ModelKey(
-            kind=kind,
-            dtype=to_max_dtype(k.dtype),
-            kpool=int(kpool),
-            head_dim=int(k.shape[1]),
-            ring_len=int(ring.shape[2]) if ring is not None else 0,
-            index_dtypes=tuple(to_max_dtype(a.dtype) for a in index_arrays),
-        )
-        args: list[Buffer] = [] if ring is None else [ring]
-        args += [self.to_device(a) for a in tensors]
-        args += [self.to_device(a) for a in index_arrays]
+        op = _op(kind)
+        values = op.host_operands(operands)
+        key = op.key(kpool, values, always_select_tail)
+        args = [
+            value if name == "tail" else self.to_device(value)
+            for name, value in zip(op.operands, values, strict=True)
+        ]
         return self.model(key), args
 
-    def _run(self, kind: str, kpool: int, **operands: Any) -> list[np.ndarray]:
-        ring, tensors, indices = self.operands(kind, **operands)
-        model, args = self.prepare(
-            kind, kpool, operands["k"], ring, tensors, indices
-        )
+    def run(self, kind: str, kpool: int, **operands: Any) -> list[np.ndarray]:
+        """Runs one op on NumPy operands; its outputs as NumPy arrays.
+
+        Takes the arguments of :meth:`prepare`; the ring, if the op takes
+        one, is updated in place.
+        """
+        model, args = self.prepare(kind, kpool, **operands)
         return [to_numpy(out) for out in model.execute(*args)]
 
     def ring_close(
@@ -376,7 +549,7 @@ class Runner:
             ``(pooled, closed_pool)``: ``[batch, head_dim]`` in k's dtype and
             ``[batch]`` int32.
         """
-        pooled, closed = self._run(
+        pooled, closed = self.run(
             "ring_close",
             kpool,
             tail=tail,
@@ -404,7 +577,7 @@ class Runner:
         Returns:
             ``[total_tokens // kpool, head_dim]`` pooled keys in k's dtype.
         """
-        (pooled,) = self._run(
+        (pooled,) = self.run(
             "compress",
             kpool,
             k=k,
@@ -427,7 +600,7 @@ class Runner:
         kpool: int,
     ) -> None:
         """Runs ``mo.mla.kpool.seed_tail`` on ``tail`` in place."""
-        self._run(
+        self.run(
             "seed_tail",
             kpool,
             tail=tail,
@@ -460,7 +633,7 @@ class Runner:
         Returns:
             The step's outputs as NumPy arrays; ``tail`` is updated in place.
         """
-        outs = self._run(
+        outs = self.run(
             "step" if fused else "step3",
             kpool,
             tail=tail,
@@ -472,46 +645,6 @@ class Runner:
             slot_idx=slot_idx,
         )
         return StepResult(*outs)
-
-    def prepare_expand_topk(
-        self,
-        pool_ids: np.ndarray,
-        input_row_offsets: npt.ArrayLike,
-        cache_lengths: npt.ArrayLike,
-        kpool: int,
-        always_select_tail: bool = True,
-    ) -> tuple[Model, list[Buffer]]:
-        """The compiled expand_topk model for one call and its operands.
-
-        Like :meth:`prepare`: the benchmark times
-        ``model.execute(*operands)``, and tests swap in guarded operands.
-
-        Args:
-            pool_ids: ``[total_tokens, pool_topk]`` int32 or int64.
-            input_row_offsets: ``[batch + 1]`` (lists become uint32).
-            cache_lengths: ``[batch]`` (lists become uint32).
-            kpool: Tokens per pool.
-            always_select_tail: Whether rows carry the pool still filling.
-
-        Returns:
-            ``(model, operands)``.
-        """
-        index_arrays = [
-            _index_array(input_row_offsets),
-            _index_array(cache_lengths),
-        ]
-        key = ModelKey(
-            kind="expand_topk",
-            dtype=to_max_dtype(pool_ids.dtype),
-            kpool=int(kpool),
-            head_dim=0,
-            ring_len=0,
-            index_dtypes=tuple(to_max_dtype(a.dtype) for a in index_arrays),
-            pool_topk=int(pool_ids.shape[1]),
-            always_select_tail=bool(always_select_tail),
-        )
-        args = [self.to_device(a) for a in (pool_ids, *index_arrays)]
-        return self.model(key), args
 
     def expand_topk(
         self,
@@ -526,15 +659,15 @@ class Runner:
         Returns:
             ``[total_tokens, pool_topk * kpool + tail]`` int32 positions.
         """
-        model, args = self.prepare_expand_topk(
-            pool_ids,
-            input_row_offsets,
-            cache_lengths,
+        (positions,) = self.run(
+            "expand_topk",
             kpool,
-            always_select_tail,
+            pool_ids=pool_ids,
+            input_row_offsets=input_row_offsets,
+            cache_lengths=cache_lengths,
+            always_select_tail=always_select_tail,
         )
-        (positions,) = model.execute(*args)
-        return to_numpy(positions)
+        return positions
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,12 @@ if TYPE_CHECKING:
 __all__ = [
     "ACCEPTANCE",
     "COMPRESS",
+    "DEFAULT_DTYPE",
+    "DEFAULT_HEAD_DIM",
+    "DEFAULT_KPOOL",
+    "DEFAULT_MAX_RUNNING",
     "DEFAULT_POOL_TOPK",
+    "DEFAULT_REQUESTS",
     "DTYPES",
     "FAULT_KINDS",
     "GATE_SCALE",
@@ -154,6 +159,16 @@ GATE_SCALE = 3.0
 
 #: Failures listed per request before the rest are only counted.
 MAX_LISTED = 5
+
+
+#: GLM-5-Next indexer shapes, the demo's default workload: key dtype (a
+#: name of :data:`DTYPES`), tokens per pool, channels per key, requests
+#: generated and ring slots.
+DEFAULT_DTYPE = "bfloat16"
+DEFAULT_KPOOL = 4
+DEFAULT_HEAD_DIM = 128
+DEFAULT_REQUESTS = 32
+DEFAULT_MAX_RUNNING = 16
 
 
 #: Pool ids an indexer query selects: GLM-5-Next's 512 (2051 positions per
@@ -1079,6 +1094,7 @@ class Fault:
             the position of the query whose selection is changed.
         pool: The pool that must then fail the check; for ``"topk"``, the
             token row (in the call) that must fail.
+        slot: The request's ring slot in that call.
     """
 
     kind: str
@@ -1087,8 +1103,9 @@ class Fault:
     request: int
     position: int
     pool: int
+    slot: int
 
-    def describe(self, slot: int) -> str:
+    def describe(self) -> str:
         """A one-line account of the fault."""
         if self.kind == "topk":
             return (
@@ -1097,8 +1114,8 @@ class Fault:
                 f"{self.call}: token row {self.pool} must fail"
             )
         where = (
-            f"ring member at position {self.position} (slot {slot}), read "
-            f"by ring_close"
+            f"ring member at position {self.position} (slot {self.slot}), "
+            f"read by ring_close"
             if self.kind == "ring"
             else f"key row of position {self.position} as sent to the step"
         )
@@ -1114,6 +1131,10 @@ class Fault:
         if self.kind == "topk":
             return f"call {self.call}: expand_topk row {self.pool} " in problem
         return f"pool {self.pool} " in problem
+
+    def caught(self, problems: Sequence[str]) -> bool:
+        """Whether any of a run's problems is this fault's failure."""
+        return any(self.caught_by(p) for p in problems)
 
 
 def place_fault(plan_: Plan, kind: str, kpool: int) -> Fault | None:
@@ -1144,12 +1165,13 @@ def place_fault(plan_: Plan, kind: str, kpool: int) -> Fault | None:
                 pending = cl // kpool
                 if cl % kpool and cl + n >= (pending + 1) * kpool:
                     pos = pending * kpool
-                    return Fault(kind, c, b, e.request, pos, pending)
+                    return Fault(kind, c, b, e.request, pos, pending, e.slot)
             elif kind == "topk":
                 if n and (cl + n) // kpool >= 2:
-                    return Fault(kind, c, b, e.request, cl + n - 1, row - 1)
+                    pos = cl + n - 1
+                    return Fault(kind, c, b, e.request, pos, row - 1, e.slot)
             elif n and cl < length // kpool * kpool:
-                return Fault(kind, c, b, e.request, cl, cl // kpool)
+                return Fault(kind, c, b, e.request, cl, cl // kpool, e.slot)
     return None
 
 
@@ -1697,7 +1719,7 @@ def serve(
         ]
         ring_fault = None
         if here is not None and here.kind == "ring":
-            ring_fault = (call[here.entry].slot, here.position, delta)
+            ring_fault = (here.slot, here.position, delta)
         if restores or ring_fault:
             ring = restore_ring(runner, ring, restores, ring_fault, kpool)
 
@@ -1823,7 +1845,7 @@ def collect_pools(
             )
 
 
-def compile_models(runner: Runner, config: Config) -> None:
+def compile_models(runner: Runner, config: Config) -> float:
     """Compiles (or loads from MAX's cache) the models :func:`serve` uses.
 
     The fused step on a ``config.ring_len`` ring and expand_topk at
@@ -1833,34 +1855,31 @@ def compile_models(runner: Runner, config: Config) -> None:
     Args:
         runner: Where they run.
         config: The run's dtype, kpool, head_dim, ring and top-k.
+
+    Returns:
+        The seconds it took.
     """
-    from max.dtype import DType
+    from .runner import model_key
 
-    from .buffers import to_max_dtype
-    from .runner import ModelKey
-
+    start = time.perf_counter()
     runner.model(
-        ModelKey(
-            kind="step",
-            dtype=to_max_dtype(config.dtype),
-            kpool=config.kpool,
+        model_key(
+            "step",
+            config.kpool,
+            dtype=config.dtype,
             head_dim=config.head_dim,
             ring_len=config.ring_len,
-            index_dtypes=(DType.uint32,) * 3,
         )
     )
     runner.model(
-        ModelKey(
-            kind="expand_topk",
-            dtype=DType.int32,
-            kpool=config.kpool,
-            head_dim=0,
-            ring_len=0,
-            index_dtypes=(DType.uint32,) * 2,
+        model_key(
+            "expand_topk",
+            config.kpool,
+            dtype=np.int32,
             pool_topk=config.pool_topk,
-            always_select_tail=True,
         )
     )
+    return time.perf_counter() - start
 
 
 def summarize(

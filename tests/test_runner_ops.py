@@ -1,0 +1,117 @@
+"""The runner's op table: keys and graph names, with no compile.
+
+:data:`mla_kpool.runner.OPS` describes each op once; these check that the key
+:meth:`Runner.prepare` derives from a call's arrays is the one
+:func:`mla_kpool.runner.model_key` gives for the same configuration (so a
+model compiled ahead, as the demo does, is the one the call uses), that graph
+names keep what a profiler trace needs, and that a wrong kind or a missing
+operand says so before anything compiles.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from max.dtype import DType
+
+from mla_kpool.runner import OPS, Runner, model_key
+
+KPOOL, HEAD_DIM, RING = 4, 16, 8
+
+
+class _Ring:
+    """Stands in for a ring buffer: only its shape is read for the key."""
+
+    shape = (3, 2, RING, HEAD_DIM)
+
+
+def _operands() -> dict[str, object]:
+    k = np.zeros((8, HEAD_DIM), ml_dtypes.bfloat16)
+    return {
+        "tail": _Ring(),
+        "k": k,
+        "gate": k,
+        "ape": np.zeros((KPOOL, HEAD_DIM), np.float64),
+        "pool_ids": np.zeros((8, 5), np.int64),
+        "input_row_offsets": [0, 8],
+        "pool_row_offsets": np.zeros(2, np.int64),
+        "cache_lengths": np.zeros(1, np.int32),
+        "slot_idx": [0],
+    }
+
+
+@pytest.mark.parametrize("kind", list(OPS))
+def test_key_from_arrays_is_model_key(kind: str) -> None:
+    op = OPS[kind]
+    values = op.host_operands(_operands())
+    given = dict(zip(op.operands, values, strict=True))
+    index_dtypes = [given[name].dtype for name in op.indices]
+    if kind == "expand_topk":
+        want = model_key(
+            kind,
+            KPOOL,
+            dtype=np.int64,
+            pool_topk=5,
+            index_dtypes=index_dtypes,
+            always_select_tail=False,
+        )
+    else:
+        want = model_key(
+            kind,
+            KPOOL,
+            dtype=ml_dtypes.bfloat16,
+            head_dim=HEAD_DIM,
+            ring_len=RING if op.in_place else 0,
+            index_dtypes=index_dtypes,
+        )
+    assert op.key(KPOOL, values, always_select_tail=False) == want
+    # A list becomes uint32 (MAX's), ape float32.
+    assert given["input_row_offsets"].dtype == np.uint32
+    if "ape" in op.tensors:
+        assert given["ape"].dtype == np.float32
+
+
+def test_model_key_defaults_to_uint32_indices() -> None:
+    key = model_key("step", KPOOL, dtype=np.float32, head_dim=8, ring_len=4)
+    assert key.index_dtypes == (DType.uint32,) * 3
+    assert key.dtype == DType.float32
+    assert not key.always_select_tail  # only expand_topk takes it
+
+
+@pytest.mark.parametrize(
+    ("key", "name"),
+    [
+        (
+            model_key(
+                "step", 4, dtype=DType.bfloat16, head_dim=128, ring_len=12
+            ),
+            "mla_kpool_step_DType.bfloat16_k4_d128_r12",
+        ),
+        (
+            model_key("compress", 8, dtype=np.float16, head_dim=64),
+            "mla_kpool_compress_DType.float16_k8_d64_r0",
+        ),
+        (
+            model_key("expand_topk", 4, dtype=np.int32, pool_topk=512),
+            "mla_kpool_expand_topk_DType.int32_k4_t512_tail",
+        ),
+    ],
+    ids=["step", "compress", "expand_topk"],
+)
+def test_graph_names_carry_the_specialization(key, name) -> None:
+    assert OPS[key.kind].graph_name(key, emulate_gpu=False) == name
+    emulated = OPS[key.kind].graph_name(key, emulate_gpu=True)
+    assert emulated == name + "_gpu_emulated"
+
+
+def test_unknown_kind_and_missing_operand() -> None:
+    with pytest.raises(ValueError, match="kind must be one of"):
+        model_key("close", KPOOL, dtype=np.float32)
+    runner = Runner.__new__(Runner)  # no session: nothing may compile
+    with pytest.raises(ValueError, match="got 'close'"):
+        runner.prepare("close", KPOOL)
+    operands = _operands()
+    del operands["slot_idx"]
+    with pytest.raises(TypeError, match="ring_close needs slot_idx"):
+        runner.prepare("ring_close", KPOOL, **operands)
