@@ -32,6 +32,17 @@ F32 = np.dtype(np.float32)
 TOLERANCE = {dtype: tolerance(dtype) for dtype in (F32, F16, BF16)}
 
 
+def bits(a: np.ndarray) -> np.ndarray:
+    """An array's raw bits, one unsigned integer per element.
+
+    For bitwise comparisons of any dtype: NaN equals NaN (same payload),
+    -0.0 differs from +0.0, and indices into the result are element
+    indices of ``a``.
+    """
+    a = np.ascontiguousarray(a)
+    return a.view(f"u{a.dtype.itemsize}")
+
+
 @dataclass(frozen=True)
 class Config:
     """One compiled writer configuration."""

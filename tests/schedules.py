@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kpool_cases import bits
 from mla_kpool import serving
 from mla_kpool.serving import pools_completed, reference_step, restore_prefix
 
@@ -573,12 +574,6 @@ class ReferenceServer:
 
 def _keys(pools: CallPools) -> list[dict[int, Any]]:
     return [{p: row.key for p, row in got.items()} for got in pools]
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    """The raw bits of an array, for bitwise comparison (NaN equals NaN)."""
-    a = np.ascontiguousarray(a)
-    return a.view(f"u{a.dtype.itemsize}")
 
 
 class DeviceServer:

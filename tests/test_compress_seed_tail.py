@@ -31,17 +31,12 @@ from kpool_cases import (
     STEP_CONFIGS,
     Config,
     assert_pooled_close,
+    bits,
     random_ape,
     random_rows,
 )
 from mla_kpool import reference
 from mla_kpool.runner import Runner
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    """An array's raw bits, for bitwise comparison (NaN-safe)."""
-    a = np.ascontiguousarray(a)
-    return a.view(f"u{a.dtype.itemsize}")
 
 
 def _offsets(counts: list[int]) -> np.ndarray:
@@ -235,12 +230,12 @@ def test_seed_tail_writes_exactly_the_trailing_positions(
         # The pending pool's members below c must survive this call.
         below = [i % kp for i in range(c // kp * kp, c)]
         np.testing.assert_array_equal(
-            _bits(after[s, :, below]),
-            _bits(before[s, :, below]),
+            bits(after[s, :, below]),
+            bits(before[s, :, below]),
             err_msg=f"{where}: request {b} (c={c}) overwrote ring positions "
             f"below cache_length (slot {s}, indices {below})",
         )
-    changed = np.argwhere(np.any(_bits(after) != _bits(expected), axis=-1))
+    changed = np.argwhere(np.any(bits(after) != bits(expected), axis=-1))
     assert changed.size == 0, (
         f"{where}: ring entries [slot, plane, index] differ from the "
         f"expected writes {written}: {changed.tolist()}"
@@ -248,7 +243,7 @@ def test_seed_tail_writes_exactly_the_trailing_positions(
     ref = reference.seed_tail(
         before, k, gate, offsets, batch.cache, batch.slots, kp
     )
-    np.testing.assert_array_equal(_bits(after), _bits(ref), err_msg=where)
+    np.testing.assert_array_equal(bits(after), bits(ref), err_msg=where)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -272,8 +267,8 @@ def test_seed_tail_random_batches_leave_other_entries(
     )
     expected, _ = _expected_ring(before, k, gate, batch, offsets, MAIN.kpool)
     np.testing.assert_array_equal(
-        _bits(after),
-        _bits(expected),
+        bits(after),
+        bits(expected),
         err_msg=f"seed {seed}, {MAIN.id}, {device}: requests "
         f"(c, n, slot) = {batch.requests}",
     )
@@ -348,8 +343,8 @@ def test_ring_close_and_compress_agree_bitwise(
         )
         assert int(res.ring_closed_pool[2 * i]) == p_ring, f"{where}: r={r}"
         np.testing.assert_array_equal(
-            _bits(via_ring[p_ring]),
-            _bits(via_compress[p_fresh]),
+            bits(via_ring[p_ring]),
+            bits(via_compress[p_fresh]),
             err_msg=f"{where}: r={r}: ring_close and compress built the same "
             "members into different bits",
         )

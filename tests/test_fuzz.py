@@ -52,7 +52,7 @@ import pytest
 from max.driver import Buffer, Device
 from max.dtype import DType
 
-from kpool_cases import MAIN, TOLERANCE, random_ape, random_rows
+from kpool_cases import MAIN, TOLERANCE, bits, random_ape, random_rows
 from mla_kpool import KERNELS
 from mla_kpool import reference as ref
 from mla_kpool.buffers import to_buffer, to_numpy
@@ -433,10 +433,6 @@ def check_guards(
 # --------------------------------------------------------------------------
 
 
-def _bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).view(np.uint32)
-
-
 def _close(actual: np.ndarray, expected: np.ndarray, scale: float) -> bool:
     tol = TOLERANCE[np.dtype(DTYPE)]
     return bool(
@@ -502,7 +498,7 @@ def _check_inputs(call: Call, k: Guarded, gate: Guarded, where: str) -> None:
     ):
         flat = guarded.read()
         check_guards(flat, guarded.guard, guarded.shape, name, where)
-        assert np.array_equal(_bits(guarded.body(flat)), _bits(host)), (
+        assert np.array_equal(bits(guarded.body(flat)), bits(host)), (
             f"{name} was written, {where}"
         )
 
@@ -546,7 +542,7 @@ def run_ring_close(runner: Runner, meta: Meta, data: Data) -> dict[str, int]:
     )
     flat = ring.read()
     check_guards(flat, ring.guard, ring.shape, "tail", where)
-    assert np.array_equal(_bits(ring.body(flat)), _bits(data.ring)), (
+    assert np.array_equal(bits(ring.body(flat)), bits(data.ring)), (
         f"ring_close wrote the ring, {where}"
     )
     _check_inputs(call, k, gate, where)
@@ -645,13 +641,13 @@ def run_seed_tail(runner: Runner, meta: Meta, data: Data) -> dict[str, int]:
     flat = ring.read()
     check_guards(flat, ring.guard, ring.shape, "tail", where)
     got = ring.body(flat)
-    wrong = np.argwhere((_bits(got) != _bits(expected)).any(axis=-1))
+    wrong = np.argwhere((bits(got) != bits(expected)).any(axis=-1))
     assert not wrong.size, (
         f"ring entries [slot, plane, member] differ from the oracle: "
         f"{wrong[:6].tolist()}, {where}"
     )
     _check_inputs(call, k, gate, where)
-    changed = (_bits(expected) != _bits(data.ring)).any(axis=-1)
+    changed = (bits(expected) != bits(data.ring)).any(axis=-1)
     return {"stashed": int(changed.sum())}
 
 
@@ -724,11 +720,11 @@ def test_view_writes_land_in_the_parent(runner: Runner) -> None:
         KPOOL,
     )
     # c = 1, n = 6: positions 4, 5, 6 (members 0, 1, 2 of slot 1) change.
-    changed = (_bits(got) != _bits(data.ring)).any(axis=-1)
+    changed = (bits(got) != bits(data.ring)).any(axis=-1)
     assert np.argwhere(changed).tolist() == [
         [1, p, q] for p in range(2) for q in range(3)
     ]
-    np.testing.assert_array_equal(_bits(got), _bits(expected))
+    np.testing.assert_array_equal(bits(got), bits(expected))
 
 
 def test_check_guards_reports_a_write_past_the_end() -> None:

@@ -33,6 +33,7 @@ from kpool_cases import (
     TOLERANCE,
     Config,
     assert_pooled_close,
+    bits,
     random_ape,
     random_rows,
 )
@@ -45,11 +46,6 @@ U32_TOP = 2**32
 def _seed(*parts: object) -> int:
     """A stable per-case seed (shown in every failure message)."""
     return zlib.crc32(repr(parts).encode())
-
-
-def _bits(array: np.ndarray) -> np.ndarray:
-    """The raw bytes of an array, for bitwise comparisons."""
-    return np.ascontiguousarray(array).view(np.uint8)
 
 
 def _scale(k: np.ndarray, ring: np.ndarray) -> float:
@@ -87,7 +83,7 @@ def _check_ring_close(
     np.testing.assert_array_equal(closed, want_closed, err_msg=what)
     assert pooled.shape == want.shape and pooled.dtype == k.dtype, what
     open_rows = want_closed < 0
-    assert not np.any(_bits(pooled[open_rows])), (
+    assert not np.any(bits(pooled[open_rows])), (
         f"{what}: rows with closed_pool -1 are not exactly zero"
     )
     assert np.all(np.isfinite(pooled.astype(np.float64))), what
@@ -227,10 +223,10 @@ def check_step_mixed_batch(runner: Runner, cfg: Config, seed: int) -> None:
         _scale(k, ring),
         what=f"{what} compressed pools",
     )
-    assert not np.any(_bits(out.pooled[used:])), f"{what}: rows past pools"
+    assert not np.any(bits(out.pooled[used:])), f"{what}: rows past pools"
     want_ring = ref.seed_tail(ring, k, gate, offsets, cache, slots, cfg.kpool)
     got_ring = runner.read(tail)
-    assert np.array_equal(_bits(got_ring), _bits(want_ring)), (
+    assert np.array_equal(bits(got_ring), bits(want_ring)), (
         f"{what}: ring after the step differs from the oracle's seed_tail"
     )
 
@@ -349,7 +345,7 @@ def test_corner_metadata(runner: Runner, case: Corner) -> None:
         MAIN.kpool,
         what,
     )
-    assert np.array_equal(_bits(runner.read(tail)), _bits(ring)), what
+    assert np.array_equal(bits(runner.read(tail)), bits(ring)), what
 
 
 #: One closing decode, one closing chunk and one that stays open, at MAIN.
@@ -464,7 +460,7 @@ def test_ring_is_not_written(runner: Runner) -> None:
         pooled, closed = runner.ring_close(
             tail, k, gate, ape, offsets, cache, slots, MAIN.kpool
         )
-        assert np.array_equal(_bits(runner.read(tail)), _bits(ring)), what
+        assert np.array_equal(bits(runner.read(tail)), bits(ring)), what
     assert np.any(closed >= 0), what
     _check_ring_close(
         pooled,

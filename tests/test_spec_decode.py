@@ -59,6 +59,7 @@ from kpool_cases import (
     TOLERANCE,
     Config,
     assert_pooled_close,
+    bits,
 )
 from mla_kpool import reference, ring_length, serving
 from mla_kpool.runner import Runner, StepResult
@@ -343,7 +344,7 @@ def assert_accepted_stream(
             p
             for p in ids
             if not np.array_equal(
-                sch.bits(served.final[r.rid][p].key), sch.bits(whole[r.rid][p])
+                bits(served.final[r.rid][p].key), bits(whole[r.rid][p])
             )
         ]
         assert not differ, (
@@ -528,7 +529,7 @@ def test_deep_ring_bitwise_equal_without_rejection(
                 cfg.kpool,
             )
             host = runner.read(rings[n])
-            assert np.array_equal(sch.bits(host), sch.bits(mirrors[n])), (
+            assert np.array_equal(bits(host), bits(mirrors[n])), (
                 f"{s.describe()}: R={n} ring differs from the oracle's "
                 f"after call {index}"
             )
@@ -541,7 +542,7 @@ def test_deep_ring_bitwise_equal_without_rejection(
             "first_pool",
         ):
             a, b = getattr(short, name), getattr(deep, name)
-            assert np.array_equal(sch.bits(a), sch.bits(b)), (
+            assert np.array_equal(bits(a), bits(b)), (
                 f"{s.describe()}: call {index}: {name} differs between "
                 f"R={lengths[0]} and R={lengths[1]}"
             )

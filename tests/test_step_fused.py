@@ -46,6 +46,7 @@ from kpool_cases import (
     MAIN,
     STEP_CONFIGS,
     Config,
+    bits,
     random_ape,
     random_rows,
 )
@@ -66,11 +67,6 @@ from test_fuzz import (
 U32_MAX = 2**32 - 1
 
 
-def _bits(a: np.ndarray) -> np.ndarray:
-    """Raw bytes, for bitwise comparisons of any dtype."""
-    return np.ascontiguousarray(a).view(np.uint8)
-
-
 def assert_same_step(
     fused: list[np.ndarray], three: list[np.ndarray], what: str
 ) -> None:
@@ -81,8 +77,8 @@ def assert_same_step(
             f"{name}: fused {a.dtype}{a.shape} vs three-op "
             f"{b.dtype}{b.shape}, {what}"
         )
-        if not np.array_equal(_bits(a), _bits(b)):
-            rows = np.argwhere(_bits(a) != _bits(b))[:, 0]
+        if not np.array_equal(bits(a), bits(b)):
+            rows = np.argwhere(bits(a) != bits(b))[:, 0]
             raise AssertionError(
                 f"{name} differs (fused vs three-op) at rows "
                 f"{sorted(set(rows.tolist()))[:8]}: fused "
@@ -218,7 +214,7 @@ def test_stream_fused_equals_three_op(
             what,
         )
         got, want = runner.read(rings[True]), runner.read(rings[False])
-        assert np.array_equal(_bits(got), _bits(want)), f"ring, {what}"
+        assert np.array_equal(bits(got), bits(want)), f"ring, {what}"
         closed += int((outs[True].ring_closed_pool >= 0).sum())
         pools += int(outs[True].pool_row_offsets[-1])
     # The stream did real work on both sides of the op.
@@ -271,7 +267,7 @@ def run_guarded(
     for name, guarded, host in (("k", k, data.k), ("gate", gate, data.gate)):
         read = guarded.read()
         check_guards(read, guarded.guard, guarded.shape, name, where)
-        assert np.array_equal(_bits(guarded.body(read)), _bits(host)), (
+        assert np.array_equal(bits(guarded.body(read)), bits(host)), (
             f"{name} was written, {where}"
         )
     return outs, ring.body(flat)
@@ -295,7 +291,7 @@ def test_guarded_fuzz_fused_equals_three_op(
             three, three_ring = run_guarded(runner, meta, fused=False)
             what = meta.describe()
             assert_same_step(fused, three, what)
-            assert np.array_equal(_bits(fused_ring), _bits(three_ring)), (
+            assert np.array_equal(bits(fused_ring), bits(three_ring)), (
                 f"ring differs (fused vs three-op), {what}"
             )
         except AssertionError as error:
@@ -304,7 +300,7 @@ def test_guarded_fuzz_fused_equals_three_op(
         closed += int((fused[1] >= 0).sum())
         rows += int(fused[2].any(axis=1).sum())
         ring = draw_data(meta, "step").ring
-        stashed += int((_bits(fused_ring) != _bits(ring)).any())
+        stashed += int((bits(fused_ring) != bits(ring)).any())
     assert not failures, (
         f"{len(failures)} of {count} vectors failed on {device}; first: "
         + "\n".join(list(failures.values())[:3])

@@ -49,6 +49,7 @@ from kpool_cases import (
     TOLERANCE,
     Config,
     assert_pooled_close,
+    bits,
 )
 from mla_kpool import reference
 from mla_kpool.runner import Runner, StepResult
@@ -215,7 +216,7 @@ def check_schedule(runner: Runner, schedule: sch.Schedule) -> int:
         differ = [
             p
             for p, a, b in zip(ids, got, whole, strict=True)
-            if not np.array_equal(sch.bits(a), sch.bits(b))
+            if not np.array_equal(bits(a), bits(b))
         ]
         assert not differ, (
             f"{where}: pools {differ} differ bitwise from compress on the "
