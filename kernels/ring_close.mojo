@@ -43,7 +43,7 @@ from .pooling import (
     pool_channels,
     zero_row,
 )
-from .ragged import Field, Ptr, pending_pool, read_index, slot_ok, token_span
+from .ragged import Field, pending_pool, read_index, slot_ok, token_span
 
 
 @fieldwise_init
