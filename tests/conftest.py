@@ -11,17 +11,13 @@ import pytest
 from max import driver
 from max.graph import DeviceRef
 
+from kpool_cases import restore_environment
 from mla_kpool.runner import Runner
 
-# Importing max.nn sets PYTHONEXECUTABLE, PYTHONPATH and MOJO_PYTHON_LIBRARY
-# in the C-level environment but not in os.environ, so a later subprocess
-# started without env= would run the base interpreter outside the venv.
-# Put the C-level values back to what os.environ says, once, for the suite.
-for _name in ("PYTHONEXECUTABLE", "PYTHONPATH", "MOJO_PYTHON_LIBRARY"):
-    if _name in os.environ:
-        os.putenv(_name, os.environ[_name])
-    else:
-        os.unsetenv(_name)
+# Importing max.nn sets variables in the C-level environment that a later
+# subprocess would inherit (kpool_cases.INTEROP_VARIABLES); put them back to
+# what os.environ says, once, for the suite.
+restore_environment()
 
 _HAS_GPU = driver.accelerator_count() > 0
 

@@ -9,6 +9,7 @@ Add a configuration only when a test needs a combination none of these has.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import ml_dtypes
 import numpy as np
@@ -30,6 +32,36 @@ F32 = np.dtype(np.float32)
 #: pooled members: the package's one rule (:func:`mla_kpool.serving.
 #: tolerance`), whose values tests/test_cli.py pins.
 TOLERANCE = {dtype: tolerance(dtype) for dtype in (F32, F16, BF16)}
+
+
+#: What Mojo's Python interop sets in the C-level environment (not in
+#: ``os.environ``) when ``max.nn`` or ``max.nn.kernels`` is first imported:
+#: ``PYTHONEXECUTABLE`` (the first ``python3`` on ``PATH``), ``PYTHONPATH``
+#: and ``MOJO_PYTHON_LIBRARY``. A later subprocess started without ``env=``
+#: would inherit them and run outside this virtual environment.
+INTEROP_VARIABLES = ("PYTHONEXECUTABLE", "PYTHONPATH", "MOJO_PYTHON_LIBRARY")
+
+
+def restore_environment() -> None:
+    """Puts :data:`INTEROP_VARIABLES` back to what ``os.environ`` says."""
+    for name in INTEROP_VARIABLES:
+        if name in os.environ:
+            os.putenv(name, os.environ[name])
+        else:
+            os.unsetenv(name)
+
+
+@functools.cache
+def max_nn_kernels() -> ModuleType:
+    """MAX's own ``max.nn.kernels``, imported on first use.
+
+    Not at collection: the import starts Mojo's Python interop, so the
+    environment is restored (:func:`restore_environment`) right after it.
+    """
+    from max.nn import kernels
+
+    restore_environment()
+    return kernels
 
 
 def bits(a: np.ndarray) -> np.ndarray:

@@ -22,9 +22,7 @@ construction (no compile) is still checked there.
 from __future__ import annotations
 
 import functools
-import os
 import zlib
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -40,6 +38,7 @@ from kpool_cases import (
     TOLERANCE,
     Config,
     assert_pooled_close,
+    max_nn_kernels,
     random_ape,
     random_rows,
 )
@@ -55,28 +54,6 @@ CONFIGS = [Config(F32, 4, 128), Config(BF16, 4, 128)]
 #: decode that stays open, aligned prefill, a chunk that closes and runs past
 #: (seeding over the ring members it closed), zero new tokens, fresh.
 BATCH = [(7, 1), (9, 1), (8, 13), (10, 7), (11, 0), (0, 6)]
-
-
-@functools.cache
-def _builtin_kernels() -> ModuleType:
-    """``max.nn.kernels``, imported on first use, environment restored.
-
-    Importing it starts Mojo's Python interop, which sets
-    ``PYTHONEXECUTABLE`` (the first ``python3`` on ``PATH``),
-    ``MOJO_PYTHON_LIBRARY`` and ``PYTHONPATH=:`` in the C-level environment
-    (not in ``os.environ``). Every later subprocess of the test run would
-    inherit them and start outside this virtual environment, unable to
-    import ``max``; so this module does not import it at collection, and
-    puts the C-level values back to ``os.environ``'s afterwards.
-    """
-    from max.nn import kernels
-
-    for name in ("PYTHONEXECUTABLE", "MOJO_PYTHON_LIBRARY", "PYTHONPATH"):
-        if name in os.environ:
-            os.putenv(name, os.environ[name])
-        else:
-            os.unsetenv(name)
-    return kernels
 
 
 def _build(cfg: Config, ours: bool) -> Graph:
@@ -102,7 +79,7 @@ def _build(cfg: Config, ours: bool) -> Graph:
         api = (mla_kpool.ring_close, mla_kpool.compress, mla_kpool.seed_tail)
         extensions = [mla_kpool.KERNELS]
     else:
-        builtin = _builtin_kernels()
+        builtin = max_nn_kernels()
         api = (
             builtin.mla_kpool_ring_close,
             builtin.mla_kpool_compress,

@@ -25,13 +25,11 @@ validation.
 from __future__ import annotations
 
 import functools
-import os
 import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -44,7 +42,7 @@ from max.graph import DeviceRef, Graph, TensorType
 
 import mla_kpool
 from conftest import DEVICE_NAMES
-from kpool_cases import mojo_command, run_mojo_suite
+from kpool_cases import max_nn_kernels, mojo_command, run_mojo_suite
 from mla_kpool import reference as ref
 from mla_kpool._paths import compiled_kernels
 from mla_kpool.buffers import to_buffer, to_max_dtype, to_numpy
@@ -485,24 +483,6 @@ def test_output_guards_and_emulated_grid_in_mojo() -> None:
 # --------------------------------------------------------------------------
 
 
-@functools.cache
-def _max_kernels() -> ModuleType:
-    """``max.nn.kernels``, with the C-level environment put back.
-
-    Importing it starts Mojo's Python interop, which sets variables in the
-    C-level environment that later subprocesses would inherit (see
-    ``tests/test_builtin_parity.py``).
-    """
-    from max.nn import kernels
-
-    for name in ("PYTHONEXECUTABLE", "MOJO_PYTHON_LIBRARY", "PYTHONPATH"):
-        if name in os.environ:
-            os.putenv(name, os.environ[name])
-        else:
-            os.unsetenv(name)
-    return kernels
-
-
 def _graph(
     cfg: ExpandConfig,
     device: DeviceRef,
@@ -540,7 +520,7 @@ def test_max_wrapper_builds_the_same_op(cfg: ExpandConfig) -> None:
     theirs = _graph(
         cfg,
         DeviceRef.CPU(),
-        _max_kernels().mla_kpool_expand_topk,
+        max_nn_kernels().mla_kpool_expand_topk,
         kernels,
         "same",
     )
@@ -567,7 +547,7 @@ def test_max_wrapper_runs_our_kernel_on_cpu() -> None:
     graph = _graph(
         cfg,
         DeviceRef.CPU(),
-        _max_kernels().mla_kpool_expand_topk,
+        max_nn_kernels().mla_kpool_expand_topk,
         [mla_kpool.KERNELS],
         f"mla_kpool_expand_topk_{to_max_dtype(cfg.id_dtype)}_k{cfg.kpool}"
         f"_t{cfg.pool_topk}_tail",
@@ -589,7 +569,7 @@ def test_parity_graphs_build(cfg: ExpandConfig) -> None:
     gpu = DeviceRef.GPU()
     for expand, ext in (
         (mla_kpool.expand_topk, [mla_kpool.KERNELS]),
-        (_max_kernels().mla_kpool_expand_topk, []),
+        (max_nn_kernels().mla_kpool_expand_topk, []),
     ):
         text = str(_graph(cfg, gpu, expand, ext, "parity_expand_topk"))
         assert "mo.mla.kpool.expand_topk" in text
@@ -616,7 +596,7 @@ def test_matches_max_builtin(cfg: ExpandConfig) -> None:
         label: session.load(_graph(cfg, gpu, expand, ext, f"parity_{label}"))
         for label, expand, ext in (
             ("ours", mla_kpool.expand_topk, [mla_kpool.KERNELS]),
-            ("builtin", _max_kernels().mla_kpool_expand_topk, []),
+            ("builtin", max_nn_kernels().mla_kpool_expand_topk, []),
         )
     }
     accel = driver.Accelerator()

@@ -15,12 +15,9 @@ model". Two routes keep users away from that:
 
 from __future__ import annotations
 
-import functools
-import os
 import shutil
 import zlib
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -30,7 +27,13 @@ from max.engine import InferenceSession
 from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
 
 import mla_kpool
-from kpool_cases import F32, assert_pooled_close, random_ape, random_rows
+from kpool_cases import (
+    F32,
+    assert_pooled_close,
+    max_nn_kernels,
+    random_ape,
+    random_rows,
+)
 from mla_kpool import _paths
 from mla_kpool import reference as ref
 from mla_kpool.buffers import to_buffer, to_numpy
@@ -44,25 +47,6 @@ POOL_TOPK = 2
 BATCH = [(7, 1), (9, 1), (8, 13), (10, 7), (11, 0), (0, 6)]
 MAX_SLOTS = len(BATCH) + 2
 CPU_REF = DeviceRef.CPU()
-
-
-@functools.cache
-def _max_wrappers() -> ModuleType:
-    """``max.nn.kernels``, with the C-level environment put back.
-
-    Importing it starts Mojo's Python interop, which sets
-    ``PYTHONEXECUTABLE``, ``MOJO_PYTHON_LIBRARY`` and ``PYTHONPATH`` in the
-    C environment (not ``os.environ``), where later subprocesses of the
-    test run would inherit them.
-    """
-    from max.nn import kernels
-
-    for name in ("PYTHONEXECUTABLE", "MOJO_PYTHON_LIBRARY", "PYTHONPATH"):
-        if name in os.environ:
-            os.putenv(name, os.environ[name])
-        else:
-            os.unsetenv(name)
-    return kernels
 
 
 def _input_types() -> list[TensorType | BufferType]:
@@ -82,7 +66,7 @@ def _input_types() -> list[TensorType | BufferType]:
 
 def _max_pipeline_graph() -> Graph:
     """A CPU graph built only from MAX's wrappers, no custom_extensions."""
-    max_nn = _max_wrappers()
+    max_nn = max_nn_kernels()
     with Graph("max_wrappers", input_types=_input_types()) as graph:
         tail = graph.inputs[0].buffer
         k, gate, ape, offsets, pool_offsets, cache, slots, pool_ids = (
