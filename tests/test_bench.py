@@ -373,7 +373,7 @@ def test_help_states_each_presets_cold_cost(capsys):
     assert exc.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "8 configurations, 4 graphs to compile: about 1.5 min" in text
-    assert "132 configurations, 66 graphs, about 25 min cold" in text
+    assert "132 configurations, 66 graphs, about 22 min cold" in text
     assert "18 graphs, about 6 min and 4 GB of memory cold" in text
 
 

@@ -302,7 +302,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sweep",
         action="store_true",
         help="the grid options default to every op, float32 and bfloat16,"
-        " kpool 4 16 128: 132 configurations, 66 graphs, about 25 min cold"
+        " kpool 4 16 128: 132 configurations, 66 graphs, about 22 min cold"
         " on 2 CPU cores",
     )
     preset.add_argument(

@@ -190,23 +190,18 @@ def median_records(runs: list[list[Record]]) -> list[Record]:
     return merged
 
 
-def _provenance(record: Record) -> str:
+def _provenance(r: Record) -> str:
     """One sentence: device, cores, versions, commit and command."""
-    parts = []
-    if record.get("device_name"):
-        cores = record.get("cores")
-        parts.append(
-            str(record["device_name"]) + (f" ({cores} cores)" if cores else "")
-        )
+    cores = f" ({r['cores']} cores)" if r.get("cores") else ""
+    parts = [f"{r['device_name']}{cores}"] if r.get("device_name") else []
     for key, name in (("max_version", "MAX"), ("mojo_version", "Mojo")):
-        if record.get(key):
-            parts.append(f"{name} {record[key]}")
-    if record.get("git_commit"):
-        dirty = " with local changes" if record.get("git_dirty") else ""
-        parts.append(f"commit {record['git_commit'][:12]}{dirty}")
+        parts += [f"{name} {r[key]}"] if r.get(key) else []
+    if r.get("git_commit"):
+        dirty = " with local changes" if r.get("git_dirty") else ""
+        parts.append(f"commit {r['git_commit'][:12]}{dirty}")
     text = "Measured on " + ", ".join(parts) if parts else ""
-    if record.get("command"):
-        text += (": " if text else "") + f"`{record['command']}`"
+    if r.get("command"):
+        text += (": " if text else "") + f"`{r['command']}`"
     return text + "." if text else ""
 
 

@@ -73,14 +73,13 @@ def expand_pool_topk(kpool: int) -> int:
 def _tokens_per_request(op: str, kpool: int) -> tuple[int, int]:
     """``(pending ring members r, new tokens n)`` per request for ``op``."""
     r = kpool // 2
-    new = {
-        "expand_topk": 1,
-        "ring_close": kpool - r,
-        "compress": kpool,
-        "seed_tail": kpool - 1,
+    special = {
+        "ring_close": (r, kpool - r),
+        "compress": (0, kpool),
+        "seed_tail": (0, kpool - 1),
+        "expand_topk": (r, 1),
     }
-    pending = 0 if op in ("compress", "seed_tail") else r
-    return pending, new.get(op, 2 * kpool)
+    return special.get(op, (r, 2 * kpool))
 
 
 def numpy_dtype(name: str) -> np.dtype:
