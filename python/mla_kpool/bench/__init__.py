@@ -19,8 +19,8 @@ one set of inputs (:mod:`.workload`) against the peers its ratios divide by:
 With no preset a run measures a short set (:data:`DEFAULT_GRID`);
 ``--sweep`` widens the grid to every op, dtype and kpool and ``--quick``
 measures docs/performance.md's configurations. Both kernel packages are
-precompiled once per process, and MAX caches each compiled graph
-(``~/.cache/modular``), so a second run compiles nothing. Records
+precompiled once per process (a few seconds) and MAX caches each compiled
+graph (``~/.cache/modular``), so a second run compiles no graph. Records
 (``--json``) say where they were measured (:mod:`mla_kpool._sysinfo`);
 ``--markdown`` and ``--plot`` read them back (:mod:`.report`).
 """
