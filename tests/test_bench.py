@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -17,19 +18,38 @@ from kpool_cases import F32, TOLERANCE
 from mla_kpool import _sysinfo, bench
 from mla_kpool import reference as ref
 from mla_kpool.__main__ import main
+from mla_kpool._paths import compiled_kernels
+from mla_kpool.bench import workload
 
 CASES = [
-    bench.Case(op, dtype, batch, kpool, 16, "cpu")
-    for op in bench.OPS
+    workload.Case(op, dtype, batch, kpool, 16, "cpu")
+    for op in workload.OPS
     for dtype in (
-        (bench.EXPAND_DTYPE,)
+        (workload.EXPAND_DTYPE,)
         if op == "expand_topk"
         else ("float32", "bfloat16")
     )
     for batch, kpool in ((1, 4), (5, 16), (3, 1))
 ]
-WRITERS = [op for op in bench.OPS if op != "expand_topk"]
+WRITERS = [op for op in workload.OPS if op != "expand_topk"]
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _num(value: float) -> str:
+    """The table's number format: 3 significant digits, whole from 1000."""
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+
+
+def _table(out: str) -> tuple[list[str], list[list[str]]]:
+    """The header and body cells of the markdown table printed in ``out``."""
+    lines = [line for line in out.splitlines() if line.startswith("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    return cells[0], cells[2:]
+
+
+def _legend(out: str) -> list[str]:
+    """The legend's lines under the table, without their ``- ``."""
+    return [line[2:] for line in out.splitlines() if line.startswith("- ")]
 
 
 def _head_commit() -> str | None:
@@ -49,9 +69,9 @@ def _head_commit() -> str | None:
 )
 def test_numpy_twin_matches_the_oracle(case):
     """The NumPy time is only meaningful if the twin computes the op."""
-    w = bench.make_workload(case, seed=3)
+    w = workload.make_workload(case, seed=3)
     if case.op == "expand_topk":
-        got = bench.numpy_expand_topk(w, case.kpool)
+        got = workload.numpy_expand_topk(w, case.kpool)
         want = ref.expand_topk(
             w.pool_ids, w.input_row_offsets, w.cache_lengths, case.kpool
         )
@@ -63,14 +83,14 @@ def test_numpy_twin_matches_the_oracle(case):
     # Both step paths (fused and three-op) share one workload and twin.
     op = "step" if case.op == "step3" else case.op
     if op in ("ring_close", "step"):
-        pooled, closed = bench.numpy_ring_close(w, case.kpool)
+        pooled, closed = workload.numpy_ring_close(w, case.kpool)
         want, want_closed = ref.ring_close(
-            w.ring, w.k, w.gate, w.ape, *args, w.slot_idx, case.kpool
+            w.tail, w.k, w.gate, w.ape, *args, w.slot_idx, case.kpool
         )
         np.testing.assert_array_equal(closed, want_closed)
         np.testing.assert_allclose(pooled.astype(np.float64), want, atol=tol)
     if op in ("compress", "step"):
-        pooled = bench.numpy_compress(w, case.kpool)
+        pooled = workload.numpy_compress(w, case.kpool)
         want = ref.compress(
             w.k,
             w.gate,
@@ -82,9 +102,9 @@ def test_numpy_twin_matches_the_oracle(case):
         )
         np.testing.assert_allclose(pooled.astype(np.float64), want, atol=tol)
     if op in ("seed_tail", "step"):
-        ring = w.ring.copy()
-        bench.numpy_seed_tail(w, case.kpool, ring)
-        want = ref.seed_tail(w.ring, w.k, w.gate, *args, w.slot_idx, case.kpool)
+        ring = w.tail.copy()
+        workload.numpy_seed_tail(w, case.kpool, ring)
+        want = ref.seed_tail(w.tail, w.k, w.gate, *args, w.slot_idx, case.kpool)
         np.testing.assert_array_equal(ring.view(np.uint8), want.view(np.uint8))
 
 
@@ -99,8 +119,8 @@ def test_numpy_expand_twin_skips_what_the_op_skips(kpool):
     rows, topk = int(offsets[-1]) + 2, 6
     ids = rng.integers(-3, 10, (rows, topk))
     ids[rng.random((rows, topk)) < 0.2] = 2**31 - 1
-    w = bench.Workload(
-        ring=np.zeros(0),
+    w = workload.Workload(
+        tail=np.zeros(0),
         k=np.zeros((0, 1)),
         gate=np.zeros((0, 1)),
         ape=np.zeros(0),
@@ -113,15 +133,17 @@ def test_numpy_expand_twin_skips_what_the_op_skips(kpool):
     want = ref.expand_topk(w.pool_ids, offsets, cache, kpool)
     # The selection exercises both: expanded ids and skipped ones.
     assert (want[:, :1] >= 0).any() and (want[:, -1] == -1).any()
-    np.testing.assert_array_equal(bench.numpy_expand_topk(w, kpool), want)
+    np.testing.assert_array_equal(workload.numpy_expand_topk(w, kpool), want)
 
 
 @pytest.mark.parametrize("kpool", [1, 4, 16, 128])
 def test_expand_workload_selects_distinct_complete_pools(kpool):
     batch = 6
-    case = bench.Case("expand_topk", bench.EXPAND_DTYPE, batch, kpool, 8, "cpu")
-    w = bench.make_workload(case)
-    topk = bench.expand_pool_topk(kpool)
+    case = workload.Case(
+        "expand_topk", workload.EXPAND_DTYPE, batch, kpool, 8, "cpu"
+    )
+    w = workload.make_workload(case)
+    topk = workload.expand_pool_topk(kpool)
     assert topk * kpool == 2048 or (kpool > 2048 and topk == 1)
     assert w.pool_ids.shape == (batch, topk)
     # One query per request, which sees c + 1 positions.
@@ -146,8 +168,8 @@ def test_expand_workload_selects_distinct_complete_pools(kpool):
 def test_op_bytes_expand_topk_by_hand():
     # batch 2 queries, kpool 4: 512 int32 ids read and 512 * 4 + 3 int32
     # positions written per query.
-    case = bench.Case("expand_topk", "int32", 2, 4, 128, "cpu")
-    assert bench.op_bytes(case) == 2 * (512 * 4 + 2051 * 4)
+    case = workload.Case("expand_topk", "int32", 2, 4, 128, "cpu")
+    assert workload.op_bytes(case) == 2 * (512 * 4 + 2051 * 4)
 
 
 @pytest.mark.parametrize("op", WRITERS)
@@ -155,10 +177,12 @@ def test_workload_does_what_the_docstring_says(op):
     """Every request closes / builds / stashes exactly what the byte count
     assumes (checked with the oracle's own pool arithmetic)."""
     kpool, batch = 16, 6
-    w = bench.make_workload(bench.Case(op, "float32", batch, kpool, 8, "cpu"))
+    w = workload.make_workload(
+        workload.Case(op, "float32", batch, kpool, 8, "cpu")
+    )
     pools = ref.pool_row_offsets(w.input_row_offsets, w.cache_lengths, kpool)
     _, closed = ref.ring_close(
-        w.ring,
+        w.tail,
         w.k,
         w.gate,
         w.ape,
@@ -186,11 +210,11 @@ def test_op_bytes_ring_close_by_hand():
     # batch 2, kpool 4, head_dim 8, float32: r = 2 ring members and 2 new
     # tokens per request, keys and gates: 2 * (2 + 2) rows of 32 bytes read,
     # one 32-byte pooled row and a 4-byte id written; ape 4 * 8 * 4 bytes.
-    case = bench.Case("ring_close", "float32", 2, 4, 8, "cpu")
-    assert bench.op_bytes(case) == 2 * (2 * 4 * 32 + 32 + 4) + 128
+    case = workload.Case("ring_close", "float32", 2, 4, 8, "cpu")
+    assert workload.op_bytes(case) == 2 * (2 * 4 * 32 + 32 + 4) + 128
 
 
-def test_tiny_bench_run_writes_its_json(tmp_path):
+def test_tiny_bench_run_writes_its_json(tmp_path, capsys):
     """End to end through the CLI on the smallest configuration."""
     out = tmp_path / "bench.json"
     status = main(
@@ -237,8 +261,8 @@ def test_tiny_bench_run_writes_its_json(tmp_path):
         assert r["cpu_model"] and r["device_name"] == r["cpu_model"]
         assert r["git_commit"] == _head_commit()
         assert isinstance(r["command"], str) and r["command"]
-    assert record["bytes"] == bench.op_bytes(
-        bench.Case("ring_close", "float32", 3, 4, 128, "cpu")
+    assert record["bytes"] == workload.op_bytes(
+        workload.Case("ring_close", "float32", 3, 4, 128, "cpu")
     )
     assert record["median_us"] > 0 and record["floor_median_us"] > 0
     assert record["gbps"] == pytest.approx(
@@ -247,10 +271,31 @@ def test_tiny_bench_run_writes_its_json(tmp_path):
     # expand_topk: int32 pool ids whatever --dtypes says, GLM-5-Next's 512
     # ids per query at kpool 4.
     assert expand["op"] == "expand_topk" and expand["dtype"] == "int32"
-    assert expand["bytes"] == bench.op_bytes(
-        bench.Case("expand_topk", "int32", 3, 4, 128, "cpu")
+    assert expand["bytes"] == workload.op_bytes(
+        workload.Case("expand_topk", "int32", 3, 4, 128, "cpu")
     )
     assert expand["median_us"] > 0 and expand["floor_median_us"] > 0
+    # The printed table: a row per record, its ratios from those numbers.
+    captured = capsys.readouterr()
+    assert "2 configurations, 4 graphs to compile" in captured.err
+    head, rows = _table(captured.out)
+    assert head[4:] == [
+        "op us",
+        "GB/s",
+        "% of memcpy",
+        "floor us",
+        "op/floor",
+        "numpy us",
+        "numpy/op",
+    ]
+    assert [row[:4] for row in rows] == [
+        ["ring_close", "float32", "3", "4"],
+        ["expand_topk", "int32", "3", "4"],
+    ]
+    for row, r in zip(rows, (record, expand), strict=True):
+        assert row[8] == _num(r["median_us"] / r["floor_median_us"])
+        assert row[10] == _num(r["numpy_median_us"] / r["median_us"])
+    assert _legend(captured.out)[0].startswith("op us: the op's median")
 
 
 @pytest.mark.parametrize(
@@ -272,6 +317,75 @@ def test_bad_options_exit_2_before_compiling(argv, message, capsys):
         main(["bench", *argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _cases(*argv: str) -> list[workload.Case]:
+    """The configurations ``bench *argv`` would measure (nothing compiles)."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return bench.cases(parser.parse_args(argv))
+
+
+def test_default_is_the_short_set():
+    """With no preset: the fused step and expand_topk at kpool 4, four
+    batches, bfloat16: 8 configurations on 4 compiled graphs."""
+    todo = _cases()
+    assert [(c.op, c.dtype, c.batch, c.kpool) for c in todo] == [
+        (op, dtype, batch, 4)
+        for op, dtype in (("step", "bfloat16"), ("expand_topk", "int32"))
+        for batch in (1, 64, 512, 4096)
+    ]
+    assert {(c.head_dim, c.device) for c in todo} == {(128, "cpu")}
+    assert bench.graphs_to_compile(todo) == 4
+    # An option narrows or widens only its own axis.
+    todo = _cases("--kpools", "16", "--ops", "ring_close")
+    assert {(c.op, c.dtype, c.kpool) for c in todo} == {
+        ("ring_close", "bfloat16", 16)
+    }
+
+
+def test_sweep_and_quick_presets():
+    """--sweep: every op, float32 and bfloat16 (expand_topk: int32 ids),
+    kpool 4 16 128, batch 1 64 512 4096: 5 * 2 * 3 * 4 + 3 * 4 = 132
+    configurations on 5 * 2 * 3 + 3 = 33 op instances, two graphs each
+    (op and floor). --quick: docs/performance.md's 10 on 9 instances."""
+    todo = _cases("--sweep")
+    assert len(todo) == len(set(todo)) == 132
+    assert {c.op for c in todo} == set(workload.OPS)
+    assert {c.kpool for c in todo} == {4, 16, 128}
+    assert {c.batch for c in todo} == {1, 64, 512, 4096}
+    assert {c.dtype for c in todo if c.op != "expand_topk"} == {
+        "float32",
+        "bfloat16",
+    }
+    assert bench.graphs_to_compile(todo) == 66
+    assert len(_cases("--sweep", "--dtypes", "float32")) == 72
+    quick = _cases("--quick")
+    assert len(quick) == 10 and {c.op for c in quick} == set(workload.OPS)
+    assert bench.graphs_to_compile(quick) == 18
+    with pytest.raises(SystemExit):
+        _cases("--quick", "--sweep")
+
+
+def test_help_states_each_presets_cold_cost(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "8 configurations, 4 graphs to compile: about 1.5 min" in text
+    assert "132 configurations, 66 graphs, about 22 min cold" in text
+    assert "18 graphs, about 6 min and 4 GB of memory cold" in text
+
+
+def test_runners_load_precompiled_packages():
+    """Each kernel package is precompiled once; the runners' graphs load
+    the .mojoc rather than the source directory MAX would rebuild."""
+    runners = bench.make_runners("cpu")
+    assert set(runners) == {"ours", "floor"}
+    assert runners["ours"].kernels == compiled_kernels()
+    floor = runners["floor"].kernels
+    assert floor.suffix == ".mojoc" and floor.is_file()
+    assert floor != compiled_kernels()
 
 
 @pytest.mark.skipif(
@@ -309,7 +423,7 @@ def test_git_commit_only_for_this_package_checkout(tmp_path):
 
 
 def test_command_line_names_the_module():
-    main_py = str(Path(bench.__file__).with_name("__main__.py"))
+    main_py = str(Path(_sysinfo.__file__).with_name("__main__.py"))
     assert (
         _sysinfo.command_line([main_py, "bench", "--ops", "step 3"])
         == "python -m mla_kpool bench --ops 'step 3'"
@@ -344,6 +458,8 @@ RECORDS = [
         "floor_median_us": 341.2,
         "numpy_median_us": 903796.0,
         "builtin_median_us": None,
+        "p10_us": 30000.0,
+        "p90_us": 35210.0,
         "device_name": "AMD EPYC 9R14",
         "cores": 2,
         "max_version": "26.7.0",
@@ -369,47 +485,92 @@ RECORDS = [
 
 @pytest.fixture
 def no_runner(monkeypatch):
-    """Makes building a Runner (a compile) fail the test."""
+    """Makes precompiling the kernels or building a Runner fail the test."""
 
     def refuse(*args, **kwargs):
-        raise AssertionError("a Runner was built")
+        raise AssertionError("the kernels were precompiled or compiled")
 
-    monkeypatch.setattr(bench, "Runner", refuse)
+    monkeypatch.setattr(bench, "make_runners", refuse)
 
 
-def test_markdown_prints_the_readme_table(tmp_path, capsys, no_runner):
+def test_markdown_prints_the_table_and_its_legend(tmp_path, capsys, no_runner):
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(RECORDS))
     assert main(["bench", "--markdown", str(path)]) == 0
-    out = capsys.readouterr().out.splitlines()
-    # 16.48 / 27.5 GB/s = 59.9% of memcpy; 32721.4 / 341.2 = 95.9x the
-    # floor; 903796 / 32721.4 = 27.6x NumPy; 40 / 10 = 4x the builtin.
-    assert out == [
+    out = capsys.readouterr().out
+    assert out.splitlines()[:2] == [
         "Measured on AMD EPYC 9R14 (2 cores), MAX 26.7.0, Mojo 1.2.0, "
         "commit 0123456789ab with local changes: "
         "`python -m mla_kpool bench --quick`.",
         "",
-        "| op | dtype | batch | kpool | median us | GB/s | of memcpy "
-        "| floor us | x floor | NumPy us | x NumPy | builtin us | x builtin |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: | ---: | ---: |",
-        "| ring_close | float32 | 4096 | 128 | 32721 | 16.5 | 60% | 341 "
-        "| 95.9 | 903796 | 27.6 | - | - |",
-        "| expand_topk | int32 | 64 | 4 | 40 | 16.4 | 20% | 25 | 1.6 "
-        "| 1000 | 25 | 10 | 0.25 |",
     ]
+    # 16.48 / 27.5 GB/s = 59.9% of memcpy; 32721.4 / 341.2 = 95.9 times
+    # the floor; 903796 / 32721.4: NumPy 27.6 times slower; 40 / 10: the
+    # builtin 0.25 times the op's time. p10-p90 in brackets where known.
+    head, rows = _table(out)
+    assert head == [
+        "op",
+        "dtype",
+        "batch",
+        "kpool",
+        "op us",
+        "GB/s",
+        "% of memcpy",
+        "floor us",
+        "op/floor",
+        "numpy us",
+        "numpy/op",
+        "builtin us",
+        "builtin/op",
+    ]
+    assert rows == [
+        [
+            "ring_close",
+            "float32",
+            "4096",
+            "128",
+            "32721 (30000-35210)",
+            "16.5",
+            "60%",
+            "341",
+            "95.9",
+            "903796",
+            "27.6",
+            "-",
+            "-",
+        ],
+        "expand_topk int32 64 4 40 16.4 20% 25 1.6 1000 25 10 0.25".split(),
+    ]
+    # Columns line up: every table line is as long as the header.
+    lines = [line for line in out.splitlines() if line.startswith("|")]
+    assert len({len(line) for line in lines}) == 1
+    assert lines[1].startswith("| ---") and lines[1].endswith(": |")
+    legend = _legend(out)
+    assert [line.split(":")[0] for line in legend] == [
+        "op us",
+        "GB/s",
+        "floor us",
+        "numpy us",
+        "builtin us",
+    ]
+    assert "op/floor: op us / floor us" in legend[2]
+    assert "numpy/op: numpy us / op us (above 1: the op is" in legend[3]
 
 
 def test_markdown_of_several_runs_gives_medians_and_ranges(
     tmp_path, capsys, no_runner
 ):
     # Three runs of one configuration; only the times move. Per run:
-    #   median us   100, 300, 200         -> 200 (100-300)
-    #   of memcpy   gbps/memcpy: 10/40, 5/40, 8/40 -> 25%, 12.5%, 20%
-    #               -> 20% (12-25%)  (12.5 printed without decimals)
-    #   x floor     100/50, 300/100, 200/40 = 2, 3, 5 -> 3 (2-5)
-    #   x NumPy     400/100, 600/300, 1000/200 = 4, 2, 5 -> 4 (2-5)
-    # A second configuration appears in the first run only.
+    #   op us       100, 300, 200         -> 200 (100-300)
+    #   GB/s        10, 5, 8              -> 8 (5-10)
+    #   % memcpy    10/40, 5/40, 8/40 = 25%, 12.5%, 20%
+    #               -> 20% (12%-25%)  (12.5 printed without decimals)
+    #   floor us    50, 100, 40           -> 50 (40-100)
+    #   op/floor    100/50, 300/100, 200/40 = 2, 3, 5 -> 3 (2-5)
+    #   numpy us    400, 600, 1000        -> 600 (400-1000)
+    #   numpy/op    400/100, 600/300, 1000/200 = 4, 2, 5 -> 4 (2-5)
+    # A second configuration, with a builtin time, appears in the first
+    # run only.
     base = {k: v for k, v in RECORDS[0].items()}
     runs = []
     for i, (median, gbps, floor, numpy_us) in enumerate(
@@ -428,15 +589,28 @@ def test_markdown_of_several_runs_gives_medians_and_ranges(
         path.write_text(json.dumps(records))
         runs.append(str(path))
     assert main(["bench", "--markdown", *runs]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].endswith("; 3 runs, medians and (ranges).")
-    assert out[2:] == [
-        "| op | dtype | batch | kpool | runs | median us | of memcpy "
-        "| x floor | x NumPy |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        "| ring_close | float32 | 4096 | 128 | 3 | 200 (100-300) "
-        "| 20% (12-25%) | 3 (2-5) | 4 (2-5) |",
-        "| expand_topk | int32 | 64 | 4 | 1 | 40 | 20% | 1.6 | 25 |",
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith("; 3 runs, medians and (ranges).")
+    head, rows = _table(out)
+    assert head[4:7] == ["runs", "op us", "GB/s"]
+    assert rows == [
+        [
+            "ring_close",
+            "float32",
+            "4096",
+            "128",
+            "3",
+            "200 (100-300)",
+            "8 (5-10)",
+            "20% (12%-25%)",
+            "50 (40-100)",
+            "3 (2-5)",
+            "600 (400-1000)",
+            "4 (2-5)",
+            "-",
+            "-",
+        ],
+        "expand_topk int32 64 4 1 40 16.4 20% 25 1.6 1000 25 10 0.25".split(),
     ]
     image = tmp_path / "runs.png"
     assert main(["bench", "--markdown", *runs, "--plot", str(image)]) == 0

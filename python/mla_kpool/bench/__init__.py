@@ -1,0 +1,399 @@
+"""``python -m mla_kpool bench``: per-call time of each op, with its peers.
+
+Every configuration (op, dtype, batch, kpool, head_dim, device) is timed on
+one set of inputs (:mod:`.workload`) against the peers its ratios divide by:
+
+- the op: ``median_us`` (and ``p10_us``/``p90_us``) per ``Model.execute``
+  on operands already on the device, after warm-up; ``bytes`` is what it
+  must read plus write and ``gbps = bytes / median``;
+- the **floor** (``floor_median_us``): the same graph with no-op kernels of
+  the same names and signatures (``mla_kpool/bench_noop``), MAX's own
+  per-call cost, timed call by call in alternation with the op;
+- the **NumPy twin** (``numpy_median_us``): the vectorised code a user
+  would write instead;
+- **memcpy** (``memcpy_gbps``): ``np.copyto`` of ``bytes / 2`` bytes,
+  counted as read plus write, the machine's copy bandwidth;
+- on a GPU, MAX's own GPU builtins on the same graph
+  (``builtin_median_us``; MAX has no fused step, so not for ``step``).
+
+With no preset a run measures a short set (:data:`DEFAULT_GRID`);
+``--sweep`` widens the grid to every op, dtype and kpool and ``--quick``
+measures docs/performance.md's configurations. Both kernel packages are
+precompiled once per process (a few seconds) and MAX caches each compiled
+graph (``~/.cache/modular``), so a second run compiles no graph. Records
+(``--json``) say where they were measured (:mod:`mla_kpool._sysinfo`);
+``--markdown`` and ``--plot`` read them back (:mod:`.report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from max.graph import KernelLibrary
+from tqdm import tqdm
+
+from .. import runner as kpool_runner
+from .._argtypes import int_at_least, non_negative_float
+from .._paths import NOOP_KERNELS, compiled_kernels
+from .._sysinfo import run_info
+from ..runner import Runner
+from . import report, workload
+from .report import Record
+from .workload import EXPAND_DTYPE, OPS, Case
+
+DESCRIPTION = (
+    "Time the k-pool ops against MAX's no-op floor, a NumPy twin and memcpy"
+    " bandwidth. With no preset: the fused step and expand_topk, bfloat16,"
+    " kpool 4, batch 1 64 512 4096 (8 configurations, 4 graphs to compile:"
+    " about 1.5 min on a cold compile cache on 2 CPU cores, 20 s warm)."
+)
+
+#: Ops that MAX also ships as GPU builtins (the fused step is ours only).
+BUILTIN_OPS = tuple(op for op in OPS if op != "step")
+HEAD_DIM = 128
+#: The grid options' values with no preset: the op a decode step runs and
+#: the one its attention reads pools through, at GLM-5-Next's kpool.
+DEFAULT_GRID = {
+    "ops": ["step", "expand_topk"],
+    "dtypes": ["bfloat16"],
+    "batches": [1, 64, 512, 4096],
+    "kpools": [4],
+}
+#: ``--sweep``: every op, dtype and kpool.
+SWEEP_GRID = DEFAULT_GRID | {
+    "ops": list(OPS),
+    "dtypes": ["float32", "bfloat16"],
+    "kpools": [4, 16, 128],
+}
+#: ``--quick``: docs/performance.md's table: the three ring_close targets,
+#: a mid-size case per other writer, the fused step against the three ops
+#: and expand_topk for a prefill and a decode batch.
+QUICK = [
+    ("ring_close", "float32", 4096, 128),
+    ("ring_close", "float32", 64, 4),
+    ("ring_close", "float32", 4096, 16),
+    ("compress", "float32", 512, 16),
+    ("seed_tail", "float32", 512, 16),
+    ("step", "bfloat16", 64, 4),
+    ("step3", "bfloat16", 64, 4),
+    ("step", "float32", 4096, 16),
+    ("expand_topk", EXPAND_DTYPE, 4096, 4),
+    ("expand_topk", EXPAND_DTYPE, 64, 4),
+]
+
+
+def time_calls(
+    *fns: Callable[[], object],
+    warmup: int = 3,
+    min_reps: int = 10,
+    min_seconds: float = 0.3,
+) -> list[np.ndarray]:
+    """Per-call microseconds of each callable, called in turn.
+
+    Alternating an op with its floor call by call exposes both to the same
+    machine state (frequency, caches, a neighbour's load), so their ratio
+    is steadier than back-to-back series give. After ``warmup`` rounds it
+    runs at least ``min_reps`` rounds and at least ``min_seconds``.
+    """
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    began = time.perf_counter()
+    while len(times[0]) < min_reps or time.perf_counter() - began < min_seconds:
+        for fn, out in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return [np.asarray(t) * 1e6 for t in times]
+
+
+def memcpy_gbps(nbytes: int, **timing: Any) -> float:
+    """``np.copyto`` bandwidth for a float32 buffer of ``nbytes / 2`` bytes."""
+    src = np.ones(max(nbytes // 8, 1), dtype=np.float32)
+    dst = np.empty_like(src)
+    (us,) = time_calls(lambda: np.copyto(dst, src), **timing)
+    return 2 * src.nbytes / float(np.median(us)) / 1e3
+
+
+def model_call(
+    runner: Runner, case: Case, w: workload.Workload
+) -> Callable[[], None]:
+    """``case.op`` as ``runner`` compiles it, its operands on the device."""
+    operands = vars(w) | {"tail": None}
+    if kpool_runner.OPS[case.op].in_place:
+        operands["tail"] = runner.new_ring(
+            case.batch, case.kpool, case.head_dim, w.k.dtype, fill=w.tail
+        )
+    model, args = runner.prepare(case.op, case.kpool, **operands)
+    gpu = runner.device_name == "gpu"
+
+    def call() -> None:
+        model.execute(*args)
+        if gpu:
+            runner.device.synchronize()
+
+    return call
+
+
+def _precompiled(package: Path) -> Path:
+    """``package`` precompiled to a ``.mojoc``, as compiled_kernels does."""
+    library = KernelLibrary()
+    library.load_paths([package])
+    return library.library_paths()[-1]
+
+
+def make_runners(device: str) -> dict[str, Runner]:
+    """``"ours"``, ``"floor"`` and, on a GPU, ``"builtin"`` runners.
+
+    Each Mojo package is precompiled here, once, rather than by MAX for
+    every graph that names its source directory (about 4 s a graph).
+
+    Raises:
+        mojo.paths.MojoCompilationError: If a package does not compile.
+    """
+    runners = {
+        "ours": Runner(device, kernels=compiled_kernels()),
+        "floor": Runner(device, kernels=_precompiled(NOOP_KERNELS)),
+    }
+    if device == "gpu":
+        runners["builtin"] = Runner(device, kernels=None)
+    return runners
+
+
+def measure(
+    case: Case, runners: dict[str, Runner], info: Record, **timing: Any
+) -> Record:
+    """Measures one configuration: the op and its peers.
+
+    Args:
+        case: The configuration.
+        runners: From :func:`make_runners`.
+        info: Where it runs (:func:`mla_kpool._sysinfo.run_info`), copied
+            into the record.
+        **timing: :func:`time_calls` options.
+
+    Returns:
+        The ``--json`` record: the case's fields, then ``median_us``,
+        ``p10_us``, ``p90_us``, ``bytes``, ``gbps``, ``floor_median_us``,
+        ``numpy_median_us``, ``memcpy_gbps``, ``builtin_median_us`` (or
+        ``None``) and ``info``'s fields.
+    """
+    w = workload.make_workload(case)
+    names = ["ours", "floor"]
+    if "builtin" in runners and case.op in BUILTIN_OPS:
+        names.append("builtin")
+    calls = [model_call(runners[name], case, w) for name in names]
+    us = dict(zip(names, time_calls(*calls, **timing), strict=True))
+    (numpy_us,) = time_calls(workload.numpy_call(case, w), **timing)
+    nbytes, median = workload.op_bytes(case), float(np.median(us["ours"]))
+    builtin = us.get("builtin")
+    return asdict(case) | {
+        "median_us": median,
+        "p10_us": float(np.percentile(us["ours"], 10)),
+        "p90_us": float(np.percentile(us["ours"], 90)),
+        "bytes": nbytes,
+        "gbps": nbytes / median / 1e3,
+        "floor_median_us": float(np.median(us["floor"])),
+        "numpy_median_us": float(np.median(numpy_us)),
+        "memcpy_gbps": memcpy_gbps(nbytes, **timing),
+        "builtin_median_us": builtin
+        if builtin is None
+        else float(np.median(builtin)),
+        **info,
+    }
+
+
+def cases(args: argparse.Namespace) -> list[Case]:
+    """The configurations a run measures, from the command line.
+
+    ``--quick`` is its fixed list; otherwise the grid of ``--ops``,
+    ``--dtypes``, ``--batches`` and ``--kpools``, each defaulting to
+    :data:`DEFAULT_GRID`'s value, or :data:`SWEEP_GRID`'s with ``--sweep``.
+    """
+    if args.quick:
+        return [Case(*c, HEAD_DIM, args.device) for c in QUICK]
+    grid = SWEEP_GRID if args.sweep else DEFAULT_GRID
+    ops, dtypes, batches, kpools = (getattr(args, k) or grid[k] for k in grid)
+    return [
+        Case(op, dtype, batch, kpool, args.head_dim, args.device)
+        for op in ops
+        for dtype in ([EXPAND_DTYPE] if op == "expand_topk" else dtypes)
+        for kpool in kpools
+        for batch in batches
+    ]
+
+
+def graphs_to_compile(todo: list[Case]) -> int:
+    """Graphs a run of ``todo`` compiles: per op instance, one per runner."""
+    models = {(c.op, c.dtype, c.kpool, c.head_dim, c.device) for c in todo}
+    return sum(
+        2 + (dev == "gpu" and op in BUILTIN_OPS) for op, *_, dev in models
+    )
+
+
+def measure_all(args: argparse.Namespace) -> list[Record]:
+    """Compiles and measures every configuration of ``args``, with progress."""
+    todo = cases(args)
+    print(
+        f"bench: {len(todo)} configurations, {graphs_to_compile(todo)} graphs"
+        " to compile, 10-40 s each the first time (MAX caches them in"
+        " ~/.cache/modular); progress counts configurations, so the first"
+        " tick waits for the first graphs",
+        file=sys.stderr,
+    )
+    runners = make_runners(args.device)
+    gpu = runners["ours"].device if args.device == "gpu" else None
+    info = run_info(args.device, None if gpu is None else gpu.model_name)
+    records = []
+    bar = tqdm(todo, unit="config", file=sys.stderr, disable=None)
+    for case in bar:
+        bar.set_description(
+            f"{case.op} {case.dtype} b{case.batch} k{case.kpool}"
+        )
+        records.append(
+            measure(case, runners, info, min_seconds=args.min_seconds)
+        )
+    return records
+
+
+def _device(text: str) -> str:
+    """An argparse type: ``cpu``, or ``gpu`` when MAX sees an accelerator.
+
+    Checked while parsing, so a run asking for a missing GPU stops with a
+    usage error before it compiles anything.
+    """
+    if text == "gpu":
+        from max import driver
+
+        if driver.accelerator_count() == 0:
+            raise argparse.ArgumentTypeError(
+                "gpu: no accelerator found (max.driver.accelerator_count() "
+                "is 0); use --device cpu"
+            )
+    return text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the ``bench`` options to ``parser``.
+
+    Every value is checked while parsing (integers ``>= 1``, a GPU that
+    exists), so a bad option is an argparse error, exit status 2, before
+    anything compiles.
+    """
+    add, positive = parser.add_argument, int_at_least(1)
+    add(
+        "--device",
+        type=_device,
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="where the ops run; gpu also times MAX's builtins (cpu)",
+    )
+    preset = parser.add_mutually_exclusive_group()
+    preset.add_argument(
+        "--sweep",
+        action="store_true",
+        help="the grid options default to every op, float32 and bfloat16,"
+        " kpool 4 16 128: 132 configurations, 66 graphs, about 22 min cold"
+        " on 2 CPU cores",
+    )
+    preset.add_argument(
+        "--quick",
+        action="store_true",
+        help="only docs/performance.md's 10 configurations (every op, large"
+        " batches; the grid options are ignored): 18 graphs, about 6 min and"
+        " 4 GB of memory cold on 2 CPU cores",
+    )
+    add(
+        "--ops",
+        nargs="+",
+        choices=OPS,
+        metavar="OP",
+        help=f"ops to time: {' '.join(OPS)} (step expand_topk; --sweep: all);"
+        " step is the fused op, step3 the three ops it replaces; expand_topk"
+        " runs on int32 pool ids whatever --dtypes says",
+    )
+    add(
+        "--dtypes",
+        nargs="+",
+        choices=("float32", "bfloat16", "float16"),
+        help="key dtypes (bfloat16; --sweep: float32 bfloat16)",
+    )
+    add(
+        "--batches",
+        nargs="+",
+        type=positive,
+        help="requests per call (1 64 512 4096); batches share a graph",
+    )
+    add(
+        "--kpools",
+        nargs="+",
+        type=positive,
+        help="tokens per pool (4; --sweep: 4 16 128); each compiles graphs",
+    )
+    add("--head-dim", type=positive, default=HEAD_DIM, help="channels (128)")
+    add("--json", metavar="FILE", help="write one record per configuration")
+    add(
+        "--markdown",
+        metavar="FILE",
+        nargs="+",
+        help="print the table of a file --json wrote, and stop: nothing"
+        " compiles or runs; given several files (repeated runs), each"
+        " configuration's median and range over them",
+    )
+    add(
+        "--plot",
+        metavar="IMAGE",
+        help="draw GB/s against batch per op, with the memcpy line, to IMAGE"
+        " (.png, .svg, .pdf), from this run or the --markdown files; needs"
+        " matplotlib",
+    )
+    add(
+        "--min-seconds",
+        type=non_negative_float,
+        default=0.3,
+        help="measure each configuration at least this long (0.3)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the benchmark described by ``args``; returns the exit status.
+
+    With ``--markdown FILE...`` it only reads the files (written by
+    ``--json``) and prints their table (and draws ``--plot``): nothing
+    compiles or runs. A usage problem (``--plot`` without matplotlib, an
+    unreadable ``--markdown`` file, ``--markdown`` with ``--json``) is
+    reported before anything compiles, with exit status 2.
+    """
+    try:
+        if args.plot:
+            try:
+                report.import_pyplot()
+            except ImportError:
+                raise report.ResultsError(report.PLOT_MISSING) from None
+        if args.markdown and args.json:
+            raise report.ResultsError(
+                "--markdown reads a --json file; it does not run, so it "
+                "writes none"
+            )
+        runs = [report.load_records(path) for path in args.markdown or []]
+    except report.ResultsError as err:
+        print(f"mla-kpool bench: error: {err}", file=sys.stderr)
+        return 2
+    if not runs:
+        runs = [measure_all(args)]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(runs[0], f, indent=1)
+    print(report.format_table(runs))
+    if args.plot:
+        report.plot(report.median_records(runs), args.plot)
+    return 0

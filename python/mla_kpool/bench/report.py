@@ -1,0 +1,268 @@
+"""Benchmark records read back: the ``--json`` file, the table, the plot.
+
+A record is one configuration's measurements, as ``--json`` writes it
+(see :func:`mla_kpool.bench.measure`). The table has one row per
+configuration and a legend under it; its ratio columns are named for
+what they divide, so each reads on its own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+Record = dict[str, Any]
+
+#: Record fields the table and the plot need.
+TABLE_FIELDS = tuple(
+    "op dtype batch kpool median_us gbps memcpy_gbps floor_median_us"
+    " numpy_median_us".split()
+)
+
+#: What makes two records the same configuration (across runs).
+CONFIG = ("op", "dtype", "batch", "kpool", "head_dim", "device")
+
+
+def _builtin_over_op(r: Record) -> float | None:
+    builtin = r.get("builtin_median_us")
+    return None if builtin is None else builtin / r["median_us"]
+
+
+#: The table's value columns: (header, the value of one record or None).
+COLUMNS: tuple[tuple[str, Callable[[Record], float | None]], ...] = (
+    ("op us", lambda r: r["median_us"]),
+    ("GB/s", lambda r: r["gbps"]),
+    ("% of memcpy", lambda r: 100 * r["gbps"] / r["memcpy_gbps"]),
+    ("floor us", lambda r: r["floor_median_us"]),
+    ("op/floor", lambda r: r["median_us"] / r["floor_median_us"]),
+    ("numpy us", lambda r: r["numpy_median_us"]),
+    ("numpy/op", lambda r: r["numpy_median_us"] / r["median_us"]),
+    ("builtin us", lambda r: r.get("builtin_median_us")),
+    ("builtin/op", _builtin_over_op),
+)
+
+#: The legend printed under the table (the builtin line with its columns).
+LEGEND = (
+    "op us: the op's median time per call, in microseconds. In brackets:"
+    " its p10-p90 over the calls of one run; over several runs, the range"
+    " of the runs' values (every column).",
+    "GB/s: bytes the op must read and write / op us. % of memcpy: that"
+    " GB/s over np.copyto's on this machine.",
+    "floor us: the same graph with no-op kernels, MAX's own cost per call."
+    " op/floor: op us / floor us (1: the op adds nothing to that cost).",
+    "numpy us: the same work as vectorised NumPy. numpy/op: numpy us / op"
+    " us (above 1: the op is that many times faster).",
+    "builtin us: MAX's own GPU kernel. builtin/op: builtin us / op us"
+    " (above 1: the op is that many times faster).",
+)
+
+PLOT_MISSING = (
+    "--plot needs matplotlib, which is not installed: pip install "
+    "matplotlib (or pip install 'mla-kpool[plot]')"
+)
+
+
+class ResultsError(Exception):
+    """A ``--markdown`` file that cannot be read as benchmark records."""
+
+
+def load_records(path: str) -> list[Record]:
+    """Reads the records a ``--json`` run wrote.
+
+    Args:
+        path: The JSON file: a list of objects.
+
+    Returns:
+        The records, as dicts.
+
+    Raises:
+        ResultsError: If the file cannot be read, is not JSON, is not a
+            list of objects, or a record lacks a field of
+            :data:`TABLE_FIELDS`.
+    """
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as err:
+        raise ResultsError(f"{path}: cannot read: {err.strerror}") from err
+    except json.JSONDecodeError as err:
+        raise ResultsError(f"{path}: not valid JSON: {err}") from err
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise ResultsError(
+            f"{path}: must be a JSON list of records, as --json writes"
+        )
+    for i, record in enumerate(data):
+        missing = [k for k in TABLE_FIELDS if k not in record]
+        if missing:
+            raise ResultsError(
+                f"{path}: record {i} lacks {', '.join(map(repr, missing))}"
+            )
+    return data
+
+
+def _num(value: float) -> str:
+    """Three significant digits, whole numbers from 1000 on (no exponent)."""
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+
+
+def _cell(values: list[float], percent: bool) -> str:
+    """``median (min-max)`` of ``values``; the value alone if only one."""
+    fmt = (lambda x: f"{x:.0f}%") if percent else _num
+    mid = fmt(float(np.median(values)))
+    if len(values) < 2:
+        return mid
+    return f"{mid} ({fmt(min(values))}-{fmt(max(values))})"
+
+
+def _by_config(runs: list[list[Record]]) -> dict[tuple[Any, ...], list[Record]]:
+    """Records of all runs grouped by :data:`CONFIG`, in first-seen order."""
+    grouped: dict[tuple[Any, ...], list[Record]] = {}
+    for records in runs:
+        for r in records:
+            grouped.setdefault(tuple(r.get(k) for k in CONFIG), []).append(r)
+    return grouped
+
+
+def format_table(runs: list[list[Record]]) -> str:
+    """The results table of one run's records, or of repeated runs'.
+
+    One row per configuration. Every value is computed within each run (a
+    ratio compares an op with its floor, NumPy twin or memcpy of the same
+    run) and shown as the median over the runs that measured it, with
+    their range in brackets and a ``runs`` column saying how many; a
+    single run's ``op us`` shows its p10-p90 in brackets instead, when the
+    record has them. The builtin columns appear when a record has a
+    builtin time.
+
+    Args:
+        runs: One list of records per run.
+
+    Returns:
+        Markdown, its columns padded to line up in a terminal: a sentence
+        saying where it was measured (from the first record, when it says),
+        the table, then the legend (:data:`LEGEND`).
+    """
+    several = len(runs) > 1
+    builtin = any(r.get("builtin_median_us") is not None for r in sum(runs, []))
+    columns = COLUMNS if builtin else COLUMNS[:-2]
+    head = ["op", "dtype", "batch", "kpool", *["runs"] * several]
+    head += [name for name, _ in columns]
+    body = []
+    for config, rs in _by_config(runs).items():
+        row = [str(v) for v in config[:4]] + [str(len(rs))] * several
+        for name, value in columns:
+            values = [v for v in map(value, rs) if v is not None]
+            row.append(_cell(values, name[0] == "%") if values else "-")
+        if not several and rs[0].get("p10_us") is not None:
+            row[4] += f" ({_num(rs[0]['p10_us'])}-{_num(rs[0]['p90_us'])})"
+        body.append(row)
+    widths = [max(map(len, cells)) for cells in zip(head, *body, strict=True)]
+    rule = [
+        "-" * w if i < 2 else "-" * (w - 1) + ":" for i, w in enumerate(widths)
+    ]
+    lines = []
+    for row in [head, rule, *body]:
+        cells = [
+            cell.ljust(w) if i < 2 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    first = next((records[0] for records in runs if records), {})
+    where = _provenance(first)
+    if where and several:
+        where = where[:-1] + f"; {len(runs)} runs, medians and (ranges)."
+    legend = [f"- {text}" for text in LEGEND[: 5 if builtin else 4]]
+    parts = (where, "\n".join(lines), "\n".join(legend))
+    return "\n\n".join(part for part in parts if part)
+
+
+def median_records(runs: list[list[Record]]) -> list[Record]:
+    """One record per configuration, its numbers the medians over ``runs``."""
+    merged = []
+    for rs in _by_config(runs).values():
+        record = dict(rs[0])
+        for key in ("median_us", "gbps", "memcpy_gbps"):
+            record[key] = float(np.median([r[key] for r in rs]))
+        merged.append(record)
+    return merged
+
+
+def _provenance(r: Record) -> str:
+    """One sentence: device, cores, versions, commit and command."""
+    cores = f" ({r['cores']} cores)" if r.get("cores") else ""
+    parts = [f"{r['device_name']}{cores}"] if r.get("device_name") else []
+    for key, name in (("max_version", "MAX"), ("mojo_version", "Mojo")):
+        parts += [f"{name} {r[key]}"] if r.get(key) else []
+    if r.get("git_commit"):
+        dirty = " with local changes" if r.get("git_dirty") else ""
+        parts.append(f"commit {r['git_commit'][:12]}{dirty}")
+    text = "Measured on " + ", ".join(parts) if parts else ""
+    if r.get("command"):
+        text += (": " if text else "") + f"`{r['command']}`"
+    return text + "." if text else ""
+
+
+def import_pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend.
+
+    Raises:
+        ImportError: If matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(records: list[Record], path: str) -> None:
+    """Draws GB/s against batch, one panel per op, to an image file.
+
+    Each panel has a line per (dtype, kpool) and a dashed line of the
+    memcpy bandwidth measured for those records (median per batch): how
+    close to the machine's copy speed the op runs at each batch.
+
+    Args:
+        records: Benchmark records (dicts with :data:`TABLE_FIELDS`).
+        path: Image file; the format follows its suffix (``.png``,
+            ``.svg``, ``.pdf``).
+
+    Raises:
+        ImportError: If matplotlib is not installed.
+    """
+    plt = import_pyplot()
+    ops = list(dict.fromkeys(r["op"] for r in records)) or [""]
+    fig, axes = plt.subplots(
+        1, len(ops), figsize=(4.2 * len(ops), 3.8), squeeze=False, sharey=True
+    )
+    for ax, op in zip(axes[0], ops, strict=True):
+        mine = [r for r in records if r["op"] == op]
+        for series in dict.fromkeys((r["dtype"], r["kpool"]) for r in mine):
+            points = sorted(
+                (r["batch"], r["gbps"])
+                for r in mine
+                if (r["dtype"], r["kpool"]) == series
+            )
+            label = f"{series[0]}, kpool {series[1]}"
+            ax.plot(*zip(*points, strict=True), marker="o", label=label)
+        batches = sorted({r["batch"] for r in mine})
+        memcpy = [
+            np.median([r["memcpy_gbps"] for r in mine if r["batch"] == b])
+            for b in batches
+        ]
+        ax.plot(batches, memcpy, "k--", label="memcpy")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set(title=op, xlabel="batch (requests per call)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("GB/s (bytes read + written / median)")
+    if records and records[0].get("device_name"):
+        fig.suptitle(f"mla-kpool bench on {records[0]['device_name']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
