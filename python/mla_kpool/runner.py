@@ -11,8 +11,9 @@ index dtypes (compile-time parameters of the kernels) pick a new model.
 Each op is described once, as data, in :data:`OPS` (its operands and their
 graph types, the :mod:`mla_kpool.graph` wrapper it calls, its outputs);
 :meth:`Runner.prepare` and :meth:`Runner.run` take any op by name from it,
-and :func:`model_key` keys a model from a configuration. The per-op methods
-(:meth:`Runner.step` and the rest) are conveniences over :meth:`Runner.run`.
+and :func:`model_key` keys a model from a configuration. Only the step has a
+method of its own (:meth:`Runner.step`: one :class:`mla_kpool.calls.CallInputs`
+in, a :class:`StepResult` out), since the table cannot say that.
 
 The ring is persistent state, so it lives in a ``max.driver.Buffer`` that
 the caller owns (:meth:`Runner.new_ring`) and the in-place ops update.
@@ -42,6 +43,7 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType
 from . import graph as kpool_graph
 from ._paths import KERNELS, builtin_kernels_only
 from .buffers import to_buffer, to_max_dtype, to_numpy
+from .calls import CallInputs, PoolRow, pools_of_call
 
 
 @dataclass(frozen=True)
@@ -532,142 +534,31 @@ class Runner:
         model, args = self.prepare(kind, kpool, **operands)
         return [to_numpy(out) for out in model.execute(*args)]
 
-    def ring_close(
-        self,
-        tail: Buffer,
-        k: np.ndarray,
-        gate: np.ndarray,
-        ape: np.ndarray,
-        input_row_offsets: npt.ArrayLike,
-        cache_lengths: npt.ArrayLike,
-        slot_idx: npt.ArrayLike,
-        kpool: int,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Runs ``mo.mla.kpool.ring_close``; see :func:`mla_kpool.ring_close`.
-
-        Returns:
-            ``(pooled, closed_pool)``: ``[batch, head_dim]`` in k's dtype and
-            ``[batch]`` int32.
-        """
-        pooled, closed = self.run(
-            "ring_close",
-            kpool,
-            tail=tail,
-            k=k,
-            gate=gate,
-            ape=ape,
-            input_row_offsets=input_row_offsets,
-            cache_lengths=cache_lengths,
-            slot_idx=slot_idx,
-        )
-        return pooled, closed
-
-    def compress(
-        self,
-        k: np.ndarray,
-        gate: np.ndarray,
-        ape: np.ndarray,
-        input_row_offsets: npt.ArrayLike,
-        pool_row_offsets: npt.ArrayLike,
-        cache_lengths: npt.ArrayLike,
-        kpool: int,
-    ) -> np.ndarray:
-        """Runs ``mo.mla.kpool.compress``; see :func:`mla_kpool.compress`.
-
-        Returns:
-            ``[total_tokens // kpool, head_dim]`` pooled keys in k's dtype.
-        """
-        (pooled,) = self.run(
-            "compress",
-            kpool,
-            k=k,
-            gate=gate,
-            ape=ape,
-            input_row_offsets=input_row_offsets,
-            pool_row_offsets=pool_row_offsets,
-            cache_lengths=cache_lengths,
-        )
-        return pooled
-
-    def seed_tail(
-        self,
-        tail: Buffer,
-        k: np.ndarray,
-        gate: np.ndarray,
-        input_row_offsets: npt.ArrayLike,
-        cache_lengths: npt.ArrayLike,
-        slot_idx: npt.ArrayLike,
-        kpool: int,
-    ) -> None:
-        """Runs ``mo.mla.kpool.seed_tail`` on ``tail`` in place."""
-        self.run(
-            "seed_tail",
-            kpool,
-            tail=tail,
-            k=k,
-            gate=gate,
-            input_row_offsets=input_row_offsets,
-            cache_lengths=cache_lengths,
-            slot_idx=slot_idx,
-        )
-
     def step(
         self,
         tail: Buffer,
-        k: np.ndarray,
-        gate: np.ndarray,
+        call: CallInputs,
         ape: np.ndarray,
-        input_row_offsets: npt.ArrayLike,
-        cache_lengths: npt.ArrayLike,
-        slot_idx: npt.ArrayLike,
         kpool: int,
         *,
         fused: bool = True,
     ) -> StepResult:
-        """Runs :func:`mla_kpool.kpool_step` on ``tail``.
+        """Runs :func:`mla_kpool.kpool_step` on ``tail`` for one call.
 
-        The arguments are those of :func:`mla_kpool.kpool_step`: ``fused``
-        picks the one ``mla_kpool.step`` op (model kind ``"step"``) or, when
-        ``False``, the three writers (kind ``"step3"``).
+        Args:
+            tail: The ring (:meth:`new_ring`), updated in place.
+            call: The call's keys, gates and per-request metadata.
+            ape: ``[kpool, head_dim]`` position embedding.
+            kpool: Tokens per pool.
+            fused: The one ``mla_kpool.step`` op (model kind ``"step"``)
+                or, when ``False``, the three writers (kind ``"step3"``).
 
         Returns:
-            The step's outputs as NumPy arrays; ``tail`` is updated in place.
+            The step's outputs as NumPy arrays.
         """
-        outs = self.run(
-            "step" if fused else "step3",
-            kpool,
-            tail=tail,
-            k=k,
-            gate=gate,
-            ape=ape,
-            input_row_offsets=input_row_offsets,
-            cache_lengths=cache_lengths,
-            slot_idx=slot_idx,
-        )
+        kind = "step" if fused else "step3"
+        outs = self.run(kind, kpool, tail=tail, ape=ape, **call.operands())
         return StepResult(*outs)
-
-    def expand_topk(
-        self,
-        pool_ids: np.ndarray,
-        input_row_offsets: npt.ArrayLike,
-        cache_lengths: npt.ArrayLike,
-        kpool: int,
-        always_select_tail: bool = True,
-    ) -> np.ndarray:
-        """Runs ``mo.mla.kpool.expand_topk``; see :func:`mla_kpool.expand_topk`.
-
-        Returns:
-            ``[total_tokens, pool_topk * kpool + tail]`` int32 positions.
-        """
-        (positions,) = self.run(
-            "expand_topk",
-            kpool,
-            pool_ids=pool_ids,
-            input_row_offsets=input_row_offsets,
-            cache_lengths=cache_lengths,
-            always_select_tail=always_select_tail,
-        )
-        return positions
 
 
 @dataclass(frozen=True)
@@ -690,19 +581,21 @@ class StepResult:
     pool_row_offsets: np.ndarray
     first_pool: np.ndarray
 
-    def pools(self) -> list[dict[int, np.ndarray]]:
-        """Every pool this call produced, per request: ``{pool_id: key}``.
+    def pools(self) -> list[dict[int, PoolRow]]:
+        """Every pool this call produced, per request, with its writer.
 
-        The keys of :func:`mla_kpool.serving.pools_of_call`, which also
-        says which writer built each one.
+        Returns:
+            Per request, ``{pool_id: PoolRow}``
+            (:func:`mla_kpool.calls.pools_of_call`).
+
+        Raises:
+            ValueError: As :func:`mla_kpool.calls.pools_of_call`, for
+                ``pool_row_offsets`` that do not fit ``pooled``.
         """
-        from .serving import pools_of_call
-
-        rows = pools_of_call(
+        return pools_of_call(
             self.ring_closed_pool,
             self.ring_pooled,
             self.pooled,
             self.pool_row_offsets,
             self.first_pool,
         )
-        return [{p: row.key for p, row in got.items()} for got in rows]
