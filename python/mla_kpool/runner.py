@@ -41,7 +41,7 @@ from max.engine import InferenceSession, Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
 from . import graph as kpool_graph
-from ._paths import KERNELS, builtin_kernels_only
+from ._paths import KERNELS, builtin_kernels_only, compiled_kernels
 from .buffers import to_buffer, to_max_dtype, to_numpy
 from .calls import CallInputs, PoolRow, pools_of_call
 
@@ -80,22 +80,18 @@ class ModelKey:
     always_select_tail: bool = False
 
 
-#: Graph dims of each array operand, from the model key. ``"tokens"``,
-#: ``"slots"``, ``"offsets"`` and ``"batch"`` are symbolic: they vary per call.
+#: Graph dims of each operand, from the model key. ``"tokens"``, ``"slots"``,
+#: ``"offsets"`` and ``"batch"`` are symbolic: they vary per call.
 _DIMS: dict[str, Callable[[ModelKey], list[Any]]] = {
     "tail": lambda key: ["slots", 2, key.ring_len, key.head_dim],
     "k": lambda key: ["tokens", key.head_dim],
     "gate": lambda key: ["tokens", key.head_dim],
     "ape": lambda key: [key.kpool, key.head_dim],
     "pool_ids": lambda key: ["tokens", key.pool_topk],
-}
-
-#: The one (symbolic) dim of each index operand.
-_INDEX_DIMS = {
-    "input_row_offsets": "offsets",
-    "pool_row_offsets": "offsets",
-    "cache_lengths": "batch",
-    "slot_idx": "batch",
+    "input_row_offsets": lambda key: ["offsets"],
+    "pool_row_offsets": lambda key: ["offsets"],
+    "cache_lengths": lambda key: ["batch"],
+    "slot_idx": lambda key: ["batch"],
 }
 
 
@@ -162,7 +158,7 @@ class Op:
             make = BufferType if name == "tail" else TensorType
             types.append(make(dtype, _DIMS[name](key), device))
         for name, dtype in zip(self.indices, key.index_dtypes, strict=True):
-            types.append(TensorType(dtype, [_INDEX_DIMS[name]], device))
+            types.append(TensorType(dtype, _DIMS[name](key), device))
         return types
 
     def graph_name(self, key: ModelKey, emulate_gpu: bool) -> str:
@@ -452,26 +448,26 @@ class Runner:
             self._models[key] = model
         return model
 
-    @property
-    def compiled_models(self) -> int:
-        """How many distinct models this runner has compiled."""
-        return len(self._models)
-
-    def _kernel_scope(self) -> contextlib.AbstractContextManager[None]:
-        """Keeps MAX's builtins in the graph when ``kernels`` is ``None``."""
-        if self.kernels is None:
-            return builtin_kernels_only()
-        return contextlib.nullcontext()
-
     def _build(self, key: ModelKey) -> Graph:
-        """The graph of one op of :data:`OPS`, specialized on ``key``."""
+        """The graph of one op of :data:`OPS`, specialized on ``key``.
+
+        This package's kernels go in precompiled (:func:`compiled_kernels`,
+        once per process) rather than as the source directory, which MAX
+        would precompile again for every graph (about 4 s each). Without
+        ``kernels`` the graph keeps MAX's builtins.
+        """
         op = _op(key.kind)
+        extensions = [] if self.kernels is None else [self.kernels]
+        if self.kernels == KERNELS:
+            extensions = [compiled_kernels()]
         with (
-            self._kernel_scope(),
+            builtin_kernels_only()
+            if self.kernels is None
+            else contextlib.nullcontext(),
             Graph(
                 op.graph_name(key, self.emulate_gpu),
                 input_types=op.input_types(key, self._ref),
-                custom_extensions=[self.kernels] if self.kernels else [],
+                custom_extensions=extensions,
             ) as g,
         ):
             values = [
