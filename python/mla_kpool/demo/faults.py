@@ -68,17 +68,13 @@ class Fault:
             f"{self.pool} must fail"
         )
 
-    def caught_by(self, problem: str) -> bool:
-        """Whether a reported problem is the failure this fault must cause."""
-        if not problem.startswith(f"request {self.request} "):
-            return False
-        if self.kind == "topk":
-            return f"call {self.call}: expand_topk row {self.pool} " in problem
-        return f"pool {self.pool} " in problem
-
     def caught(self, problems: Sequence[str]) -> bool:
-        """Whether any of a run's problems is this fault's failure."""
-        return any(self.caught_by(p) for p in problems)
+        """Whether a run reported the failure this fault must cause."""
+        failure = f"pool {self.pool} "
+        if self.kind == "topk":
+            failure = f"call {self.call}: expand_topk row {self.pool} "
+        mine = f"request {self.request} "
+        return any(p.startswith(mine) and failure in p for p in problems)
 
 
 def place_fault(plan_: Plan, kind: str, kpool: int) -> Fault | None:

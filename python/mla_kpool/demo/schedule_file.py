@@ -10,7 +10,7 @@ from typing import Any
 
 from .workload import DTYPES, Request, ScheduleError
 
-__all__ = ["ScheduleFile", "load_schedule", "parse_schedule"]
+__all__ = ["load_schedule", "parse_schedule"]
 
 
 @dataclass(frozen=True)
