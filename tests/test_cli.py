@@ -31,7 +31,6 @@ from max import driver
 from mla_kpool import __main__ as cli
 from mla_kpool import reference
 from mla_kpool.demo import (
-    checked_run,
     checks,
     faults,
     schedule_file,
@@ -39,6 +38,7 @@ from mla_kpool.demo import (
     workload,
 )
 from mla_kpool.demo import cli as demo
+from mla_kpool.demo.summary import format_summary, summarize
 from mla_kpool.runner import Runner
 
 KPOOL = 4
@@ -677,9 +677,9 @@ def test_summary_counts_problems_in_singular_and_plural():
         (["a", "b", "c"], "result: FAILED, 3 problems (above)"),
     ]:
         totals = checks.Totals(problems=problems, call_seconds=[1e-3])
-        summary = checked_run.summarize(config, plan, totals, 1.0, 2.0, None)
-        assert summary["ok"] is False
-        assert demo.format_summary(summary).splitlines()[-1] == text
+        numbers = summarize(config, plan, totals, 1.0, 2.0, None)
+        assert numbers["ok"] is False
+        assert format_summary(numbers).splitlines()[-1] == text
 
 
 @pytest.mark.parametrize(

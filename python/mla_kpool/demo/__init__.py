@@ -8,7 +8,8 @@ slots), compiles the step and expand_topk models once, serves every call
 (chunked prefill, decode or speculative verify steps, requests joining as
 ring slots free up; :mod:`~mla_kpool.demo.checked_run`), checks every pool of
 every request and every expand_topk row against the NumPy oracle
-(:mod:`~mla_kpool.demo.checks`), and prints a summary. Everything but the
+(:mod:`~mla_kpool.demo.checks`), and prints a summary
+(:mod:`~mla_kpool.demo.summary`). Everything but the
 kernels is pure Python and NumPy, deterministic for a given seed.
 
 Exit status: 0 when every check passes, 1 when one fails (the failures are

@@ -14,7 +14,6 @@ member of a pool that must be redone.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,7 +50,6 @@ __all__ = [
     "make_plan",
     "restore_prefix",
     "serve",
-    "summarize",
 ]
 
 
@@ -399,127 +397,3 @@ def compile_models(runner: Runner, config: Config) -> float:
         )
     )
     return time.perf_counter() - start
-
-
-def summarize(
-    config: Config,
-    plan_: Plan,
-    totals: Totals,
-    compile_s: float,
-    wall_s: float,
-    fault: str | None,
-    package_s: float = 0.0,
-) -> dict[str, Any]:
-    """The run's numbers, as the demo prints them and writes with ``--json``.
-
-    Args:
-        config: The run's configuration.
-        plan_: Its plan.
-        totals: What :func:`serve` counted.
-        compile_s: Seconds spent compiling: the Mojo kernels and the
-            models.
-        wall_s: Seconds the whole run took.
-        fault: The injected fault's description, or ``None``.
-        package_s: Of ``compile_s``, the seconds the Mojo kernels took to
-            precompile (paid by every run; the models come from MAX's
-            compile cache once compiled).
-
-    Returns:
-        A JSON-ready dict: configuration, token, call and pool counts, the
-        worst error against the oracle, expand_topk counts, timings, the
-        problems, and (with speculation) verify-step counts.
-    """
-    reqs = plan_.requests
-    prefill = decode = 0
-    for call in plan_.calls:
-        for e in call:
-            prompt = reqs[e.request].prompt
-            end = e.cache_length + e.accepted
-            prefill += max(0, min(end, prompt) - e.cache_length)
-            decode += max(0, end - max(e.cache_length, prompt))
-    tokens = prefill + decode
-    step_s = sum(totals.call_seconds)
-    calls = len(plan_.calls)
-    summary = {
-        "ok": not totals.problems,
-        "config": {
-            "dtype": config.dtype.name,
-            "kpool": config.kpool,
-            "head_dim": config.head_dim,
-            "device": config.device,
-            "seed": config.seed,
-            "token_budget": None if config.schedule else config.token_budget,
-            "max_running": config.max_running,
-            "chunk": None if config.schedule else config.chunk,
-            "schedule": config.schedule,
-            "pool_topk": config.pool_topk,
-        },
-        "requests": len(reqs),
-        "requests_with_cached_prefix": sum(r.cached_prefix > 0 for r in reqs),
-        "tokens": tokens,
-        "prefill_tokens": prefill,
-        "decode_tokens": decode,
-        "cached_prefix_tokens": sum(r.cached_prefix for r in reqs),
-        "calls": calls,
-        "max_batch": max(len(call) for call in plan_.calls),
-        "max_call_tokens": max(
-            sum(e.tokens for e in call) for call in plan_.calls
-        ),
-        "slot_reuses": plan_.slot_reuses,
-        "pools": totals.ring_close + totals.compress,
-        "pools_expected": sum(
-            r.end // config.kpool - r.cached_prefix // config.kpool
-            for r in reqs
-        ),
-        "pools_ring_close": totals.ring_close,
-        "pools_compress": totals.compress,
-        "pools_checked": totals.checked_pools,
-        "max_abs_error": totals.max_abs_error,
-        "max_error_over_tolerance": totals.worst_ratio,
-        "tolerance": tolerance(config.dtype),
-        "expand_topk": {
-            "rows_expanded": totals.expand_rows,
-            "rows_checked": totals.expand_checked,
-            "mismatches": totals.expand_mismatches,
-            "skipped_ids": totals.expand_skipped_ids,
-            "mean_call_seconds": (
-                statistics.fmean(totals.expand_seconds)
-                if totals.expand_seconds
-                else None
-            ),
-        },
-        "mean_call_seconds": step_s / calls,
-        "median_call_seconds": statistics.median(totals.call_seconds),
-        "tokens_per_second": tokens / step_s if step_s > 0 else None,
-        "compile_seconds": compile_s,
-        "kernel_package_seconds": package_s,
-        "wall_seconds": wall_s,
-        "fault": fault,
-        "problems": totals.problems,
-    }
-    if config.spec_tokens:
-        verify = [
-            e
-            for call in plan_.calls
-            for e in call
-            if e.cache_length >= reqs[e.request].prompt
-        ]
-        drafts = sum(e.tokens - 1 for e in verify)
-        accepted = sum(e.accepted - 1 for e in verify)
-        summary["speculative"] = {
-            "spec_tokens": config.spec_tokens,
-            "ring_len": config.ring_len,
-            "verify_steps": len(verify),
-            "draft_tokens": drafts,
-            "accepted_drafts": accepted,
-            "rejected_drafts": drafts - accepted,
-            "verify_steps_all_rejected": sum(
-                e.accepted == 1 < e.tokens for e in verify
-            ),
-            "verify_steps_all_accepted": sum(
-                e.accepted == e.tokens > 1 for e in verify
-            ),
-            "pools_rewritten": totals.rewritten,
-            "pools_dropped": totals.dropped,
-        }
-    return summary

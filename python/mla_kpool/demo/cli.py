@@ -16,11 +16,11 @@ from .._argtypes import int_at_least
 from .._paths import compiled_kernels
 from ..runner import DEVICES, Runner
 from . import workload
-from .checked_run import Config, compile_models, make_plan, serve, summarize
-from .checks import plural
+from .checked_run import Config, compile_models, make_plan, serve
 from .faults import FAULT_KINDS, place_fault
 from .schedule_file import load_schedule
 from .scheduling import Plan
+from .summary import format_summary, summarize
 from .workload import ScheduleError
 
 __all__ = ["DESCRIPTION", "add_arguments", "main", "run"]
@@ -240,138 +240,6 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
     except ScheduleError as err:
         where = f"{args.schedule}: " if args.schedule else ""
         raise DemoError(f"{where}{err}") from err
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    """The summary table the demo prints."""
-    cfg, spec, ex = s["config"], s.get("speculative"), s["expand_topk"]
-    head = (
-        f"mla-kpool demo: {cfg['dtype']}, kpool {cfg['kpool']}, head_dim "
-        f"{cfg['head_dim']}, {cfg['device']}, seed {cfg['seed']}"
-    )
-    if cfg["schedule"]:
-        head += f", schedule {cfg['schedule']}"
-    if spec:
-        head += (
-            f", {spec['spec_tokens']} speculative tokens, ring "
-            f"{spec['ring_len']}"
-        )
-    batching = (
-        f"token budget {cfg['token_budget']}, chunk {cfg['chunk']}, "
-        if cfg["token_budget"]
-        else ""
-    )
-    rows = [
-        (
-            "requests",
-            f"{s['requests']}",
-            f"{s['requests_with_cached_prefix']} with a cached prefix, "
-            f"{plural(cfg['max_running'], 'ring slot')}, "
-            f"{plural(s['slot_reuses'], 'slot reuse')}",
-        ),
-        (
-            "tokens",
-            f"{s['tokens']}",
-            f"prefill {s['prefill_tokens']}, decode {s['decode_tokens']}; "
-            f"cached prefix {s['cached_prefix_tokens']} not sent",
-        ),
-        (
-            "calls",
-            f"{s['calls']}",
-            f"{batching}max batch {s['max_batch']}, max tokens "
-            f"{s['max_call_tokens']}",
-        ),
-    ]
-    pools = f"expected {s['pools_expected']}, checked {s['pools_checked']}"
-    if spec:
-        rows.append(
-            (
-                "verify steps",
-                f"{spec['verify_steps']}",
-                f"{spec['draft_tokens']} drafts, {spec['accepted_drafts']} "
-                f"accepted; {spec['verify_steps_all_rejected']} kept no "
-                f"draft, {spec['verify_steps_all_accepted']} kept all",
-            )
-        )
-        pools = (
-            f"rows written; expected {s['pools_expected']} pool ids, final "
-            f"rows checked {s['pools_checked']}"
-        )
-    rows += [
-        ("pools", f"{s['pools']}", pools),
-        ("  closed by ring_close", f"{s['pools_ring_close']}", ""),
-        ("  built by compress", f"{s['pools_compress']}", ""),
-    ]
-    if spec:
-        rows += [
-            (
-                "  rewritten after a rejection",
-                f"{spec['pools_rewritten']}",
-                "a later call produced the pool id again; that row is kept",
-            ),
-            (
-                "  dropped",
-                f"{spec['pools_dropped']}",
-                "pools of drafts past the request's end",
-            ),
-        ]
-    tps = s["tokens_per_second"]
-    rows += [
-        (
-            "expand_topk rows",
-            f"{ex['rows_expanded']}",
-            f"checked {ex['rows_checked']}, {ex['mismatches']} "
-            f"differ{'s' if ex['mismatches'] == 1 else ''} from "
-            f"the oracle; top {cfg['pool_topk']} pool ids per query, "
-            f"{ex['skipped_ids']} ids the op must skip",
-        ),
-        (
-            "max abs error vs oracle",
-            f"{s['max_abs_error']:.3g}",
-            f"worst pool at {s['max_error_over_tolerance']:.3g} of its "
-            f"tolerance ({s['tolerance']:g} x max |k|)",
-        ),
-        (
-            "mean time per call",
-            f"{1e3 * s['mean_call_seconds']:.3f} ms",
-            f"median {1e3 * s['median_call_seconds']:.3f} ms",
-        ),
-        (
-            "tokens per second",
-            f"{tps:,.0f}" if tps else "-",
-            "tokens / time in Runner.step (copies in and out included)",
-        ),
-        (
-            "compile",
-            f"{s['compile_seconds']:.1f} s",
-            f"Mojo kernels {s['kernel_package_seconds']:.1f} s, every run; "
-            "step and expand_topk models: compiled on a cold cache, else "
-            "loaded from it",
-        ),
-        ("wall time", f"{s['wall_seconds']:.1f} s", "everything"),
-    ]
-    width = max(len(r[0]) for r in rows)
-    value = max(len(r[1]) for r in rows)
-    lines = [head, "-" * len(head)]
-    for label, val, note in rows:
-        note = f"  ({note})" if note else ""
-        lines.append(f"{label:<{width}}  {val:>{value}}{note}")
-    lines.append("-" * len(head))
-    if s["ok"] and spec:
-        lines.append(
-            "result: OK, the last row of every pool id of every request "
-            "holds kept tokens only and matches the oracle of the accepted "
-            "stream; every expand_topk row matches the oracle"
-        )
-    elif s["ok"]:
-        lines.append(
-            "result: OK, every pool of every request came out exactly once "
-            "and matches the oracle; every expand_topk row matches the oracle"
-        )
-    else:
-        problems = plural(len(s["problems"]), "problem")
-        lines.append(f"result: FAILED, {problems} (above)")
-    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
