@@ -103,8 +103,15 @@ def test_compress_places_every_pool(
     k, gate = random_rows(rng, total, cfg.head_dim, cfg.dtype)
     pool_rows = reference.pool_row_offsets(offsets, batch.cache, kp)
 
-    got = runners(device).compress(
-        k, gate, ape, offsets, pool_rows.astype(np.uint32), batch.cache, kp
+    (got,) = runners(device).run(
+        "compress",
+        kp,
+        k=k,
+        gate=gate,
+        ape=ape,
+        input_row_offsets=offsets,
+        pool_row_offsets=pool_rows.astype(np.uint32),
+        cache_lengths=batch.cache,
     )
 
     where = f"{batch.id} (seed {seed}, {cfg.id}, {device})"
