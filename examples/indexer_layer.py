@@ -50,7 +50,7 @@ from max.nn import LayerNorm, Linear, Module
 import mla_kpool
 from mla_kpool import reference
 from mla_kpool.buffers import to_buffer, to_numpy
-from mla_kpool.serving import pools_of_call, tolerance
+from mla_kpool.calls import pools_of_call
 
 #: Layer sizes. ``head_dim`` and ``kpool`` are compile-time parameters of
 #: the kernels; everything per call (tokens, batch) is a symbolic graph dim.
@@ -63,10 +63,10 @@ LAYER_NORM_EPS = 1e-5
 #: Tolerance against the float64 recomputation, relative to the request's
 #: largest pooled-key magnitude (at most its largest ``|k|``: a pooled key is
 #: a convex combination of its members). The graph runs the projections, the
-#: layer norm and the pooling in float32 (``tolerance(float32)``, 1e-5, for
-#: the pooling alone); the projections and the norm add a few float32
+#: layer norm and the pooling in float32 (``reference.tolerance(float32)``,
+#: 1e-5, for the pooling alone); the projections and the norm add a few float32
 #: roundings on top, so the check allows twice that. Seen: about 5e-7.
-TOLERANCE = 2 * tolerance(np.float32)
+TOLERANCE = 2 * reference.tolerance(np.float32)
 
 #: Channels printed per pooled key.
 SHOWN_CHANNELS = 4

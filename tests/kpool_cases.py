@@ -22,7 +22,7 @@ from types import ModuleType
 import ml_dtypes
 import numpy as np
 
-from mla_kpool.serving import tolerance
+from mla_kpool.reference import tolerance
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)

@@ -34,8 +34,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kpool_cases import bits
-from mla_kpool import serving
-from mla_kpool.serving import pools_completed, reference_step, restore_prefix
+from mla_kpool import calls, reference
+from mla_kpool.calls import pools_completed
+from mla_kpool.demo import scheduling, workload
+from mla_kpool.demo.checked_run import restore_prefix
 
 if TYPE_CHECKING:
     from mla_kpool.runner import Runner
@@ -140,6 +142,17 @@ class CallInputs:
     rids: tuple[int, ...]
     ring_seeds: tuple[RingSeed, ...] = ()
 
+    @property
+    def call(self) -> calls.CallInputs:
+        """The operands as the runner and the oracle take them."""
+        return calls.CallInputs(
+            self.k,
+            self.gate,
+            self.input_row_offsets,
+            self.cache_lengths,
+            self.slot_idx,
+        )
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -160,7 +173,7 @@ class Schedule:
     dtype: np.dtype
     kpool: int
     head_dim: int
-    plan: serving.Plan = field(repr=False)
+    plan: scheduling.Plan = field(repr=False)
 
     @property
     def max_slots(self) -> int:
@@ -168,14 +181,14 @@ class Schedule:
         return self.plan.max_slots
 
     @property
-    def calls(self) -> tuple[serving.Call, ...]:
+    def calls(self) -> tuple[scheduling.Call, ...]:
         """Every call's entries, in batch order."""
         return self.plan.calls
 
     @functools.cached_property
     def ape(self) -> np.ndarray:
         """``[kpool, head_dim]`` float32 position embedding."""
-        return serving.make_ape(self.seed, self.kpool, self.head_dim)
+        return workload.make_ape(self.seed, self.kpool, self.head_dim)
 
     @functools.cached_property
     def requests(self) -> tuple[Request, ...]:
@@ -183,7 +196,7 @@ class Schedule:
         slots = {e.request: e.slot for call in self.calls for e in call}
         out = []
         for rid, r in enumerate(self.plan.requests):
-            keys, gates = serving.request_rows(
+            keys, gates = workload.request_rows(
                 self.seed, rid, r.length, self.head_dim, self.dtype
             )
             out.append(
@@ -221,7 +234,7 @@ class Schedule:
             if e.admitted and e.cache_length % self.kpool
         )
         sequences = {r.rid: (r.keys, r.gates) for r in self.requests}
-        packed = serving.plan_call_inputs(
+        packed = scheduling.plan_call_inputs(
             self.seed, index, call, sequences, self.head_dim, self.dtype
         )
         return CallInputs(
@@ -244,7 +257,7 @@ class Schedule:
             ([r.keys[: r.fed]], [r.gates[: r.fed]], 0, r.rid)
             for r in self.requests
         ]
-        packed = serving.pack_call(rows, self.head_dim, self.dtype)
+        packed = calls.pack_call(rows, self.head_dim, self.dtype)
         return CallInputs(
             **packed.operands(), rids=tuple(r.rid for r in self.requests)
         )
@@ -341,7 +354,7 @@ class ScheduleParams:
 
 def _workload(
     rng: np.random.Generator, kpool: int, p: ScheduleParams
-) -> list[serving.Request]:
+) -> list[workload.Request]:
     """The requests of :func:`random_schedule`, drawn from ``rng``."""
     requests = []
     if p.long_prefix:
@@ -350,7 +363,7 @@ def _workload(
         short = 1 + int(rng.integers(min(kpool, 24)))
         prefix = (p.long_prefix // kpool + 1) * kpool - short
         requests.append(
-            serving.Request(prefix + 1, kpool + 40, cached_prefix=prefix)
+            workload.Request(prefix + 1, kpool + 40, cached_prefix=prefix)
         )
     prompt_max = p.prompt_max or 4 * kpool + 8
     aborted = False
@@ -371,7 +384,7 @@ def _workload(
             abort_at = int(rng.integers(prefix + 1, prompt + generate))
             aborted = True
         requests.append(
-            serving.Request(prompt, generate, prefix, abort_at=abort_at)
+            workload.Request(prompt, generate, prefix, abort_at=abort_at)
         )
     return requests
 
@@ -406,7 +419,7 @@ def random_schedule(
     p = params or ScheduleParams()
     rng = np.random.default_rng(seed)
     requests = _workload(rng, kpool, p)
-    calls = serving.schedule(
+    calls = scheduling.schedule(
         requests,
         rng,
         token_budget=p.token_budget or 3 * kpool + 16,
@@ -415,7 +428,7 @@ def random_schedule(
         max_decode=p.max_decode,
         idle_prob=p.idle_prob,
     )
-    plan = serving.plan(requests, calls, p.max_running, rng)
+    plan = scheduling.plan(requests, calls, p.max_running, rng)
     return Schedule(name, seed, np.dtype(dtype), kpool, head_dim, plan)
 
 
@@ -448,9 +461,9 @@ def interleaved_pair(
     rng = np.random.default_rng(seed)
     counts = rng.integers(1, kpool + 3, size=(calls, 2))
     lengths = counts.sum(axis=0)
-    requests = [serving.Request(int(n)) for n in lengths]
+    requests = [workload.Request(int(n)) for n in lengths]
     explicit = [[(0, int(a)), (1, int(b))] for a, b in counts]
-    plan = serving.plan(
+    plan = scheduling.plan(
         requests, explicit, max(slots) + 1, rng, slots=dict(enumerate(slots))
     )
     return Schedule("interleaved", seed, np.dtype(dtype), kpool, head_dim, plan)
@@ -462,7 +475,7 @@ def interleaved_pair(
 
 
 #: One call's pools per batch row, with their writers.
-CallPools = list[dict[int, serving.PoolRow]]
+CallPools = list[dict[int, calls.PoolRow]]
 
 
 class PoolAccountingError(Exception):
@@ -555,15 +568,8 @@ class ReferenceServer:
         """Runs one call on the oracle; returns per row its pools."""
         for seed in inputs.ring_seeds:
             seed.apply(self.ring)
-        pools, self.ring = reference_step(
-            self.ring,
-            inputs.k,
-            inputs.gate,
-            self.schedule.ape,
-            inputs.input_row_offsets,
-            inputs.cache_lengths,
-            inputs.slot_idx,
-            self.schedule.kpool,
+        pools, self.ring = reference.step(
+            self.ring, inputs.call, self.schedule.ape, self.schedule.kpool
         )
         return pools
 
@@ -614,9 +620,7 @@ class DeviceServer:
 
     def run(
         self, inputs: CallInputs
-    ) -> tuple[
-        list[dict[int, serving.PoolRow]], list[dict[int, serving.PoolRow]]
-    ]:
+    ) -> tuple[list[dict[int, calls.PoolRow]], list[dict[int, calls.PoolRow]]]:
         """Runs one call on the device and on the oracle.
 
         Returns:
@@ -629,14 +633,7 @@ class DeviceServer:
             self.ring = self.runner.to_device(host)
         want = self.oracle.run(inputs)
         result = self.step(
-            self.ring,
-            inputs.k,
-            inputs.gate,
-            self.schedule.ape,
-            inputs.input_row_offsets,
-            inputs.cache_lengths,
-            inputs.slot_idx,
-            self.schedule.kpool,
+            self.ring, inputs.call, self.schedule.ape, self.schedule.kpool
         )
         if self.check_ring:
             ring = self.runner.read(self.ring)
@@ -650,7 +647,7 @@ class DeviceServer:
                 f"slot, cache_length, tokens): {self._rows(inputs)}"
             )
         self.calls += 1
-        return serving.step_pools(result), want
+        return result.pools(), want
 
     def __call__(self, inputs: CallInputs) -> list[dict[int, np.ndarray]]:
         """Runs one call; returns per row ``{pool_id: key}`` of the device."""

@@ -29,7 +29,16 @@ import pytest
 from max import driver
 
 from mla_kpool import __main__ as cli
-from mla_kpool import demo, serving
+from mla_kpool import reference
+from mla_kpool.demo import (
+    checks,
+    faults,
+    schedule_file,
+    scheduling,
+    workload,
+)
+from mla_kpool.demo import cli as demo
+from mla_kpool.demo.summary import format_summary, summarize
 from mla_kpool.runner import Runner
 
 KPOOL = 4
@@ -263,14 +272,14 @@ def test_injected_topk_fault_fails_on_that_row(tmp_path, capsys, run_demo):
 SPEC_ARGV = ["--requests", "3", "--seed", "5", "--spec-tokens", "7"]
 
 
-def spec_plan(argv: list[str]) -> serving.Plan:
+def spec_plan(argv: list[str]) -> scheduling.Plan:
     """The demo's plan for ``argv`` (what each call brings and keeps)."""
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
     return demo.build_plan(parser.parse_args(argv))[1]
 
 
-def spec_counts(plan: serving.Plan, kpool: int) -> dict[str, int]:
+def spec_counts(plan: scheduling.Plan, kpool: int) -> dict[str, int]:
     """Pool rows a correct speculative run writes, from the contracts' rule.
 
     A call completes pools ``c // kpool`` to ``(c + n) // kpool``
@@ -373,11 +382,11 @@ def test_spec_tokens_with_listed_calls_is_a_usage_error(tmp_path, capsys):
 def test_spec_schedule_keeps_the_drafts_it_accepts():
     """schedule() with spec_tokens gives verify steps that plan() resolves."""
     rng = np.random.default_rng(3)
-    reqs = serving.generate_requests(rng, 12, KPOOL, chunk=64, max_prompt=80)
-    calls = serving.schedule(
+    reqs = workload.generate_requests(rng, 12, KPOOL, chunk=64, max_prompt=80)
+    calls = scheduling.schedule(
         reqs, rng, token_budget=96, max_running=4, chunk=64, spec_tokens=5
     )
-    plan = serving.plan(reqs, calls, 4, rng)
+    plan = scheduling.plan(reqs, calls, 4, rng)
     done = [r.cached_prefix for r in reqs]
     for call in plan.calls:
         for e in call:
@@ -536,12 +545,12 @@ def test_bad_option_values_exit_2(argv, capsys):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_generated_schedule_is_a_serving_loop(seed):
     rng = np.random.default_rng(seed)
-    reqs = serving.generate_requests(rng, 40, KPOOL, chunk=512)
+    reqs = workload.generate_requests(rng, 40, KPOOL, chunk=512)
     budget, running, chunk = 1024, 6, 256
-    calls = serving.schedule(
+    calls = scheduling.schedule(
         reqs, rng, token_budget=budget, max_running=running, chunk=chunk
     )
-    plan = serving.plan(reqs, calls, running, rng)
+    plan = scheduling.plan(reqs, calls, running, rng)
     where = f"seed {seed}"
     done = [0] * len(reqs)
     holder: dict[int, int] = {}  # slot -> request holding it
@@ -583,40 +592,40 @@ def test_generated_schedule_is_a_serving_loop(seed):
 
 def test_generated_requests_span_short_and_long():
     rng = np.random.default_rng(0)
-    reqs = serving.generate_requests(rng, 32, KPOOL, chunk=512)
+    reqs = workload.generate_requests(rng, 32, KPOOL, chunk=512)
     prompts = sorted(r.prompt for r in reqs)
     assert prompts[0] == 1
     assert KPOOL - 1 in prompts and 512 in prompts
     assert prompts[-1] >= 2000
     cached = [r for r in reqs if r.cached_prefix]
     assert cached and all(r.cached_prefix < r.prompt for r in cached)
-    again = serving.generate_requests(np.random.default_rng(0), 32, KPOOL)
+    again = workload.generate_requests(np.random.default_rng(0), 32, KPOOL)
     assert again == reqs
 
 
 def test_fault_placement_targets_a_closing_pool():
-    sched = serving.parse_schedule(SMALL)
-    plan = serving.plan(
+    sched = schedule_file.parse_schedule(SMALL)
+    plan = scheduling.plan(
         sched.requests, sched.calls, 3, np.random.default_rng(0)
     )
-    fault = serving.place_fault(plan, "ring", KPOOL)
+    fault = faults.place_fault(plan, "ring", KPOOL)
     e = plan.calls[fault.call][fault.entry]
     c, n = e.cache_length, e.tokens
     assert c % KPOOL and c + n >= (c // KPOOL + 1) * KPOOL
     assert fault.pool == c // KPOOL
     assert fault.position == fault.pool * KPOOL  # member 0, in the ring
-    key = serving.place_fault(plan, "key", KPOOL)
+    key = faults.place_fault(plan, "key", KPOOL)
     e = plan.calls[key.call][key.entry]
     assert key.position == e.cache_length
     assert key.pool == e.cache_length // KPOOL
 
 
 def test_fault_placement_for_expand_topk():
-    sched = serving.parse_schedule(SMALL)
-    plan = serving.plan(
+    sched = schedule_file.parse_schedule(SMALL)
+    plan = scheduling.plan(
         sched.requests, sched.calls, 3, np.random.default_rng(0)
     )
-    fault = serving.place_fault(plan, "topk", KPOOL)
+    fault = faults.place_fault(plan, "topk", KPOOL)
     call = plan.calls[fault.call]
     e = call[fault.entry]
     # The request's last token row of that call, which sees two or more
@@ -628,14 +637,14 @@ def test_fault_placement_for_expand_topk():
 
 @pytest.mark.parametrize("pool_topk", [1, 3, 512])
 def test_selection_picks_complete_visible_pools(pool_topk):
-    sched = serving.parse_schedule(SMALL)
-    plan = serving.plan(
+    sched = schedule_file.parse_schedule(SMALL)
+    plan = scheduling.plan(
         sched.requests, sched.calls, 3, np.random.default_rng(0)
     )
     skipped_rows = 0
     for c, call in enumerate(plan.calls):
-        ids, skipped = serving.select_pools(9, c, call, pool_topk, KPOOL)
-        again, _ = serving.select_pools(9, c, call, pool_topk, KPOOL)
+        ids, skipped = checks.select_pools(9, c, call, pool_topk, KPOOL)
+        again, _ = checks.select_pools(9, c, call, pool_topk, KPOOL)
         np.testing.assert_array_equal(ids, again)
         assert ids.dtype == np.int32
         assert ids.shape == (sum(e.tokens for e in call), pool_topk)
@@ -667,10 +676,10 @@ def test_summary_counts_problems_in_singular_and_plural():
         (["a"], "result: FAILED, 1 problem (above)"),
         (["a", "b", "c"], "result: FAILED, 3 problems (above)"),
     ]:
-        totals = serving.Totals(problems=problems, call_seconds=[1e-3])
-        summary = serving.summarize(config, plan, totals, 1.0, 2.0, None)
-        assert summary["ok"] is False
-        assert demo.format_summary(summary).splitlines()[-1] == text
+        totals = checks.Totals(problems=problems, call_seconds=[1e-3])
+        numbers = summarize(config, plan, totals, 1.0, 2.0, None)
+        assert numbers["ok"] is False
+        assert format_summary(numbers).splitlines()[-1] == text
 
 
 @pytest.mark.parametrize(
@@ -680,12 +689,12 @@ def test_summary_counts_problems_in_singular_and_plural():
 def test_tolerance_per_key_dtype(dtype, rel):
     # The oracle tolerances of the contract: float32 1e-5, float16 2e-3,
     # bfloat16 1.6e-2 (about one bfloat16 ulp, 2^-6 = 1.5625e-2).
-    assert serving.tolerance(serving.DTYPES[dtype]) == rel
+    assert reference.tolerance(workload.DTYPES[dtype]) == rel
 
 
 def test_tolerance_rejects_a_non_key_dtype():
     with pytest.raises(KeyError):
-        serving.tolerance(np.int32)
+        reference.tolerance(np.int32)
 
 
 @pytest.mark.parametrize(
@@ -698,4 +707,4 @@ def test_tolerance_rejects_a_non_key_dtype():
     ],
 )
 def test_plural(count, noun, text):
-    assert serving.plural(count, noun) == text
+    assert checks.plural(count, noun) == text

@@ -36,6 +36,7 @@ from kpool_cases import (
     random_rows,
 )
 from mla_kpool import reference
+from mla_kpool.calls import CallInputs
 from mla_kpool.runner import Runner
 
 
@@ -102,8 +103,15 @@ def test_compress_places_every_pool(
     k, gate = random_rows(rng, total, cfg.head_dim, cfg.dtype)
     pool_rows = reference.pool_row_offsets(offsets, batch.cache, kp)
 
-    got = runners(device).compress(
-        k, gate, ape, offsets, pool_rows.astype(np.uint32), batch.cache, kp
+    (got,) = runners(device).run(
+        "compress",
+        kp,
+        k=k,
+        gate=gate,
+        ape=ape,
+        input_row_offsets=offsets,
+        pool_row_offsets=pool_rows.astype(np.uint32),
+        cache_lengths=batch.cache,
     )
 
     where = f"{batch.id} (seed {seed}, {cfg.id}, {device})"
@@ -206,9 +214,8 @@ def _run_seed_tail(
     ring = runner.new_ring(
         SEED_SLOTS, cfg.kpool, cfg.head_dim, cfg.dtype, fill=before
     )
-    runner.seed_tail(
-        ring, k, gate, offsets, batch.cache, batch.slots, cfg.kpool
-    )
+    call = CallInputs(k, gate, offsets, batch.cache, batch.slots)
+    runner.run("seed_tail", cfg.kpool, tail=ring, **call.operands())
     return before, runner.read(ring), k, gate, offsets
 
 
@@ -323,17 +330,15 @@ def test_ring_close_and_compress_agree_bitwise(
 
     runner = runners(device)
     ring = runner.new_ring(max_slots, kp, hd, cfg.dtype, fill=ring_host)
-    res = runner.step(
-        ring,
+    call = CallInputs(
         np.concatenate(keys),
         np.concatenate(gates),
-        ape,
         offsets,
         np.array(cache, np.uint32),
         slot_idx,
-        kp,
     )
-    pools = res.pools()
+    res = runner.step(ring, call, ape, kp)
+    pools = [{p: row.key for p, row in got.items()} for got in res.pools()]
     where = f"seed {seed}, {cfg.id}, {device}"
     for i, r in enumerate(range(1, kp)):
         via_ring, via_compress = pools[2 * i], pools[2 * i + 1]

@@ -316,8 +316,13 @@ def check_expansion(
 def _run(runner: Runner, case: Case) -> None:
     cfg = case.config
     pool_ids, offsets, cache = case.operands()
-    got = runner.expand_topk(
-        pool_ids, offsets, cache, cfg.kpool, cfg.always_select_tail
+    (got,) = runner.run(
+        "expand_topk",
+        cfg.kpool,
+        pool_ids=pool_ids,
+        input_row_offsets=offsets,
+        cache_lengths=cache,
+        always_select_tail=cfg.always_select_tail,
     )
     want = check_expansion(
         got,

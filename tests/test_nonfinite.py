@@ -29,6 +29,7 @@ import pytest
 
 from kpool_cases import MAIN, assert_pooled_close, random_ape, random_rows
 from mla_kpool import reference as ref
+from mla_kpool.calls import CallInputs
 from mla_kpool.runner import Runner
 
 #: The oracle computes inf - inf on purpose here (a +inf score).
@@ -245,7 +246,13 @@ def test_nonfinite_member(
             ring, k, gate, ape, *meta, KPOOL
         )
         tail = runner.new_ring(RC_MAX_SLOTS, KPOOL, HEAD_DIM, DTYPE, ring)
-        pooled, closed = runner.ring_close(tail, k, gate, ape, *meta, KPOOL)
+        pooled, closed = runner.run(
+            "ring_close",
+            KPOOL,
+            tail=tail,
+            ape=ape,
+            **CallInputs(k, gate, *meta).operands(),
+        )
         np.testing.assert_array_equal(closed, [1, 2, -1], err_msg=what)
         np.testing.assert_array_equal(expected_closed, [1, 2, -1])
     else:
@@ -253,7 +260,16 @@ def test_nonfinite_member(
         np.testing.assert_array_equal(pool_offsets, [0, 2, 4])
         meta = (CP_OFFSETS, pool_offsets.astype(np.uint32), CP_CACHE)
         expected = ref.compress(k, gate, ape, *meta, KPOOL)
-        pooled = runner.compress(k, gate, ape, *meta, KPOOL)
+        (pooled,) = runner.run(
+            "compress",
+            KPOOL,
+            k=k,
+            gate=gate,
+            ape=ape,
+            input_row_offsets=meta[0],
+            pool_row_offsets=meta[1],
+            cache_lengths=meta[2],
+        )
 
     _check_oracle_effect(expected, target, poison, what)
     assert_nonfinite_like_oracle(pooled, expected, scale, what)
@@ -271,7 +287,12 @@ def test_seed_tail_stores_nonfinite_members_bitwise(runner: Runner) -> None:
     meta = (np.array([0, 6], np.uint32), np.array([1], np.uint32))
     slots = np.array([1], np.uint32)
     tail = runner.new_ring(2, KPOOL, HEAD_DIM, DTYPE, before)
-    runner.seed_tail(tail, k, gate, *meta, slots, KPOOL)
+    runner.run(
+        "seed_tail",
+        KPOOL,
+        tail=tail,
+        **CallInputs(k, gate, *meta, slots).operands(),
+    )
     got = runner.read(tail)
     expected = ref.seed_tail(before, k, gate, *meta, slots, KPOOL)
     np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
@@ -306,9 +327,10 @@ def test_nan_member_poisons_one_pool_across_calls(runner: Runner) -> None:
         counts = [b - a for a, b in zip(start, stop, strict=True)]
         offsets = np.array([0, *np.cumsum(counts)], np.uint32)
         cache = np.array(start, np.uint32)
-        res = runner.step(tail, k, g, ape, offsets, cache, slots, KPOOL)
+        call = CallInputs(k, g, offsets, cache, slots)
+        res = runner.step(tail, call, ape, KPOOL)
         for b, pools in enumerate(res.pools()):
-            got[b].update(pools)
+            got[b].update({p: row.key for p, row in pools.items()})
     scale = max(float(np.nanmax(np.abs(s[0]))) for s in seqs)
     for b, (keys, gates) in enumerate(seqs):
         expected = ref.pool_sequence(keys, gates, ape, KPOOL)

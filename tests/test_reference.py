@@ -18,7 +18,7 @@ import pytest
 
 from mla_kpool import reference as ref
 from mla_kpool._metadata import check_metadata
-from mla_kpool.serving import first_pool_ids, pools_of_call
+from mla_kpool.calls import first_pool_ids, pools_of_call
 
 NAN = np.nan
 U32_TOP = 2**32

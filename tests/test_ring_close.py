@@ -22,10 +22,11 @@ from a kernel.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
+from max.driver import Buffer
 
 from kpool_cases import (
     MAIN,
@@ -38,6 +39,7 @@ from kpool_cases import (
     random_rows,
 )
 from mla_kpool import reference as ref
+from mla_kpool.calls import CallInputs
 from mla_kpool.runner import Runner
 
 U32_TOP = 2**32
@@ -55,16 +57,42 @@ def _scale(k: np.ndarray, ring: np.ndarray) -> float:
     return float(max((a.max() for a in keys if a.size), default=1.0))
 
 
+@dataclass(frozen=True)
+class RingCloseData:
+    """One ring_close call's data: what the kernel and the oracle get.
+
+    Attributes:
+        seed: The seed it was drawn from (for failure messages).
+        ring: Host ring ``[max_slots, 2, kpool, head_dim]``.
+        ape: ``[kpool, head_dim]`` float32.
+        call: The call's keys, gates and metadata.
+    """
+
+    seed: int
+    ring: np.ndarray
+    ape: np.ndarray
+    call: CallInputs
+
+    def run(
+        self, runner: Runner, tail: Buffer, ape: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """ring_close on ``tail`` (and ``ape``, else this data's)."""
+        pooled, closed = runner.run(
+            "ring_close",
+            MAIN.kpool,
+            tail=tail,
+            ape=self.ape if ape is None else ape,
+            **self.call.operands(),
+        )
+        return pooled, closed
+
+
 def _check_ring_close(
     pooled: np.ndarray,
     closed: np.ndarray,
     ring: np.ndarray,
-    k: np.ndarray,
-    gate: np.ndarray,
+    call: CallInputs,
     ape: np.ndarray,
-    offsets: np.ndarray,
-    cache: np.ndarray,
-    slots: np.ndarray,
     kpool: int,
     what: str,
 ) -> np.ndarray:
@@ -76,8 +104,16 @@ def _check_ring_close(
     Returns:
         The oracle's ``closed_pool``, for case-specific checks.
     """
+    k = call.k
     want, want_closed = ref.ring_close(
-        ring, k, gate, ape, offsets, cache, slots, kpool
+        ring,
+        k,
+        call.gate,
+        ape,
+        call.input_row_offsets,
+        call.cache_lengths,
+        call.slot_idx,
+        kpool,
     )
     assert closed.dtype == np.int32, what
     np.testing.assert_array_equal(closed, want_closed, err_msg=what)
@@ -177,20 +213,11 @@ def check_step_mixed_batch(runner: Runner, cfg: Config, seed: int) -> None:
     tail = runner.new_ring(
         max_slots, cfg.kpool, cfg.head_dim, cfg.dtype, fill=ring
     )
-    out = runner.step(tail, k, gate, ape, offsets, cache, slots, cfg.kpool)
+    call = CallInputs(k, gate, offsets, cache, slots)
+    out = runner.step(tail, call, ape, cfg.kpool)
 
     closed = _check_ring_close(
-        out.ring_pooled,
-        out.ring_closed_pool,
-        ring,
-        k,
-        gate,
-        ape,
-        offsets,
-        cache,
-        slots,
-        cfg.kpool,
-        what,
+        out.ring_pooled, out.ring_closed_pool, ring, call, ape, cfg.kpool, what
     )
     by_name = dict(zip((r.name for r in requests), closed, strict=True))
     if cfg.kpool == 1:
@@ -302,7 +329,7 @@ CORNERS = [
 ]
 
 
-def _corner_data(case: Corner, index_dtype=np.uint32) -> tuple[np.ndarray, ...]:
+def _corner_data(case: Corner, index_dtype=np.uint32) -> RingCloseData:
     seed = _seed("corner", case.id)
     rng = np.random.default_rng(seed)
     tokens = case.offsets[-1] if case.tokens is None else case.tokens
@@ -315,35 +342,24 @@ def _corner_data(case: Corner, index_dtype=np.uint32) -> tuple[np.ndarray, ...]:
         np.array(v, dtype=index_dtype)
         for v in (case.offsets, case.cache, case.slots)
     ]
-    return (seed, k, gate, ape, ring, *index)
+    return RingCloseData(seed, ring, ape, CallInputs(k, gate, *index))
 
 
 @pytest.mark.parametrize("case", CORNERS, ids=lambda c: c.id)
 def test_corner_metadata(runner: Runner, case: Corner) -> None:
-    seed, k, gate, ape, ring, offsets, cache, slots = _corner_data(case)
-    what = f"{case.id} on {runner.device_name}, seed {seed}"
+    data = _corner_data(case)
+    ring = data.ring
+    what = f"{case.id} on {runner.device_name}, seed {data.seed}"
     tail = runner.new_ring(
         case.max_slots, MAIN.kpool, MAIN.head_dim, MAIN.dtype, fill=ring
     )
-    pooled, closed = runner.ring_close(
-        tail, k, gate, ape, offsets, cache, slots, MAIN.kpool
-    )
+    pooled, closed = data.run(runner, tail)
     np.testing.assert_array_equal(
         closed, np.array(case.closed, np.int32), err_msg=what
     )
     assert pooled.shape == (len(case.cache), MAIN.head_dim), what
     _check_ring_close(
-        pooled,
-        closed,
-        ring,
-        k,
-        gate,
-        ape,
-        offsets,
-        cache,
-        slots,
-        MAIN.kpool,
-        what,
+        pooled, closed, ring, data.call, data.ape, MAIN.kpool, what
     )
     assert np.array_equal(bits(runner.read(tail)), bits(ring)), what
 
@@ -366,9 +382,10 @@ SIMPLE = Corner(
 def test_gates_of_magnitude_100(runner: Runner, center: float) -> None:
     """Scores near +-100 overflow or underflow a softmax without max
     subtraction; ``plus_minus_100`` mixes +100 and -100 members."""
-    seed, k, gate, ape, ring, offsets, cache, slots = _corner_data(SIMPLE)
-    rng = np.random.default_rng(seed)
-    what = f"gates {center:+} on {runner.device_name}, seed {seed}"
+    data = _corner_data(SIMPLE)
+    ring = data.ring
+    rng = np.random.default_rng(data.seed)
+    what = f"gates {center:+} on {runner.device_name}, seed {data.seed}"
 
     def gates(shape: tuple[int, ...]) -> np.ndarray:
         if center == 0.0:
@@ -377,64 +394,43 @@ def test_gates_of_magnitude_100(runner: Runner, center: float) -> None:
             base = np.full(shape, center)
         return (base + rng.uniform(-3, 3, size=shape)).astype(MAIN.dtype)
 
-    gate = gates(gate.shape)
+    data = replace(
+        data, call=replace(data.call, gate=gates(data.call.gate.shape))
+    )
     ring[:, 1] = gates(ring[:, 1].shape)
     tail = runner.new_ring(
         SIMPLE.max_slots, MAIN.kpool, MAIN.head_dim, MAIN.dtype, fill=ring
     )
-    pooled, closed = runner.ring_close(
-        tail, k, gate, ape, offsets, cache, slots, MAIN.kpool
-    )
+    pooled, closed = data.run(runner, tail)
     np.testing.assert_array_equal(closed, SIMPLE.closed, err_msg=what)
     _check_ring_close(
-        pooled,
-        closed,
-        ring,
-        k,
-        gate,
-        ape,
-        offsets,
-        cache,
-        slots,
-        MAIN.kpool,
-        what,
+        pooled, closed, ring, data.call, data.ape, MAIN.kpool, what
     )
 
 
 def test_ape_ablation(runner: Runner) -> None:
     """Zeroing ``ape`` changes the answer, and the kernel follows both."""
-    seed, k, gate, ape, ring, offsets, cache, slots = _corner_data(SIMPLE)
-    what = f"ape ablation on {runner.device_name}, seed {seed}"
+    data = _corner_data(SIMPLE)
+    ring, ape, call = data.ring, data.ape, data.call
+    what = f"ape ablation on {runner.device_name}, seed {data.seed}"
     tail = runner.new_ring(
         SIMPLE.max_slots, MAIN.kpool, MAIN.head_dim, MAIN.dtype, fill=ring
     )
     closing = np.array(SIMPLE.closed) >= 0
     results = {}
     for label, a in (("ape", ape), ("zero_ape", np.zeros_like(ape))):
-        pooled, closed = runner.ring_close(
-            tail, k, gate, a, offsets, cache, slots, MAIN.kpool
-        )
+        pooled, closed = data.run(runner, tail, a)
         np.testing.assert_array_equal(closed, SIMPLE.closed, err_msg=what)
         _check_ring_close(
-            pooled,
-            closed,
-            ring,
-            k,
-            gate,
-            a,
-            offsets,
-            cache,
-            slots,
-            MAIN.kpool,
-            f"{what} ({label})",
+            pooled, closed, ring, call, a, MAIN.kpool, f"{what} ({label})"
         )
         results[label] = pooled[closing].astype(np.float64)
-    want = ref.ring_close(
-        ring, k, gate, ape, offsets, cache, slots, MAIN.kpool
-    )[0]
-    zero = ref.ring_close(
-        ring, k, gate, np.zeros_like(ape), offsets, cache, slots, MAIN.kpool
-    )[0]
+    k, gate = call.k, call.gate
+    meta = (call.input_row_offsets, call.cache_lengths, call.slot_idx)
+    want = ref.ring_close(ring, k, gate, ape, *meta, MAIN.kpool)[0]
+    zero = ref.ring_close(ring, k, gate, np.zeros_like(ape), *meta, MAIN.kpool)[
+        0
+    ]
     # The ape must matter far beyond tolerance, in the oracle and the kernel.
     gap = TOLERANCE[MAIN.dtype] * _scale(k, ring)
     assert np.max(np.abs(want[closing] - zero[closing])) > 1000 * gap, what
@@ -456,25 +452,14 @@ def test_ring_is_not_written(runner: Runner) -> None:
     tail = runner.new_ring(
         max_slots, MAIN.kpool, MAIN.head_dim, MAIN.dtype, fill=ring
     )
+    data = RingCloseData(
+        seed, ring, ape, CallInputs(k, gate, offsets, cache, slots)
+    )
     for _ in range(2):
-        pooled, closed = runner.ring_close(
-            tail, k, gate, ape, offsets, cache, slots, MAIN.kpool
-        )
+        pooled, closed = data.run(runner, tail)
         assert np.array_equal(bits(runner.read(tail)), bits(ring)), what
     assert np.any(closed >= 0), what
-    _check_ring_close(
-        pooled,
-        closed,
-        ring,
-        k,
-        gate,
-        ape,
-        offsets,
-        cache,
-        slots,
-        MAIN.kpool,
-        what,
-    )
+    _check_ring_close(pooled, closed, ring, data.call, ape, MAIN.kpool, what)
 
 
 #: At MAIN with int32/int64 indices: the mixed batch's metadata plus values
@@ -519,20 +504,19 @@ def test_index_dtypes(runner: Runner, index_dtype) -> None:
         max_slots, MAIN.kpool, MAIN.head_dim, MAIN.dtype, fill=ring
     )
     cast = [a.astype(index_dtype) for a in (offsets, cache, slots)]
-    pooled, closed = runner.ring_close(tail, k, gate, ape, *cast, MAIN.kpool)
-    _check_ring_close(
-        pooled, closed, ring, k, gate, ape, *cast, MAIN.kpool, what
-    )
+    data = RingCloseData(seed, ring, ape, CallInputs(k, gate, *cast))
+    pooled, closed = data.run(runner, tail)
+    _check_ring_close(pooled, closed, ring, data.call, ape, MAIN.kpool, what)
     assert np.any(closed >= 0), what
 
     case = SIGNED[index_dtype]
-    seed, k, gate, ape, ring, *index = _corner_data(case, index_dtype)
-    what = f"{case.id} on {runner.device_name}, seed {seed}"
+    data = _corner_data(case, index_dtype)
+    what = f"{case.id} on {runner.device_name}, seed {data.seed}"
     tail = runner.new_ring(
-        case.max_slots, MAIN.kpool, MAIN.head_dim, MAIN.dtype, fill=ring
+        case.max_slots, MAIN.kpool, MAIN.head_dim, MAIN.dtype, fill=data.ring
     )
-    pooled, closed = runner.ring_close(tail, k, gate, ape, *index, MAIN.kpool)
+    pooled, closed = data.run(runner, tail)
     np.testing.assert_array_equal(closed, case.closed, err_msg=what)
     _check_ring_close(
-        pooled, closed, ring, k, gate, ape, *index, MAIN.kpool, what
+        pooled, closed, data.ring, data.call, data.ape, MAIN.kpool, what
     )

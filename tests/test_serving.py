@@ -1,4 +1,4 @@
-"""The serving model's pure-NumPy parts, checked by hand (no kernels).
+"""The demo's serving model and a call's outputs, checked by hand (no kernels).
 
 Pool assembly from a step's outputs, the latest-row rule of speculative
 decoding, the ring restore on admission, the call packer, and the
@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mla_kpool import serving
+from mla_kpool import calls, reference
+from mla_kpool.demo import checked_run, checks, scheduling, workload
 
 
 def _outputs():
@@ -26,12 +27,12 @@ def _outputs():
     ring_pooled = np.array([[10.0, 11.0], [0.0, 0.0]])
     pooled = np.array([[20.0, 21.0], [30.0, 31.0], [40.0, 41.0], [0, 0]])
     row_offsets = np.array([0, 1, 3], np.uint32)
-    first = serving.first_pool_ids([6, 0], 4)
+    first = calls.first_pool_ids([6, 0], 4)
     return ring_closed, ring_pooled, pooled, row_offsets, first
 
 
 def test_first_pool_ids_round_up():
-    assert serving.first_pool_ids([0, 1, 4, 5, 8], 4).tolist() == [
+    assert calls.first_pool_ids([0, 1, 4, 5, 8], 4).tolist() == [
         0,
         1,
         1,
@@ -41,14 +42,14 @@ def test_first_pool_ids_round_up():
 
 
 def test_pools_of_call_names_each_pool_and_writer():
-    got = serving.pools_of_call(*_outputs())
+    got = calls.pools_of_call(*_outputs())
     assert [sorted(g) for g in got] == [[1, 2], [0, 1]]
-    assert got[0][1].writer == serving.RING_CLOSE
+    assert got[0][1].writer == calls.RING_CLOSE
     assert got[0][1].key.tolist() == [10.0, 11.0]
-    assert got[0][2].writer == serving.COMPRESS
+    assert got[0][2].writer == calls.COMPRESS
     assert got[0][2].key.tolist() == [20.0, 21.0]
     assert [got[1][p].key.tolist() for p in (0, 1)] == [[30, 31], [40, 41]]
-    assert {row.writer for row in got[1].values()} == {serving.COMPRESS}
+    assert {row.writer for row in got[1].values()} == {calls.COMPRESS}
 
 
 @pytest.mark.parametrize(
@@ -57,7 +58,7 @@ def test_pools_of_call_names_each_pool_and_writer():
 def test_pools_of_call_rejects_rows_outside_the_output(offsets):
     closed, ring_pooled, pooled, _, first = _outputs()
     with pytest.raises(ValueError, match="batch row 1: pool_row_offsets"):
-        serving.pools_of_call(
+        calls.pools_of_call(
             closed, ring_pooled, pooled, np.array(offsets), first
         )
 
@@ -66,10 +67,10 @@ def test_pools_of_call_rejects_a_pool_from_both_writers():
     closed, ring_pooled, pooled, offsets, _ = _outputs()
     first = np.array([1, 0])  # compress would rebuild pool 1 of request 0
     with pytest.raises(ValueError, match="pool 1 from both"):
-        serving.pools_of_call(closed, ring_pooled, pooled, offsets, first)
+        calls.pools_of_call(closed, ring_pooled, pooled, offsets, first)
 
 
-def test_reference_step_closes_compresses_and_seeds():
+def test_oracle_step_closes_compresses_and_seeds():
     # kpool 2, one request at c = 1 (position 0 in ring slot 1), n = 4:
     # ring_close pool 0 = {0, 1}, compress pool 1 = {2, 3}, seed 4.
     rng = np.random.default_rng(0)
@@ -77,13 +78,12 @@ def test_reference_step_closes_compresses_and_seeds():
     gates = rng.standard_normal((5, 3))
     ape = rng.standard_normal((2, 3)).astype(np.float32)
     ring = np.full((2, 2, 2, 3), np.nan)
-    serving.restore_prefix(ring, 1, 1, seq, gates, 2)
-    pools, after = serving.reference_step(
-        ring, seq[1:], gates[1:], ape, [0, 4], [1], [1], 2
-    )
-    want = serving.reference.pool_sequence(seq[:4], gates[:4], ape, 2)
+    checked_run.restore_prefix(ring, 1, 1, seq, gates, 2)
+    call = calls.CallInputs(seq[1:], gates[1:], [0, 4], [1], [1])
+    pools, after = reference.step(ring, call, ape, 2)
+    want = reference.pool_sequence(seq[:4], gates[:4], ape, 2)
     assert sorted(pools[0]) == [0, 1]
-    assert pools[0][0].writer == serving.RING_CLOSE
+    assert pools[0][0].writer == calls.RING_CLOSE
     np.testing.assert_allclose(pools[0][0].key, want[0], rtol=1e-13)
     np.testing.assert_allclose(pools[0][1].key, want[1], rtol=1e-13)
     np.testing.assert_array_equal(after[1, 0, 0], seq[4])
@@ -92,17 +92,17 @@ def test_reference_step_closes_compresses_and_seeds():
 
 def test_keep_latest_replaces_only_rows_holding_drafts():
     key = np.zeros(2)
-    kept: dict[int, serving.PoolRecord] = {}
-    row = serving.PoolRow(key, serving.COMPRESS)
+    kept: dict[int, checks.PoolRecord] = {}
+    row = calls.PoolRow(key, calls.COMPRESS)
     # Call 0 keeps positions up to 5: pool 0 (0-3) is final, pool 1 (4-7)
     # holds drafts.
-    assert serving.keep_latest(kept, {0: row, 1: row}, 0, 5, 4) == (0, [])
+    assert checks.keep_latest(kept, {0: row, 1: row}, 0, 5, 4) == (0, [])
     assert kept[0].accepted and not kept[1].accepted
     # Call 1 produces pool 1 again from kept tokens: a rewrite.
-    assert serving.keep_latest(kept, {1: row}, 1, 8, 4) == (1, [])
+    assert checks.keep_latest(kept, {1: row}, 1, 8, 4) == (1, [])
     assert kept[1].call == 1 and kept[1].accepted
     # A final row produced again is reported and keeps the earlier row.
-    assert serving.keep_latest(kept, {0: row, 1: row}, 2, 8, 4) == (0, [0, 1])
+    assert checks.keep_latest(kept, {0: row, 1: row}, 2, 8, 4) == (0, [0, 1])
     assert kept[0].call == 0 and kept[1].call == 1
 
 
@@ -111,7 +111,7 @@ def test_restore_prefix_writes_the_pending_members_at_pos_mod_ring(ring_len):
     k = np.arange(11.0)[:, None] * np.ones((1, 2))
     gate = -k
     ring = np.zeros((3, 2, ring_len, 2))
-    serving.restore_prefix(ring, 2, 11, k, gate, 4)  # pending: 8, 9, 10
+    checked_run.restore_prefix(ring, 2, 11, k, gate, 4)  # pending: 8, 9, 10
     written = {8 % ring_len, 9 % ring_len, 10 % ring_len}
     for index in range(ring_len):
         want = 8 + (index - 8) % ring_len if index in written else 0.0
@@ -121,7 +121,7 @@ def test_restore_prefix_writes_the_pending_members_at_pos_mod_ring(ring_len):
 
 def test_pack_call_concatenates_rows_in_batch_order():
     a, b = np.ones((3, 2)), 2 * np.ones((2, 2))
-    packed = serving.pack_call(
+    packed = calls.pack_call(
         [([a, b], [a, b], 7, 3), ([], [], 2, 0), ([b], [b], 0, 1)],
         2,
         np.float64,
@@ -131,22 +131,22 @@ def test_pack_call_concatenates_rows_in_batch_order():
     assert packed.slot_idx.tolist() == [3, 0, 1]
     assert packed.k[:, 0].tolist() == [1, 1, 1, 2, 2, 2, 2]
     assert packed.input_row_offsets.dtype == np.uint32
-    empty = serving.pack_call([], 2, np.float32)
+    empty = calls.pack_call([], 2, np.float32)
     assert empty.k.shape == (0, 2) and empty.input_row_offsets.tolist() == [0]
 
 
 def test_aborted_request_stops_at_abort_at_and_frees_its_slot():
     requests = [
-        serving.Request(20, 10, abort_at=13),
-        serving.Request(9, 3, cached_prefix=2),
-        serving.Request(5),
+        workload.Request(20, 10, abort_at=13),
+        workload.Request(9, 3, cached_prefix=2),
+        workload.Request(5),
     ]
     assert requests[0].end == 13 and requests[0].new_tokens == 13
     rng = np.random.default_rng(1)
-    calls = serving.schedule(
+    calls = scheduling.schedule(
         requests, rng, token_budget=6, max_running=2, chunk=4, idle_prob=0.3
     )
-    plan = serving.plan(requests, calls, 2, rng)
+    plan = scheduling.plan(requests, calls, 2, rng)
     fed = [r.cached_prefix for r in requests]
     idle = 0
     for call in plan.calls:
@@ -162,9 +162,9 @@ def test_aborted_request_stops_at_abort_at_and_frees_its_slot():
 
 
 def test_variable_drafts_span_the_range():
-    requests = [serving.Request(3, 200)]
+    requests = [workload.Request(3, 200)]
     rng = np.random.default_rng(2)
-    calls = serving.schedule(
+    calls = scheduling.schedule(
         requests, rng, spec_tokens=5, min_spec_tokens=0, max_running=1
     )
     verify = [n for call in calls[1:] for _, n, _ in call]
@@ -172,10 +172,10 @@ def test_variable_drafts_span_the_range():
 
 
 def test_plan_pins_slots_and_refuses_a_held_one():
-    requests = [serving.Request(4), serving.Request(4)]
+    requests = [workload.Request(4), workload.Request(4)]
     calls = [[(0, 2), (1, 2)], [(0, 2), (1, 2)]]
     rng = np.random.default_rng(0)
-    plan = serving.plan(requests, calls, 6, rng, slots={0: 5, 1: 0})
+    plan = scheduling.plan(requests, calls, 6, rng, slots={0: 5, 1: 0})
     assert [(e.request, e.slot) for e in plan.calls[0]] == [(0, 5), (1, 0)]
-    with pytest.raises(serving.ScheduleError, match="slot 5, which is not"):
-        serving.plan(requests, calls, 6, rng, slots={0: 5, 1: 5})
+    with pytest.raises(workload.ScheduleError, match="slot 5, which is not"):
+        scheduling.plan(requests, calls, 6, rng, slots={0: 5, 1: 5})

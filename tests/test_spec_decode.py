@@ -21,9 +21,9 @@ have overwritten the pending pool's older members. A ring of
   tokens at position 6 keeping 1, then true tokens from 7): pool 1 comes out
   wrong with ``R = 4`` and with ``R = 8`` (one pool less than needed), right
   with ``R = ring_length(4, 8) = 12``;
-- seeded speculative schedules from the serving model's scheduler
-  (:func:`mla_kpool.serving.schedule`: 1-8 tokens per verify, none to all
-  drafts accepted, several requests per call on slots that are not their
+- seeded speculative schedules from the demo's scheduler
+  (:func:`mla_kpool.demo.scheduling.schedule`: 1-8 tokens per verify, none
+  to all drafts accepted, several requests per call on slots that are not their
   rows, slots reused) on ``R = 12``: every pool's final row matches
   :func:`reference.pool_sequence` of the accepted stream and is bitwise equal
   to the same model's one-shot compress of that stream; the same schedules
@@ -61,13 +61,11 @@ from kpool_cases import (
     assert_pooled_close,
     bits,
 )
-from mla_kpool import reference, ring_length, serving
+from mla_kpool import reference, ring_length
+from mla_kpool.calls import CallInputs, pools_completed
+from mla_kpool.demo import scheduling, workload
+from mla_kpool.demo.checks import PoolRecord, keep_latest
 from mla_kpool.runner import Runner, StepResult
-from mla_kpool.serving import (
-    PoolRecord,
-    keep_latest,
-    pools_completed,
-)
 
 KPOOL = 4
 #: Most drafts per verify call: 8 tokens, vLLM's kpool-4 production case.
@@ -92,7 +90,7 @@ class SpecSchedule(sch.Schedule):
 
     Its entries at or past the prompt are verify steps: ``tokens`` brought,
     the first ``accepted`` kept, the rest drafts (the serving model's
-    :func:`mla_kpool.serving.draft_rows`, never the true keys).
+    :func:`mla_kpool.demo.workload.draft_rows`, never the true keys).
     """
 
     @property
@@ -152,10 +150,10 @@ assert HAND_LENGTH == 20
 
 def hand_scenario(cfg: Config, seed: int = 7) -> SpecSchedule:
     """The hand scenario: a 6-token prompt, then verify steps, 3 slots."""
-    request = serving.Request(prompt=6, generate=HAND_LENGTH - 6)
+    request = workload.Request(prompt=6, generate=HAND_LENGTH - 6)
     calls = [[(0, n, a)] for n, a in HAND_CALLS]
     rng = np.random.default_rng(seed)
-    plan = serving.plan([request], calls, 3, rng)
+    plan = scheduling.plan([request], calls, 3, rng)
     return SpecSchedule("hand", seed, cfg.dtype, cfg.kpool, cfg.head_dim, plan)
 
 
@@ -178,13 +176,13 @@ def random_spec_schedule(
     rng = np.random.default_rng(seed)
     kp = cfg.kpool
     reqs = [
-        serving.Request(
+        workload.Request(
             prompt=int(rng.integers(1, 3 * kp + 6)),
             generate=int(rng.integers(6 * kp, 12 * kp)),
         )
         for _ in range(requests)
     ]
-    calls = serving.schedule(
+    calls = scheduling.schedule(
         reqs,
         rng,
         token_budget=4 * (MAX_DRAFTS + 1) * max_batch,
@@ -193,7 +191,7 @@ def random_spec_schedule(
         spec_tokens=MAX_DRAFTS,
         min_spec_tokens=0,
     )
-    plan = serving.plan(reqs, calls, max_batch, rng)
+    plan = scheduling.plan(reqs, calls, max_batch, rng)
     return SpecSchedule(
         "random", seed, cfg.dtype, cfg.kpool, cfg.head_dim, plan
     )
@@ -275,22 +273,25 @@ def one_shot(
     scratch = runner.new_ring(
         len(s.requests), ring_len, cfg.head_dim, cfg.dtype, fill=np.nan
     )
-    result: StepResult = runner.step(
-        scratch,
-        np.concatenate(
+    call = CallInputs(
+        k=np.concatenate(
             [r.keys[:n] for r, n in zip(s.requests, lengths, strict=True)]
         ),
-        np.concatenate(
+        gate=np.concatenate(
             [r.gates[:n] for r, n in zip(s.requests, lengths, strict=True)]
         ),
-        s.ape,
-        np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32),
-        np.zeros(len(s.requests), np.uint32),
-        np.arange(len(s.requests), dtype=np.uint32),
-        cfg.kpool,
+        input_row_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(
+            np.uint32
+        ),
+        cache_lengths=np.zeros(len(s.requests), np.uint32),
+        slot_idx=np.arange(len(s.requests), dtype=np.uint32),
     )
+    result: StepResult = runner.step(scratch, call, s.ape, cfg.kpool)
     assert np.all(result.ring_closed_pool == -1), s.describe()
-    return dict(enumerate(result.pools()))
+    return {
+        b: {p: row.key for p, row in got.items()}
+        for b, got in enumerate(result.pools())
+    }
 
 
 def error_ratios(
@@ -501,15 +502,6 @@ def test_deep_ring_bitwise_equal_without_rejection(
     deep_used = False
     for index in range(len(s.calls)):
         inputs = s.call_inputs(index)
-        args = (
-            inputs.k,
-            inputs.gate,
-            s.ape,
-            inputs.input_row_offsets,
-            inputs.cache_lengths,
-            inputs.slot_idx,
-            cfg.kpool,
-        )
         outs = {}
         for n in lengths:
             if inputs.ring_seeds:
@@ -518,7 +510,7 @@ def test_deep_ring_bitwise_equal_without_rejection(
                     seed.apply(host)
                     seed.apply(mirrors[n])
                 rings[n] = runner.to_device(host)
-            outs[n] = runner.step(rings[n], *args)
+            outs[n] = runner.step(rings[n], inputs.call, s.ape, cfg.kpool)
             mirrors[n] = reference.seed_tail(
                 mirrors[n],
                 inputs.k,

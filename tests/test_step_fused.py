@@ -51,6 +51,7 @@ from kpool_cases import (
     random_rows,
 )
 from mla_kpool.buffers import to_numpy
+from mla_kpool.calls import CallInputs
 from mla_kpool.runner import Runner, StepResult
 from test_fuzz import (
     GUARD_ROWS,
@@ -203,9 +204,9 @@ def test_stream_fused_equals_three_op(
             rng, kp, positions, bad=call % 3 == 2
         )
         k, gate = random_rows(rng, tokens, hd, cfg.dtype)
-        args = (k, gate, ape, offsets, cache, slots, kp)
+        call_in = CallInputs(k, gate, offsets, cache, slots)
         outs = {
-            fused: runner.step(rings[fused], *args, fused=fused)
+            fused: runner.step(rings[fused], call_in, ape, kp, fused=fused)
             for fused in (True, False)
         }
         assert_same_step(

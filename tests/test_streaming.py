@@ -1,7 +1,7 @@
 """Seeded serving schedules through the (fused) step, pool for pool.
 
 Each schedule (see :mod:`schedules`: named workloads planned by the
-serving model, :mod:`mla_kpool.serving`) knows every request's whole
+serving model, :mod:`mla_kpool.demo`) knows every request's whole
 sequence first, then feeds it through :meth:`Runner.step` over many calls:
 chunked prefill, single- and multi-token decode, rows with no tokens,
 requests joining late and leaving early, ring slots handed from a finished
@@ -52,6 +52,7 @@ from kpool_cases import (
     bits,
 )
 from mla_kpool import reference
+from mla_kpool.calls import CallInputs, first_pool_ids
 from mla_kpool.runner import Runner, StepResult
 
 #: Step models the schedules run on (all from STEP_CONFIGS): every dtype,
@@ -170,18 +171,10 @@ def whole_sequence_pools(
     scratch = runner.new_ring(
         len(s.requests), s.kpool, s.head_dim, s.dtype, fill=np.nan
     )
-    result = runner.step(
-        scratch,
-        inputs.k,
-        inputs.gate,
-        s.ape,
-        inputs.input_row_offsets,
-        inputs.cache_lengths,
-        inputs.slot_idx,
-        s.kpool,
-    )
+    result = runner.step(scratch, inputs.call, s.ape, s.kpool)
     assert np.all(result.ring_closed_pool == -1), s.describe()
-    return dict(zip(inputs.rids, result.pools(), strict=True))
+    pools = [{p: row.key for p, row in got.items()} for got in result.pools()]
+    return dict(zip(inputs.rids, pools, strict=True))
 
 
 def _stack(pools: dict[int, np.ndarray], ids: range, head_dim: int):
@@ -359,11 +352,18 @@ def swapped_step_model(device: str, cfg: Config) -> Model:
 def _swapped_step(runner: Runner, cfg: Config):
     model = swapped_step_model(runner.device_name, cfg)
 
-    def step(tail, k, gate, ape, offsets, cache, slots, kpool):
-        args = [k, gate, np.asarray(ape, np.float32), offsets, cache, slots]
+    def step(tail, call: CallInputs, ape, kpool):
+        args = [
+            call.k,
+            call.gate,
+            np.asarray(ape, np.float32),
+            call.input_row_offsets,
+            call.cache_lengths,
+            call.slot_idx,
+        ]
         outs = model.execute(tail, *(runner.to_device(a) for a in args))
         ring_pooled, closed, pooled, pool_rows = (runner.read(o) for o in outs)
-        first = -(-np.asarray(cache, np.int64) // kpool)
+        first = first_pool_ids(call.cache_lengths, kpool)
         return StepResult(ring_pooled, closed, pooled, pool_rows, first)
 
     return step
@@ -392,12 +392,14 @@ def test_seed_tail_before_ring_close_breaks_pools(
     host = np.full((3, 2, kp, hd), np.nan, dtype=cfg.dtype)
     host[2, 0, :2], host[2, 1, :2] = seq_k[:2], seq_g[:2]
     args = (
-        seq_k[2:],
-        seq_g[2:],
+        CallInputs(
+            k=seq_k[2:],
+            gate=seq_g[2:],
+            input_row_offsets=np.array([0, 5], np.uint32),
+            cache_lengths=np.array([2], np.uint32),
+            slot_idx=np.array([2], np.uint32),
+        ),
         ape,
-        np.array([0, 5], np.uint32),
-        np.array([2], np.uint32),
-        np.array([2], np.uint32),
         kp,
     )
     where = f"seed {seed}, {cfg.id}, {device}"

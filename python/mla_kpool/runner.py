@@ -11,8 +11,9 @@ index dtypes (compile-time parameters of the kernels) pick a new model.
 Each op is described once, as data, in :data:`OPS` (its operands and their
 graph types, the :mod:`mla_kpool.graph` wrapper it calls, its outputs);
 :meth:`Runner.prepare` and :meth:`Runner.run` take any op by name from it,
-and :func:`model_key` keys a model from a configuration. The per-op methods
-(:meth:`Runner.step` and the rest) are conveniences over :meth:`Runner.run`.
+and :func:`model_key` keys a model from a configuration. Only the step has a
+method of its own (:meth:`Runner.step`: one :class:`mla_kpool.calls.CallInputs`
+in, a :class:`StepResult` out), since the table cannot say that.
 
 The ring is persistent state, so it lives in a ``max.driver.Buffer`` that
 the caller owns (:meth:`Runner.new_ring`) and the in-place ops update.
@@ -40,8 +41,9 @@ from max.engine import InferenceSession, Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
 from . import graph as kpool_graph
-from ._paths import KERNELS, builtin_kernels_only
+from ._paths import KERNELS, builtin_kernels_only, compiled_kernels
 from .buffers import to_buffer, to_max_dtype, to_numpy
+from .calls import CallInputs, PoolRow, pools_of_call
 
 
 @dataclass(frozen=True)
@@ -78,22 +80,18 @@ class ModelKey:
     always_select_tail: bool = False
 
 
-#: Graph dims of each array operand, from the model key. ``"tokens"``,
-#: ``"slots"``, ``"offsets"`` and ``"batch"`` are symbolic: they vary per call.
+#: Graph dims of each operand, from the model key. ``"tokens"``, ``"slots"``,
+#: ``"offsets"`` and ``"batch"`` are symbolic: they vary per call.
 _DIMS: dict[str, Callable[[ModelKey], list[Any]]] = {
     "tail": lambda key: ["slots", 2, key.ring_len, key.head_dim],
     "k": lambda key: ["tokens", key.head_dim],
     "gate": lambda key: ["tokens", key.head_dim],
     "ape": lambda key: [key.kpool, key.head_dim],
     "pool_ids": lambda key: ["tokens", key.pool_topk],
-}
-
-#: The one (symbolic) dim of each index operand.
-_INDEX_DIMS = {
-    "input_row_offsets": "offsets",
-    "pool_row_offsets": "offsets",
-    "cache_lengths": "batch",
-    "slot_idx": "batch",
+    "input_row_offsets": lambda key: ["offsets"],
+    "pool_row_offsets": lambda key: ["offsets"],
+    "cache_lengths": lambda key: ["batch"],
+    "slot_idx": lambda key: ["batch"],
 }
 
 
@@ -160,7 +158,7 @@ class Op:
             make = BufferType if name == "tail" else TensorType
             types.append(make(dtype, _DIMS[name](key), device))
         for name, dtype in zip(self.indices, key.index_dtypes, strict=True):
-            types.append(TensorType(dtype, [_INDEX_DIMS[name]], device))
+            types.append(TensorType(dtype, _DIMS[name](key), device))
         return types
 
     def graph_name(self, key: ModelKey, emulate_gpu: bool) -> str:
@@ -450,26 +448,26 @@ class Runner:
             self._models[key] = model
         return model
 
-    @property
-    def compiled_models(self) -> int:
-        """How many distinct models this runner has compiled."""
-        return len(self._models)
-
-    def _kernel_scope(self) -> contextlib.AbstractContextManager[None]:
-        """Keeps MAX's builtins in the graph when ``kernels`` is ``None``."""
-        if self.kernels is None:
-            return builtin_kernels_only()
-        return contextlib.nullcontext()
-
     def _build(self, key: ModelKey) -> Graph:
-        """The graph of one op of :data:`OPS`, specialized on ``key``."""
+        """The graph of one op of :data:`OPS`, specialized on ``key``.
+
+        This package's kernels go in precompiled (:func:`compiled_kernels`,
+        once per process) rather than as the source directory, which MAX
+        would precompile again for every graph (about 4 s each). Without
+        ``kernels`` the graph keeps MAX's builtins.
+        """
         op = _op(key.kind)
+        extensions = [] if self.kernels is None else [self.kernels]
+        if self.kernels == KERNELS:
+            extensions = [compiled_kernels()]
         with (
-            self._kernel_scope(),
+            builtin_kernels_only()
+            if self.kernels is None
+            else contextlib.nullcontext(),
             Graph(
                 op.graph_name(key, self.emulate_gpu),
                 input_types=op.input_types(key, self._ref),
-                custom_extensions=[self.kernels] if self.kernels else [],
+                custom_extensions=extensions,
             ) as g,
         ):
             values = [
@@ -532,142 +530,31 @@ class Runner:
         model, args = self.prepare(kind, kpool, **operands)
         return [to_numpy(out) for out in model.execute(*args)]
 
-    def ring_close(
-        self,
-        tail: Buffer,
-        k: np.ndarray,
-        gate: np.ndarray,
-        ape: np.ndarray,
-        input_row_offsets: npt.ArrayLike,
-        cache_lengths: npt.ArrayLike,
-        slot_idx: npt.ArrayLike,
-        kpool: int,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Runs ``mo.mla.kpool.ring_close``; see :func:`mla_kpool.ring_close`.
-
-        Returns:
-            ``(pooled, closed_pool)``: ``[batch, head_dim]`` in k's dtype and
-            ``[batch]`` int32.
-        """
-        pooled, closed = self.run(
-            "ring_close",
-            kpool,
-            tail=tail,
-            k=k,
-            gate=gate,
-            ape=ape,
-            input_row_offsets=input_row_offsets,
-            cache_lengths=cache_lengths,
-            slot_idx=slot_idx,
-        )
-        return pooled, closed
-
-    def compress(
-        self,
-        k: np.ndarray,
-        gate: np.ndarray,
-        ape: np.ndarray,
-        input_row_offsets: npt.ArrayLike,
-        pool_row_offsets: npt.ArrayLike,
-        cache_lengths: npt.ArrayLike,
-        kpool: int,
-    ) -> np.ndarray:
-        """Runs ``mo.mla.kpool.compress``; see :func:`mla_kpool.compress`.
-
-        Returns:
-            ``[total_tokens // kpool, head_dim]`` pooled keys in k's dtype.
-        """
-        (pooled,) = self.run(
-            "compress",
-            kpool,
-            k=k,
-            gate=gate,
-            ape=ape,
-            input_row_offsets=input_row_offsets,
-            pool_row_offsets=pool_row_offsets,
-            cache_lengths=cache_lengths,
-        )
-        return pooled
-
-    def seed_tail(
-        self,
-        tail: Buffer,
-        k: np.ndarray,
-        gate: np.ndarray,
-        input_row_offsets: npt.ArrayLike,
-        cache_lengths: npt.ArrayLike,
-        slot_idx: npt.ArrayLike,
-        kpool: int,
-    ) -> None:
-        """Runs ``mo.mla.kpool.seed_tail`` on ``tail`` in place."""
-        self.run(
-            "seed_tail",
-            kpool,
-            tail=tail,
-            k=k,
-            gate=gate,
-            input_row_offsets=input_row_offsets,
-            cache_lengths=cache_lengths,
-            slot_idx=slot_idx,
-        )
-
     def step(
         self,
         tail: Buffer,
-        k: np.ndarray,
-        gate: np.ndarray,
+        call: CallInputs,
         ape: np.ndarray,
-        input_row_offsets: npt.ArrayLike,
-        cache_lengths: npt.ArrayLike,
-        slot_idx: npt.ArrayLike,
         kpool: int,
         *,
         fused: bool = True,
     ) -> StepResult:
-        """Runs :func:`mla_kpool.kpool_step` on ``tail``.
+        """Runs :func:`mla_kpool.kpool_step` on ``tail`` for one call.
 
-        The arguments are those of :func:`mla_kpool.kpool_step`: ``fused``
-        picks the one ``mla_kpool.step`` op (model kind ``"step"``) or, when
-        ``False``, the three writers (kind ``"step3"``).
+        Args:
+            tail: The ring (:meth:`new_ring`), updated in place.
+            call: The call's keys, gates and per-request metadata.
+            ape: ``[kpool, head_dim]`` position embedding.
+            kpool: Tokens per pool.
+            fused: The one ``mla_kpool.step`` op (model kind ``"step"``)
+                or, when ``False``, the three writers (kind ``"step3"``).
 
         Returns:
-            The step's outputs as NumPy arrays; ``tail`` is updated in place.
+            The step's outputs as NumPy arrays.
         """
-        outs = self.run(
-            "step" if fused else "step3",
-            kpool,
-            tail=tail,
-            k=k,
-            gate=gate,
-            ape=ape,
-            input_row_offsets=input_row_offsets,
-            cache_lengths=cache_lengths,
-            slot_idx=slot_idx,
-        )
+        kind = "step" if fused else "step3"
+        outs = self.run(kind, kpool, tail=tail, ape=ape, **call.operands())
         return StepResult(*outs)
-
-    def expand_topk(
-        self,
-        pool_ids: np.ndarray,
-        input_row_offsets: npt.ArrayLike,
-        cache_lengths: npt.ArrayLike,
-        kpool: int,
-        always_select_tail: bool = True,
-    ) -> np.ndarray:
-        """Runs ``mo.mla.kpool.expand_topk``; see :func:`mla_kpool.expand_topk`.
-
-        Returns:
-            ``[total_tokens, pool_topk * kpool + tail]`` int32 positions.
-        """
-        (positions,) = self.run(
-            "expand_topk",
-            kpool,
-            pool_ids=pool_ids,
-            input_row_offsets=input_row_offsets,
-            cache_lengths=cache_lengths,
-            always_select_tail=always_select_tail,
-        )
-        return positions
 
 
 @dataclass(frozen=True)
@@ -690,19 +577,21 @@ class StepResult:
     pool_row_offsets: np.ndarray
     first_pool: np.ndarray
 
-    def pools(self) -> list[dict[int, np.ndarray]]:
-        """Every pool this call produced, per request: ``{pool_id: key}``.
+    def pools(self) -> list[dict[int, PoolRow]]:
+        """Every pool this call produced, per request, with its writer.
 
-        The keys of :func:`mla_kpool.serving.pools_of_call`, which also
-        says which writer built each one.
+        Returns:
+            Per request, ``{pool_id: PoolRow}``
+            (:func:`mla_kpool.calls.pools_of_call`).
+
+        Raises:
+            ValueError: As :func:`mla_kpool.calls.pools_of_call`, for
+                ``pool_row_offsets`` that do not fit ``pooled``.
         """
-        from .serving import pools_of_call
-
-        rows = pools_of_call(
+        return pools_of_call(
             self.ring_closed_pool,
             self.ring_pooled,
             self.pooled,
             self.pool_row_offsets,
             self.first_pool,
         )
-        return [{p: row.key for p, row in got.items()} for got in rows]

@@ -1,18 +1,4 @@
-"""``python -m mla_kpool demo``: a serving workload, checked pool by pool.
-
-The command line around :func:`mla_kpool.serving.serve`: it resolves the
-options (and a ``--schedule`` file) into a configuration and a plan of
-calls, compiles the step and expand_topk models once, serves every call
-(chunked prefill, decode or speculative verify steps, requests joining as
-ring slots free up), checks every pool of every request and every
-expand_topk row against the NumPy oracle, and prints a summary.
-
-Exit status: 0 when every check passes, 1 when one fails (the failures are
-printed), 2 for a usage error such as a bad ``--schedule`` file.
-``--inject-fault`` corrupts one ring member, one key or one selected pool id
-behind the oracle's back, so a run that exits 0 with it would prove the
-check blind.
-"""
+"""``python -m mla_kpool demo``: options, the run, and the summary it prints."""
 
 from __future__ import annotations
 
@@ -21,29 +7,36 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from max import driver
 from tqdm import tqdm
 
-from . import serving
-from ._argtypes import int_at_least
-from .runner import DEVICES
-from .serving import Config, Plan
+from .._argtypes import int_at_least
+from .._paths import compiled_kernels
+from ..runner import DEVICES, Runner
+from . import workload
+from .checked_run import Config, compile_models, make_plan, serve
+from .faults import FAULT_KINDS, place_fault
+from .schedule_file import load_schedule
+from .scheduling import Plan
+from .summary import format_summary, summarize
+from .workload import ScheduleError
 
-if TYPE_CHECKING:
-    from .runner import Runner
+__all__ = ["DESCRIPTION", "add_arguments", "main", "run"]
 
 
 class DemoError(Exception):
     """A usage problem: bad option combination, no GPU, bad schedule."""
 
 
-# --------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------
-
+#: Seconds the two models take to compile on an empty compile cache (a
+#: 2-core machine, MAX 26.7); a warm cache loads them in a few seconds.
+COLD_COMPILE_S = "30-45"
 
 _positive = int_at_least(1)
+
+
 _non_negative = int_at_least(0)
 
 
@@ -67,24 +60,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        choices=list(serving.DTYPES),
-        help=f"key dtype ({serving.DEFAULT_DTYPE})",
+        choices=list(workload.DTYPES),
+        help=f"key dtype ({workload.DEFAULT_DTYPE})",
     )
     parser.add_argument(
         "--kpool",
         type=_positive,
-        help=f"tokens per pool ({serving.DEFAULT_KPOOL})",
+        help=f"tokens per pool ({workload.DEFAULT_KPOOL})",
     )
     parser.add_argument(
         "--head-dim",
         type=_positive,
-        help=f"channels per key ({serving.DEFAULT_HEAD_DIM})",
+        help=f"channels per key ({workload.DEFAULT_HEAD_DIM})",
     )
     parser.add_argument(
         "--requests",
         type=_positive,
         help=(
-            f"requests to generate ({serving.DEFAULT_REQUESTS}); not with "
+            f"requests to generate ({workload.DEFAULT_REQUESTS}); not with "
             "--schedule"
         ),
     )
@@ -108,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive,
         help=(
             "most requests in flight at once, which is the number of ring "
-            f"slots ({serving.DEFAULT_MAX_RUNNING})"
+            f"slots ({workload.DEFAULT_MAX_RUNNING})"
         ),
     )
     parser.add_argument(
@@ -125,17 +118,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pool-topk",
         type=_positive,
-        default=serving.DEFAULT_POOL_TOPK,
+        default=workload.DEFAULT_POOL_TOPK,
         help=(
             "pool ids each query token selects for expand_topk "
-            f"({serving.DEFAULT_POOL_TOPK})"
+            f"({workload.DEFAULT_POOL_TOPK})"
         ),
     )
     parser.add_argument(
         "--inject-fault",
         nargs="?",
-        const=serving.FAULT_KINDS[0],
-        choices=serving.FAULT_KINDS,
+        const=FAULT_KINDS[0],
+        choices=FAULT_KINDS,
         help=(
             "corrupt one ring member (ring, the default), one key row (key) "
             "or one selected pool id sent to expand_topk (topk) that the "
@@ -184,11 +177,6 @@ def main(
     return run(parser.parse_args(argv), runner=runner)
 
 
-# --------------------------------------------------------------------------
-# Configuration and plan
-# --------------------------------------------------------------------------
-
-
 def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
     """Resolves the options (and the schedule file) into a config and plan.
 
@@ -209,8 +197,8 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
                 "lists its requests)"
             )
         try:
-            loaded = serving.load_schedule(args.schedule)
-        except serving.ScheduleError as err:
+            loaded = load_schedule(args.schedule)
+        except ScheduleError as err:
             raise DemoError(str(err)) from err
 
     def pick(name: str, default: Any) -> Any:
@@ -225,13 +213,13 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
         return next((v for v in (option, in_file) if v is not None), default)
 
     config = Config(
-        dtype=serving.DTYPES[pick("dtype", serving.DEFAULT_DTYPE)],
-        kpool=pick("kpool", serving.DEFAULT_KPOOL),
-        head_dim=pick("head_dim", serving.DEFAULT_HEAD_DIM),
+        dtype=workload.DTYPES[pick("dtype", workload.DEFAULT_DTYPE)],
+        kpool=pick("kpool", workload.DEFAULT_KPOOL),
+        head_dim=pick("head_dim", workload.DEFAULT_HEAD_DIM),
         device=args.device,
         seed=args.seed,
         token_budget=args.token_budget,
-        max_running=pick("max_running", serving.DEFAULT_MAX_RUNNING),
+        max_running=pick("max_running", workload.DEFAULT_MAX_RUNNING),
         chunk=args.chunk,
         schedule=args.schedule,
         spec_tokens=args.spec_tokens or 0,
@@ -243,155 +231,15 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
             f'lists every call\'s tokens in "calls"'
         )
     try:
-        requests = args.requests or serving.DEFAULT_REQUESTS
-        return config, serving.make_plan(
+        requests = args.requests or workload.DEFAULT_REQUESTS
+        return config, make_plan(
             config,
             loaded.requests if loaded else requests,
             loaded.calls if loaded else None,
         )
-    except serving.ScheduleError as err:
+    except ScheduleError as err:
         where = f"{args.schedule}: " if args.schedule else ""
         raise DemoError(f"{where}{err}") from err
-
-
-# --------------------------------------------------------------------------
-# Summary
-# --------------------------------------------------------------------------
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    """The summary table the demo prints."""
-    cfg, spec, ex = s["config"], s.get("speculative"), s["expand_topk"]
-    head = (
-        f"mla-kpool demo: {cfg['dtype']}, kpool {cfg['kpool']}, head_dim "
-        f"{cfg['head_dim']}, {cfg['device']}, seed {cfg['seed']}"
-    )
-    if cfg["schedule"]:
-        head += f", schedule {cfg['schedule']}"
-    if spec:
-        head += (
-            f", {spec['spec_tokens']} speculative tokens, ring "
-            f"{spec['ring_len']}"
-        )
-    batching = (
-        f"token budget {cfg['token_budget']}, chunk {cfg['chunk']}, "
-        if cfg["token_budget"]
-        else ""
-    )
-    rows = [
-        (
-            "requests",
-            f"{s['requests']}",
-            f"{s['requests_with_cached_prefix']} with a cached prefix, "
-            f"{serving.plural(cfg['max_running'], 'ring slot')}, "
-            f"{serving.plural(s['slot_reuses'], 'slot reuse')}",
-        ),
-        (
-            "tokens",
-            f"{s['tokens']}",
-            f"prefill {s['prefill_tokens']}, decode {s['decode_tokens']}; "
-            f"cached prefix {s['cached_prefix_tokens']} not sent",
-        ),
-        (
-            "calls",
-            f"{s['calls']}",
-            f"{batching}max batch {s['max_batch']}, max tokens "
-            f"{s['max_call_tokens']}",
-        ),
-    ]
-    pools = f"expected {s['pools_expected']}, checked {s['pools_checked']}"
-    if spec:
-        rows.append(
-            (
-                "verify steps",
-                f"{spec['verify_steps']}",
-                f"{spec['draft_tokens']} drafts, {spec['accepted_drafts']} "
-                f"accepted; {spec['verify_steps_all_rejected']} kept no "
-                f"draft, {spec['verify_steps_all_accepted']} kept all",
-            )
-        )
-        pools = (
-            f"rows written; expected {s['pools_expected']} pool ids, final "
-            f"rows checked {s['pools_checked']}"
-        )
-    rows += [
-        ("pools", f"{s['pools']}", pools),
-        ("  closed by ring_close", f"{s['pools_ring_close']}", ""),
-        ("  built by compress", f"{s['pools_compress']}", ""),
-    ]
-    if spec:
-        rows += [
-            (
-                "  rewritten after a rejection",
-                f"{spec['pools_rewritten']}",
-                "a later call produced the pool id again; that row is kept",
-            ),
-            (
-                "  dropped",
-                f"{spec['pools_dropped']}",
-                "pools of drafts past the request's end",
-            ),
-        ]
-    tps = s["tokens_per_second"]
-    rows += [
-        (
-            "expand_topk rows",
-            f"{ex['rows_expanded']}",
-            f"checked {ex['rows_checked']}, {ex['mismatches']} "
-            f"differ{'s' if ex['mismatches'] == 1 else ''} from "
-            f"the oracle; top {cfg['pool_topk']} pool ids per query, "
-            f"{ex['skipped_ids']} ids the op must skip",
-        ),
-        (
-            "max abs error vs oracle",
-            f"{s['max_abs_error']:.3g}",
-            f"worst pool at {s['max_error_over_tolerance']:.3g} of its "
-            f"tolerance ({s['tolerance']:g} x max |k|)",
-        ),
-        (
-            "mean time per call",
-            f"{1e3 * s['mean_call_seconds']:.3f} ms",
-            f"median {1e3 * s['median_call_seconds']:.3f} ms",
-        ),
-        (
-            "tokens per second",
-            f"{tps:,.0f}" if tps else "-",
-            "tokens / time in Runner.step (copies in and out included)",
-        ),
-        (
-            "compile",
-            f"{s['compile_seconds']:.1f} s",
-            "step and expand_topk models, once each",
-        ),
-        ("wall time", f"{s['wall_seconds']:.1f} s", "everything"),
-    ]
-    width = max(len(r[0]) for r in rows)
-    value = max(len(r[1]) for r in rows)
-    lines = [head, "-" * len(head)]
-    for label, val, note in rows:
-        note = f"  ({note})" if note else ""
-        lines.append(f"{label:<{width}}  {val:>{value}}{note}")
-    lines.append("-" * len(head))
-    if s["ok"] and spec:
-        lines.append(
-            "result: OK, the last row of every pool id of every request "
-            "holds kept tokens only and matches the oracle of the accepted "
-            "stream; every expand_topk row matches the oracle"
-        )
-    elif s["ok"]:
-        lines.append(
-            "result: OK, every pool of every request came out exactly once "
-            "and matches the oracle; every expand_topk row matches the oracle"
-        )
-    else:
-        problems = serving.plural(len(s["problems"]), "problem")
-        lines.append(f"result: FAILED, {problems} (above)")
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------
-# Entry point
-# --------------------------------------------------------------------------
 
 
 def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
@@ -412,7 +260,7 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
         config, plan_ = build_plan(args)
         fault = None
         if args.inject_fault:
-            fault = serving.place_fault(plan_, args.inject_fault, config.kpool)
+            fault = place_fault(plan_, args.inject_fault, config.kpool)
             if fault is None:
                 raise DemoError(
                     f"--inject-fault {args.inject_fault}: no call in this "
@@ -423,15 +271,25 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
         print(f"mla-kpool demo: error: {e}", file=err)
         return 2
 
+    print(
+        "precompiling the Mojo kernels (a few seconds, every run)...",
+        file=err,
+        flush=True,
+    )
+    start = time.perf_counter()
+    compiled_kernels()
+    package_s = time.perf_counter() - start
     ring = f", ring {config.ring_len}" if config.spec_tokens else ""
     print(
         f"compiling the step model ({config.dtype.name}, kpool "
         f"{config.kpool}, head_dim {config.head_dim}{ring}) and the "
-        f"expand_topk model (top {config.pool_topk}) on {config.device}...",
+        f"expand_topk model (top {config.pool_topk}) on {config.device}: "
+        f"about {COLD_COMPILE_S} s the first time, then loaded from MAX's "
+        "compile cache in a few seconds...",
         file=err,
         flush=True,
     )
-    compile_s = serving.compile_models(runner, config)
+    compile_s = package_s + compile_models(runner, config)
     described = fault.describe() if fault is not None else None
     if fault is not None:
         print(f"injecting a fault: {described}", file=err)
@@ -442,10 +300,10 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
         file=err,
         disable=args.no_progress or not err.isatty(),
     )
-    totals = serving.serve(config, plan_, runner, fault, progress)
+    totals = serve(config, plan_, runner, fault, progress)
     wall_s = time.perf_counter() - started
-    summary = serving.summarize(
-        config, plan_, totals, compile_s, wall_s, described
+    summary = summarize(
+        config, plan_, totals, compile_s, wall_s, described, package_s
     )
     for problem in totals.problems:
         print(f"FAIL {problem}", file=out)
@@ -463,10 +321,6 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
 def _runner_on(device: str, runner: Runner | None) -> Runner:
     """``runner`` if it is on ``device``, else a new runner there."""
     if runner is None:
-        from max import driver
-
-        from .runner import Runner
-
         if device == "gpu" and driver.accelerator_count() == 0:
             raise DemoError(
                 "--device gpu: no accelerator found (try --device cpu)"

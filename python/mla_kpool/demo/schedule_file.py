@@ -1,0 +1,198 @@
+"""``--schedule`` files: a workload, and maybe every call's batch, as JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .workload import DTYPES, Request, ScheduleError
+
+__all__ = ["load_schedule", "parse_schedule"]
+
+
+@dataclass(frozen=True)
+class ScheduleFile:
+    """A parsed ``--schedule`` file.
+
+    Attributes:
+        requests: The requests.
+        calls: Per call, ``(request, tokens)`` pairs in batch order; ``None``
+            when the file leaves batching to :func:`schedule`.
+        kpool: Tokens per pool, if the file fixes it.
+        head_dim: Channels per key, if the file fixes it.
+        dtype: Key dtype name, if the file fixes it.
+        max_running: Ring slots, if the file fixes it.
+    """
+
+    requests: tuple[Request, ...]
+    calls: tuple[tuple[tuple[int, int], ...], ...] | None
+    kpool: int | None = None
+    head_dim: int | None = None
+    dtype: str | None = None
+    max_running: int | None = None
+
+
+_TOP_KEYS = ("kpool", "head_dim", "dtype", "max_running", "requests", "calls")
+
+
+_REQUEST_KEYS = ("prompt", "generate", "cached_prefix")
+
+
+def _int(value: Any, where: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ScheduleError(
+            f"{where} must be an integer >= {minimum}, got {value!r}"
+        )
+    if value < minimum:
+        raise ScheduleError(f"{where} must be >= {minimum}, got {value}")
+    return value
+
+
+def _keys(obj: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
+    unknown = sorted(set(obj) - set(allowed))
+    if unknown:
+        raise ScheduleError(
+            f"{where}: unknown key {unknown[0]!r} (allowed: "
+            f"{', '.join(allowed)})"
+        )
+
+
+def _request(obj: Any, where: str) -> Request:
+    if not isinstance(obj, dict):
+        raise ScheduleError(
+            f"{where} must be an object like "
+            f'{{"prompt": 700, "generate": 20}}, got {obj!r}'
+        )
+    _keys(obj, _REQUEST_KEYS, where)
+    if "prompt" not in obj:
+        raise ScheduleError(f'{where} needs "prompt"')
+    prompt = _int(obj["prompt"], f"{where}.prompt", 1)
+    generate = _int(obj.get("generate", 0), f"{where}.generate", 0)
+    prefix = _int(obj.get("cached_prefix", 0), f"{where}.cached_prefix", 0)
+    if prefix >= prompt:
+        raise ScheduleError(
+            f"{where}.cached_prefix must be < prompt ({prompt}), got {prefix}"
+        )
+    return Request(prompt, generate, prefix)
+
+
+def _call(obj: Any, where: str) -> tuple[tuple[int, int], ...]:
+    if not isinstance(obj, list):
+        raise ScheduleError(
+            f"{where} must be a list of [request, tokens] pairs, got {obj!r}"
+        )
+    pairs = []
+    for j, pair in enumerate(obj):
+        at = f"{where}[{j}]"
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ScheduleError(
+                f"{at} must be a [request, tokens] pair, got {pair!r}"
+            )
+        pairs.append(
+            (
+                _int(pair[0], f"{at}[0] (request)", 0),
+                _int(pair[1], f"{at}[1]", 0),
+            )
+        )
+    return tuple(pairs)
+
+
+def parse_schedule(data: Any) -> ScheduleFile:
+    """Validates a decoded schedule (see :func:`load_schedule`).
+
+    Args:
+        data: The decoded JSON value.
+
+    Returns:
+        The schedule.
+
+    Raises:
+        ScheduleError: If anything is missing, unknown or out of range; the
+            message names the place, e.g. ``requests[3].prompt``.
+    """
+    if not isinstance(data, dict):
+        raise ScheduleError(
+            f'the schedule must be a JSON object with "requests", got '
+            f"{type(data).__name__}"
+        )
+    _keys(data, _TOP_KEYS, "schedule")
+    if "requests" not in data:
+        raise ScheduleError('the schedule needs "requests"')
+    reqs = data["requests"]
+    if not isinstance(reqs, list) or not reqs:
+        raise ScheduleError(
+            f'"requests" must be a non-empty list, got {reqs!r}'
+        )
+    requests = tuple(_request(r, f"requests[{i}]") for i, r in enumerate(reqs))
+    calls = None
+    if "calls" in data:
+        if not isinstance(data["calls"], list) or not data["calls"]:
+            raise ScheduleError(
+                f'"calls" must be a non-empty list of calls, got '
+                f"{data['calls']!r}"
+            )
+        calls = tuple(
+            _call(c, f"calls[{i}]") for i, c in enumerate(data["calls"])
+        )
+    dtype = data.get("dtype")
+    if dtype is not None and dtype not in DTYPES:
+        raise ScheduleError(
+            f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}"
+        )
+
+    def optional(name: str) -> int | None:
+        return None if name not in data else _int(data[name], name, 1)
+
+    return ScheduleFile(
+        requests=requests,
+        calls=calls,
+        kpool=optional("kpool"),
+        head_dim=optional("head_dim"),
+        dtype=dtype,
+        max_running=optional("max_running"),
+    )
+
+
+def load_schedule(path: str | Path) -> ScheduleFile:
+    """Reads and validates a JSON schedule file.
+
+    The format (only ``requests`` is required)::
+
+        {
+          "kpool": 4, "head_dim": 128, "dtype": "bfloat16", "max_running": 16,
+          "requests": [{"prompt": 700, "generate": 20, "cached_prefix": 0}],
+          "calls": [[[0, 512]], [[0, 188]], [[0, 3]], ...]
+        }
+
+    Each call lists ``[request, tokens]`` pairs in batch order (requests
+    are numbered from 0 in file order); without ``calls`` the demo batches
+    the requests itself (:func:`schedule`).
+
+    Args:
+        path: The file.
+
+    Returns:
+        The schedule.
+
+    Raises:
+        ScheduleError: If the file cannot be read, is not JSON, or fails
+            :func:`parse_schedule`; the message starts with the path.
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ScheduleError(f"{path}: cannot read: {err.strerror}") from err
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ScheduleError(
+            f"{path}: not valid JSON: {err.msg} (line {err.lineno}, "
+            f"column {err.colno})"
+        ) from err
+    try:
+        return parse_schedule(data)
+    except ScheduleError as err:
+        raise ScheduleError(f"{path}: {err}") from err

@@ -1,0 +1,73 @@
+"""NumPy oracle for the k-pooled indexer ops, from docs/ops.md's contracts.
+
+Each pool of ``kpool`` consecutive tokens collapses to one key, per channel::
+
+    s[q, ch]    = gate[q, ch] + ape[q, ch]
+    w[q, ch]    = exp(s[q, ch] - max_q s[q, ch])
+    pooled[ch]  = sum_q w[q, ch] * key[q, ch] / sum_q w[q, ch]
+
+Everything here runs in float64 (the kernels compute in float32; tests compare
+with a tolerance derived from the output dtype). Subtracting the per-channel
+maximum keeps gates of magnitude 100 or more finite, and ``np.max`` propagates
+NaN, so a NaN score poisons its channel exactly as a softmax would.
+
+The three writers mirror the graph ops, in the order a serving step runs them:
+
+1. :func:`ring_close` closes each request's pending pool (the one the tail ring
+   partly holds) when this call brings enough new tokens.
+2. :func:`compress` builds every pool made entirely of this call's tokens.
+3. :func:`seed_tail` stashes the trailing incomplete tokens into the ring.
+
+:func:`expand_topk` mirrors the op that reads the pools back: it widens the
+pool ids an indexer selected for each query token into the token positions
+attention reads. :func:`step` runs the three writers in serving order on one
+:class:`mla_kpool.calls.CallInputs`, and :func:`tolerance` says how close a
+kernel's pooled key must come to the oracle's.
+
+Modules: ``numerics`` (the pooling formula, the tolerance), ``writers``
+(ring_close, compress, seed_tail), ``expand`` (expand_topk), ``fused`` (the
+step); everything public is re-exported here.
+
+Index values are read one by one as Python ``int`` so that ``c + n`` never
+wraps, whatever the index dtype (uint32 by MAX convention). Bad runtime
+metadata (offsets out of order or past ``total_tokens``, a slot outside the
+ring, a negative cache length) never raises here: it gives the documented
+"no result" answer for that request, as the kernels must.
+"""
+
+from __future__ import annotations
+
+from .expand import (
+    expand_topk,
+    expand_topk_ambiguous_rows,
+    expand_topk_candidates,
+    expand_topk_width,
+)
+from .fused import step
+from .numerics import TOLERANCE, pool, pool_sequence, tolerance
+from .writers import (
+    compress,
+    compress_ambiguous_rows,
+    compress_candidates,
+    pool_row_offsets,
+    ring_close,
+    seed_tail,
+)
+
+__all__ = [
+    "TOLERANCE",
+    "compress",
+    "compress_ambiguous_rows",
+    "compress_candidates",
+    "expand_topk",
+    "expand_topk_ambiguous_rows",
+    "expand_topk_candidates",
+    "expand_topk_width",
+    "pool",
+    "pool_row_offsets",
+    "pool_sequence",
+    "ring_close",
+    "seed_tail",
+    "step",
+    "tolerance",
+]
