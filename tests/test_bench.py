@@ -18,8 +18,9 @@ from kpool_cases import F32, TOLERANCE
 from mla_kpool import _sysinfo, bench
 from mla_kpool import reference as ref
 from mla_kpool.__main__ import main
-from mla_kpool._paths import compiled_kernels
+from mla_kpool._paths import KERNELS, NOOP_KERNELS, compiled_kernels
 from mla_kpool.bench import workload
+from mla_kpool.runner import model_key
 
 CASES = [
     workload.Case(op, dtype, batch, kpool, 16, "cpu")
@@ -382,10 +383,14 @@ def test_runners_load_precompiled_packages():
     the .mojoc rather than the source directory MAX would rebuild."""
     runners = bench.make_runners("cpu")
     assert set(runners) == {"ours", "floor"}
-    assert runners["ours"].kernels == compiled_kernels()
-    floor = runners["floor"].kernels
-    assert floor.suffix == ".mojoc" and floor.is_file()
-    assert floor != compiled_kernels()
+    key = model_key("ring_close", 4, dtype=np.float32, head_dim=8, ring_len=4)
+    for name, package in (("ours", KERNELS), ("floor", NOOP_KERNELS)):
+        assert runners[name].kernels == package
+        graph = runners[name]._build(key)  # builds, compiles nothing
+        mojoc = compiled_kernels(package)
+        assert mojoc.suffix == ".mojoc" and mojoc.is_file()
+        assert graph.kernel_libraries_paths == [mojoc]
+    assert compiled_kernels(NOOP_KERNELS) != compiled_kernels()
 
 
 @pytest.mark.skipif(

@@ -55,27 +55,31 @@ MARKER_OP = "mla_kpool.step"
 _AUTOLOAD: ContextVar[bool] = ContextVar("mla_kpool_autoload", default=True)
 
 _compiled_lock = threading.Lock()
-_compiled: Path | None = None
+_compiled: dict[Path, Path] = {}
 
 
-def compiled_kernels() -> Path:
-    """Returns :data:`KERNELS` precompiled to a ``.mojoc`` file.
+def compiled_kernels(package: Path = KERNELS) -> Path:
+    """Returns a Mojo package directory precompiled to a ``.mojoc`` file.
 
     MAX precompiles a source directory every time a graph loads it (about
-    4 s); this does it once per process, through MAX's own loader, so the
-    file is the one ``custom_extensions=[KERNELS]`` produces (under
-    ``$TMPDIR/.modular_<uid>/mojo_pkg/``). It is rebuilt if it disappears.
+    4 s); this does it once per process and package, through MAX's own
+    loader, so the file is the one ``custom_extensions=[package]`` produces
+    (under ``$TMPDIR/.modular_<uid>/mojo_pkg/``). It is rebuilt if it
+    disappears.
+
+    Args:
+        package: A Mojo package directory; :data:`KERNELS` by default.
 
     Raises:
-        mojo.paths.MojoCompilationError: If the kernels do not compile.
+        mojo.paths.MojoCompilationError: If the package does not compile.
     """
-    global _compiled
     with _compiled_lock:
-        if _compiled is None or not _compiled.is_file():
+        done = _compiled.get(package)
+        if done is None or not done.is_file():
             library = KernelLibrary()
-            library.load_paths([KERNELS])
-            _compiled = library.library_paths()[-1]
-        return _compiled
+            library.load_paths([package])
+            done = _compiled[package] = library.library_paths()[-1]
+        return done
 
 
 def has_kernels(graph: Graph) -> bool:

@@ -451,15 +451,16 @@ class Runner:
     def _build(self, key: ModelKey) -> Graph:
         """The graph of one op of :data:`OPS`, specialized on ``key``.
 
-        This package's kernels go in precompiled (:func:`compiled_kernels`,
-        once per process) rather than as the source directory, which MAX
-        would precompile again for every graph (about 4 s each). Without
-        ``kernels`` the graph keeps MAX's builtins.
+        A kernel package directory goes in precompiled
+        (:func:`compiled_kernels`, once per process) rather than as the
+        source directory, which MAX would precompile again for every graph
+        (about 4 s each). Without ``kernels`` the graph keeps MAX's
+        builtins.
         """
         op = _op(key.kind)
         extensions = [] if self.kernels is None else [self.kernels]
-        if self.kernels == KERNELS:
-            extensions = [compiled_kernels()]
+        if self.kernels is not None and self.kernels.is_dir():
+            extensions = [compiled_kernels(self.kernels)]
         with (
             builtin_kernels_only()
             if self.kernels is None

@@ -33,16 +33,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from max.graph import KernelLibrary
 from tqdm import tqdm
 
 from .. import runner as kpool_runner
 from .._argtypes import int_at_least, non_negative_float
-from .._paths import NOOP_KERNELS, compiled_kernels
+from .._paths import NOOP_KERNELS
 from .._sysinfo import run_info
 from ..runner import Runner
 from . import report, workload
@@ -144,13 +142,6 @@ def model_call(
     return call
 
 
-def _precompiled(package: Path) -> Path:
-    """``package`` precompiled to a ``.mojoc``, as compiled_kernels does."""
-    library = KernelLibrary()
-    library.load_paths([package])
-    return library.library_paths()[-1]
-
-
 def make_runners(device: str) -> dict[str, Runner]:
     """``"ours"``, ``"floor"`` and, on a GPU, ``"builtin"`` runners.
 
@@ -161,8 +152,8 @@ def make_runners(device: str) -> dict[str, Runner]:
         mojo.paths.MojoCompilationError: If a package does not compile.
     """
     runners = {
-        "ours": Runner(device, kernels=compiled_kernels()),
-        "floor": Runner(device, kernels=_precompiled(NOOP_KERNELS)),
+        "ours": Runner(device),
+        "floor": Runner(device, kernels=NOOP_KERNELS),
     }
     if device == "gpu":
         runners["builtin"] = Runner(device, kernels=None)
