@@ -101,7 +101,7 @@ class SpecSchedule(sch.Schedule):
 
     def accepted_length(self, rid: int) -> int:
         """Length of the request's accepted stream after the last call."""
-        return self.requests[rid].fed
+        return self.requests[rid].end
 
     def features(self) -> frozenset[str]:
         """What the schedule exercises (checked, so no case is vacuous)."""
@@ -224,12 +224,12 @@ def serve(runner: Runner, s: SpecSchedule, ring_len: int) -> Served:
     cfg, kp = s.cfg, s.cfg.kpool
     server = sch.DeviceServer(runner, s, ring_len)
     scale = max(
-        float(np.abs(r.keys.astype(np.float64)).max()) for r in s.requests
+        float(np.abs(keys.astype(np.float64)).max()) for keys, _ in s.sequences
     )
-    served = Served({r.rid: {} for r in s.requests})
+    served = Served({rid: {} for rid in range(len(s.requests))})
     for index, call in enumerate(s.calls):
         # Checks the device ring against the oracle's, bit for bit.
-        produced_pools, want = server.run(s.call_inputs(index))
+        produced_pools, want = server.run(index)
         where = f"{s.describe()}, R={ring_len}, call {index}"
         for b, (p, got) in enumerate(zip(call, produced_pools, strict=True)):
             row = (
@@ -270,23 +270,18 @@ def one_shot(
 ) -> dict[int, dict[int, np.ndarray]]:
     """Each accepted stream in one step call with ``c = 0`` (compress)."""
     cfg = s.cfg
-    lengths = [s.accepted_length(r.rid) for r in s.requests]
-    counts = np.array(lengths)
+    inputs = s.whole_sequence_inputs()
     scratch = runner.new_ring(
         len(s.requests), ring_len, cfg.head_dim, cfg.dtype, fill=np.nan
     )
     result: StepResult = runner.step(
         scratch,
-        np.concatenate(
-            [r.keys[:n] for r, n in zip(s.requests, lengths, strict=True)]
-        ),
-        np.concatenate(
-            [r.gates[:n] for r, n in zip(s.requests, lengths, strict=True)]
-        ),
+        inputs.k,
+        inputs.gate,
         s.ape,
-        np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32),
-        np.zeros(len(s.requests), np.uint32),
-        np.arange(len(s.requests), dtype=np.uint32),
+        inputs.input_row_offsets,
+        inputs.cache_lengths,
+        inputs.slot_idx,
         cfg.kpool,
     )
     assert np.all(result.ring_closed_pool == -1), s.describe()
@@ -303,11 +298,13 @@ def error_ratios(
     that accepted all of its members.
     """
     cfg, kp = s.cfg, s.cfg.kpool
-    r = s.requests[rid]
+    keys, gates = s.sequences[rid]
     length = s.accepted_length(rid)
     ids = range(length // kp)
     final = served.final[rid]
-    where = f"{s.describe()}: request {rid} (slot {r.slot}, length {length})"
+    where = (
+        f"{s.describe()}: request {rid} (slot {s.slots[rid]}, length {length})"
+    )
     missing = [p for p in ids if p not in final]
     assert not missing, f"{where}: pools {missing} never came out"
     stale = [p for p in ids if not final[p].accepted]
@@ -315,8 +312,8 @@ def error_ratios(
     # Pool ids past the accepted stream can only hold drafts (dropped).
     assert all(not final[p].accepted for p in final if p not in ids), where
     got = np.stack([final[p].key for p in ids]).astype(np.float64)
-    want = reference.pool_sequence(r.keys[:length], r.gates[:length], s.ape, kp)
-    scale = float(np.abs(r.keys[:length].astype(np.float64)).max())
+    want = reference.pool_sequence(keys[:length], gates[:length], s.ape, kp)
+    scale = float(np.abs(keys[:length].astype(np.float64)).max())
     err = np.abs(got - want).max(axis=1) / (TOLERANCE[cfg.dtype] * scale)
     return np.where(np.isnan(err), np.inf, err), ids
 
@@ -331,9 +328,9 @@ def assert_accepted_stream(
     """
     whole = one_shot(runner, s, ring_len)
     total = 0
-    for r in s.requests:
-        ratios, ids = error_ratios(s, served, r.rid)
-        where = f"{s.describe()}, R={ring_len}: request {r.rid}"
+    for rid in range(len(s.requests)):
+        ratios, ids = error_ratios(s, served, rid)
+        where = f"{s.describe()}, R={ring_len}: request {rid}"
         wrong = [p for p, e in zip(ids, ratios, strict=True) if not e <= 1.0]
         assert not wrong, (
             f"{where}: pools {wrong} differ from pool_sequence of the "
@@ -344,7 +341,7 @@ def assert_accepted_stream(
             p
             for p in ids
             if not np.array_equal(
-                bits(served.final[r.rid][p].key), bits(whole[r.rid][p])
+                bits(served.final[rid][p].key), bits(whole[rid][p])
             )
         ]
         assert not differ, (
@@ -455,8 +452,8 @@ def test_random_spec_schedule_breaks_one_pool_ring(
     s = random_spec_schedule(0, cfg)
     served = serve(runner, s, KPOOL)
     wrong = 0
-    for r in s.requests:
-        ratios, _ = error_ratios(s, served, r.rid)
+    for rid in range(len(s.requests)):
+        ratios, _ = error_ratios(s, served, rid)
         wrong += int(np.sum(~(ratios <= 1.0)))
     assert wrong > 0, f"{s.describe()}: R = kpool got every pool right"
 
@@ -512,11 +509,10 @@ def test_deep_ring_bitwise_equal_without_rejection(
         )
         outs = {}
         for n in lengths:
-            if inputs.ring_seeds:
+            if s.restores(index):
                 host = runner.read(rings[n])
-                for seed in inputs.ring_seeds:
-                    seed.apply(host)
-                    seed.apply(mirrors[n])
+                s.restore(index, host)
+                s.restore(index, mirrors[n])
                 rings[n] = runner.to_device(host)
             outs[n] = runner.step(rings[n], *args)
             mirrors[n] = reference.seed_tail(
