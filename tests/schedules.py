@@ -1,21 +1,20 @@
 """Named serving schedules for the streaming tests, on the serving model.
 
 A schedule is a seeded workload run through the serving model's own
-scheduler and slot planner (:func:`schedule` and
-:func:`plan`): chunked prefill, single- and multi-token
-decode, rows that bring no tokens, requests joining late, leaving early and
-handing their ring slot to a later request, and requests resuming from a
-cached prefix that ends mid-pool (ring restored on admission with
-:func:`restore_prefix`). Its requests are the serving
-model's (:class:`Request`), its calls the plan's entries,
-each call's operands the serving model's packing
-(:func:`plan_call_inputs`), and each request's keys and
-gate scores its seeded ones (:func:`request_rows`), drawn
-for the whole sequence independently of how it is batched. So the pools a
-request must produce are known in advance: pool ``p`` is tokens
-``[p*kpool, (p+1)*kpool)`` (:func:`mla_kpool.reference.pool_sequence`), and
-a request resuming at ``cached_prefix`` and fed to ``end`` owns pools
-``cached_prefix // kpool`` up to ``end // kpool``.
+scheduler and slot planner (:func:`schedule` and :func:`plan`): chunked
+prefill, single- and multi-token decode, rows that bring no tokens,
+requests joining late, leaving early and handing their ring slot to a later
+request, and requests resuming from a cached prefix that ends mid-pool
+(ring restored on admission with :func:`restore_prefix`). Its requests are
+the serving model's (:class:`Request`), its calls the plan's entries, each
+call's operands the serving model's packing (:func:`plan_call_inputs`),
+and each request's keys and gate scores its seeded ones
+(:func:`request_rows`), drawn for the whole sequence independently of how
+it is batched. So the pools a request must produce are known in advance:
+pool ``p`` is tokens ``[p*kpool, (p+1)*kpool)``
+(:func:`mla_kpool.reference.pool_sequence`), and a request resuming at
+``cached_prefix`` and fed to ``end`` owns pools ``cached_prefix // kpool``
+up to ``end // kpool``.
 
 What the tests add to the serving model:
 
@@ -26,8 +25,8 @@ What the tests add to the serving model:
   vacuous;
 - :func:`replay`, which feeds a schedule call by call through any ``step``
   function and checks the pool accounting: every call must produce exactly
-  the pools it completes (:func:`pools_completed`), so
-  over the schedule every pool comes out exactly once;
+  the pools it completes (:func:`pools_completed`), so over the schedule
+  every pool comes out exactly once;
 - :class:`ReferenceServer` (the float64 oracle step) and
   :class:`DeviceServer` (a compiled step whose ring must equal the
   oracle's bit for bit after every call).
@@ -217,7 +216,7 @@ class Schedule:
             and ``past_4096`` (a position above 4096).
         """
         out = set()
-        reqs = self.plan.requests
+        reqs = self.requests
         for index, call in enumerate(self.calls):
             for row, e in enumerate(call):
                 r = reqs[e.request]
