@@ -61,12 +61,15 @@ from kpool_cases import (
     assert_pooled_close,
     bits,
 )
-from mla_kpool import reference, ring_length, serving
+from mla_kpool import reference, ring_length
 from mla_kpool.runner import Runner, StepResult
 from mla_kpool.serving import (
     PoolRecord,
+    Request,
     keep_latest,
+    plan,
     pools_completed,
+    schedule,
 )
 
 KPOOL = 4
@@ -152,11 +155,11 @@ assert HAND_LENGTH == 20
 
 def hand_scenario(cfg: Config, seed: int = 7) -> SpecSchedule:
     """The hand scenario: a 6-token prompt, then verify steps, 3 slots."""
-    request = serving.Request(prompt=6, generate=HAND_LENGTH - 6)
+    request = Request(prompt=6, generate=HAND_LENGTH - 6)
     calls = [[(0, n, a)] for n, a in HAND_CALLS]
     rng = np.random.default_rng(seed)
-    plan = serving.plan([request], calls, 3, rng)
-    return SpecSchedule("hand", seed, cfg.dtype, cfg.kpool, cfg.head_dim, plan)
+    plan_ = plan([request], calls, 3, rng)
+    return SpecSchedule("hand", seed, cfg.dtype, cfg.kpool, cfg.head_dim, plan_)
 
 
 def random_spec_schedule(
@@ -178,13 +181,13 @@ def random_spec_schedule(
     rng = np.random.default_rng(seed)
     kp = cfg.kpool
     reqs = [
-        serving.Request(
+        Request(
             prompt=int(rng.integers(1, 3 * kp + 6)),
             generate=int(rng.integers(6 * kp, 12 * kp)),
         )
         for _ in range(requests)
     ]
-    calls = serving.schedule(
+    calls = schedule(
         reqs,
         rng,
         token_budget=4 * (MAX_DRAFTS + 1) * max_batch,
@@ -193,9 +196,9 @@ def random_spec_schedule(
         spec_tokens=MAX_DRAFTS,
         min_spec_tokens=0,
     )
-    plan = serving.plan(reqs, calls, max_batch, rng)
+    plan_ = plan(reqs, calls, max_batch, rng)
     return SpecSchedule(
-        "random", seed, cfg.dtype, cfg.kpool, cfg.head_dim, plan
+        "random", seed, cfg.dtype, cfg.kpool, cfg.head_dim, plan_
     )
 
 
