@@ -29,7 +29,7 @@ F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
 
 #: Tolerance against the float64 oracle, relative to the magnitude of the
-#: pooled members: the package's one rule (:func:`mla_kpool.serving.
+#: pooled members: the package's one rule (:func:`mla_kpool.reference.
 #: tolerance`), whose values tests/test_cli.py pins.
 TOLERANCE = {dtype: tolerance(dtype) for dtype in (F32, F16, BF16)}
 

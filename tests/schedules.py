@@ -1,27 +1,35 @@
-"""Named serving schedules for the streaming tests: serving-model plans.
+"""Named serving schedules for the streaming tests, on the serving model.
 
-A schedule is a seeded workload (requests as data: prompt, tokens generated,
-cached prefix, where the client aborts) run through the serving model's own
-scheduler and slot planner (:func:`mla_kpool.serving.schedule` and
-:func:`mla_kpool.serving.plan`): chunked prefill, single- and multi-token
-decode, rows that bring no tokens, requests joining late, leaving early and
-handing their ring slot to a later request, and requests resuming from a
-cached prefix that ends mid-pool (ring restored on admission with
-:func:`mla_kpool.serving.restore_prefix`).
+A schedule is a seeded workload run through the serving model's own
+scheduler and slot planner (:func:`schedule` and :func:`plan`): chunked
+prefill, single- and multi-token decode, rows that bring no tokens,
+requests joining late, leaving early and handing their ring slot to a later
+request, and requests resuming from a cached prefix that ends mid-pool
+(ring restored on admission with :func:`restore_prefix`). Its requests are
+the serving model's (:class:`Request`), its calls the plan's entries, each
+call's operands the serving model's packing (:func:`plan_call_inputs`),
+and each request's keys and gate scores its seeded ones
+(:func:`request_rows`), drawn for the whole sequence independently of how
+it is batched. So the pools a request must produce are known in advance:
+pool ``p`` is tokens ``[p*kpool, (p+1)*kpool)``
+(:func:`mla_kpool.reference.pool_sequence`), and a request resuming at
+``cached_prefix`` and fed to ``end`` owns pools ``cached_prefix // kpool``
+up to ``end // kpool``.
 
-Each request's keys and gate scores are the serving model's seeded ones
-(:func:`mla_kpool.serving.request_rows`), drawn for its whole sequence
-independently of how it is batched, so the pools it must produce are known
-in advance: pool ``p`` is tokens ``[p*kpool, (p+1)*kpool)``
-(:func:`mla_kpool.reference.pool_sequence`). A request resuming at
-``prefix`` and fed to ``fed`` owns pools ``prefix // kpool`` up to
-``fed // kpool``.
+What the tests add to the serving model:
 
-:func:`replay` feeds a schedule call by call through any ``step`` function
-(the compiled step, or :class:`ReferenceServer`, the float64 oracle) and
-checks the pool accounting: every call must produce exactly the pools it
-completes (:func:`mla_kpool.serving.pools_completed`), so over the schedule
-every pool comes out exactly once.
+- workloads the demo does not draw (:class:`ScheduleParams`): clients that
+  abort, prefix-cache block sizes, a prefix resumed past position 4096, and
+  a fixed two-request interleaving (:func:`interleaved_pair`);
+- :meth:`Schedule.features`, what a schedule exercises, so no case is
+  vacuous;
+- :func:`replay`, which feeds a schedule call by call through any ``step``
+  function and checks the pool accounting: every call must produce exactly
+  the pools it completes (:func:`pools_completed`), so over the schedule
+  every pool comes out exactly once;
+- :class:`ReferenceServer` (the float64 oracle step) and
+  :class:`DeviceServer` (a compiled step whose ring must equal the
+  oracle's bit for bit after every call).
 """
 
 from __future__ import annotations
@@ -34,124 +42,39 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kpool_cases import bits
-from mla_kpool import calls, reference
-from mla_kpool.calls import pools_completed
-from mla_kpool.demo import scheduling, workload
+from mla_kpool import reference
+from mla_kpool.calls import (
+    CallInputs,
+    PoolRow,
+    pack_call,
+    pools_completed,
+)
 from mla_kpool.demo.checked_run import restore_prefix
+from mla_kpool.demo.scheduling import (
+    Call,
+    Entry,
+    Plan,
+    plan,
+    plan_call_inputs,
+    schedule,
+)
+from mla_kpool.demo.workload import Request, make_ape, request_rows
 
 if TYPE_CHECKING:
     from mla_kpool.runner import Runner
 
 __all__ = [
-    "CallInputs",
     "CallPools",
     "DeviceServer",
     "PoolAccountingError",
     "ReferenceServer",
-    "Request",
-    "RingSeed",
     "Schedule",
     "ScheduleParams",
     "StepFn",
-    "bits",
     "interleaved_pair",
     "random_schedule",
     "replay",
 ]
-
-
-@dataclass(frozen=True)
-class Request:
-    """One request of a schedule: its slot, its span and its whole sequence.
-
-    Attributes:
-        rid: Request id (its index in :attr:`Schedule.requests`).
-        slot: Ring slot it holds while in flight.
-        prefix: Tokens already cached when it joins (0 for a fresh request).
-        keys: ``[length, head_dim]`` keys of positions ``0..length-1``,
-            prefix included; an aborted request stops being fed before the
-            end.
-        gates: ``[length, head_dim]`` gate scores, same dtype.
-        fed: Length reached when the schedule ends.
-        left_early: Whether its client aborted it before its sequence ended.
-    """
-
-    rid: int
-    slot: int
-    prefix: int
-    keys: np.ndarray = field(repr=False)
-    gates: np.ndarray = field(repr=False)
-    fed: int
-    left_early: bool = False
-
-    def pool_ids(self, kpool: int) -> range:
-        """The pools this request must produce over the schedule."""
-        return range(self.prefix // kpool, self.fed // kpool)
-
-
-@dataclass(frozen=True)
-class RingSeed:
-    """A resumed prefix's pending members, to restore before a call.
-
-    Attributes:
-        rid: The request resuming.
-        slot: Its ring slot.
-        prefix: Length of its cached prefix.
-        keys: ``[length, head_dim]`` its whole key sequence.
-        gates: ``[length, head_dim]`` its gate scores.
-        kpool: Tokens per pool.
-    """
-
-    rid: int
-    slot: int
-    prefix: int
-    keys: np.ndarray = field(repr=False)
-    gates: np.ndarray = field(repr=False)
-    kpool: int
-
-    def apply(self, ring: np.ndarray) -> None:
-        """Restores the members into a host ring ``[slots, 2, R, head_dim]``.
-
-        Member ``pos`` goes to ring index ``pos % R``
-        (:func:`mla_kpool.serving.restore_prefix`).
-        """
-        restore_prefix(
-            ring, self.slot, self.prefix, self.keys, self.gates, self.kpool
-        )
-
-
-@dataclass(frozen=True)
-class CallInputs:
-    """The operands of one step call, plus what to do before it.
-
-    Attributes:
-        k: ``[total_tokens, head_dim]`` keys, rows of the batch in order.
-        gate: ``[total_tokens, head_dim]`` gate scores.
-        input_row_offsets: ``[batch + 1]`` uint32.
-        cache_lengths: ``[batch]`` uint32.
-        slot_idx: ``[batch]`` uint32.
-        rids: Request of each batch row.
-        ring_seeds: Ring entries to restore before the call.
-    """
-
-    k: np.ndarray
-    gate: np.ndarray
-    input_row_offsets: np.ndarray
-    cache_lengths: np.ndarray
-    slot_idx: np.ndarray
-    rids: tuple[int, ...]
-    ring_seeds: tuple[RingSeed, ...] = ()
-
-    @property
-    def call(self) -> calls.CallInputs:
-        """The operands as the runner and the oracle take them."""
-        return calls.CallInputs(
-            self.k,
-            self.gate,
-            self.input_row_offsets,
-            self.cache_lengths,
-            self.slot_idx,
-        )
 
 
 @dataclass(frozen=True)
@@ -173,7 +96,7 @@ class Schedule:
     dtype: np.dtype
     kpool: int
     head_dim: int
-    plan: scheduling.Plan = field(repr=False)
+    plan: Plan = field(repr=False)
 
     @property
     def max_slots(self) -> int:
@@ -181,36 +104,43 @@ class Schedule:
         return self.plan.max_slots
 
     @property
-    def calls(self) -> tuple[scheduling.Call, ...]:
+    def calls(self) -> tuple[Call, ...]:
         """Every call's entries, in batch order."""
         return self.plan.calls
+
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        """The requests, by id."""
+        return self.plan.requests
 
     @functools.cached_property
     def ape(self) -> np.ndarray:
         """``[kpool, head_dim]`` float32 position embedding."""
-        return workload.make_ape(self.seed, self.kpool, self.head_dim)
+        return make_ape(self.seed, self.kpool, self.head_dim)
 
     @functools.cached_property
-    def requests(self) -> tuple[Request, ...]:
-        """Every request with its slot and whole sequence, by id."""
-        slots = {e.request: e.slot for call in self.calls for e in call}
-        out = []
-        for rid, r in enumerate(self.plan.requests):
-            keys, gates = workload.request_rows(
-                self.seed, rid, r.length, self.head_dim, self.dtype
-            )
-            out.append(
-                Request(
-                    rid,
-                    slots[rid],
-                    r.cached_prefix,
-                    keys,
-                    gates,
-                    r.end,
-                    r.abort_at is not None,
-                )
-            )
-        return tuple(out)
+    def sequences(self) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+        """Per request, ``(keys, gates)`` of its whole sequence.
+
+        Each ``[length, head_dim]`` in the key dtype, positions from 0
+        (cached prefix included); an aborted request is fed only up to its
+        ``end``.
+        """
+        return tuple(
+            request_rows(self.seed, rid, r.length, self.head_dim, self.dtype)
+            for rid, r in enumerate(self.requests)
+        )
+
+    @functools.cached_property
+    def slots(self) -> tuple[int, ...]:
+        """The ring slot each request holds, by id."""
+        slot_of = {e.request: e.slot for call in self.calls for e in call}
+        return tuple(slot_of[rid] for rid in range(len(self.requests)))
+
+    def pool_ids(self, rid: int) -> range:
+        """The pools request ``rid`` must produce over the schedule."""
+        r = self.requests[rid]
+        return range(r.cached_prefix // self.kpool, r.end // self.kpool)
 
     def describe(self) -> str:
         """One line naming the schedule: scenario, seed and configuration."""
@@ -220,33 +150,46 @@ class Schedule:
             f"({len(self.calls)} calls, {len(self.requests)} requests)"
         )
 
-    def ring_seed(self, rid: int) -> RingSeed:
-        """The ring restore of request ``rid`` resuming from its prefix."""
-        r = self.requests[rid]
-        return RingSeed(rid, r.slot, r.prefix, r.keys, r.gates, self.kpool)
-
     def call_inputs(self, index: int) -> CallInputs:
-        """The operands of call ``index``, with the ring seeds to apply."""
-        call = self.calls[index]
-        seeds = tuple(
-            self.ring_seed(e.request)
-            for e in call
+        """The step operands of call ``index`` (besides the ring and ape)."""
+        return plan_call_inputs(
+            self.seed,
+            index,
+            self.calls[index],
+            dict(enumerate(self.sequences)),
+            self.head_dim,
+            self.dtype,
+        )
+
+    def restores(self, index: int) -> tuple[Entry, ...]:
+        """Entries of call ``index`` whose ring must be restored first.
+
+        A request admitted with a cached prefix that ends mid-pool.
+        """
+        return tuple(
+            e
+            for e in self.calls[index]
             if e.admitted and e.cache_length % self.kpool
         )
-        sequences = {r.rid: (r.keys, r.gates) for r in self.requests}
-        packed = scheduling.plan_call_inputs(
-            self.seed, index, call, sequences, self.head_dim, self.dtype
-        )
-        return CallInputs(
-            **packed.operands(),
-            rids=tuple(e.request for e in call),
-            ring_seeds=seeds,
-        )
+
+    def restore(self, index: int, ring: np.ndarray) -> None:
+        """Restores the :meth:`restores` of call ``index`` into a host ring.
+
+        Args:
+            index: The call.
+            ring: Host ring ``[slots, 2, R, head_dim]``, written in place:
+                member ``pos`` goes to ring index ``pos % R``.
+        """
+        for e in self.restores(index):
+            keys, gates = self.sequences[e.request]
+            restore_prefix(
+                ring, e.slot, e.cache_length, keys, gates, self.kpool
+            )
 
     def whole_sequence_inputs(self) -> CallInputs:
         """One call feeding every request's sequence from position 0.
 
-        Each request brings its tokens up to ``fed``. With every
+        Each request brings its tokens up to ``end``. With every
         ``cache_length`` 0, ring_close has nothing to close and compress
         builds every pool of every request: the one-shot result the
         streamed pools must match bit for bit. Request ``r`` is batch row
@@ -254,13 +197,12 @@ class Schedule:
         ``len(requests)`` slots.
         """
         rows = [
-            ([r.keys[: r.fed]], [r.gates[: r.fed]], 0, r.rid)
-            for r in self.requests
+            ([keys[: r.end]], [gates[: r.end]], 0, rid)
+            for rid, (r, (keys, gates)) in enumerate(
+                zip(self.requests, self.sequences, strict=True)
+            )
         ]
-        packed = calls.pack_call(rows, self.head_dim, self.dtype)
-        return CallInputs(
-            **packed.operands(), rids=tuple(r.rid for r in self.requests)
-        )
+        return pack_call(rows, self.head_dim, self.dtype)
 
     def features(self) -> frozenset[str]:
         """Which serving patterns the schedule exercises.
@@ -273,7 +215,7 @@ class Schedule:
             and ``past_4096`` (a position above 4096).
         """
         out = set()
-        reqs = self.plan.requests
+        reqs = self.requests
         for index, call in enumerate(self.calls):
             for row, e in enumerate(call):
                 r = reqs[e.request]
@@ -354,7 +296,7 @@ class ScheduleParams:
 
 def _workload(
     rng: np.random.Generator, kpool: int, p: ScheduleParams
-) -> list[workload.Request]:
+) -> list[Request]:
     """The requests of :func:`random_schedule`, drawn from ``rng``."""
     requests = []
     if p.long_prefix:
@@ -362,9 +304,7 @@ def _workload(
         # ring carries most of a pool and the first tokens close it.
         short = 1 + int(rng.integers(min(kpool, 24)))
         prefix = (p.long_prefix // kpool + 1) * kpool - short
-        requests.append(
-            workload.Request(prefix + 1, kpool + 40, cached_prefix=prefix)
-        )
+        requests.append(Request(prefix + 1, kpool + 40, cached_prefix=prefix))
     prompt_max = p.prompt_max or 4 * kpool + 8
     aborted = False
     for i in range(p.requests):
@@ -383,9 +323,7 @@ def _workload(
         ):
             abort_at = int(rng.integers(prefix + 1, prompt + generate))
             aborted = True
-        requests.append(
-            workload.Request(prompt, generate, prefix, abort_at=abort_at)
-        )
+        requests.append(Request(prompt, generate, prefix, abort_at=abort_at))
     return requests
 
 
@@ -419,7 +357,7 @@ def random_schedule(
     p = params or ScheduleParams()
     rng = np.random.default_rng(seed)
     requests = _workload(rng, kpool, p)
-    calls = scheduling.schedule(
+    calls = schedule(
         requests,
         rng,
         token_budget=p.token_budget or 3 * kpool + 16,
@@ -428,8 +366,8 @@ def random_schedule(
         max_decode=p.max_decode,
         idle_prob=p.idle_prob,
     )
-    plan = scheduling.plan(requests, calls, p.max_running, rng)
-    return Schedule(name, seed, np.dtype(dtype), kpool, head_dim, plan)
+    plan_ = plan(requests, calls, p.max_running, rng)
+    return Schedule(name, seed, np.dtype(dtype), kpool, head_dim, plan_)
 
 
 def interleaved_pair(
@@ -461,12 +399,14 @@ def interleaved_pair(
     rng = np.random.default_rng(seed)
     counts = rng.integers(1, kpool + 3, size=(calls, 2))
     lengths = counts.sum(axis=0)
-    requests = [workload.Request(int(n)) for n in lengths]
+    requests = [Request(int(n)) for n in lengths]
     explicit = [[(0, int(a)), (1, int(b))] for a, b in counts]
-    plan = scheduling.plan(
+    plan_ = plan(
         requests, explicit, max(slots) + 1, rng, slots=dict(enumerate(slots))
     )
-    return Schedule("interleaved", seed, np.dtype(dtype), kpool, head_dim, plan)
+    return Schedule(
+        "interleaved", seed, np.dtype(dtype), kpool, head_dim, plan_
+    )
 
 
 # --------------------------------------------------------------------------
@@ -475,21 +415,20 @@ def interleaved_pair(
 
 
 #: One call's pools per batch row, with their writers.
-CallPools = list[dict[int, calls.PoolRow]]
+CallPools = list[dict[int, PoolRow]]
 
 
 class PoolAccountingError(Exception):
     """A step produced a pool twice, out of turn, or not at all."""
 
 
-#: What :func:`replay` calls per call: the call's inputs (apply its
-#: ``ring_seeds`` first) to the pools of each batch row, ``{pool_id: key}``.
-StepFn = Callable[[CallInputs], Sequence[Mapping[int, np.ndarray]]]
+#: What :func:`replay` calls per call: the call's index (the step restores
+#: the ring first, :meth:`Schedule.restore`) to the pools of each batch row,
+#: ``{pool_id: key}``.
+StepFn = Callable[[int], Sequence[Mapping[int, np.ndarray]]]
 
 
-def replay(
-    schedule: Schedule, step: StepFn
-) -> dict[int, dict[int, np.ndarray]]:
+def replay(s: Schedule, step: StepFn) -> dict[int, dict[int, np.ndarray]]:
     """Feeds a schedule through ``step`` and collects every request's pools.
 
     Each call must produce, for each batch row, exactly the pools that call
@@ -497,9 +436,9 @@ def replay(
     exactly once and none is missing.
 
     Args:
-        schedule: The schedule.
-        step: Runs one call (restoring the ring first); returns per batch
-            row ``{pool_id: key}``.
+        s: The schedule.
+        step: Runs call ``index`` (restoring the ring first); returns per
+            batch row ``{pool_id: key}``.
 
     Returns:
         ``{rid: {pool_id: key}}`` for every request.
@@ -508,78 +447,71 @@ def replay(
         PoolAccountingError: If a call's pools are not exactly the ones it
             completes; the message names the schedule, call and request.
     """
-    kp = schedule.kpool
     pools: dict[int, dict[int, np.ndarray]] = {
-        r.rid: {} for r in schedule.requests
+        rid: {} for rid in range(len(s.requests))
     }
-    for index, call in enumerate(schedule.calls):
-        rows = step(schedule.call_inputs(index))
+    for index, call in enumerate(s.calls):
+        rows = step(index)
         if len(rows) != len(call):
             raise PoolAccountingError(
-                f"{schedule.describe()}: call {index} returned "
+                f"{s.describe()}: call {index} returned "
                 f"{len(rows)} rows for {len(call)} requests"
             )
         for row, (e, got) in enumerate(zip(call, rows, strict=True)):
-            want = pools_completed(e.cache_length, e.tokens, kp)
+            want = pools_completed(e.cache_length, e.tokens, s.kpool)
             if sorted(got) != list(want):
                 raise PoolAccountingError(
-                    f"{schedule.describe()}: call {index} row {row} "
+                    f"{s.describe()}: call {index} row {row} "
                     f"(request {e.request}, slot {e.slot}, cache_length "
                     f"{e.cache_length}, tokens {e.tokens}) produced "
                     f"pools {sorted(got)}, expected {list(want)}"
                 )
             for pool_id, key in got.items():
                 pools[e.request][pool_id] = np.asarray(key)
-    for r in schedule.requests:
-        if sorted(pools[r.rid]) != list(r.pool_ids(kp)):
+    for rid, got in pools.items():
+        if sorted(got) != list(s.pool_ids(rid)):
             raise PoolAccountingError(
-                f"{schedule.describe()}: request {r.rid} produced pools "
-                f"{sorted(pools[r.rid])}, expected {list(r.pool_ids(kp))}"
+                f"{s.describe()}: request {rid} produced pools "
+                f"{sorted(got)}, expected {list(s.pool_ids(rid))}"
             )
     return pools
+
+
+def _keys(pools: CallPools) -> list[dict[int, Any]]:
+    return [{p: row.key for p, row in got.items()} for got in pools]
 
 
 class ReferenceServer:
     """A :data:`StepFn` on the float64 oracle, with its own host ring.
 
-    Runs :func:`mla_kpool.serving.reference_step` (the oracle's ring_close,
+    Runs :func:`mla_kpool.reference.step` (the oracle's ring_close,
     compress and seed_tail in serving order) on a ring of the schedule's
     dtype, initially NaN (so a stale read poisons the pool that makes it).
 
     Args:
-        schedule: The schedule to serve (gives shapes and ``ape``).
+        s: The schedule to serve (gives shapes and ``ape``).
         ring: Host ring ``[slots, 2, R, head_dim]`` to start from; a NaN
-            ring of ``schedule.max_slots`` slots and ``R = kpool`` if None.
+            ring of ``s.max_slots`` slots and ``R = kpool`` if None.
     """
 
-    def __init__(
-        self, schedule: Schedule, ring: np.ndarray | None = None
-    ) -> None:
-        self.schedule = schedule
+    def __init__(self, s: Schedule, ring: np.ndarray | None = None) -> None:
+        self.schedule = s
         if ring is None:
-            ring = np.full(
-                (schedule.max_slots, 2, schedule.kpool, schedule.head_dim),
-                np.nan,
-                dtype=schedule.dtype,
-            )
+            shape = (s.max_slots, 2, s.kpool, s.head_dim)
+            ring = np.full(shape, np.nan, dtype=s.dtype)
         self.ring = ring
 
-    def run(self, inputs: CallInputs) -> CallPools:
-        """Runs one call on the oracle; returns per row its pools."""
-        for seed in inputs.ring_seeds:
-            seed.apply(self.ring)
-        pools, self.ring = reference.step(
-            self.ring, inputs.call, self.schedule.ape, self.schedule.kpool
-        )
+    def run(self, index: int) -> CallPools:
+        """Runs call ``index`` on the oracle; returns per row its pools."""
+        s = self.schedule
+        s.restore(index, self.ring)
+        inputs = s.call_inputs(index)
+        pools, self.ring = reference.step(self.ring, inputs, s.ape, s.kpool)
         return pools
 
-    def __call__(self, inputs: CallInputs) -> list[dict[int, np.ndarray]]:
-        """Runs one call on the oracle; returns per row ``{pool_id: key}``."""
-        return _keys(self.run(inputs))
-
-
-def _keys(pools: CallPools) -> list[dict[int, Any]]:
-    return [{p: row.key for p, row in got.items()} for got in pools]
+    def __call__(self, index: int) -> list[dict[int, np.ndarray]]:
+        """Runs call ``index`` on the oracle; per row ``{pool_id: key}``."""
+        return _keys(self.run(index))
 
 
 class DeviceServer:
@@ -591,7 +523,7 @@ class DeviceServer:
 
     Args:
         runner: Where the step runs.
-        schedule: The schedule to serve.
+        s: The schedule to serve.
         ring_len: Ring length ``R``; ``kpool`` if None.
         step: A step with :meth:`mla_kpool.runner.Runner.step`'s arguments
             and result; ``runner.step`` if None.
@@ -601,13 +533,12 @@ class DeviceServer:
     def __init__(
         self,
         runner: Runner,
-        schedule: Schedule,
+        s: Schedule,
         ring_len: int | None = None,
         step: Callable[..., Any] | None = None,
         check_ring: bool = True,
     ) -> None:
-        s = schedule
-        self.runner, self.schedule = runner, schedule
+        self.runner, self.schedule = runner, s
         self.step = step or runner.step
         self.ring_len = ring_len or s.kpool
         self.ring = runner.new_ring(
@@ -616,52 +547,39 @@ class DeviceServer:
         shape = (s.max_slots, 2, self.ring_len, s.head_dim)
         self.oracle = ReferenceServer(s, np.full(shape, np.nan, s.dtype))
         self.check_ring = check_ring
-        self.calls = 0
 
-    def run(
-        self, inputs: CallInputs
-    ) -> tuple[list[dict[int, calls.PoolRow]], list[dict[int, calls.PoolRow]]]:
-        """Runs one call on the device and on the oracle.
+    def run(self, index: int) -> tuple[CallPools, CallPools]:
+        """Runs call ``index`` on the device and on the oracle.
 
         Returns:
             ``(device pools, oracle pools)``, per batch row.
         """
-        if inputs.ring_seeds:
+        s = self.schedule
+        if s.restores(index):
             host = self.runner.read(self.ring)
-            for seed in inputs.ring_seeds:
-                seed.apply(host)
+            s.restore(index, host)
             self.ring = self.runner.to_device(host)
-        want = self.oracle.run(inputs)
-        result = self.step(
-            self.ring, inputs.call, self.schedule.ape, self.schedule.kpool
-        )
+        want = self.oracle.run(index)
+        inputs = s.call_inputs(index)
+        result = self.step(self.ring, inputs, s.ape, s.kpool)
         if self.check_ring:
             ring = self.runner.read(self.ring)
             bad = np.argwhere(
                 np.any(bits(ring) != bits(self.oracle.ring), axis=-1)
             )
+            rows = [
+                (e.request, e.slot, e.cache_length, e.tokens)
+                for e in s.calls[index]
+            ]
             assert bad.size == 0, (
-                f"{self.schedule.describe()}, R={self.ring_len}: after call "
-                f"{self.calls} the ring differs from the oracle's at [slot, "
-                f"plane, index] {bad.tolist()[:8]}; batch rows (request, "
-                f"slot, cache_length, tokens): {self._rows(inputs)}"
+                f"{s.describe()}, R={self.ring_len}: after call {index} the "
+                f"ring differs from the oracle's at [slot, plane, index] "
+                f"{bad.tolist()[:8]}; batch rows (request, slot, "
+                f"cache_length, tokens): {rows}"
             )
-        self.calls += 1
-        return result.pools(), want
+        got = result.pools()
+        return got, want
 
-    def __call__(self, inputs: CallInputs) -> list[dict[int, np.ndarray]]:
-        """Runs one call; returns per row ``{pool_id: key}`` of the device."""
-        return _keys(self.run(inputs)[0])
-
-    @staticmethod
-    def _rows(inputs: CallInputs) -> list[tuple[int, int, int, int]]:
-        off = inputs.input_row_offsets
-        return [
-            (
-                rid,
-                int(inputs.slot_idx[b]),
-                int(inputs.cache_lengths[b]),
-                int(off[b + 1] - off[b]),
-            )
-            for b, rid in enumerate(inputs.rids)
-        ]
+    def __call__(self, index: int) -> list[dict[int, np.ndarray]]:
+        """Runs call ``index``; per row ``{pool_id: key}`` of the device."""
+        return _keys(self.run(index)[0])

@@ -18,9 +18,9 @@ import re
 import numpy as np
 import pytest
 
+from guarded import FUZZ_VECTORS, KPOOL, STREAMS, Meta, draw_meta
 from mla_kpool import check_metadata
 from mla_kpool import reference as ref
-from test_fuzz import FUZZ_VECTORS, KPOOL, STREAMS, Meta, draw_meta
 
 U32_TOP = 2**32
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import test_ring_close as rc
-from kpool_cases import BF16, MAIN, Config
+from kpool_cases import BF16, MAIN, STEP_CONFIGS, Config
 from mla_kpool import KERNELS
 from mla_kpool.runner import Runner
 
@@ -37,7 +37,7 @@ MUTANT_SEED = 0xBAD5EED
 #: The step configuration whose head (1088 channels) is wider than a block
 #: (1024 threads), so each thread strides over a second channel.
 WIDE = Config(BF16, 2, 1088)
-assert WIDE in rc.STEP_CONFIGS
+assert WIDE in STEP_CONFIGS
 
 
 def _empty_batch(runner: Runner) -> None:

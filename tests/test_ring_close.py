@@ -135,15 +135,19 @@ def _check_ring_close(
 
 
 @dataclass(frozen=True)
-class Request:
-    """One request of a batch: ``c`` cached tokens, ``n`` new ones."""
+class BatchRow:
+    """One row of a hand-built batch: ``c`` cached tokens, ``n`` new ones.
+
+    A request's part of one call, named for what it exercises (a workload's
+    request is the serving model's ``Request``).
+    """
 
     name: str
     c: int
     n: int
 
 
-def mixed_batch(kpool: int) -> list[Request]:
+def mixed_batch(kpool: int) -> list[BatchRow]:
     """Every kind of request ring_close meets, for one ``kpool``.
 
     With ``kpool`` 1 nothing is ever pending (``c % 1 == 0``); with 2 a
@@ -152,20 +156,22 @@ def mixed_batch(kpool: int) -> list[Request]:
     kp = kpool
     half = max(1, kp // 2)
     return [
-        Request("decode_closes", 5 * kp + kp - 1, 1),
-        Request("decode_stays_open", 7 * kp + 1, 1),
-        Request("nothing_pending_prefill", 3 * kp, 3 * kp + 1),
+        BatchRow("decode_closes", 5 * kp + kp - 1, 1),
+        BatchRow("decode_stays_open", 7 * kp + 1, 1),
+        BatchRow("nothing_pending_prefill", 3 * kp, 3 * kp + 1),
         # Closes pool 2, compresses pool 3 and (kpool > 1) seeds one token
         # over ring index 0, which holds member 0 of the pool being closed.
-        Request("chunk_closes_and_runs_past", 2 * kp + half, 2 * kp - half + 1),
-        Request("zero_new_tokens", 4 * kp + kp - 1, 0),
-        Request("fresh", 0, kp + 1),
-        Request("chunk_exactly_closes", 9 * kp + 1, kp - 1),
+        BatchRow(
+            "chunk_closes_and_runs_past", 2 * kp + half, 2 * kp - half + 1
+        ),
+        BatchRow("zero_new_tokens", 4 * kp + kp - 1, 0),
+        BatchRow("fresh", 0, kp + 1),
+        BatchRow("chunk_exactly_closes", 9 * kp + 1, kp - 1),
     ]
 
 
 def _batch_arrays(
-    requests: list[Request], max_slots: int
+    requests: list[BatchRow], max_slots: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(input_row_offsets, cache_lengths, slot_idx)`` as uint32.
 

@@ -21,13 +21,13 @@ have overwritten the pending pool's older members. A ring of
   tokens at position 6 keeping 1, then true tokens from 7): pool 1 comes out
   wrong with ``R = 4`` and with ``R = 8`` (one pool less than needed), right
   with ``R = ring_length(4, 8) = 12``;
-- seeded speculative schedules from the demo's scheduler
-  (:func:`mla_kpool.demo.scheduling.schedule`: 1-8 tokens per verify, none
-  to all drafts accepted, several requests per call on slots that are not their
-  rows, slots reused) on ``R = 12``: every pool's final row matches
-  :func:`reference.pool_sequence` of the accepted stream and is bitwise equal
-  to the same model's one-shot compress of that stream; the same schedules
-  on ``R = kpool`` break a pool;
+- seeded speculative schedules from the serving model's scheduler
+  (:func:`mla_kpool.demo.scheduling.schedule`: 1-8 tokens per verify,
+  none to all drafts accepted, several requests per call on slots that
+  are not their rows, slots reused) on ``R = 12``: every pool's final row
+  matches :func:`reference.pool_sequence` of the accepted stream and is
+  bitwise equal to the same model's one-shot compress of that stream; the
+  same schedules on ``R = kpool`` break a pool;
 - without rejection, ``R = kpool`` and ``R = 3 * kpool`` give bitwise
   identical outputs (the deeper ring only changes what the ring holds).
 
@@ -62,9 +62,10 @@ from kpool_cases import (
     bits,
 )
 from mla_kpool import reference, ring_length
-from mla_kpool.calls import CallInputs, pools_completed
-from mla_kpool.demo import scheduling, workload
+from mla_kpool.calls import pools_completed
 from mla_kpool.demo.checks import PoolRecord, keep_latest
+from mla_kpool.demo.scheduling import plan, schedule
+from mla_kpool.demo.workload import Request
 from mla_kpool.runner import Runner, StepResult
 
 KPOOL = 4
@@ -99,7 +100,7 @@ class SpecSchedule(sch.Schedule):
 
     def accepted_length(self, rid: int) -> int:
         """Length of the request's accepted stream after the last call."""
-        return self.requests[rid].fed
+        return self.requests[rid].end
 
     def features(self) -> frozenset[str]:
         """What the schedule exercises (checked, so no case is vacuous)."""
@@ -150,11 +151,11 @@ assert HAND_LENGTH == 20
 
 def hand_scenario(cfg: Config, seed: int = 7) -> SpecSchedule:
     """The hand scenario: a 6-token prompt, then verify steps, 3 slots."""
-    request = workload.Request(prompt=6, generate=HAND_LENGTH - 6)
+    request = Request(prompt=6, generate=HAND_LENGTH - 6)
     calls = [[(0, n, a)] for n, a in HAND_CALLS]
     rng = np.random.default_rng(seed)
-    plan = scheduling.plan([request], calls, 3, rng)
-    return SpecSchedule("hand", seed, cfg.dtype, cfg.kpool, cfg.head_dim, plan)
+    plan_ = plan([request], calls, 3, rng)
+    return SpecSchedule("hand", seed, cfg.dtype, cfg.kpool, cfg.head_dim, plan_)
 
 
 def random_spec_schedule(
@@ -176,13 +177,13 @@ def random_spec_schedule(
     rng = np.random.default_rng(seed)
     kp = cfg.kpool
     reqs = [
-        workload.Request(
+        Request(
             prompt=int(rng.integers(1, 3 * kp + 6)),
             generate=int(rng.integers(6 * kp, 12 * kp)),
         )
         for _ in range(requests)
     ]
-    calls = scheduling.schedule(
+    calls = schedule(
         reqs,
         rng,
         token_budget=4 * (MAX_DRAFTS + 1) * max_batch,
@@ -191,9 +192,9 @@ def random_spec_schedule(
         spec_tokens=MAX_DRAFTS,
         min_spec_tokens=0,
     )
-    plan = scheduling.plan(reqs, calls, max_batch, rng)
+    plan_ = plan(reqs, calls, max_batch, rng)
     return SpecSchedule(
-        "random", seed, cfg.dtype, cfg.kpool, cfg.head_dim, plan
+        "random", seed, cfg.dtype, cfg.kpool, cfg.head_dim, plan_
     )
 
 
@@ -222,12 +223,12 @@ def serve(runner: Runner, s: SpecSchedule, ring_len: int) -> Served:
     cfg, kp = s.cfg, s.cfg.kpool
     server = sch.DeviceServer(runner, s, ring_len)
     scale = max(
-        float(np.abs(r.keys.astype(np.float64)).max()) for r in s.requests
+        float(np.abs(keys.astype(np.float64)).max()) for keys, _ in s.sequences
     )
-    served = Served({r.rid: {} for r in s.requests})
+    served = Served({rid: {} for rid in range(len(s.requests))})
     for index, call in enumerate(s.calls):
         # Checks the device ring against the oracle's, bit for bit.
-        produced_pools, want = server.run(s.call_inputs(index))
+        produced_pools, want = server.run(index)
         where = f"{s.describe()}, R={ring_len}, call {index}"
         for b, (p, got) in enumerate(zip(call, produced_pools, strict=True)):
             row = (
@@ -268,29 +269,15 @@ def one_shot(
 ) -> dict[int, dict[int, np.ndarray]]:
     """Each accepted stream in one step call with ``c = 0`` (compress)."""
     cfg = s.cfg
-    lengths = [s.accepted_length(r.rid) for r in s.requests]
-    counts = np.array(lengths)
+    inputs = s.whole_sequence_inputs()
     scratch = runner.new_ring(
         len(s.requests), ring_len, cfg.head_dim, cfg.dtype, fill=np.nan
     )
-    call = CallInputs(
-        k=np.concatenate(
-            [r.keys[:n] for r, n in zip(s.requests, lengths, strict=True)]
-        ),
-        gate=np.concatenate(
-            [r.gates[:n] for r, n in zip(s.requests, lengths, strict=True)]
-        ),
-        input_row_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(
-            np.uint32
-        ),
-        cache_lengths=np.zeros(len(s.requests), np.uint32),
-        slot_idx=np.arange(len(s.requests), dtype=np.uint32),
-    )
-    result: StepResult = runner.step(scratch, call, s.ape, cfg.kpool)
+    result: StepResult = runner.step(scratch, inputs, s.ape, cfg.kpool)
     assert np.all(result.ring_closed_pool == -1), s.describe()
+    pools = result.pools()
     return {
-        b: {p: row.key for p, row in got.items()}
-        for b, got in enumerate(result.pools())
+        i: {p: row.key for p, row in got.items()} for i, got in enumerate(pools)
     }
 
 
@@ -304,11 +291,13 @@ def error_ratios(
     that accepted all of its members.
     """
     cfg, kp = s.cfg, s.cfg.kpool
-    r = s.requests[rid]
+    keys, gates = s.sequences[rid]
     length = s.accepted_length(rid)
     ids = range(length // kp)
     final = served.final[rid]
-    where = f"{s.describe()}: request {rid} (slot {r.slot}, length {length})"
+    where = (
+        f"{s.describe()}: request {rid} (slot {s.slots[rid]}, length {length})"
+    )
     missing = [p for p in ids if p not in final]
     assert not missing, f"{where}: pools {missing} never came out"
     stale = [p for p in ids if not final[p].accepted]
@@ -316,8 +305,8 @@ def error_ratios(
     # Pool ids past the accepted stream can only hold drafts (dropped).
     assert all(not final[p].accepted for p in final if p not in ids), where
     got = np.stack([final[p].key for p in ids]).astype(np.float64)
-    want = reference.pool_sequence(r.keys[:length], r.gates[:length], s.ape, kp)
-    scale = float(np.abs(r.keys[:length].astype(np.float64)).max())
+    want = reference.pool_sequence(keys[:length], gates[:length], s.ape, kp)
+    scale = float(np.abs(keys[:length].astype(np.float64)).max())
     err = np.abs(got - want).max(axis=1) / (TOLERANCE[cfg.dtype] * scale)
     return np.where(np.isnan(err), np.inf, err), ids
 
@@ -332,9 +321,9 @@ def assert_accepted_stream(
     """
     whole = one_shot(runner, s, ring_len)
     total = 0
-    for r in s.requests:
-        ratios, ids = error_ratios(s, served, r.rid)
-        where = f"{s.describe()}, R={ring_len}: request {r.rid}"
+    for rid in range(len(s.requests)):
+        ratios, ids = error_ratios(s, served, rid)
+        where = f"{s.describe()}, R={ring_len}: request {rid}"
         wrong = [p for p, e in zip(ids, ratios, strict=True) if not e <= 1.0]
         assert not wrong, (
             f"{where}: pools {wrong} differ from pool_sequence of the "
@@ -345,7 +334,7 @@ def assert_accepted_stream(
             p
             for p in ids
             if not np.array_equal(
-                bits(served.final[r.rid][p].key), bits(whole[r.rid][p])
+                bits(served.final[rid][p].key), bits(whole[rid][p])
             )
         ]
         assert not differ, (
@@ -456,8 +445,8 @@ def test_random_spec_schedule_breaks_one_pool_ring(
     s = random_spec_schedule(0, cfg)
     served = serve(runner, s, KPOOL)
     wrong = 0
-    for r in s.requests:
-        ratios, _ = error_ratios(s, served, r.rid)
+    for rid in range(len(s.requests)):
+        ratios, _ = error_ratios(s, served, rid)
         wrong += int(np.sum(~(ratios <= 1.0)))
     assert wrong > 0, f"{s.describe()}: R = kpool got every pool right"
 
@@ -504,13 +493,12 @@ def test_deep_ring_bitwise_equal_without_rejection(
         inputs = s.call_inputs(index)
         outs = {}
         for n in lengths:
-            if inputs.ring_seeds:
+            if s.restores(index):
                 host = runner.read(rings[n])
-                for seed in inputs.ring_seeds:
-                    seed.apply(host)
-                    seed.apply(mirrors[n])
+                s.restore(index, host)
+                s.restore(index, mirrors[n])
                 rings[n] = runner.to_device(host)
-            outs[n] = runner.step(rings[n], inputs.call, s.ape, cfg.kpool)
+            outs[n] = runner.step(rings[n], inputs, s.ape, cfg.kpool)
             mirrors[n] = reference.seed_tail(
                 mirrors[n],
                 inputs.k,

@@ -16,7 +16,7 @@ step, which a wrong ordering of close and seed inside it would break.
   (slots past the ring, offsets going down or past the rows, cache lengths
   near 2^32); after every call the outputs and the rings must be equal.
 - **Guarded fuzz** at ``MAIN`` (the vectors and guarded buffers of
-  ``test_fuzz.py``): both paths run on rings, keys and gates that are views
+  ``guarded.py``): both paths run on rings, keys and gates that are views
   into sentinel-guarded buffers; the guards must stay untouched, the inputs
   unchanged, and the outputs and rings equal.
 
@@ -39,6 +39,18 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType
 
 import mla_kpool
 from conftest import DEVICE_NAMES
+from guarded import (
+    GUARD_ROWS,
+    GUARD_SLOTS,
+    HEAD_DIM,
+    KPOOL,
+    U32_MAX,
+    Guarded,
+    Meta,
+    check_guards,
+    draw_data,
+    draw_meta,
+)
 from kpool_cases import (
     BF16,
     F16,
@@ -53,19 +65,6 @@ from kpool_cases import (
 from mla_kpool.buffers import to_numpy
 from mla_kpool.calls import CallInputs
 from mla_kpool.runner import Runner, StepResult
-from test_fuzz import (
-    GUARD_ROWS,
-    GUARD_SLOTS,
-    HEAD_DIM,
-    KPOOL,
-    Guarded,
-    Meta,
-    check_guards,
-    draw_data,
-    draw_meta,
-)
-
-U32_MAX = 2**32 - 1
 
 
 def assert_same_step(

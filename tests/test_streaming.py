@@ -171,10 +171,12 @@ def whole_sequence_pools(
     scratch = runner.new_ring(
         len(s.requests), s.kpool, s.head_dim, s.dtype, fill=np.nan
     )
-    result = runner.step(scratch, inputs.call, s.ape, s.kpool)
+    result = runner.step(scratch, inputs, s.ape, s.kpool)
     assert np.all(result.ring_closed_pool == -1), s.describe()
-    pools = [{p: row.key for p, row in got.items()} for got in result.pools()]
-    return dict(zip(inputs.rids, pools, strict=True))
+    pools = result.pools()
+    return {
+        i: {p: row.key for p, row in got.items()} for i, got in enumerate(pools)
+    }
 
 
 def _stack(pools: dict[int, np.ndarray], ids: range, head_dim: int):
@@ -189,23 +191,25 @@ def check_schedule(runner: Runner, schedule: sch.Schedule) -> int:
     streamed = sch.replay(s, sch.DeviceServer(runner, s))
     one_shot = whole_sequence_pools(runner, s)
     total = 0
-    for r in s.requests:
-        ids = r.pool_ids(s.kpool)
+    for rid, r in enumerate(s.requests):
+        keys, gates = s.sequences[rid]
+        ids = s.pool_ids(rid)
         total += len(ids)
-        got = _stack(streamed[r.rid], ids, s.head_dim)
+        got = _stack(streamed[rid], ids, s.head_dim)
         where = (
-            f"{s.describe()}: request {r.rid} (slot {r.slot}, prefix "
-            f"{r.prefix}, fed to {r.fed}) pools {ids.start}..{ids.stop - 1}"
+            f"{s.describe()}: request {rid} (slot {s.slots[rid]}, prefix "
+            f"{r.cached_prefix}, fed to {r.end}) pools "
+            f"{ids.start}..{ids.stop - 1}"
         )
-        expected = reference.pool_sequence(r.keys, r.gates, s.ape, s.kpool)
+        expected = reference.pool_sequence(keys, gates, s.ape, s.kpool)
         assert_pooled_close(
             got,
             expected[ids.start : ids.stop],
             s.dtype,
-            float(np.abs(r.keys.astype(np.float64)).max()),
+            float(np.abs(keys.astype(np.float64)).max()),
             what=where,
         )
-        whole = _stack(one_shot[r.rid], ids, s.head_dim)
+        whole = _stack(one_shot[rid], ids, s.head_dim)
         differ = [
             p
             for p, a, b in zip(ids, got, whole, strict=True)
@@ -239,15 +243,17 @@ def test_schedule(
 def test_scenarios_cover_the_reported_patterns() -> None:
     """The schedules do contain the cases they are named for."""
     prefix = SCENARIOS[1].build(0, KPOOL_128)
-    assert any(r.prefix % 128 == 64 for r in prefix.requests)
+    assert any(r.cached_prefix % 128 == 64 for r in prefix.requests)
     pair = _interleaved(0, MAIN)
     for call in pair.calls:
         assert [(e.request, e.slot) for e in call] == [(0, 5), (1, 0)]
     long = SCENARIOS[3].build(0, KPOOL_128)
     head = long.requests[0]
-    assert head.prefix > 5000 and head.prefix % 128
-    assert head.fed // 128 > head.prefix // 128, "no pool closed past 5000"
-    assert sum(1 for r in long.requests if r.prefix == 0) >= 3
+    assert head.cached_prefix > 5000 and head.cached_prefix % 128
+    assert head.end // 128 > head.cached_prefix // 128, (
+        "no pool closed past 5000"
+    )
+    assert sum(1 for r in long.requests if r.cached_prefix == 0) >= 3
 
 
 # --------------------------------------------------------------------------
@@ -261,15 +267,15 @@ def test_oracle_replay_matches_pool_sequence(seed: int) -> None:
     cfg = STREAM_CONFIGS[seed % len(STREAM_CONFIGS)]
     s = sch.random_schedule(100 + seed, cfg.dtype, cfg.kpool, cfg.head_dim)
     pools = sch.replay(s, sch.ReferenceServer(s))
-    for r in s.requests:
-        ids = r.pool_ids(s.kpool)
-        expected = reference.pool_sequence(r.keys, r.gates, s.ape, s.kpool)
+    for rid, (keys, gates) in enumerate(s.sequences):
+        ids = s.pool_ids(rid)
+        expected = reference.pool_sequence(keys, gates, s.ape, s.kpool)
         np.testing.assert_allclose(
-            _stack(pools[r.rid], ids, s.head_dim),
+            _stack(pools[rid], ids, s.head_dim),
             expected[ids.start : ids.stop],
             rtol=1e-12,
             atol=1e-12,
-            err_msg=f"{s.describe()}: request {r.rid}",
+            err_msg=f"{s.describe()}: request {rid}",
         )
 
 
@@ -277,8 +283,8 @@ def test_replay_rejects_missing_and_duplicate_pools() -> None:
     s = sch.interleaved_pair(3, F32, 4, 8)
     oracle = sch.ReferenceServer(s)
 
-    def dropping(inputs):
-        rows = oracle(inputs)
+    def dropping(index):
+        rows = oracle(index)
         for row in rows:
             row.pop(min(row, default=None), None)
         return rows
@@ -288,11 +294,11 @@ def test_replay_rejects_missing_and_duplicate_pools() -> None:
 
     oracle2 = sch.ReferenceServer(s)
 
-    def repeating(inputs):
-        rows = oracle2(inputs)
-        for b, c in enumerate(inputs.cache_lengths):
-            if int(c) >= 4:
-                rows[b][int(c) // 4 - 1] = np.zeros(8)  # an old pool again
+    def repeating(index):
+        rows = oracle2(index)
+        for b, e in enumerate(s.calls[index]):
+            if e.cache_length >= 4:  # an old pool again
+                rows[b][e.cache_length // 4 - 1] = np.zeros(8)
         return rows
 
     with pytest.raises(sch.PoolAccountingError, match="produced pools"):
@@ -426,10 +432,10 @@ def test_seed_tail_before_ring_close_breaks_pools(
         sch.DeviceServer(runner, schedule, step=step, check_ring=False),
     )
     worst = 0.0
-    for r in schedule.requests:
-        ids = r.pool_ids(kp)
-        expected = reference.pool_sequence(r.keys, r.gates, schedule.ape, kp)
-        got = _stack(streamed[r.rid], ids, hd).astype(np.float64)
+    for rid, (keys, gates) in enumerate(schedule.sequences):
+        ids = schedule.pool_ids(rid)
+        expected = reference.pool_sequence(keys, gates, schedule.ape, kp)
+        got = _stack(streamed[rid], ids, hd).astype(np.float64)
         if ids:
             err = np.abs(got - expected[ids.start : ids.stop])
             worst = max(worst, float(np.nan_to_num(err, nan=np.inf).max()))
