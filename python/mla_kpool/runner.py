@@ -373,8 +373,8 @@ class Runner:
 
     Raises:
         ValueError: If ``device`` is none of :data:`DEVICES`, or
-            ``"gpu-emulated"`` is asked for without this package's kernels.
-        RuntimeError: From MAX, if ``"gpu"`` is asked for without one.
+            ``"gpu-emulated"`` is asked for without this package's kernels;
+            from MAX, if ``"gpu"`` is asked for without one.
     """
 
     def __init__(
