@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-import test_ring_close as rc
+import ring_close_cases as rc
 from kpool_cases import BF16, MAIN, STEP_CONFIGS, Config
 from mla_kpool import KERNELS
 from mla_kpool.runner import Runner
@@ -42,7 +42,7 @@ assert WIDE in STEP_CONFIGS
 
 def _empty_batch(runner: Runner) -> None:
     case = next(c for c in rc.CORNERS if c.id == "batch0_with_tokens")
-    rc.test_corner_metadata(runner, case)
+    rc.check_corner(runner, case)
 
 
 @dataclass(frozen=True)
