@@ -168,6 +168,10 @@ def launch[
     the same body through `emulate_grid` on the CPU instead (the operands
     are then host memory and `ctx` is unused).
 
+    `body` must take exactly `Operands`: a thread function over an alias
+    with open parameters (`RingClose`) does not convert to that type, so
+    each op passes a local `def` over `type_of(op)` that calls it.
+
     Parameters:
         Operands: The op's operand struct (inferred).
         name: Kernel name, for profiles and launch-shape errors.
