@@ -20,10 +20,9 @@ unspecified (each row still holds zeros or some request's pool).
 import extensibility
 from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
-from max.gpu import block_idx, thread_idx
 
 from .operands import (
-    ANY,
+    KernelOperands,
     dims,
     expect_offsets,
     expect_pool_rows,
@@ -31,12 +30,7 @@ from .operands import (
     expect_shape,
     expect_target,
 )
-from .parallel import (
-    KernelOperands,
-    cpu_for_each_range,
-    emulate_grid,
-    gpu_block_width,
-)
+from .parallel import cpu_for_each_range, gpu_block_width, launch
 from .pooling import PoolMembers, cpu_pool_row, pool_channels, zero_row
 from .ragged import Field, full_pools, last_span_at, read_index, token_span
 
@@ -177,8 +171,8 @@ def compress_thread(block: Int, thread: Int, op: Compress):
     Block `i` finds the owner of output row `i` by binary search over
     `pool_row_offsets` and writes that row: the owner's pool, or zeros when
     no request owns it. Thread `t` writes channels `t`, `t + W`, ... with
-    `W = gpu_block_width[head_dim]()`. `kpool_compress_kernel` runs this on
-    a GPU, `emulate_grid` on the CPU.
+    `W = gpu_block_width[head_dim]()`. `launch` runs it on a GPU or
+    emulated.
     """
     comptime head_dim = op.head_dim
     comptime stride = gpu_block_width[head_dim]()
@@ -201,64 +195,10 @@ def compress_thread(block: Int, thread: Int, op: Compress):
             )
 
 
-def kpool_compress_kernel[
-    dtype: DType,
-    offset_dtype: DType,
-    pool_offset_dtype: DType,
-    length_dtype: DType,
-    kpool: Int,
-    head_dim: Int,
-](
-    op: CompressOperands[
-        dtype,
-        offset_dtype,
-        pool_offset_dtype,
-        length_dtype,
-        kpool,
-        head_dim,
-        MutAnyOrigin,
-    ]
-):
-    """GPU entry of compress: `compress_thread` at this block and thread.
-
-    Parameters are those of `CompressOperands`; they name the instance in a
-    profiler trace.
-    """
-    compress_thread(Int(block_idx.x), Int(thread_idx.x), op)
-
-
 @always_inline
 def compress_launch[head_dim: Int](out_rows: Int) -> Tuple[Int, Int]:
-    """`(grid, block)` of `kpool_compress_kernel`: a block per output row."""
+    """`(grid, block)` of compress's launch: a block per output row."""
     return (out_rows, gpu_block_width[head_dim]())
-
-
-def compress_gpu[emulate: Bool](op: Compress, ctx: DeviceContext) raises:
-    """GPU compress: launches `kpool_compress_kernel` on `ctx`.
-
-    With `emulate`, runs the same threads through `emulate_grid` on the
-    CPU instead (the operands are then host memory and `ctx` is unused).
-    """
-    if op.out_rows == 0:
-        return
-    var shape = compress_launch[op.head_dim](op.out_rows)
-    comptime if emulate:
-
-        def thread_work(block: Int, thread: Int) {imm}:
-            compress_thread(block, thread, op)
-
-        emulate_grid("kpool_compress_kernel", shape[0], shape[1], thread_work)
-    else:
-        ctx.enqueue_function[
-            kpool_compress_kernel[
-                op.dtype,
-                op.offset_dtype,
-                op.pool_offset_dtype,
-                op.length_dtype,
-                op.kpool,
-                op.head_dim,
-            ]
-        ](op, grid_dim=shape[0], block_dim=shape[1])
 
 
 @extensibility.register("mo.mla.kpool.compress")
@@ -315,10 +255,9 @@ struct MLAKPoolCompress:
         comptime OP = "mo.mla.kpool.compress"
         var batch = cache_lengths.dim_size(0)
         var total_tokens = k.dim_size(0)
-        expect_shape(
-            OP, "pooled", pooled.shape(), "rows, head_dim", dims(ANY, head_dim)
+        expect_pool_rows[kpool](
+            OP, "pooled", pooled.shape(), head_dim, total_tokens
         )
-        expect_pool_rows[kpool](OP, "pooled", pooled.dim_size(0), total_tokens)
         expect_rows(OP, k.shape(), gate.shape(), head_dim)
         expect_shape(
             OP, "ape", ape.shape(), "kpool, head_dim", dims(kpool, head_dim)
@@ -351,4 +290,10 @@ struct MLAKPoolCompress:
         comptime if target == "cpu" and not emulate_gpu:
             compress_cpu(op)
         else:
-            compress_gpu[emulate_gpu](op, ctx)
+
+            def body(block: Int, thread: Int, op: type_of(op)):
+                compress_thread(block, thread, op)
+
+            launch["kpool_compress_kernel", body, emulate_gpu](
+                op, compress_launch[head_dim](op.out_rows), ctx
+            )

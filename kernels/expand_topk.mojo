@@ -39,11 +39,17 @@ nothing is ever read or written out of bounds.
 import extensibility
 from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
-from max.gpu import block_idx, thread_idx
 from std.math import iota, max, min
 
-from .operands import ANY, dims, expect_offsets, expect_shape, expect_target
-from .parallel import KernelOperands, cpu_for_each_range, emulate_grid
+from .operands import (
+    ANY,
+    KernelOperands,
+    dims,
+    expect_offsets,
+    expect_shape,
+    expect_target,
+)
+from .parallel import cpu_for_each_range, launch
 from .ragged import Field, Ptr, last_span_at, read_index, token_span
 
 comptime POSITION_LIMIT = 1 << 31
@@ -211,39 +217,32 @@ def expand_topk_cpu(op: ExpandTopK):
 
 
 @always_inline
-def gpu_expand_width[
-    kpool: Int, pool_topk: Int, always_select_tail: Bool
-]() -> Int:
+def gpu_expand_width[width: Int]() -> Int:
     """Threads per block of the GPU kernel: a warp, fewer for narrow rows.
 
     At least 1, the stride of every thread's column loop, even for rows of
     no columns (which are never launched).
+
+    Parameters:
+        width: Output columns per token row (`row_width`).
     """
-    return max(
-        min(
-            row_width[kpool, pool_topk, always_select_tail](), GPU_EXPAND_BLOCK
-        ),
-        1,
-    )
+    return max(min(width, GPU_EXPAND_BLOCK), 1)
 
 
 def expand_topk_thread(block: Int, thread: Int, op: ExpandTopK):
     """One GPU thread of expand_topk: token row `block`, every W-th column.
 
     Block `t` writes output row `t`; thread `i` of its `W =
-    gpu_expand_width()` threads writes columns `i`, `i + W`, `i + 2W`, ...
+    gpu_expand_width[width]()` threads writes columns `i`, `i + W`, ...
     Every thread walks the row's ids in selection order, counting the
     columns the valid ones fill, and writes the positions that land in its
     columns; then its tail columns, then `-1`. The threads never
-    communicate, so the result does not depend on their order.
-    `kpool_expand_topk_kernel` runs this on a GPU, `emulate_grid` on the
-    CPU.
+    communicate, so the result does not depend on their order. `launch`
+    runs it on a GPU or emulated.
     """
     comptime kpool = op.kpool
     comptime width = op.width
-    comptime stride = gpu_expand_width[
-        kpool, op.pool_topk, op.always_select_tail
-    ]()
+    comptime stride = gpu_expand_width[width]()
     var row = block
     var visible = query_visible(op, row)
     var complete = visible // kpool
@@ -271,75 +270,16 @@ def expand_topk_thread(block: Int, thread: Int, op: ExpandTopK):
         col += stride
 
 
-def kpool_expand_topk_kernel[
-    pool_dtype: DType,
-    offset_dtype: DType,
-    length_dtype: DType,
-    kpool: Int,
-    pool_topk: Int,
-    always_select_tail: Bool,
-](
-    op: ExpandTopKOperands[
-        pool_dtype,
-        offset_dtype,
-        length_dtype,
-        kpool,
-        pool_topk,
-        always_select_tail,
-        MutAnyOrigin,
-    ]
-):
-    """GPU entry of expand_topk: `expand_topk_thread` at this block and thread.
-
-    Parameters are those of `ExpandTopKOperands`; they name the instance in
-    a profiler trace.
-    """
-    expand_topk_thread(Int(block_idx.x), Int(thread_idx.x), op)
-
-
 @always_inline
-def expand_topk_launch[
-    kpool: Int, pool_topk: Int, always_select_tail: Bool
-](total_tokens: Int) -> Tuple[Int, Int]:
-    """`(grid, block)` of `kpool_expand_topk_kernel`: a block per token row."""
-    return (
-        total_tokens,
-        gpu_expand_width[kpool, pool_topk, always_select_tail](),
-    )
+def expand_topk_launch[width: Int](total_tokens: Int) -> Tuple[Int, Int]:
+    """`(grid, block)` of expand_topk's launch: a block per token row.
 
+    No blocks for rows of no columns: there is nothing to write.
 
-def expand_topk_gpu[emulate: Bool](op: ExpandTopK, ctx: DeviceContext) raises:
-    """GPU expand_topk: launches `kpool_expand_topk_kernel` on `ctx`.
-
-    Nothing is launched when there is nothing to write (no token rows, or
-    rows of zero columns). With `emulate`, runs the same threads through
-    `emulate_grid` on the CPU instead (the operands are then host memory
-    and `ctx` is unused).
+    Parameters:
+        width: Output columns per token row (`row_width`).
     """
-    if op.total_tokens == 0 or op.width == 0:
-        return
-    var shape = expand_topk_launch[
-        op.kpool, op.pool_topk, op.always_select_tail
-    ](op.total_tokens)
-    comptime if emulate:
-
-        def thread_work(block: Int, thread: Int) {imm}:
-            expand_topk_thread(block, thread, op)
-
-        emulate_grid(
-            "kpool_expand_topk_kernel", shape[0], shape[1], thread_work
-        )
-    else:
-        ctx.enqueue_function[
-            kpool_expand_topk_kernel[
-                op.pool_dtype,
-                op.offset_dtype,
-                op.length_dtype,
-                op.kpool,
-                op.pool_topk,
-                op.always_select_tail,
-            ]
-        ](op, grid_dim=shape[0], block_dim=shape[1])
+    return (total_tokens if width > 0 else 0, gpu_expand_width[width]())
 
 
 @extensibility.register("mo.mla.kpool.expand_topk")
@@ -442,4 +382,10 @@ struct MLAKPoolExpandTopK:
         comptime if target == "cpu" and not emulate_gpu:
             expand_topk_cpu(op)
         else:
-            expand_topk_gpu[emulate_gpu](op, ctx)
+
+            def body(block: Int, thread: Int, op: type_of(op)):
+                expand_topk_thread(block, thread, op)
+
+            launch["kpool_expand_topk_kernel", body, emulate_gpu](
+                op, expand_topk_launch[width](total_tokens), ctx
+            )

@@ -1,4 +1,8 @@
-"""Operand shape checks for the ops' `execute` methods.
+"""Operand structs' contract, and shape checks for the ops' `execute` methods.
+
+`KernelOperands` is what every op's operand struct conforms to; its bytes
+are copied as they are into a GPU kernel's argument buffer, which is right
+only for the layout `check_kernel_layout` enforces at compile time.
 
 The Python graph API rejects bad shapes before a graph is built, but a
 graph can call the ops another way (MAX's own wrappers, `ops.custom` with
@@ -11,7 +15,76 @@ the shape it has, for example
 The checks compare integers only; the message is built only on failure.
 """
 
+from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
+from std.sys import size_of
 from std.utils.index import IndexList
+
+
+def kernel_words[T: AnyType]() -> Int:
+    """`T`'s leaf fields if every one is 8 bytes, else -1 (compile time).
+
+    A leaf is a field that is not a Mojo struct (the MLIR value inside a
+    pointer, `Int` or `Int64`); nested structs count their leaves. Mojo's
+    reflection lists a struct's fields, so this counts them recursively.
+    """
+    comptime if not reflect[T].is_struct():
+        return 1 if size_of[T]() == 8 else -1
+    else:
+        comptime types = reflect[T].field_types()
+        var words = 0
+        comptime for i in range(reflect[T].field_count()):
+            comptime leaf_words = kernel_words[types[i]]()
+            comptime if leaf_words < 0:
+                return -1
+            words += leaf_words
+        return words
+
+
+@always_inline
+def check_kernel_layout[T: AnyType]():
+    """Fails the build unless `T` is only 8-byte fields, without padding.
+
+    That is what copying a struct's host bytes into a kernel argument
+    assumes: every leaf field an 8-byte pointer, `Int` or `Int64` (the same
+    size and alignment on host and device, so each lands at offset `8 * i`
+    on both) and `size_of[T]() == 8 * leaves`. A 4-byte field (`Int32`, a
+    `Bool`) is refused even where the layouts would agree today.
+
+    Parameters:
+        T: An operand struct.
+    """
+    comptime words = kernel_words[T]()
+    comptime assert words > 0 and size_of[T]() == 8 * words, (
+        "KernelOperands: an operand struct must hold only 8-byte pointers,"
+        " Int or Int64 fields (its bytes are the kernel argument)"
+    )
+
+
+trait KernelOperands(DevicePassable, TrivialRegisterPassable):
+    """One call's operands of an op: raw tensor pointers and sizes.
+
+    A struct of this trait is built once in the op's `execute` and passed
+    whole to the CPU driver, the thread body and the GPU kernel, which
+    receives it as one by-value kernel argument: its bytes copied as they
+    are, which `check_kernel_layout` makes a compile-time guarantee (the
+    build fails for a struct with a field that is not 8 bytes).
+    """
+
+    comptime device_type: AnyType = Self
+    """The kernel receives the struct itself."""
+
+    def _to_device_type(
+        self, mut encoder: Some[DeviceTypeEncoder], target: MutOpaquePointer[_]
+    ):
+        """Copies the struct into the kernel's argument buffer."""
+        check_kernel_layout[Self]()
+        encoder.encode(self, target)
+
+    @staticmethod
+    def get_type_name() -> String:
+        """Name used in launch diagnostics."""
+        return "mla_kpool kernel operands"
+
 
 comptime ANY = -1
 """A dimension `expect_shape` does not check; its name is printed alone."""
@@ -110,8 +183,14 @@ def expect_ring_length[kpool: Int](op: StaticString, ring_len: Int) raises:
 @always_inline
 def expect_pool_rows[
     kpool: Int
-](op: StaticString, operand: StaticString, rows: Int, total_tokens: Int) raises:
-    """Raises if a pooled output has more rows than `total_tokens // kpool`.
+](
+    op: StaticString,
+    operand: StaticString,
+    got: IndexList[2],
+    head_dim: Int,
+    total_tokens: Int,
+) raises:
+    """Raises unless a pooled output is `[rows, head_dim]`, rows bounded.
 
     Parameters:
         kpool: Tokens per pool.
@@ -119,14 +198,16 @@ def expect_pool_rows[
     Args:
         op: Registered op name, the message's prefix.
         operand: The pooled output's name.
-        rows: Its row count.
+        got: Its shape.
+        head_dim: The op's `head_dim` parameter.
         total_tokens: Rows of `k`.
 
     Raises:
-        Error: If `rows > total_tokens // kpool` (a row past the last
-            possible pool could not be written safely).
+        Error: From `expect_shape`, or if `rows > total_tokens // kpool` (a
+            row past the last possible pool could not be written safely).
     """
-    if rows > total_tokens // kpool:
+    expect_shape(op, operand, got, "rows, head_dim", dims(ANY, head_dim))
+    if got[0] > total_tokens // kpool:
         raise Error(
             op,
             ": ",
@@ -134,7 +215,7 @@ def expect_pool_rows[
             " must have at most total_tokens // kpool = ",
             total_tokens // kpool,
             " rows, got ",
-            rows,
+            got[0],
         )
 
 

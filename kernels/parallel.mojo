@@ -1,19 +1,27 @@
 """How the writers split work: CPU core ranges, GPU launches, emulated grids.
 
 Each op gathers one call's operands into a struct (`RingCloseOperands`,
-...), written once and passed whole to its CPU driver, its thread body and
-its GPU kernel. Every GPU kernel of this package is a thin shim over a
-plain function of `(block, thread, operands)` that does one thread's work.
-On a GPU the shim passes `block_idx.x` and `thread_idx.x`; `emulate_grid`
-runs the same function on the CPU for every block and thread of the
-launch, so the code that is tested without an accelerator is exactly the
-code a GPU runs.
+...), built once and passed whole to its CPU driver and to its GPU thread
+body, a plain function of `(block, thread, operands)` that does one
+thread's work. `launch` runs a thread body over a grid: on a GPU as
+`gpu_kernel`, the one kernel of this package (instantiated per op and
+named after it, so a profile says which op ran), which calls the body with
+`block_idx.x` and `thread_idx.x`; emulated, through `emulate_grid`, which
+calls the same body on the CPU for every block and thread of the launch.
+Emulation therefore tests each thread's indexing and arithmetic, but not
+how the operands reach a GPU (a by-value copy of the struct's bytes into
+the kernel's argument buffer, which `KernelOperands` constrains at compile
+time), nor real block scheduling, memory ordering or the GPU compiler's
+code.
 """
 
 from max.algorithm import sync_parallelize
-from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
+from max.gpu import block_idx, thread_idx
+from max.gpu.host import DeviceContext
 from std.math import ceildiv, min
 from std.sys import num_physical_cores
+
+from .operands import KernelOperands, check_kernel_layout
 
 comptime GPU_MAX_BLOCK = 1024
 """Largest block the GPU writers launch; wider heads stride over channels."""
@@ -27,30 +35,6 @@ comptime CPU_MIN_PARALLEL_WORK = 1 << 17
 Inside a MAX graph, waking the runtime's worker threads costs about as
 much as pooling 100-200 pools of 4 x 128 channels on one core, so
 decode-sized calls stay on the calling thread (docs/performance.md)."""
-
-
-trait KernelOperands(DevicePassable, TrivialRegisterPassable):
-    """One call's operands of an op: raw tensor pointers and sizes.
-
-    A struct of this trait is built once in the op's `execute` and passed
-    whole to the CPU driver, the thread body and the GPU kernel, which
-    receives it as one by-value kernel argument (its bytes copied as they
-    are: pointers and 64-bit integers, laid out alike on host and device).
-    """
-
-    comptime device_type: AnyType = Self
-    """The kernel receives the struct itself."""
-
-    def _to_device_type(
-        self, mut encoder: Some[DeviceTypeEncoder], target: MutOpaquePointer[_]
-    ):
-        """Copies the struct into the kernel's argument buffer."""
-        encoder.encode(self, target)
-
-    @staticmethod
-    def get_type_name() -> String:
-        """Name used in launch diagnostics."""
-        return "mla_kpool kernel operands"
 
 
 @always_inline
@@ -121,8 +105,8 @@ def emulate_grid[
 ](kernel: StaticString, grid: Int, block: Int, body: F) raises:
     """Runs a GPU kernel body for every block and thread, on the CPU.
 
-    `body(block, thread)` is the function the kernel's GPU shim calls with
-    `block_idx.x` and `thread_idx.x`. Blocks run one after another and,
+    `body(block, thread)` is what `gpu_kernel` runs with `block_idx.x`
+    and `thread_idx.x`. Blocks run one after another and,
     within a block, threads one after another, both in descending order:
     a GPU promises no order at all, so a body that silently depends on
     launch order gives a different answer here than a CPU-ordered one.
@@ -134,7 +118,7 @@ def emulate_grid[
 
     Args:
         kernel: Name of the kernel, for launch-shape errors.
-        grid: Blocks, as the kernel's `*_launch` helper computed them.
+        grid: Blocks, as the op's `*_launch` helper computed them.
         block: Threads per block, likewise.
         body: One thread's work, `body(block, thread)`.
 
@@ -146,3 +130,77 @@ def emulate_grid[
     for b in reversed(range(grid)):
         for t in reversed(range(block)):
             body(b, t)
+
+
+@__name(t"{name}")
+def gpu_kernel[
+    name: StaticString,
+    Operands: KernelOperands,
+    body: def(Int, Int, Operands) thin -> None,
+](op: Operands):
+    """Every GPU kernel of this package: `body` at this block and thread.
+
+    The symbol is `name` plus a hash of the instance, so a profiler trace
+    names the op (`kpool_ring_close_kernel_<hash>`).
+
+    Parameters:
+        name: Kernel name.
+        Operands: The op's operand struct, passed by value.
+        body: One thread's work, `body(block, thread, op)`.
+
+    Args:
+        op: The call's operands.
+    """
+    body(Int(block_idx.x), Int(thread_idx.x), op)
+
+
+def launch[
+    Operands: KernelOperands,
+    //,
+    name: StaticString,
+    body: def(Int, Int, Operands) thin -> None,
+    emulate: Bool,
+](op: Operands, shape: Tuple[Int, Int], ctx: DeviceContext) raises:
+    """Runs `body` over a `(grid, block)` launch on `ctx`, or emulated.
+
+    An empty grid launches nothing (a GPU refuses one). On a GPU this
+    enqueues `gpu_kernel[name, Operands, body]`; with `emulate` it runs
+    the same body through `emulate_grid` on the CPU instead (the operands
+    are then host memory and `ctx` is unused).
+
+    `body` must take exactly `Operands`: a thread function over an alias
+    with open parameters (`RingClose`) does not convert to that type, so
+    each op passes a local `def` over `type_of(op)` that calls it.
+
+    Parameters:
+        Operands: The op's operand struct (inferred).
+        name: Kernel name, for profiles and launch-shape errors.
+        body: One thread's work, `body(block, thread, op)`.
+        emulate: Run over an emulated grid on the CPU.
+
+    Args:
+        op: The call's operands.
+        shape: `(grid, block)`: blocks (at least 0) and threads per block,
+            both x dimension, as the op's `*_launch` helper computes them.
+        ctx: Device context.
+
+    Raises:
+        Error: If `(grid, block)` is a shape a GPU launch refuses (see
+            `check_launch`).
+    """
+    check_kernel_layout[Operands]()
+    var grid = shape[0]
+    var block = shape[1]
+    if grid == 0:
+        return
+    comptime if emulate:
+
+        def thread_work(b: Int, t: Int) {imm}:
+            body(b, t, op)
+
+        emulate_grid(name, grid, block, thread_work)
+    else:
+        check_launch(name, grid, block)
+        ctx.enqueue_function[gpu_kernel[name, Operands, body]](
+            op, grid_dim=grid, block_dim=block
+        )

@@ -20,9 +20,9 @@ import extensibility
 from extensibility import InputTensor, OutputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
-from max.gpu import block_idx, thread_idx
 
 from .operands import (
+    KernelOperands,
     dims,
     expect_offsets,
     expect_ring,
@@ -30,12 +30,7 @@ from .operands import (
     expect_shape,
     expect_target,
 )
-from .parallel import (
-    KernelOperands,
-    cpu_for_each_range,
-    emulate_grid,
-    gpu_block_width,
-)
+from .parallel import cpu_for_each_range, gpu_block_width, launch
 from .pooling import (
     PoolMembers,
     PoolSegments,
@@ -98,6 +93,90 @@ struct RingCloseOperands[
 
 comptime RingClose = RingCloseOperands[..., origin=MutAnyOrigin]
 """`RingCloseOperands` over the kernels' raw tensor pointers."""
+
+
+def ring_close_operands[
+    kpool: Int, head_dim: Int
+](
+    op_name: StaticString,
+    pooled_name: StaticString,
+    pooled: OutputTensor[rank=2, ...],
+    closed_pool: OutputTensor[dtype=DType.int32, rank=1, ...],
+    tail: MutableInputTensor[dtype=pooled.dtype, rank=4, ...],
+    k: InputTensor[dtype=pooled.dtype, rank=2, ...],
+    gate: InputTensor[dtype=pooled.dtype, rank=2, ...],
+    ape: InputTensor[dtype=DType.float32, rank=2, ...],
+    input_row_offsets: InputTensor[rank=1, ...],
+    cache_lengths: InputTensor[rank=1, ...],
+    slot_idx: InputTensor[rank=1, ...],
+) raises -> RingCloseOperands[
+    pooled.dtype,
+    input_row_offsets.dtype,
+    cache_lengths.dtype,
+    slot_idx.dtype,
+    kpool,
+    head_dim,
+    MutAnyOrigin,
+]:
+    """Checks ring_close's operands and gathers them (also the step's).
+
+    `batch` is `closed_pool.dim_size(0)`.
+
+    Parameters:
+        kpool: Tokens per pool.
+        head_dim: Channels per key.
+
+    Args:
+        op_name: Registered op name, the messages' prefix.
+        pooled_name: What the op calls `pooled` (the step's `ring_pooled`).
+        pooled: Output `[batch, head_dim]`.
+        closed_pool: Output `[batch]` int32.
+        tail: The ring, read only here.
+        k: This call's keys.
+        gate: This call's gate scores.
+        ape: Within-pool position embedding.
+        input_row_offsets: Token row offsets.
+        cache_lengths: Cached-prefix lengths.
+        slot_idx: Ring slots.
+
+    Raises:
+        Error: Naming the operand and both shapes (see `execute`).
+    """
+    var batch = closed_pool.dim_size(0)
+    expect_shape(
+        op_name,
+        pooled_name,
+        pooled.shape(),
+        "batch, head_dim",
+        dims(batch, head_dim),
+    )
+    expect_ring[kpool](op_name, tail.shape(), head_dim)
+    expect_rows(op_name, k.shape(), gate.shape(), head_dim)
+    expect_shape(
+        op_name, "ape", ape.shape(), "kpool, head_dim", dims(kpool, head_dim)
+    )
+    expect_offsets(
+        op_name, "input_row_offsets", input_row_offsets.shape(), batch
+    )
+    expect_shape(
+        op_name, "cache_lengths", cache_lengths.shape(), "batch", dims(batch)
+    )
+    expect_shape(op_name, "slot_idx", slot_idx.shape(), "batch", dims(batch))
+    return {
+        pooled.unsafe_ptr(),
+        closed_pool.unsafe_ptr(),
+        tail.unsafe_ptr(),
+        k.unsafe_ptr(),
+        gate.unsafe_ptr(),
+        ape.unsafe_ptr(),
+        input_row_offsets.unsafe_ptr(),
+        cache_lengths.unsafe_ptr(),
+        slot_idx.unsafe_ptr(),
+        batch,
+        k.dim_size(0),
+        tail.dim_size(0),
+        tail.dim_size(2),
+    }
 
 
 @fieldwise_init
@@ -192,8 +271,7 @@ def ring_close_thread(block: Int, thread: Int, op: RingClose):
     `t + 2W`, ... with `W = gpu_block_width[head_dim]()` threads per block,
     so a head wider than 1024 channels is still covered. Thread 0 writes
     `closed_pool[b]`. A request with nothing to close writes -1 and zeros
-    and never touches the ring. `kpool_ring_close_kernel` runs this on a
-    GPU, `emulate_grid` on the CPU.
+    and never touches the ring. `launch` runs it on a GPU or emulated.
     """
     comptime head_dim = op.head_dim
     comptime stride = gpu_block_width[head_dim]()
@@ -210,64 +288,10 @@ def ring_close_thread(block: Int, thread: Int, op: RingClose):
             )
 
 
-def kpool_ring_close_kernel[
-    dtype: DType,
-    offset_dtype: DType,
-    length_dtype: DType,
-    slot_dtype: DType,
-    kpool: Int,
-    head_dim: Int,
-](
-    op: RingCloseOperands[
-        dtype,
-        offset_dtype,
-        length_dtype,
-        slot_dtype,
-        kpool,
-        head_dim,
-        MutAnyOrigin,
-    ]
-):
-    """GPU entry of ring_close: `ring_close_thread` at this block and thread.
-
-    Parameters are those of `RingCloseOperands`; they name the instance in
-    a profiler trace.
-    """
-    ring_close_thread(Int(block_idx.x), Int(thread_idx.x), op)
-
-
 @always_inline
 def ring_close_launch[head_dim: Int](batch: Int) -> Tuple[Int, Int]:
-    """`(grid, block)` of `kpool_ring_close_kernel`: a block per request."""
+    """`(grid, block)` of ring_close's launch: a block per request."""
     return (batch, gpu_block_width[head_dim]())
-
-
-def ring_close_gpu[emulate: Bool](op: RingClose, ctx: DeviceContext) raises:
-    """GPU ring_close: launches `kpool_ring_close_kernel` on `ctx`.
-
-    With `emulate`, runs the same threads through `emulate_grid` on the
-    CPU instead (the operands are then host memory and `ctx` is unused).
-    """
-    if op.batch == 0:
-        return
-    var shape = ring_close_launch[op.head_dim](op.batch)
-    comptime if emulate:
-
-        def thread_work(block: Int, thread: Int) {imm}:
-            ring_close_thread(block, thread, op)
-
-        emulate_grid("kpool_ring_close_kernel", shape[0], shape[1], thread_work)
-    else:
-        ctx.enqueue_function[
-            kpool_ring_close_kernel[
-                op.dtype,
-                op.offset_dtype,
-                op.length_dtype,
-                op.slot_dtype,
-                op.kpool,
-                op.head_dim,
-            ]
-        ](op, grid_dim=shape[0], block_dim=shape[1])
 
 
 @extensibility.register("mo.mla.kpool.ring_close")
@@ -325,51 +349,27 @@ struct MLAKPoolRingClose:
                 Python API rejects those before the graph is built).
         """
         comptime OP = "mo.mla.kpool.ring_close"
-        var batch = closed_pool.dim_size(0)
-        expect_shape(
+        var op = ring_close_operands[kpool, head_dim](
             OP,
             "pooled",
-            pooled.shape(),
-            "batch, head_dim",
-            dims(batch, head_dim),
+            pooled,
+            closed_pool,
+            tail,
+            k,
+            gate,
+            ape,
+            input_row_offsets,
+            cache_lengths,
+            slot_idx,
         )
-        expect_ring[kpool](OP, tail.shape(), head_dim)
-        expect_rows(OP, k.shape(), gate.shape(), head_dim)
-        expect_shape(
-            OP, "ape", ape.shape(), "kpool, head_dim", dims(kpool, head_dim)
-        )
-        expect_offsets(
-            OP, "input_row_offsets", input_row_offsets.shape(), batch
-        )
-        expect_shape(
-            OP, "cache_lengths", cache_lengths.shape(), "batch", dims(batch)
-        )
-        expect_shape(OP, "slot_idx", slot_idx.shape(), "batch", dims(batch))
         expect_target[emulate_gpu, target](OP)
-        var op = RingCloseOperands[
-            pooled.dtype,
-            input_row_offsets.dtype,
-            cache_lengths.dtype,
-            slot_idx.dtype,
-            kpool,
-            head_dim,
-            MutAnyOrigin,
-        ](
-            pooled.unsafe_ptr(),
-            closed_pool.unsafe_ptr(),
-            tail.unsafe_ptr(),
-            k.unsafe_ptr(),
-            gate.unsafe_ptr(),
-            ape.unsafe_ptr(),
-            input_row_offsets.unsafe_ptr(),
-            cache_lengths.unsafe_ptr(),
-            slot_idx.unsafe_ptr(),
-            batch,
-            k.dim_size(0),
-            tail.dim_size(0),
-            tail.dim_size(2),
-        )
         comptime if target == "cpu" and not emulate_gpu:
             ring_close_cpu(op)
         else:
-            ring_close_gpu[emulate_gpu](op, ctx)
+
+            def body(block: Int, thread: Int, op: type_of(op)):
+                ring_close_thread(block, thread, op)
+
+            launch["kpool_ring_close_kernel", body, emulate_gpu](
+                op, ring_close_launch[head_dim](op.batch), ctx
+            )

@@ -18,11 +18,11 @@ import extensibility
 from extensibility import InputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
-from max.gpu import block_idx, thread_idx
 from std.algorithm import vectorize
 from std.sys import simd_width_of
 
 from .operands import (
+    KernelOperands,
     dims,
     expect_offsets,
     expect_ring,
@@ -30,12 +30,7 @@ from .operands import (
     expect_shape,
     expect_target,
 )
-from .parallel import (
-    KernelOperands,
-    cpu_for_each_range,
-    emulate_grid,
-    gpu_block_width,
-)
+from .parallel import cpu_for_each_range, gpu_block_width, launch
 from .ragged import Field, Ptr, read_index, slot_ok, token_span
 
 
@@ -178,7 +173,7 @@ def seed_tail_thread(block: Int, thread: Int, op: SeedTail):
 
     Block `b` stashes request `b`'s trailing positions; thread `t` copies
     channels `t`, `t + W`, ... of each (`W = gpu_block_width[head_dim]()`).
-    `kpool_seed_tail_kernel` runs this on a GPU, `emulate_grid` on the CPU.
+    `launch` runs it on a GPU or emulated.
     """
     comptime head_dim = op.head_dim
     comptime stride = gpu_block_width[head_dim]()
@@ -195,64 +190,10 @@ def seed_tail_thread(block: Int, thread: Int, op: SeedTail):
             ]
 
 
-def kpool_seed_tail_kernel[
-    dtype: DType,
-    offset_dtype: DType,
-    length_dtype: DType,
-    slot_dtype: DType,
-    kpool: Int,
-    head_dim: Int,
-](
-    op: SeedTailOperands[
-        dtype,
-        offset_dtype,
-        length_dtype,
-        slot_dtype,
-        kpool,
-        head_dim,
-        MutAnyOrigin,
-    ]
-):
-    """GPU entry of seed_tail: `seed_tail_thread` at this block and thread.
-
-    Parameters are those of `SeedTailOperands`; they name the instance in a
-    profiler trace.
-    """
-    seed_tail_thread(Int(block_idx.x), Int(thread_idx.x), op)
-
-
 @always_inline
 def seed_tail_launch[head_dim: Int](batch: Int) -> Tuple[Int, Int]:
-    """`(grid, block)` of `kpool_seed_tail_kernel`: a block per request."""
+    """`(grid, block)` of seed_tail's launch: a block per request."""
     return (batch, gpu_block_width[head_dim]())
-
-
-def seed_tail_gpu[emulate: Bool](op: SeedTail, ctx: DeviceContext) raises:
-    """GPU seed_tail: launches `kpool_seed_tail_kernel` on `ctx`.
-
-    With `emulate`, runs the same threads through `emulate_grid` on the
-    CPU instead (the operands are then host memory and `ctx` is unused).
-    """
-    if op.batch == 0:
-        return
-    var shape = seed_tail_launch[op.head_dim](op.batch)
-    comptime if emulate:
-
-        def thread_work(block: Int, thread: Int) {imm}:
-            seed_tail_thread(block, thread, op)
-
-        emulate_grid("kpool_seed_tail_kernel", shape[0], shape[1], thread_work)
-    else:
-        ctx.enqueue_function[
-            kpool_seed_tail_kernel[
-                op.dtype,
-                op.offset_dtype,
-                op.length_dtype,
-                op.slot_dtype,
-                op.kpool,
-                op.head_dim,
-            ]
-        ](op, grid_dim=shape[0], block_dim=shape[1])
 
 
 @extensibility.register("mo.mla.kpool.seed_tail")
@@ -333,4 +274,10 @@ struct MLAKPoolSeedTail:
         comptime if target == "cpu" and not emulate_gpu:
             seed_tail_cpu(op)
         else:
-            seed_tail_gpu[emulate_gpu](op, ctx)
+
+            def body(block: Int, thread: Int, op: type_of(op)):
+                seed_tail_thread(block, thread, op)
+
+            launch["kpool_seed_tail_kernel", body, emulate_gpu](
+                op, seed_tail_launch[head_dim](op.batch), ctx
+            )

@@ -22,10 +22,11 @@ tokens are written into it, inside the op, so callers cannot order the
 writers wrongly. Two requests of one call on the same ring slot are a
 caller error with no defined result (as with the separate writers).
 
-The op holds the three writers' operand structs and runs their code on
-them, so the paths cannot drift apart: the CPU path runs `close_requests`,
-`compress_rows` and `seed_requests` over ranges, the GPU path runs
-`ring_close_thread`, `seed_tail_thread` and `compress_thread`.
+The op holds ring_close's operand struct (built by the same constructor as
+ring_close's) and derives compress's and seed_tail's from it, and runs the
+writers' code on them, so the paths cannot drift apart: the CPU path runs
+`close_requests`, `compress_rows` and `seed_requests` over ranges, the GPU
+path runs `ring_close_thread`, `seed_tail_thread` and `compress_thread`.
 
 GPU launches. The prefix sum of pool counts is the only dependency across
 requests: a compress row must know which request owns it. Two launches on
@@ -46,39 +47,31 @@ one stream, which the stream orders:
    `batch + i` writes output row `i`, finding its owner by binary search
    over the offsets launch 1 wrote. Folding the scan into this launch would
    make every compress block redo it.
-
-On the CPU the scan runs first on the calling thread; then each core takes
-a contiguous range of requests, which it closes and seeds in that order,
-and a contiguous range of output rows, which it compresses, in one
-parallel region (the separate writers wake the cores three times).
 """
 
 import extensibility
 from extensibility import InputTensor, OutputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
-from max.gpu import block_idx, thread_idx
 from std.sys import num_physical_cores
 
 from .compress import CompressOperands, compress_rows, compress_thread
 from .operands import (
-    ANY,
+    KernelOperands,
     dims,
     expect_offsets,
     expect_pool_rows,
-    expect_ring,
-    expect_rows,
     expect_shape,
     expect_target,
 )
-from .parallel import (
-    KernelOperands,
-    cpu_for_each_range,
-    emulate_grid,
-    gpu_block_width,
-)
+from .parallel import cpu_for_each_range, gpu_block_width, launch
 from .ragged import Field, full_pools, read_index
-from .ring_close import RingCloseOperands, close_requests, ring_close_thread
+from .ring_close import (
+    RingCloseOperands,
+    close_requests,
+    ring_close_operands,
+    ring_close_thread,
+)
 from .seed_tail import SeedTailOperands, seed_requests, seed_tail_thread
 
 
@@ -92,20 +85,11 @@ struct StepOperands[
     head_dim: Int,
     origin: MutOrigin,
 ](KernelOperands):
-    """One step call: the three writers' operands over its tensors.
+    """One step call: ring_close's operands and the step's own outputs.
 
-    `close.pooled` is the op's `ring_pooled`; `compress.pool_row_offsets`
-    is its uint32 output, written by the scan before `compress` reads it;
-    `seed.tail` is `close.tail`.
-
-    Parameters:
-        dtype: Key dtype of the pooled outputs, `tail`, `k`, `gate`.
-        offset_dtype: Integer dtype of `input_row_offsets`.
-        length_dtype: Integer dtype of `cache_lengths`.
-        slot_dtype: Integer dtype of `slot_idx`.
-        kpool: Tokens per pool.
-        head_dim: Channels per key.
-        origin: Origin of the tensor pointers (`MutAnyOrigin` in kernels).
+    `close.pooled` is the op's `ring_pooled`; `compress_of` and `seed_of`
+    derive the other writers' operands from `close`, so every input
+    pointer is held once. Parameters are those of `RingCloseOperands`.
     """
 
     var close: RingCloseOperands[
@@ -117,33 +101,75 @@ struct StepOperands[
         Self.head_dim,
         Self.origin,
     ]
-    """Operands of ring_close."""
-    var compress: CompressOperands[
-        Self.dtype,
-        Self.offset_dtype,
-        DType.uint32,
-        Self.length_dtype,
-        Self.kpool,
-        Self.head_dim,
-        Self.origin,
-    ]
-    """Operands of compress."""
-    var seed: SeedTailOperands[
-        Self.dtype,
-        Self.offset_dtype,
-        Self.length_dtype,
-        Self.slot_dtype,
-        Self.kpool,
-        Self.head_dim,
-        Self.origin,
-    ]
-    """Operands of seed_tail."""
+    """Operands of ring_close, and every input of the step."""
+    var pooled: Field[Self.dtype, Self.origin]
+    """Output `[out_rows, head_dim]`: compress's pools."""
+    var pool_row_offsets: Field[DType.uint32, Self.origin]
+    """Output `[batch + 1]` uint32, written by the scan, read by compress."""
     var first_pool: Field[DType.int64, Self.origin]
     """Output `[batch]` int64."""
+    var out_rows: Int
+    """Rows of `pooled`."""
 
 
 comptime Step = StepOperands[..., origin=MutAnyOrigin]
 """`StepOperands` over the kernels' raw tensor pointers."""
+
+
+@always_inline
+def compress_of(
+    op: Step,
+) -> CompressOperands[
+    op.dtype,
+    op.offset_dtype,
+    DType.uint32,
+    op.length_dtype,
+    op.kpool,
+    op.head_dim,
+    MutAnyOrigin,
+]:
+    """Compress's operands over the step's call."""
+    var c = op.close
+    return {
+        op.pooled,
+        c.k,
+        c.gate,
+        c.ape,
+        c.input_row_offsets,
+        op.pool_row_offsets,
+        c.cache_lengths,
+        c.batch,
+        c.total_tokens,
+        op.out_rows,
+    }
+
+
+@always_inline
+def seed_of(
+    op: Step,
+) -> SeedTailOperands[
+    op.dtype,
+    op.offset_dtype,
+    op.length_dtype,
+    op.slot_dtype,
+    op.kpool,
+    op.head_dim,
+    MutAnyOrigin,
+]:
+    """Seed_tail's operands over the step's call."""
+    var c = op.close
+    return {
+        c.tail,
+        c.k,
+        c.gate,
+        c.input_row_offsets,
+        c.cache_lengths,
+        c.slot_idx,
+        c.batch,
+        c.total_tokens,
+        c.max_slots,
+        c.ring_len,
+    }
 
 
 @always_inline
@@ -154,9 +180,9 @@ def step_pool_count(op: Step, b: Int) -> Int:
     it): a request whose rows lie past the call's counts its pools, and
     compress then writes zeros for them.
     """
-    var offsets = op.compress.input_row_offsets
+    var offsets = op.close.input_row_offsets
     var n = read_index(offsets, b + 1) - read_index(offsets, b)
-    var c = read_index(op.compress.cache_lengths, b)
+    var c = read_index(op.close.cache_lengths, b)
     if n < 0 or c < 0:
         return 0
     return full_pools[op.kpool](c, n)[1]
@@ -165,7 +191,7 @@ def step_pool_count(op: Step, b: Int) -> Int:
 @always_inline
 def write_first_pool(op: Step, b: Int):
     """`first_pool[b]`: `(c + kpool - 1) // kpool`, rounded down."""
-    var c = read_index(op.compress.cache_lengths, b)
+    var c = read_index(op.close.cache_lengths, b)
     op.first_pool[unsafe_offset=b] = Int64((c + op.kpool - 1) // op.kpool)
 
 
@@ -174,32 +200,31 @@ def scan_pool_rows(op: Step):
 
     The 64-bit prefix sum of `step_pool_count`, stored modulo 2^32.
     """
-    var pool_row_offsets = op.compress.pool_row_offsets
     var total = 0
-    pool_row_offsets[unsafe_offset=0] = 0
-    for b in range(op.compress.batch):
+    op.pool_row_offsets[unsafe_offset=0] = 0
+    for b in range(op.close.batch):
         total += step_pool_count(op, b)
-        pool_row_offsets[unsafe_offset=b + 1] = UInt32(total)
+        op.pool_row_offsets[unsafe_offset=b + 1] = UInt32(total)
 
 
 def step_cpu(op: Step):
     """CPU step: the scan, then one parallel region for everything else.
 
-    Part `i` of `num_physical_cores()` equal parts is a range of requests
-    (closed, then seeded) and a range of output rows (compressed): an equal
-    share of the rows before `pool_row_offsets[batch]` and of those after.
+    The scan runs on the calling thread. Then part `i` of
+    `num_physical_cores()` equal parts is a range of requests (closed, then
+    seeded) and a range of output rows (compressed): an equal share of the
+    rows before `pool_row_offsets[batch]` and of those after. The separate
+    writers wake the cores three times; this wakes them once.
     """
     scan_pool_rows(op)
     var batch = op.close.batch
-    var out_rows = op.compress.out_rows
+    var out_rows = op.out_rows
     var parts = num_physical_cores()
     # Rows past the last pool are only zeroed (the output's row count is an
     # upper bound): each part gets an equal share of the pooled rows and of
     # the rest, not an equal share of all rows, or the first part would
     # pool them all. Any split is correct; every row is written once.
-    var used = min(
-        max(read_index(op.compress.pool_row_offsets, batch), 0), out_rows
-    )
+    var used = min(max(read_index(op.pool_row_offsets, batch), 0), out_rows)
     var spare = out_rows - used
 
     def run_parts(lo: Int, hi: Int) {imm}:
@@ -210,15 +235,16 @@ def step_cpu(op: Step):
             close_requests(op.close, b0, b1)
             for b in range(b0, b1):
                 write_first_pool(op, b)
+            var compress = compress_of(op)
             compress_rows(
-                op.compress, used * part // parts, used * (part + 1) // parts
+                compress, used * part // parts, used * (part + 1) // parts
             )
             compress_rows(
-                op.compress,
+                compress,
                 used + spare * part // parts,
                 used + spare * (part + 1) // parts,
             )
-            seed_requests(op.seed, b0, b1)
+            seed_requests(seed_of(op), b0, b1)
 
     # Pooling work only, on the scale of the ops it replaces (ring_close's
     # batch * kpool, compress's out_rows * kpool): seeding copies a few rows
@@ -233,133 +259,34 @@ def step_scan_thread(block: Int, thread: Int, op: Step):
         scan_pool_rows(op)
 
 
-def kpool_step_scan_kernel[
-    dtype: DType,
-    offset_dtype: DType,
-    length_dtype: DType,
-    slot_dtype: DType,
-    kpool: Int,
-    head_dim: Int,
-](
-    op: StepOperands[
-        dtype,
-        offset_dtype,
-        length_dtype,
-        slot_dtype,
-        kpool,
-        head_dim,
-        MutAnyOrigin,
-    ]
-):
-    """GPU entry of launch 1: `step_scan_thread` at this block and thread.
-
-    Parameters are those of `StepOperands`.
-    """
-    step_scan_thread(Int(block_idx.x), Int(thread_idx.x), op)
-
-
 def step_thread(block: Int, thread: Int, op: Step):
-    """One GPU thread of launch 2: a request's close and seed, or a row.
+    """One GPU thread of launch 2 (see the module): a request or a row.
 
-    Block `b < batch`: thread `t` runs `ring_close_thread` and then
-    `seed_tail_thread` for request `b`, both over channels `t`, `t + W`,
-    ... (`W = gpu_block_width[head_dim]()`), so each ring channel is read
-    before the same thread overwrites it; thread 0 also writes
-    `first_pool[b]`. Block `batch + i`: `compress_thread` for output row
-    `i`, over the `pool_row_offsets` that launch 1 wrote.
-    `kpool_step_kernel` runs this on a GPU, `emulate_grid` on the CPU.
+    Block `b < batch`: `ring_close_thread`, then `seed_tail_thread` (the
+    same channels, so each ring channel is read before the same thread
+    overwrites it) and, on thread 0, `first_pool[b]`. Block `batch + i`:
+    `compress_thread` for output row `i`.
     """
     var batch = op.close.batch
     if block < batch:
         ring_close_thread(block, thread, op.close)
-        seed_tail_thread(block, thread, op.seed)
+        seed_tail_thread(block, thread, seed_of(op))
         if thread == 0:
             write_first_pool(op, block)
     else:
-        compress_thread(block - batch, thread, op.compress)
-
-
-def kpool_step_kernel[
-    dtype: DType,
-    offset_dtype: DType,
-    length_dtype: DType,
-    slot_dtype: DType,
-    kpool: Int,
-    head_dim: Int,
-](
-    op: StepOperands[
-        dtype,
-        offset_dtype,
-        length_dtype,
-        slot_dtype,
-        kpool,
-        head_dim,
-        MutAnyOrigin,
-    ]
-):
-    """GPU entry of launch 2: `step_thread` at this block and thread.
-
-    Parameters are those of `StepOperands`; they name the instance in a
-    profiler trace.
-    """
-    step_thread(Int(block_idx.x), Int(thread_idx.x), op)
+        compress_thread(block - batch, thread, compress_of(op))
 
 
 @always_inline
 def step_scan_launch() -> Tuple[Int, Int]:
-    """`(grid, block)` of `kpool_step_scan_kernel`: one thread."""
+    """`(grid, block)` of launch 1 (`kpool_step_scan_kernel`): one thread."""
     return (1, 1)
 
 
 @always_inline
 def step_launch[head_dim: Int](batch: Int, out_rows: Int) -> Tuple[Int, Int]:
-    """`(grid, block)` of `kpool_step_kernel`: a block per request and row."""
+    """`(grid, block)` of launch 2: a block per request and output row."""
     return (batch + out_rows, gpu_block_width[head_dim]())
-
-
-def step_gpu[emulate: Bool](op: Step, ctx: DeviceContext) raises:
-    """GPU step: the two launches of the module docstring, on `ctx`.
-
-    With `emulate`, runs the same threads through `emulate_grid` on the
-    CPU instead (the operands are then host memory and `ctx` is unused).
-    """
-    var scan = step_scan_launch()
-    var shape = step_launch[op.head_dim](op.close.batch, op.compress.out_rows)
-    comptime if emulate:
-
-        def scan_work(block: Int, thread: Int) {imm}:
-            step_scan_thread(block, thread, op)
-
-        def thread_work(block: Int, thread: Int) {imm}:
-            step_thread(block, thread, op)
-
-        emulate_grid("kpool_step_scan_kernel", scan[0], scan[1], scan_work)
-        if shape[0] == 0:
-            return
-        emulate_grid("kpool_step_kernel", shape[0], shape[1], thread_work)
-    else:
-        ctx.enqueue_function[
-            kpool_step_scan_kernel[
-                op.dtype,
-                op.offset_dtype,
-                op.length_dtype,
-                op.slot_dtype,
-                op.kpool,
-                op.head_dim,
-            ]
-        ](op, grid_dim=scan[0], block_dim=scan[1])
-        if shape[0] == 0:
-            return
-        ctx.enqueue_function[
-            kpool_step_kernel[
-                op.dtype,
-                op.offset_dtype,
-                op.length_dtype,
-                op.slot_dtype,
-                op.kpool,
-                op.head_dim,
-            ]
-        ](op, grid_dim=shape[0], block_dim=shape[1])
 
 
 @extensibility.register("mla_kpool.step")
@@ -430,105 +357,44 @@ struct MLAKPoolStep:
         """
         comptime OP = "mla_kpool.step"
         var batch = ring_closed_pool.dim_size(0)
-        var total_tokens = k.dim_size(0)
-        expect_shape(
-            OP,
-            "ring_pooled",
-            ring_pooled.shape(),
-            "batch, head_dim",
-            dims(batch, head_dim),
+        expect_pool_rows[kpool](
+            OP, "pooled", pooled.shape(), head_dim, k.dim_size(0)
         )
-        expect_shape(
-            OP, "pooled", pooled.shape(), "rows, head_dim", dims(ANY, head_dim)
-        )
-        expect_pool_rows[kpool](OP, "pooled", pooled.dim_size(0), total_tokens)
         expect_offsets(OP, "pool_row_offsets", pool_row_offsets.shape(), batch)
         expect_shape(OP, "first_pool", first_pool.shape(), "batch", dims(batch))
-        expect_ring[kpool](OP, tail.shape(), head_dim)
-        expect_rows(OP, k.shape(), gate.shape(), head_dim)
-        expect_shape(
-            OP, "ape", ape.shape(), "kpool, head_dim", dims(kpool, head_dim)
-        )
-        expect_offsets(
-            OP, "input_row_offsets", input_row_offsets.shape(), batch
-        )
-        expect_shape(
-            OP, "cache_lengths", cache_lengths.shape(), "batch", dims(batch)
-        )
-        expect_shape(OP, "slot_idx", slot_idx.shape(), "batch", dims(batch))
-        expect_target[emulate_gpu, target](OP)
-        comptime dtype = ring_pooled.dtype
-        comptime offset_dtype = input_row_offsets.dtype
-        comptime length_dtype = cache_lengths.dtype
-        comptime slot_dtype = slot_idx.dtype
-        var close = RingCloseOperands[
-            dtype,
-            offset_dtype,
-            length_dtype,
-            slot_dtype,
-            kpool,
-            head_dim,
-            MutAnyOrigin,
-        ](
-            ring_pooled.unsafe_ptr(),
-            ring_closed_pool.unsafe_ptr(),
-            tail.unsafe_ptr(),
-            k.unsafe_ptr(),
-            gate.unsafe_ptr(),
-            ape.unsafe_ptr(),
-            input_row_offsets.unsafe_ptr(),
-            cache_lengths.unsafe_ptr(),
-            slot_idx.unsafe_ptr(),
-            batch,
-            total_tokens,
-            tail.dim_size(0),
-            tail.dim_size(2),
-        )
         var op = StepOperands(
-            close,
-            CompressOperands[
-                dtype,
-                offset_dtype,
-                DType.uint32,
-                length_dtype,
-                kpool,
-                head_dim,
-                MutAnyOrigin,
-            ](
-                pooled.unsafe_ptr(),
-                close.k,
-                close.gate,
-                close.ape,
-                close.input_row_offsets,
-                pool_row_offsets.unsafe_ptr(),
-                close.cache_lengths,
-                batch,
-                total_tokens,
-                pooled.dim_size(0),
+            ring_close_operands[kpool, head_dim](
+                OP,
+                "ring_pooled",
+                ring_pooled,
+                ring_closed_pool,
+                tail,
+                k,
+                gate,
+                ape,
+                input_row_offsets,
+                cache_lengths,
+                slot_idx,
             ),
-            SeedTailOperands[
-                dtype,
-                offset_dtype,
-                length_dtype,
-                slot_dtype,
-                kpool,
-                head_dim,
-                MutAnyOrigin,
-            ](
-                close.tail,
-                close.k,
-                close.gate,
-                close.input_row_offsets,
-                close.cache_lengths,
-                close.slot_idx,
-                batch,
-                total_tokens,
-                close.max_slots,
-                close.ring_len,
-            ),
+            pooled.unsafe_ptr(),
+            pool_row_offsets.unsafe_ptr(),
             first_pool.unsafe_ptr(),
+            pooled.dim_size(0),
         )
+        expect_target[emulate_gpu, target](OP)
         comptime if target == "cpu" and not emulate_gpu:
             step_cpu(op)
         else:
-            step_gpu[emulate_gpu](op, ctx)
+
+            def scan(block: Int, thread: Int, op: type_of(op)):
+                step_scan_thread(block, thread, op)
+
+            def body(block: Int, thread: Int, op: type_of(op)):
+                step_thread(block, thread, op)
+
+            launch["kpool_step_scan_kernel", scan, emulate_gpu](
+                op, step_scan_launch(), ctx
+            )
+            launch["kpool_step_kernel", body, emulate_gpu](
+                op, step_launch[head_dim](batch, op.out_rows), ctx
+            )

@@ -95,12 +95,12 @@ MUTANTS = [
         "compressed pools",
     ),
     Mutant(
-        # Without the guard an empty batch launches an empty grid, which a
-        # GPU refuses and the emulator refuses the same way.
-        "ring_close_missing_empty_batch_guard",
-        "ring_close.mojo",
-        "if op.batch == 0:\n        return\n    var shape = ring_close_launch",
-        "var shape = ring_close_launch",
+        # Without the launcher's guard an empty batch launches an empty
+        # grid, which a GPU refuses and the emulator refuses the same way.
+        "launch_missing_empty_grid_guard",
+        "parallel.mojo",
+        "    if grid == 0:\n        return\n",
+        "",
         _empty_batch,
         ValueError,
         "kpool_ring_close_kernel: empty grid",

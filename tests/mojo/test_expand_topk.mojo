@@ -21,9 +21,11 @@ from std.testing import TestSuite, assert_equal, assert_true
 from kernels.expand_topk import (
     ExpandTopKOperands,
     expand_topk_cpu,
-    expand_topk_gpu,
+    expand_topk_launch,
+    expand_topk_thread,
     row_width,
 )
+from kernels.parallel import launch
 from kernels.ragged import Ptr
 
 comptime SENTINEL = Int32(0x5A5A5A5A)
@@ -125,7 +127,11 @@ def _fuzz[
                 total_tokens,
             )
         )
-        expand_topk_gpu[True](
+
+        def body(block: Int, thread: Int, op: Op):
+            expand_topk_thread(block, thread, op)
+
+        launch["kpool_expand_topk_kernel", body, True](
             Op(
                 _ptr(gpu).unsafe_offset(GUARD),
                 _ptr(ids),
@@ -134,6 +140,7 @@ def _fuzz[
                 batch,
                 total_tokens,
             ),
+            expand_topk_launch[width](total_tokens),
             ctx,
         )
         for i in range(GUARD):

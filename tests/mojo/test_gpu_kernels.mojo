@@ -13,25 +13,77 @@ from max.gpu.host import get_gpu_target
 from max.gpu.host.compile import _compile_code
 from std.testing import TestSuite, assert_equal, assert_true
 
-from kernels.compress import compress_launch, kpool_compress_kernel
-from kernels.expand_topk import expand_topk_launch, kpool_expand_topk_kernel
-from kernels.parallel import check_launch, emulate_grid
-from kernels.ring_close import kpool_ring_close_kernel, ring_close_launch
-from kernels.seed_tail import kpool_seed_tail_kernel, seed_tail_launch
+from kernels.compress import (
+    CompressOperands,
+    compress_launch,
+    compress_thread,
+)
+from kernels.expand_topk import (
+    ExpandTopKOperands,
+    expand_topk_launch,
+    expand_topk_thread,
+    row_width,
+)
+from kernels.parallel import check_launch, emulate_grid, gpu_kernel
+from kernels.ring_close import (
+    RingCloseOperands,
+    ring_close_launch,
+    ring_close_thread,
+)
+from kernels.seed_tail import (
+    SeedTailOperands,
+    seed_tail_launch,
+    seed_tail_thread,
+)
 from kernels.step import (
-    kpool_step_kernel,
-    kpool_step_scan_kernel,
+    StepOperands,
     step_launch,
     step_scan_launch,
+    step_scan_thread,
+    step_thread,
 )
 
 comptime U32 = DType.uint32
 comptime BF16 = DType.bfloat16
+comptime Any = MutAnyOrigin
+
+# The instances compiled below, and thread bodies of their exact types (what
+# each op's `execute` passes to `launch`).
+comptime RingClose = RingCloseOperands[BF16, U32, U32, U32, 4, 128, Any]
+comptime Compress = CompressOperands[BF16, U32, U32, U32, 128, 1088, Any]
+comptime SeedTail = SeedTailOperands[DType.float16, U32, U32, U32, 16, 64, Any]
+comptime Step = StepOperands[BF16, U32, U32, U32, 4, 128, Any]
+comptime WideStep = StepOperands[BF16, U32, U32, U32, 4, 1088, Any]
+comptime Expand = ExpandTopKOperands[DType.int32, U32, U32, 4, 512, True, Any]
+
+
+def _ring_close(block: Int, thread: Int, op: RingClose):
+    ring_close_thread(block, thread, op)
+
+
+def _compress(block: Int, thread: Int, op: Compress):
+    compress_thread(block, thread, op)
+
+
+def _seed_tail(block: Int, thread: Int, op: SeedTail):
+    seed_tail_thread(block, thread, op)
+
+
+def _step_scan(block: Int, thread: Int, op: Step):
+    step_scan_thread(block, thread, op)
+
+
+def _step(block: Int, thread: Int, op: WideStep):
+    step_thread(block, thread, op)
+
+
+def _expand(block: Int, thread: Int, op: Expand):
+    expand_topk_thread(block, thread, op)
 
 
 def _check_asm(asm: String, target: StaticString, name: StaticString) raises:
-    # Entry names are the module and function name, truncated and hashed:
-    # `kernels_ring_close_kpool_ring_...`.
+    # Entry names are the kernel name `launch` was given and a hash of the
+    # instance: `kpool_ring_close_kernel_<hash>`.
     assert_true(
         String(".entry ", name) in asm,
         String("no entry ", name, "... in the ", target, " code"),
@@ -43,7 +95,7 @@ def _compile_all[arch: StaticString]() raises -> List[String]:
     out.append(
         String(
             _compile_code[
-                kpool_ring_close_kernel[BF16, U32, U32, U32, 4, 128],
+                gpu_kernel["kpool_ring_close_kernel", RingClose, _ring_close],
                 target=get_gpu_target[arch](),
             ]()
         )
@@ -51,7 +103,7 @@ def _compile_all[arch: StaticString]() raises -> List[String]:
     out.append(
         String(
             _compile_code[
-                kpool_compress_kernel[BF16, U32, U32, U32, 128, 1088],
+                gpu_kernel["kpool_compress_kernel", Compress, _compress],
                 target=get_gpu_target[arch](),
             ]()
         )
@@ -59,7 +111,7 @@ def _compile_all[arch: StaticString]() raises -> List[String]:
     out.append(
         String(
             _compile_code[
-                kpool_seed_tail_kernel[DType.float16, U32, U32, U32, 16, 64],
+                gpu_kernel["kpool_seed_tail_kernel", SeedTail, _seed_tail],
                 target=get_gpu_target[arch](),
             ]()
         )
@@ -67,7 +119,7 @@ def _compile_all[arch: StaticString]() raises -> List[String]:
     out.append(
         String(
             _compile_code[
-                kpool_step_scan_kernel[BF16, U32, U32, U32, 4, 128],
+                gpu_kernel["kpool_step_scan_kernel", Step, _step_scan],
                 target=get_gpu_target[arch](),
             ]()
         )
@@ -75,7 +127,7 @@ def _compile_all[arch: StaticString]() raises -> List[String]:
     out.append(
         String(
             _compile_code[
-                kpool_step_kernel[BF16, U32, U32, U32, 4, 1088],
+                gpu_kernel["kpool_step_kernel", WideStep, _step],
                 target=get_gpu_target[arch](),
             ]()
         )
@@ -83,7 +135,7 @@ def _compile_all[arch: StaticString]() raises -> List[String]:
     out.append(
         String(
             _compile_code[
-                kpool_expand_topk_kernel[DType.int32, U32, U32, 4, 512, True],
+                gpu_kernel["kpool_expand_topk_kernel", Expand, _expand],
                 target=get_gpu_target[arch](),
             ]()
         )
@@ -95,24 +147,24 @@ def test_ptx_sm_90a() raises:
     var asm = _compile_all["sm_90a"]()
     for a in asm:
         assert_true(".target sm_90a" in a, "not sm_90a PTX")
-    _check_asm(asm[0], "sm_90a", "kernels_ring_close_kpool_ring")
-    _check_asm(asm[1], "sm_90a", "kernels_compress_kpool_compres")
-    _check_asm(asm[2], "sm_90a", "kernels_seed_tail_kpool_seed")
-    _check_asm(asm[3], "sm_90a", "kernels_step_kpool_step_scan")
-    _check_asm(asm[4], "sm_90a", "kernels_step_kpool_step_kern")
-    _check_asm(asm[5], "sm_90a", "kernels_expand_topk_kpool_expa")
+    _check_asm(asm[0], "sm_90a", "kpool_ring_close_kernel_")
+    _check_asm(asm[1], "sm_90a", "kpool_compress_kernel_")
+    _check_asm(asm[2], "sm_90a", "kpool_seed_tail_kernel_")
+    _check_asm(asm[3], "sm_90a", "kpool_step_scan_kernel_")
+    _check_asm(asm[4], "sm_90a", "kpool_step_kernel_")
+    _check_asm(asm[5], "sm_90a", "kpool_expand_topk_kernel_")
 
 
 def test_ptx_sm_100a() raises:
     var asm = _compile_all["sm_100a"]()
     for a in asm:
         assert_true(".target sm_100a" in a, "not sm_100a PTX")
-    _check_asm(asm[0], "sm_100a", "kernels_ring_close_kpool_ring")
-    _check_asm(asm[1], "sm_100a", "kernels_compress_kpool_compres")
-    _check_asm(asm[2], "sm_100a", "kernels_seed_tail_kpool_seed")
-    _check_asm(asm[3], "sm_100a", "kernels_step_kpool_step_scan")
-    _check_asm(asm[4], "sm_100a", "kernels_step_kpool_step_kern")
-    _check_asm(asm[5], "sm_100a", "kernels_expand_topk_kpool_expa")
+    _check_asm(asm[0], "sm_100a", "kpool_ring_close_kernel_")
+    _check_asm(asm[1], "sm_100a", "kpool_compress_kernel_")
+    _check_asm(asm[2], "sm_100a", "kpool_seed_tail_kernel_")
+    _check_asm(asm[3], "sm_100a", "kpool_step_scan_kernel_")
+    _check_asm(asm[4], "sm_100a", "kpool_step_kernel_")
+    _check_asm(asm[5], "sm_100a", "kpool_expand_topk_kernel_")
 
 
 def test_amdgcn_gfx942() raises:
@@ -142,14 +194,15 @@ def test_launch_shapes() raises:
     assert_equal(step[0], 17)
     assert_equal(step[1], 1024)
     # expand_topk: a block per token row, one warp (MAX's width 2051).
-    var expand = expand_topk_launch[4, 512, True](300)
+    var expand = expand_topk_launch[row_width[4, 512, True]()](300)
     assert_equal(expand[0], 300)
     assert_equal(expand[1], 32)
-    var short = expand_topk_launch[1, 8, True](5)
+    var short = expand_topk_launch[row_width[1, 8, True]()](5)
     assert_equal(short[0], 5)
     assert_equal(short[1], 8)
-    # No token rows: an empty grid, which the op never launches.
-    assert_equal(expand_topk_launch[4, 512, True](0)[0], 0)
+    # No token rows, or rows of no columns: an empty grid, never launched.
+    assert_equal(expand_topk_launch[row_width[4, 512, True]()](0)[0], 0)
+    assert_equal(expand_topk_launch[row_width[1, 0, True]()](7)[0], 0)
 
 
 def test_emulator_runs_every_thread_once_in_descending_order() raises:
@@ -195,7 +248,7 @@ def test_emulator_refuses_what_a_gpu_launch_refuses() raises:
 
 
 def test_empty_batches_launch_empty_grids() raises:
-    # What the ops' `batch == 0` / `out_rows == 0` guards keep off the GPU.
+    # What `launch` skips instead of handing to the GPU.
     assert_equal(ring_close_launch[128](0)[0], 0)
     assert_equal(seed_tail_launch[128](0)[0], 0)
     assert_equal(compress_launch[128](0)[0], 0)

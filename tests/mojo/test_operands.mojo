@@ -104,7 +104,7 @@ def test_ring_length_multiple_of_kpool() raises:
 
 def _rows_message[kpool: Int](rows: Int, total_tokens: Int) -> String:
     try:
-        expect_pool_rows[kpool](OP, "pooled", rows, total_tokens)
+        expect_pool_rows[kpool](OP, "pooled", dims(rows, 8), 8, total_tokens)
     except e:
         return String(e)
     return ""
@@ -120,6 +120,19 @@ def test_pool_rows_at_most_total_tokens_over_kpool() raises:
             " // kpool = 2 rows, got 3"
         ),
     )
+    # The shape is checked too: `[rows, head_dim]`.
+    try:
+        expect_pool_rows[4](OP, "pooled", dims(2, 7), 8, 11)
+    except e:
+        assert_equal(
+            String(e),
+            (
+                "mo.mla.kpool.ring_close: pooled must be [rows, head_dim=8],"
+                " got [2, 7]"
+            ),
+        )
+        return
+    raise Error("expect_pool_rows accepted head_dim 7 for 8")
 
 
 def main() raises:
