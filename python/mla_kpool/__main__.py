@@ -41,11 +41,9 @@ def program_name(argv0: str | None = None) -> str:
         package's ``__main__.py``, or empty), else the file name of
         ``argv0``, such as ``mla-kpool`` for the console script.
     """
-    argv0 = sys.argv[0] if argv0 is None else argv0
-    name = os.path.basename(argv0)
-    if name in ("", "__main__.py", "-m", "-c"):
-        return "python -m mla_kpool"
-    return name
+    name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
+    as_module = name in ("", "__main__.py", "-m", "-c")
+    return "python -m mla_kpool" if as_module else name
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
