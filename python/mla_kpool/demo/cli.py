@@ -184,7 +184,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
     def pick(name: str, default: Any) -> Any:
         """The option's value, else the schedule file's, else ``default``."""
         option = getattr(args, name)
-        in_file = getattr(loaded, name) if loaded else None
+        in_file = loaded.settings.get(name) if loaded else None
         if option is not None and in_file is not None and option != in_file:
             raise DemoError(
                 f"--{name.replace('_', '-')} {option} disagrees with "
