@@ -168,6 +168,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
 
     Raises:
         DemoError: If options conflict or the schedule is bad.
+        ScheduleError: If the schedule file cannot be read or parsed.
     """
     loaded = None
     if args.schedule is not None:
@@ -176,10 +177,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
                 "--requests and --schedule exclude each other (the schedule "
                 "lists its requests)"
             )
-        try:
-            loaded = load_schedule(args.schedule)
-        except ScheduleError as err:
-            raise DemoError(str(err)) from err
+        loaded = load_schedule(args.schedule)
 
     def pick(name: str, default: Any) -> Any:
         """The option's value, else the schedule file's, else ``default``."""
@@ -247,7 +245,7 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
                     f"workload offers a place for it"
                 )
         runner = _runner_on(config.device, runner)
-    except DemoError as e:
+    except (DemoError, ScheduleError) as e:
         print(f"mla-kpool demo: error: {e}", file=err)
         return 2
 
