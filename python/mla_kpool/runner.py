@@ -27,6 +27,7 @@ on a machine without an accelerator.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -127,17 +128,17 @@ class Op:
     wrapper: Callable[..., Any]
     options: tuple[tuple[str, Any], ...] = ()
 
-    @property
+    @functools.cached_property
     def _parameters(self) -> list[str]:
         return list(inspect.signature(self.wrapper).parameters)
 
-    @property
+    @functools.cached_property
     def operands(self) -> tuple[str, ...]:
         """Every operand's name, in argument order."""
         names = self._parameters
         return tuple(names[: names.index("kpool")])
 
-    @property
+    @functools.cached_property
     def tensors(self) -> tuple[str, ...]:
         """The ring and float (or ``pool_ids``) operands, in order.
 
@@ -146,7 +147,7 @@ class Op:
         """
         return tuple(n for n in self.operands if n not in _INDEX_OPERANDS)
 
-    @property
+    @functools.cached_property
     def indices(self) -> tuple[str, ...]:
         """The index operands in argument order, after :attr:`tensors`."""
         return tuple(n for n in self.operands if n in _INDEX_OPERANDS)
