@@ -16,7 +16,6 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
-from types import ModuleType
 
 from . import __version__
 
@@ -41,11 +40,9 @@ def program_name(argv0: str | None = None) -> str:
         package's ``__main__.py``, or empty), else the file name of
         ``argv0``, such as ``mla-kpool`` for the console script.
     """
-    argv0 = sys.argv[0] if argv0 is None else argv0
-    name = os.path.basename(argv0)
-    if name in ("", "__main__.py", "-m", "-c"):
-        return "python -m mla_kpool"
-    return name
+    name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
+    as_module = name in ("", "__main__.py", "-m", "-c")
+    return "python -m mla_kpool" if as_module else name
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
@@ -68,18 +65,15 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         "--version", action="version", version=f"%(prog)s {__version__}"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    modules: dict[str, ModuleType] = {}
     for command, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
-        modules[command] = module
         sub_parser = sub.add_parser(
-            command,
-            help=help_text,
-            description=getattr(module, "DESCRIPTION", help_text),
+            command, help=help_text, description=module.DESCRIPTION
         )
         module.add_arguments(sub_parser)
+        sub_parser.set_defaults(run=module.run)
     args = parser.parse_args(argv)
-    return int(modules[args.command].run(args))
+    return int(args.run(args))
 
 
 if __name__ == "__main__":

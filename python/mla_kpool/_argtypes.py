@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import TypeVar
-
-_T = TypeVar("_T", int, float)
+from typing import Any
 
 
-def _convert(text: str, kind: Callable[[str], _T], what: str) -> _T:
+def _convert(text: str, kind: Callable[[str], Any], what: str) -> Any:
     """``kind(text)``, or an argparse error saying the text is not ``what``."""
     try:
         return kind(text)

@@ -75,14 +75,11 @@ def git_commit(package_dir: Path = _PACKAGE_DIR) -> tuple[str, bool] | None:
             return None
         return done.stdout.strip() if done.returncode == 0 else None
 
-    top = git("rev-parse", "--show-toplevel")
-    if not top or Path(top).resolve() / _IN_REPO != package_dir.resolve():
+    found = git("rev-parse", "--show-toplevel", "HEAD")
+    top, _, sha = (found or "").partition("\n")
+    if not sha or Path(top).resolve() / _IN_REPO != package_dir.resolve():
         return None
-    sha = git("rev-parse", "HEAD")
-    if not sha:
-        return None
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return sha, bool(status)
+    return sha, bool(git("status", "--porcelain", "--untracked-files=no"))
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:

@@ -8,8 +8,8 @@ token count. Graph dims that vary per call are symbolic (``"tokens"``,
 batch shape; only dtype, ``kpool``, ``head_dim``, the ring length and the
 index dtypes (compile-time parameters of the kernels) pick a new model.
 
-Each op is described once, as data, in :data:`OPS` (its operands and their
-graph types, the :mod:`mla_kpool.graph` wrapper it calls, its outputs);
+Each op is described once, in :data:`OPS`, by the :mod:`mla_kpool.graph`
+wrapper it calls (its operands are read from the wrapper's signature);
 :meth:`Runner.prepare` and :meth:`Runner.run` take any op by name from it,
 and :func:`model_key` keys a model from a configuration. Only the step has a
 method of its own (:meth:`Runner.step`: one :class:`mla_kpool.calls.CallInputs`
@@ -27,6 +27,8 @@ on a machine without an accelerator.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,58 +97,70 @@ _DIMS: dict[str, Callable[[ModelKey], list[Any]]] = {
 }
 
 
-def _writer_suffix(key: ModelKey) -> str:
-    return f"d{key.head_dim}_r{key.ring_len}"
-
-
-def _expand_suffix(key: ModelKey) -> str:
-    tail = "tail" if key.always_select_tail else "notail"
-    return f"t{key.pool_topk}_{tail}"
+#: Operands that carry per-request or per-call indices; every other operand
+#: before ``kpool`` is the ring, a float operand or ``pool_ids``.
+_INDEX_OPERANDS = (
+    "input_row_offsets",
+    "pool_row_offsets",
+    "cache_lengths",
+    "slot_idx",
+)
 
 
 @dataclass(frozen=True)
 class Op:
-    """One op the runner can compile and run, described once.
+    """One op the runner can compile and run.
+
+    Its operands, their order and its options are read from the
+    :mod:`mla_kpool.graph` wrapper's signature: the parameters before
+    ``kpool`` are the operands, and a wrapper that takes
+    ``always_select_tail`` gets :attr:`ModelKey.always_select_tail`.
 
     Attributes:
         kind: The :attr:`ModelKey.kind` it is compiled under.
         wrapper: The :mod:`mla_kpool.graph` function that adds it to a
             graph; called as ``wrapper(*operands, kpool, emulate_gpu=...,
             **options)``.
-        tensors: The ring and float (or ``pool_ids``) operands in argument
-            order; ``"tail"``, when present, is first: the ring buffer the
-            op updates in place, which the caller owns.
-        indices: The index operands in argument order, after ``tensors``.
-        outputs: The op's outputs, in order (none for seed_tail).
-        width: The :class:`ModelKey` field that the second dim of the first
-            non-ring tensor gives (``k``'s ``head_dim``, ``pool_ids``'s
-            ``pool_topk``).
-        suffix: The graph name's tail, from the key (what a profiler trace
-            needs to tell two compiled instances apart).
         options: Fixed keyword arguments for ``wrapper``.
-        key_options: :class:`ModelKey` fields passed to ``wrapper`` as
-            keyword arguments.
     """
 
     kind: str
     wrapper: Callable[..., Any]
-    tensors: tuple[str, ...]
-    indices: tuple[str, ...]
-    outputs: tuple[str, ...]
-    width: str = "head_dim"
-    suffix: Callable[[ModelKey], str] = _writer_suffix
     options: tuple[tuple[str, Any], ...] = ()
-    key_options: tuple[str, ...] = ()
+
+    @functools.cached_property
+    def _parameters(self) -> list[str]:
+        return list(inspect.signature(self.wrapper).parameters)
+
+    @functools.cached_property
+    def operands(self) -> tuple[str, ...]:
+        """Every operand's name, in argument order."""
+        names = self._parameters
+        return tuple(names[: names.index("kpool")])
+
+    @functools.cached_property
+    def tensors(self) -> tuple[str, ...]:
+        """The ring and float (or ``pool_ids``) operands, in order.
+
+        ``"tail"``, when present, is first: the ring buffer the op updates
+        in place, which the caller owns.
+        """
+        return tuple(n for n in self.operands if n not in _INDEX_OPERANDS)
+
+    @functools.cached_property
+    def indices(self) -> tuple[str, ...]:
+        """The index operands in argument order, after :attr:`tensors`."""
+        return tuple(n for n in self.operands if n in _INDEX_OPERANDS)
+
+    @property
+    def selects(self) -> bool:
+        """Whether the op takes ``always_select_tail`` (expand_topk)."""
+        return "always_select_tail" in self._parameters
 
     @property
     def in_place(self) -> bool:
         """Whether the first operand is the ring, updated in place."""
         return self.tensors[0] == "tail"
-
-    @property
-    def operands(self) -> tuple[str, ...]:
-        """Every operand's name, in argument order."""
-        return self.tensors + self.indices
 
     def input_types(
         self, key: ModelKey, device: DeviceRef
@@ -162,9 +176,16 @@ class Op:
         return types
 
     def graph_name(self, key: ModelKey, emulate_gpu: bool) -> str:
-        """The graph's name: the op and everything it is specialized on."""
+        """The graph's name: the op and everything it is specialized on.
+
+        What a profiler trace needs to tell two compiled instances apart.
+        """
         name = f"mla_kpool_{self.kind}_{key.dtype}_k{key.kpool}"
-        name += f"_{self.suffix(key)}"
+        if self.selects:
+            tail = "tail" if key.always_select_tail else "notail"
+            name += f"_t{key.pool_topk}_{tail}"
+        else:
+            name += f"_d{key.head_dim}_r{key.ring_len}"
         return name + "_gpu_emulated" if emulate_gpu else name
 
     def add(
@@ -172,13 +193,14 @@ class Op:
     ) -> list[Any]:
         """Adds the op on the graph's input ``values``; returns its outputs."""
         options = dict(self.options)
-        options.update({name: getattr(key, name) for name in self.key_options})
+        if self.selects:
+            options["always_select_tail"] = key.always_select_tail
         result = self.wrapper(
             *values, key.kpool, emulate_gpu=emulate_gpu, **options
         )
-        if len(self.outputs) == 1:
-            return [result]
-        return list(result or ())
+        if result is None or isinstance(result, tuple):
+            return list(result or ())
+        return [result]
 
     def host_operands(self, operands: Mapping[str, Any]) -> list[Any]:
         """This op's operands from ``operands``, in argument order.
@@ -208,10 +230,15 @@ class Op:
         values: Sequence[Any],
         always_select_tail: bool = True,
     ) -> ModelKey:
-        """The model key of a call on ``values`` (:meth:`host_operands`)."""
+        """The model key of a call on ``values`` (:meth:`host_operands`).
+
+        The second dim of the first non-ring tensor gives ``head_dim``
+        (``k``) or, for expand_topk, ``pool_topk`` (``pool_ids``).
+        """
         named = dict(zip(self.operands, values, strict=True))
         first = named[self.tensors[1 if self.in_place else 0]]
-        sizes = {self.width: int(first.shape[1])}
+        width = "pool_topk" if self.selects else "head_dim"
+        sizes = {width: int(first.shape[1])}
         if self.in_place:
             sizes["ring_len"] = int(named["tail"].shape[2])
         return model_key(
@@ -224,59 +251,16 @@ class Op:
         )
 
 
-_PER_REQUEST = ("input_row_offsets", "cache_lengths", "slot_idx")
-_RING_OPERANDS = ("tail", "k", "gate", "ape")
-
 #: Every op the runner runs, by :attr:`ModelKey.kind`.
 OPS: dict[str, Op] = {
     op.kind: op
     for op in (
-        Op(
-            "ring_close",
-            kpool_graph.ring_close,
-            _RING_OPERANDS,
-            _PER_REQUEST,
-            ("pooled", "closed_pool"),
-        ),
-        Op(
-            "compress",
-            kpool_graph.compress,
-            ("k", "gate", "ape"),
-            ("input_row_offsets", "pool_row_offsets", "cache_lengths"),
-            ("pooled",),
-        ),
-        Op(
-            "seed_tail",
-            kpool_graph.seed_tail,
-            ("tail", "k", "gate"),
-            _PER_REQUEST,
-            (),
-        ),
-        Op(
-            "step",
-            kpool_graph.kpool_step,
-            _RING_OPERANDS,
-            _PER_REQUEST,
-            kpool_graph.KPoolStep._fields,
-        ),
-        Op(
-            "step3",
-            kpool_graph.kpool_step,
-            _RING_OPERANDS,
-            _PER_REQUEST,
-            kpool_graph.KPoolStep._fields,
-            options=(("fused", False),),
-        ),
-        Op(
-            "expand_topk",
-            kpool_graph.expand_topk,
-            ("pool_ids",),
-            ("input_row_offsets", "cache_lengths"),
-            ("positions",),
-            width="pool_topk",
-            suffix=_expand_suffix,
-            key_options=("always_select_tail",),
-        ),
+        Op("ring_close", kpool_graph.ring_close),
+        Op("compress", kpool_graph.compress),
+        Op("seed_tail", kpool_graph.seed_tail),
+        Op("step", kpool_graph.kpool_step),
+        Op("step3", kpool_graph.kpool_step, (("fused", False),)),
+        Op("expand_topk", kpool_graph.expand_topk),
     )
 }
 
@@ -342,8 +326,7 @@ def model_key(
         ring_len=int(ring_len),
         index_dtypes=dtypes,
         pool_topk=int(pool_topk),
-        always_select_tail=bool(always_select_tail)
-        and "always_select_tail" in op.key_options,
+        always_select_tail=bool(always_select_tail) and op.selects,
     )
 
 

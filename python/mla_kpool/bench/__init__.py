@@ -184,21 +184,20 @@ def measure(
         names.append("builtin")
     calls = [model_call(runners[name], case, w) for name in names]
     us = dict(zip(names, time_calls(*calls, **timing), strict=True))
-    (numpy_us,) = time_calls(workload.numpy_call(case, w), **timing)
-    nbytes, median = workload.op_bytes(case), float(np.median(us["ours"]))
-    builtin = us.get("builtin")
+    (us["numpy"],) = time_calls(workload.numpy_call(case, w), **timing)
+    median = {name: float(np.median(t)) for name, t in us.items()}
+    p10, p90 = np.percentile(us["ours"], [10, 90])
+    nbytes = workload.op_bytes(case)
     return asdict(case) | {
-        "median_us": median,
-        "p10_us": float(np.percentile(us["ours"], 10)),
-        "p90_us": float(np.percentile(us["ours"], 90)),
+        "median_us": median["ours"],
+        "p10_us": float(p10),
+        "p90_us": float(p90),
         "bytes": nbytes,
-        "gbps": nbytes / median / 1e3,
-        "floor_median_us": float(np.median(us["floor"])),
-        "numpy_median_us": float(np.median(numpy_us)),
+        "gbps": nbytes / median["ours"] / 1e3,
+        "floor_median_us": median["floor"],
+        "numpy_median_us": median["numpy"],
         "memcpy_gbps": memcpy_gbps(nbytes, **timing),
-        "builtin_median_us": builtin
-        if builtin is None
-        else float(np.median(builtin)),
+        "builtin_median_us": median.get("builtin"),
         **info,
     }
 

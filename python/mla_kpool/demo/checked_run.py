@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import reference
-from ..calls import COMPRESS, RING_CLOSE
+from ..calls import COMPRESS, RING_CLOSE, CallInputs
 from ..reference import tolerance
 from ..ring import ring_length
 from ..runner import Runner, model_key
@@ -252,7 +252,7 @@ def serve(
         totals.call_seconds.append(time.perf_counter() - start)
 
         collect_pools(c, call, out, live, totals, kpool)
-        expand_and_check(config, c, call, runner, here, totals)
+        expand_and_check(config, c, call, inputs, runner, here, totals)
         for e in call:
             if not e.finished:
                 continue
@@ -288,6 +288,7 @@ def expand_and_check(
     config: Config,
     c: int,
     call: Sequence[Entry],
+    inputs: CallInputs,
     runner: Runner,
     fault: Fault | None,
     totals: Totals,
@@ -306,9 +307,7 @@ def expand_and_check(
         corrupt_selection(
             sent, fault.pool, (fault.position + 1) // config.kpool
         )
-    offsets = np.zeros(len(call) + 1, np.uint32)
-    offsets[1:] = np.cumsum([e.tokens for e in call])
-    cache = np.array([e.cache_length for e in call], np.uint32)
+    offsets, cache = inputs.input_row_offsets, inputs.cache_lengths
     start = time.perf_counter()
     (got,) = runner.run(
         "expand_topk",

@@ -49,6 +49,15 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
+def _unlisted(where: str, bad: int, noun: str) -> list[str]:
+    """The line counting the ``bad`` failures past the first listed."""
+    more = bad - MAX_LISTED
+    if more <= 0:
+        return []
+    differ = "differs" if more == 1 else "differ"
+    return [f"{where}: {plural(more, 'more ' + noun)} {differ} from the oracle"]
+
+
 @dataclass(frozen=True)
 class PoolRecord:
     """The row kept for one pool id: the latest call's output.
@@ -237,11 +246,7 @@ def check_request(
             f"max |err| {err[j]:.4g} > {allowed[j]:.4g} ({tolerance:g} x "
             f"max |k| {scale[j]:.4g})"
         )
-    if len(bad) > MAX_LISTED:
-        problems.append(
-            f"{name}: {plural(len(bad) - MAX_LISTED, 'more pool')} differ"
-            f"{'s' if len(bad) - MAX_LISTED == 1 else ''} from the oracle"
-        )
+    problems += _unlisted(name, len(bad), "pool")
     max_err = float(np.nanmax(err)) if not np.isnan(err).all() else np.nan
     worst = float(np.max(ratio)) if not np.isnan(ratio).any() else np.inf
     return max_err, worst, len(ids), problems
@@ -338,10 +343,5 @@ def check_expansion(
             f"at column {col}: got {int(got[t, col])}, want "
             f"{int(want[t, col])}"
         )
-    if len(bad) > MAX_LISTED:
-        problems.append(
-            f"call {c}: "
-            f"{plural(len(bad) - MAX_LISTED, 'more expand_topk row')} differ"
-            f"{'s' if len(bad) - MAX_LISTED == 1 else ''} from the oracle"
-        )
+    problems += _unlisted(f"call {c}", len(bad), "expand_topk row")
     return len(bad), problems

@@ -55,101 +55,81 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Args:
         parser: The ``demo`` subcommand's parser (or a standalone one).
     """
-    parser.add_argument(
-        "--seed", type=_non_negative, default=0, help="workload seed (0)"
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--seed", type=_non_negative, default=0, help="workload seed (0)")
+    add(
         "--dtype",
         choices=list(workload.DTYPES),
         help=f"key dtype ({workload.DEFAULT_DTYPE})",
     )
-    parser.add_argument(
+    add(
         "--kpool",
         type=_positive,
         help=f"tokens per pool ({workload.DEFAULT_KPOOL})",
     )
-    parser.add_argument(
+    add(
         "--head-dim",
         type=_positive,
         help=f"channels per key ({workload.DEFAULT_HEAD_DIM})",
     )
-    parser.add_argument(
+    add(
         "--requests",
         type=_positive,
-        help=(
-            f"requests to generate ({workload.DEFAULT_REQUESTS}); not with "
-            "--schedule"
-        ),
+        help=f"requests to generate ({workload.DEFAULT_REQUESTS}); not with "
+        "--schedule",
     )
-    parser.add_argument(
+    add(
         "--device",
         choices=list(DEVICES),
         default="cpu",
-        help=(
-            "where the kernels run (cpu); gpu-emulated runs the GPU kernels"
-            " on the host, thread by thread"
-        ),
+        help="where the kernels run (cpu); gpu-emulated runs the GPU kernels"
+        " on the host, thread by thread",
     )
-    parser.add_argument(
+    add(
         "--token-budget",
         type=_positive,
         default=2048,
         help="most tokens per call (2048)",
     )
-    parser.add_argument(
+    add(
         "--max-running",
         type=_positive,
-        help=(
-            "most requests in flight at once, which is the number of ring "
-            f"slots ({workload.DEFAULT_MAX_RUNNING})"
-        ),
+        help="most requests in flight at once, which is the number of ring "
+        f"slots ({workload.DEFAULT_MAX_RUNNING})",
     )
-    parser.add_argument(
-        "--chunk",
-        type=_positive,
-        default=512,
-        help="prefill chunk size (512)",
-    )
-    parser.add_argument(
+    add("--chunk", type=_positive, default=512, help="prefill chunk size (512)")
+    add(
         "--schedule",
         metavar="FILE",
         help="JSON workload: requests and, optionally, every call's batch",
     )
-    parser.add_argument(
+    add(
         "--pool-topk",
         type=_positive,
         default=workload.DEFAULT_POOL_TOPK,
-        help=(
-            "pool ids each query token selects for expand_topk "
-            f"({workload.DEFAULT_POOL_TOPK})"
-        ),
+        help="pool ids each query token selects for expand_topk "
+        f"({workload.DEFAULT_POOL_TOPK})",
     )
-    parser.add_argument(
+    add(
         "--inject-fault",
         nargs="?",
         const=FAULT_KINDS[0],
         choices=FAULT_KINDS,
-        help=(
-            "corrupt one ring member (ring, the default), one key row (key) "
-            "or one selected pool id sent to expand_topk (topk) that the "
-            "kernels see but the oracle does not; the check must then fail"
-        ),
+        help="corrupt one ring member (ring, the default), one key row (key) "
+        "or one selected pool id sent to expand_topk (topk) that the "
+        "kernels see but the oracle does not; the check must then fail",
     )
-    parser.add_argument(
+    add(
         "--spec-tokens",
         type=_positive,
         metavar="N",
-        help=(
-            "speculative decoding: every decode step verifies the next "
-            "token and N drafts, keeps a seeded number of them, and the ring "
-            "is ring_length(kpool, N + 1) deep; not with a schedule that "
-            "lists its calls"
-        ),
+        help="speculative decoding: every decode step verifies the next "
+        "token and N drafts, keeps a seeded number of them, and the ring "
+        "is ring_length(kpool, N + 1) deep; not with a schedule that "
+        "lists its calls",
     )
-    parser.add_argument(
-        "--json", metavar="FILE", help="also write the summary as JSON"
-    )
-    parser.add_argument(
+    add("--json", metavar="FILE", help="also write the summary as JSON")
+    add(
         "--no-progress",
         action="store_true",
         help="no progress bar (it is shown only when stderr is a terminal)",
@@ -188,6 +168,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
 
     Raises:
         DemoError: If options conflict or the schedule is bad.
+        ScheduleError: If the schedule file cannot be read or parsed.
     """
     loaded = None
     if args.schedule is not None:
@@ -196,15 +177,12 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
                 "--requests and --schedule exclude each other (the schedule "
                 "lists its requests)"
             )
-        try:
-            loaded = load_schedule(args.schedule)
-        except ScheduleError as err:
-            raise DemoError(str(err)) from err
+        loaded = load_schedule(args.schedule)
 
     def pick(name: str, default: Any) -> Any:
         """The option's value, else the schedule file's, else ``default``."""
         option = getattr(args, name)
-        in_file = getattr(loaded, name) if loaded else None
+        in_file = loaded.settings.get(name) if loaded else None
         if option is not None and in_file is not None and option != in_file:
             raise DemoError(
                 f"--{name.replace('_', '-')} {option} disagrees with "
@@ -267,7 +245,7 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
                     f"workload offers a place for it"
                 )
         runner = _runner_on(config.device, runner)
-    except DemoError as e:
+    except (DemoError, ScheduleError) as e:
         print(f"mla-kpool demo: error: {e}", file=err)
         return 2
 

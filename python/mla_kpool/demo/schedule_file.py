@@ -21,21 +21,21 @@ class ScheduleFile:
         requests: The requests.
         calls: Per call, ``(request, tokens)`` pairs in batch order; ``None``
             when the file leaves batching to :func:`schedule`.
-        kpool: Tokens per pool, if the file fixes it.
-        head_dim: Channels per key, if the file fixes it.
-        dtype: Key dtype name, if the file fixes it.
-        max_running: Ring slots, if the file fixes it.
+        settings: The options the file fixes, by option name: ``kpool``,
+            ``head_dim`` and ``max_running`` (integers), ``dtype`` (a name
+            of :data:`DTYPES`).
     """
 
     requests: tuple[Request, ...]
     calls: tuple[tuple[tuple[int, int], ...], ...] | None
-    kpool: int | None = None
-    head_dim: int | None = None
-    dtype: str | None = None
-    max_running: int | None = None
+    settings: dict[str, Any]
 
 
-_TOP_KEYS = ("kpool", "head_dim", "dtype", "max_running", "requests", "calls")
+#: Settings a file may fix that are integers ``>= 1``.
+_SIZES = ("kpool", "head_dim", "max_running")
+
+
+_TOP_KEYS = (*_SIZES, "dtype", "requests", "calls")
 
 
 _REQUEST_KEYS = ("prompt", "generate", "cached_prefix")
@@ -137,23 +137,15 @@ def parse_schedule(data: Any) -> ScheduleFile:
         calls = tuple(
             _call(c, f"calls[{i}]") for i, c in enumerate(data["calls"])
         )
-    dtype = data.get("dtype")
-    if dtype is not None and dtype not in DTYPES:
-        raise ScheduleError(
-            f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}"
-        )
-
-    def optional(name: str) -> int | None:
-        return None if name not in data else _int(data[name], name, 1)
-
-    return ScheduleFile(
-        requests=requests,
-        calls=calls,
-        kpool=optional("kpool"),
-        head_dim=optional("head_dim"),
-        dtype=dtype,
-        max_running=optional("max_running"),
-    )
+    settings = {n: _int(data[n], n, 1) for n in _SIZES if n in data}
+    if "dtype" in data:
+        if data["dtype"] not in DTYPES:
+            raise ScheduleError(
+                f"dtype must be one of {', '.join(DTYPES)}, got "
+                f"{data['dtype']!r}"
+            )
+        settings["dtype"] = data["dtype"]
+    return ScheduleFile(requests, calls, settings)
 
 
 def load_schedule(path: str | Path) -> ScheduleFile:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from dataclasses import asdict
 from typing import Any
 
 from ..reference import tolerance
@@ -52,20 +53,13 @@ def summarize(
     tokens = prefill + decode
     step_s = sum(totals.call_seconds)
     calls = len(plan_.calls)
+    fields = asdict(config) | {"dtype": config.dtype.name}
+    del fields["spec_tokens"]  # under "speculative"
+    if config.schedule:  # the file's calls, or its requests, set batching
+        fields |= {"token_budget": None, "chunk": None}
     summary = {
         "ok": not totals.problems,
-        "config": {
-            "dtype": config.dtype.name,
-            "kpool": config.kpool,
-            "head_dim": config.head_dim,
-            "device": config.device,
-            "seed": config.seed,
-            "token_budget": None if config.schedule else config.token_budget,
-            "max_running": config.max_running,
-            "chunk": None if config.schedule else config.chunk,
-            "schedule": config.schedule,
-            "pool_topk": config.pool_topk,
-        },
+        "config": fields,
         "requests": len(reqs),
         "requests_with_cached_prefix": sum(r.cached_prefix > 0 for r in reqs),
         "tokens": tokens,
