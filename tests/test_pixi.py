@@ -131,7 +131,10 @@ def _environments() -> dict[str, list[str | None]]:
 
 
 def _module_file(module: str) -> Path:
-    return REPO / "python" / (module.replace(".", "/") + ".py")
+    """The source of ``module``: its ``__init__.py`` if it is a package."""
+    base = REPO / "python" / module.replace(".", "/")
+    package = base / "__init__.py"
+    return package if package.is_file() else base.with_suffix(".py")
 
 
 def _task_environment(task: str) -> str:
