@@ -672,3 +672,32 @@ def test_plot_draws_the_markdown_file(tmp_path, capsys, no_runner):
     image = tmp_path / "bench.png"
     assert main(["bench", "--markdown", str(path), "--plot", str(image)]) == 0
     assert image.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--json", "/no-such-folder-mla-kpool/run.json"],
+        ["--plot", "/no-such-folder-mla-kpool/plot.png"],
+    ],
+    ids=["json", "plot"],
+)
+def test_output_in_a_missing_folder_exits_2_first(argv, capsys, no_runner):
+    """A path the results cannot be written to is refused before the
+    run, not after it (a --sweep run takes over 20 minutes)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {argv[0]}: must be a file in an existing folder" in err
+
+
+def test_plot_format_is_checked_first(tmp_path, capsys, no_runner):
+    pytest.importorskip("matplotlib")
+    records = tmp_path / "bench.json"
+    records.write_text(json.dumps(RECORDS))
+    image = tmp_path / "plot.txt"
+    argv = ["bench", "--markdown", str(records), "--plot", str(image)]
+    assert main(argv) == 2
+    assert "--plot IMAGE must end in one of" in capsys.readouterr().err
+    assert not image.exists()

@@ -528,7 +528,13 @@ def test_gpu_without_accelerator(capsys):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--kpool", "0"], ["--dtype", "int8"], ["--spec-tokens", "0"]]
+    "argv",
+    [
+        ["--kpool", "0"],
+        ["--dtype", "int8"],
+        ["--spec-tokens", "0"],
+        ["--json", "/no-such-folder-mla-kpool/summary.json"],
+    ],
 )
 def test_bad_option_values_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -8,6 +8,7 @@ of the form "must be ..., got ...".
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -44,3 +45,19 @@ def non_negative_float(text: str) -> float:
             f"must be a finite number >= 0, got {text}"
         )
     return value
+
+
+def output_file(text: str) -> str:
+    """An argparse type: a file path whose folder exists and is writable.
+
+    Checked up front so that a long run is not lost to a typo in the path
+    it writes its results to at the end.
+    """
+    folder = os.path.dirname(text) or "."
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(
+            f"must be a file in an existing folder, got {text!r}"
+        )
+    if not os.access(folder, os.W_OK) or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}")
+    return text

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -39,7 +40,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .. import runner as kpool_runner
-from .._argtypes import int_at_least, non_negative_float
+from .._argtypes import int_at_least, non_negative_float, output_file
 from .._paths import NOOP_KERNELS
 from .._sysinfo import run_info
 from ..runner import Runner
@@ -330,7 +331,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per pool (4; --sweep: 4 16 128); each compiles graphs",
     )
     add("--head-dim", type=positive, default=HEAD_DIM, help="channels (128)")
-    add("--json", metavar="FILE", help="write one record per configuration")
+    add(
+        "--json",
+        metavar="FILE",
+        type=output_file,
+        help="write one record per configuration",
+    )
     add(
         "--markdown",
         metavar="FILE",
@@ -342,6 +348,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--plot",
         metavar="IMAGE",
+        type=output_file,
         help="draw GB/s against batch per op, with the memcpy line, to IMAGE"
         " (.png, .svg, .pdf), from this run or the --markdown files; needs"
         " matplotlib",
@@ -366,9 +373,19 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.plot:
             try:
-                report.import_pyplot()
+                plt = report.import_pyplot()
             except ImportError:
                 raise report.ResultsError(report.PLOT_MISSING) from None
+            figure = plt.figure()
+            kinds = figure.canvas.get_supported_filetypes()
+            plt.close(figure)
+            suffix = os.path.splitext(args.plot)[1].lstrip(".").lower()
+            if suffix not in kinds:
+                raise report.ResultsError(
+                    f"--plot IMAGE must end in one of "
+                    f"{', '.join('.' + k for k in sorted(kinds))}, "
+                    f"got {args.plot!r}"
+                )
         if args.markdown and args.json:
             raise report.ResultsError(
                 "--markdown reads a --json file; it does not run, so it "

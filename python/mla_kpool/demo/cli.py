@@ -12,7 +12,7 @@ from typing import Any
 from max import driver
 from tqdm import tqdm
 
-from .._argtypes import int_at_least
+from .._argtypes import int_at_least, output_file
 from .._paths import compiled_kernels
 from ..runner import DEVICES, Runner
 from . import workload
@@ -128,7 +128,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "is ring_length(kpool, N + 1) deep; not with a schedule that "
         "lists its calls",
     )
-    add("--json", metavar="FILE", help="also write the summary as JSON")
+    add(
+        "--json",
+        metavar="FILE",
+        type=output_file,
+        help="also write the summary as JSON",
+    )
     add(
         "--no-progress",
         action="store_true",
