@@ -343,3 +343,19 @@ def test_check_metadata_names_a_page_id_used_as_slot() -> None:
 def test_empty_batch_as_python_lists_is_accepted():
     # batch 0 is legal; [] alone would be float64 to NumPy.
     assert check_metadata([0], [], [], total_tokens=0, max_slots=2) is None
+
+
+@pytest.mark.parametrize(
+    "field", ["input_row_offsets", "cache_lengths", "slot_idx"]
+)
+def test_check_metadata_refuses_uint64_past_2_63(field):
+    """The kernels read indices as signed 64-bit, so 2^63 is negative."""
+    meta = {
+        "input_row_offsets": np.array([0, 3], np.uint64),
+        "cache_lengths": np.array([0], np.uint64),
+        "slot_idx": np.array([0], np.uint64),
+    }
+    meta[field] = meta[field].copy()
+    meta[field][-1] = 2**63
+    with pytest.raises(ValueError, match=rf"{field}\[\d\]=9223372036854775808"):
+        check_metadata(**meta, total_tokens=3, max_slots=1, kpool=4)

@@ -851,3 +851,28 @@ def test_streaming_writers_reproduce_one_shot_pooling(seed, kpool, ring_pools):
                 stacked, expected, rtol=1e-13, err_msg=msg
             )
             assert np.all(np.isfinite(stacked)), msg
+
+
+def test_uint64_past_2_63_reads_as_negative_like_the_ops():
+    """The ops read indices as signed 64-bit: a uint64 cache length of 2^63
+    is the negative length -2^63, bad metadata (no pool, ring untouched),
+    not a request 2^61 pools deep."""
+    kpool, head_dim = 4, 2
+    rng = np.random.default_rng(63)
+    k = rng.standard_normal((6, head_dim)).astype(np.float32)
+    gate = rng.standard_normal((6, head_dim)).astype(np.float32)
+    ape = np.zeros((kpool, head_dim), np.float32)
+    ring = np.full((2, 2, kpool, head_dim), 7.0, np.float32)
+    offsets = np.array([0, 3, 6], np.uint64)
+    slots = np.array([0, 1], np.uint64)
+    wrapped = np.array([2**63 + 1, 5], np.uint64)
+    negative = np.array([-(2**63) + 1, 5], np.int64)
+    for cache in (wrapped, negative):
+        pooled, closed = ref.ring_close(
+            ring, k, gate, ape, offsets, cache, slots, kpool
+        )
+        # Request 1 (c 5, n 3) closes pool 1 as usual; request 0 nothing.
+        np.testing.assert_array_equal(closed, [-1, 1])
+        assert not pooled[0].any()
+        after = ref.seed_tail(ring, k, gate, offsets, cache, slots, kpool)
+        np.testing.assert_array_equal(after[0], ring[0])  # untouched

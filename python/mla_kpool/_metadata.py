@@ -34,7 +34,14 @@ def _index_array(name: str, values: np.ndarray | Sequence[int]) -> list[int]:
         raise ValueError(f"{name} must be rank 1, got shape {arr.shape}")
     # Python ints: uint32 / uint64 values never wrap and int32 negatives stay
     # negative, so every comparison below is exact.
-    return [int(v) for v in arr]
+    ints = [int(v) for v in arr]
+    for i, v in enumerate(ints):
+        if v >= 1 << 63:
+            raise ValueError(
+                f"{name}[{i}]={v} is 2^63 or more, which the kernels read "
+                "as a negative 64-bit value"
+            )
+    return ints
 
 
 def _pool_count(c: int, n: int, kpool: int) -> int:
@@ -62,7 +69,8 @@ def check_metadata(
 
     Rules: `input_row_offsets` starts at 0, is non-decreasing and ends at most
     at `total_tokens` (trailing unused rows of `k` are allowed);
-    `cache_lengths >= 0`; `0 <= slot_idx < max_slots`, and no two requests
+    `cache_lengths >= 0`; `0 <= slot_idx < max_slots`; no value of 2^63 or
+    more (the kernels read indices as signed 64-bit); and no two requests
     share a slot (both would write one ring slot, even a request with no new
     tokens). If `pool_row_offsets` is given it must equal the exclusive prefix
     sum of each request's pool count

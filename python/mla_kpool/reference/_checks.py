@@ -23,13 +23,18 @@ def _check_kpool(kpool: int) -> int:
 
 
 def _index_values(name: str, values: np.ndarray) -> list[int]:
-    """Returns a rank-1 integer array's entries as Python ints (never wraps)."""
+    """Returns a rank-1 integer array's entries as the ops read them.
+
+    The ops read every index as a signed 64-bit integer, so a uint64 value
+    of 2^63 or more is negative (bad metadata); every other integer dtype
+    converts exactly.
+    """
     arr = np.asarray(values)
     if not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must have an integer dtype, got {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{name} must be rank 1, got shape {arr.shape}")
-    return [int(v) for v in arr]
+    return [int(v) for v in arr.astype(np.int64)]
 
 
 def _batch_metadata(
