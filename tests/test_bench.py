@@ -19,7 +19,7 @@ from mla_kpool import _sysinfo, bench
 from mla_kpool import reference as ref
 from mla_kpool.__main__ import main
 from mla_kpool._paths import KERNELS, NOOP_KERNELS, compiled_kernels
-from mla_kpool.bench import workload
+from mla_kpool.bench import blas, workload
 from mla_kpool.runner import model_key
 
 CASES = [
@@ -701,3 +701,54 @@ def test_plot_format_is_checked_first(tmp_path, capsys, no_runner):
     assert main(argv) == 2
     assert "--plot IMAGE must end in one of" in capsys.readouterr().err
     assert not image.exists()
+
+
+# --------------------------------------------------------------------------
+# NumPy's BLAS: a clean environment, and which kernel ran
+# --------------------------------------------------------------------------
+
+
+def test_bench_restarts_without_the_slow_blas_variables(monkeypatch):
+    """The command line re-executes itself without OPENBLAS_CORETYPE and
+    OPENBLAS_L2_SIZE, marking what it unset; with neither set it goes on."""
+    calls = []
+
+    def execve(path, argv, env):
+        calls.append((path, argv, env))
+
+    env = {"OPENBLAS_CORETYPE": "Prescott", "OPENBLAS_L2_SIZE": "1", "A": "1"}
+    argv = ["python", "-m", "mla_kpool", "bench", "--ops", "index_top_k"]
+    blas.reexec_without_slow_blas(env, argv, execve)
+    ((path, new_argv, new_env),) = calls
+    assert path == sys.executable
+    assert new_argv == [sys.executable, *argv[1:]]
+    assert "OPENBLAS_CORETYPE" not in new_env and new_env["A"] == "1"
+    assert "OPENBLAS_L2_SIZE" not in new_env
+    assert new_env[blas.UNSET_MARKER] == (
+        "OPENBLAS_CORETYPE=Prescott;OPENBLAS_L2_SIZE=1"
+    )
+    calls.clear()
+    blas.reexec_without_slow_blas({"A": "1"}, argv, execve)
+    assert calls == []
+    # Tests call main(argv): never re-executed, whatever the environment.
+    monkeypatch.setenv("OPENBLAS_L2_SIZE", "1")
+    monkeypatch.setattr(blas, "reexec_without_slow_blas", execve)
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert calls == []
+
+
+def test_blas_info_names_the_kernel(monkeypatch):
+    """NumPy's BLAS library, kernel and threads, from threadpoolctl or
+    OpenBLAS itself; and what the command line unset."""
+    monkeypatch.setenv(blas.UNSET_MARKER, "OPENBLAS_CORETYPE=Prescott")
+    monkeypatch.setenv("OPENBLAS_L2_SIZE", "1")
+    info = blas.blas_info()
+    assert info["blas_unset"] == "OPENBLAS_CORETYPE=Prescott"
+    assert info["blas_env"] == {"OPENBLAS_L2_SIZE": "1"}
+    config = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+    if "openblas" in config["name"]:
+        found = info["blas"]
+        assert found["internal_api"] == "openblas"
+        assert found["architecture"] and found["num_threads"] >= 1
+        assert found["version"] == config["version"]
