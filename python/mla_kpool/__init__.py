@@ -11,6 +11,11 @@ graph; each loads this package's kernels into the graph if it lacks them::
 Graphs that call MAX's own wrappers (an unchanged MAX pipeline) get the
 kernels when built inside :func:`kernels_loaded`.
 
+:func:`index_top_k` is the pooled indexer that scores the cached pools
+(MAX's ``mla_fp8_index_top_k`` signature, on the CPU too);
+:mod:`mla_kpool.index_cache` fills its paged FP8 cache on the host. It is
+imported on first use: its module imports ``max.nn``, which takes seconds.
+
 Attributes:
     __version__: This package's version, from the installed distribution's
         metadata (``importlib.metadata``); from the checkout's
@@ -29,6 +34,7 @@ from __future__ import annotations
 import tomllib
 from importlib import metadata as _dist_metadata
 from pathlib import Path as _Path
+from typing import Any
 
 from . import buffers, reference
 from ._metadata import check_metadata
@@ -73,6 +79,16 @@ def _find_version() -> str:
 
 __version__: str = _find_version()
 
+
+def __getattr__(name: str) -> Any:
+    """``index_top_k``, imported on first use (it imports ``max.nn``)."""
+    if name == "index_top_k":
+        from .indexer import index_top_k
+
+        return index_top_k
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "KERNELS",
     "__version__",
@@ -81,6 +97,7 @@ __all__ = [
     "check_metadata",
     "compress",
     "expand_topk",
+    "index_top_k",
     "kernels_loaded",
     "kpool_step",
     "pool_row_offsets",

@@ -43,9 +43,12 @@ from max.engine import InferenceSession, Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
 from . import graph as kpool_graph
+from . import index_runner
 from ._paths import KERNELS, builtin_kernels_only, compiled_kernels
 from .buffers import to_buffer, to_max_dtype, to_numpy
 from .calls import CallInputs, PoolRow, pools_of_call
+from .index_cache import PagedIndexCache
+from .index_runner import IndexKey
 
 
 @dataclass(frozen=True)
@@ -383,6 +386,7 @@ class Runner:
         devices = [driver.CPU()] if on_host else [driver.CPU(), self.device]
         self._session = InferenceSession(devices=devices)
         self._models: dict[ModelKey, Model] = {}
+        self._index_models: dict[IndexKey, Model] = {}
 
     # -- buffers ---------------------------------------------------------
 
@@ -513,6 +517,58 @@ class Runner:
         """
         model, args = self.prepare(kind, kpool, **operands)
         return [to_numpy(out) for out in model.execute(*args)]
+
+    # -- the indexer -----------------------------------------------------
+
+    def index_model(self, key: IndexKey) -> Model:
+        """The compiled index_top_k model for ``key``, compiled on first use."""
+        model = self._index_models.get(key)
+        if model is None:
+            extensions = [] if self.kernels is None else [self.kernels]
+            if self.kernels is not None and self.kernels.is_dir():
+                extensions = [compiled_kernels(self.kernels)]
+            graph = index_runner.build_graph(key, extensions)
+            model = self._session.load(graph)
+            self._index_models[key] = model
+        return model
+
+    def index_top_k(
+        self,
+        q: np.ndarray,
+        qs: np.ndarray,
+        input_row_offsets: npt.ArrayLike,
+        cache: PagedIndexCache,
+        layer_idx: int,
+        **options: Any,
+    ) -> np.ndarray:
+        """Runs :func:`mla_kpool.index_top_k` on host arrays.
+
+        One model per :class:`mla_kpool.index_runner.IndexKey`; the batch,
+        token, block and page counts may change between calls.
+
+        Args:
+            q: ``[T, H, D]`` uint8 e4m3fn bytes.
+            qs: ``[T, H]`` float32.
+            input_row_offsets: ``[B + 1]``, sent as uint32.
+            cache: The :class:`mla_kpool.index_cache.PagedIndexCache` (its
+                ``cache_lengths`` are this call's ``k_cache_lengths``).
+            layer_idx: The layer to read.
+            **options: ``top_k`` and ``kpool`` (required), ``mask``
+                (``"causal"``), and the rest of
+                :func:`mla_kpool.index_runner.prepare`'s keywords.
+
+        Returns:
+            int32 ``[T, top_k]``.
+
+        Raises:
+            ValueError: From the graph checks, on a runner device other than
+                ``"cpu"`` or ``"gpu"``, and (from MAX) when the kernel
+                raises at run time (a page stride smaller than a block).
+        """
+        model, args, _ = index_runner.prepare(
+            self, q, qs, input_row_offsets, cache, layer_idx, **options
+        )
+        return to_numpy(model.execute(*args)[0])
 
     def step(
         self,

@@ -20,13 +20,17 @@ The three writers mirror the graph ops, in the order a serving step runs them:
 
 :func:`expand_topk` mirrors the op that reads the pools back: it widens the
 pool ids an indexer selected for each query token into the token positions
-attention reads. :func:`step` runs the three writers in serving order on one
+attention reads. :func:`index_top_k` is the indexer itself (score every
+visible pooled key of the paged FP8 cache, keep each row's top k) and
+:func:`check_selection` compares an op's selection with it at the k-th
+score, within :func:`index_tolerance`. :func:`step` runs the three
+writers in serving order on one
 :class:`mla_kpool.calls.CallInputs`, and :func:`tolerance` says how close a
 kernel's pooled key must come to the oracle's.
 
 Modules: ``numerics`` (the pooling formula, the tolerance), ``writers``
 (ring_close, compress, seed_tail), ``expand`` (expand_topk), ``fused`` (the
-step); everything public is re-exported here.
+step), ``indexer`` (index_top_k); everything public is re-exported here.
 
 Index values are read one by one as Python ``int`` so that ``c + n`` never
 wraps, whatever the index dtype (uint32 by MAX convention). Bad runtime
@@ -44,6 +48,15 @@ from .expand import (
     expand_topk_width,
 )
 from .fused import step
+from .indexer import (
+    RowScores,
+    SelectionReport,
+    check_selection,
+    decode_fp8,
+    index_scores,
+    index_tolerance,
+    index_top_k,
+)
 from .numerics import TOLERANCE, pool, pool_sequence, tolerance
 from .writers import (
     compress,
@@ -55,7 +68,10 @@ from .writers import (
 )
 
 __all__ = [
+    "RowScores",
+    "SelectionReport",
     "TOLERANCE",
+    "check_selection",
     "compress",
     "compress_ambiguous_rows",
     "compress_candidates",
@@ -63,6 +79,10 @@ __all__ = [
     "expand_topk_ambiguous_rows",
     "expand_topk_candidates",
     "expand_topk_width",
+    "decode_fp8",
+    "index_scores",
+    "index_tolerance",
+    "index_top_k",
     "pool",
     "pool_row_offsets",
     "pool_sequence",

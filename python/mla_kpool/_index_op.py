@@ -1,0 +1,288 @@
+"""Graph-build checks and the CPU op of :func:`mla_kpool.index_top_k`.
+
+Kept apart from :mod:`mla_kpool.indexer` because that module imports
+``max.nn`` (for ``MHAMaskVariant`` and ``PagedCacheValues``), which takes
+many seconds; the runner builds its graphs from the flat operands here
+without it. Every check raises before an op is added, with a message that
+starts with the argument's name (``k_collection.kv_blocks`` for a field of
+the cache), in the words of :mod:`mla_kpool._validate`.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+from max.dtype import DType
+from max.graph import BufferValue, DeviceRef, TensorType, TensorValue, ops
+from max.graph.dim import Dim, StaticDim
+
+from . import _validate as v
+from ._paths import ensure_kernels
+
+#: The registered name of this package's CPU indexer.
+OP_NAME = "mla_kpool.index_top_k"
+#: MAX's largest ``top_k`` (its bounded top-k's capacity); ours too.
+MAX_TOP_K = 2048
+#: Mask strings the op takes (``mask_str``).
+MASKS = ("causal", "null")
+
+
+@dataclass(frozen=True)
+class IndexOperands:
+    """Checked operands of one index_top_k call.
+
+    Attributes:
+        values: The 13 operands in the op's order (q, qs, offsets, kv_blocks,
+            page_stride, cache_lengths, lookup_table, max_prompt_length,
+            max_cache_length, kv_scales, scales_page_stride,
+            scales_lookup_table, layer_idx).
+        parameters: The op's compile-time parameters, MAX's names.
+        device: The graph device (that of ``q``).
+    """
+
+    values: tuple[Any, ...]
+    parameters: dict[str, int | str]
+    device: DeviceRef
+
+
+def _int(name: str, value: object, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name} must be an int, got {type(value).__name__} {value!r}"
+        )
+    if value < low or (high is not None and value > high):
+        span = f"in {low}..{high}" if high is not None else f"at least {low}"
+        raise ValueError(f"{name} must be {span}, got {value}")
+    return int(value)
+
+
+def _static(name: str, value: TensorValue | BufferValue, axis: int) -> int:
+    dim = value.shape[axis]
+    if not isinstance(dim, StaticDim):
+        raise ValueError(
+            f"{name} must have a static dim {axis} (a kernel parameter), got"
+            f" {v.fmt_shape(value.shape)}"
+        )
+    return int(dim)
+
+
+def _tensor(
+    name: str,
+    value: object,
+    dtype: DType,
+    ranks: tuple[int, ...],
+    device: DeviceRef | None,
+    what: str,
+) -> TensorValue:
+    value = v.check_tensor(name, value)
+    if value.rank not in ranks:
+        raise ValueError(
+            f"{name} must be {what}, got rank {value.rank}"
+            f" {v.fmt_shape(value.shape)}"
+        )
+    if value.dtype != dtype:
+        raise ValueError(
+            f"{name} dtype must be {dtype.name}, got {value.dtype.name}"
+        )
+    if device is not None and value.device != device:
+        raise ValueError(f"{name} must be on {device}, got {value.device}")
+    return value
+
+
+def _buffer(name: str, value: object, dtype: DType, device: DeviceRef):
+    if not isinstance(value, BufferValue):
+        raise TypeError(
+            f"{name} must be a max.graph.BufferValue (the paged cache), got"
+            f" {type(value).__name__}"
+        )
+    if value.rank != 6:
+        raise ValueError(
+            f"{name} must be rank 6 [num_blocks, 1, num_layers, page_size, 1,"
+            f" W], got rank {value.rank} {v.fmt_shape(value.shape)}"
+        )
+    if value.dtype != dtype:
+        raise ValueError(
+            f"{name} dtype must be {dtype.name}, got {value.dtype.name}"
+        )
+    if value.device != device:
+        raise ValueError(
+            f"{name} must be on {device} (the device of q), got {value.device}"
+        )
+    return value
+
+
+def check_operands(
+    q: object,
+    q_s: object,
+    input_row_offsets: object,
+    kv_blocks: object,
+    page_stride: object,
+    cache_lengths: object,
+    lookup_table: object,
+    max_prompt_length: object,
+    max_cache_length: object,
+    kv_scales: object,
+    scales_page_stride: object,
+    scales_lookup_table: object,
+    layer_idx: object,
+    *,
+    top_k: object,
+    quantization_granularity: object,
+    mask_str: str,
+    kpool: object,
+    prefix: str = "k_collection.",
+) -> IndexOperands:
+    """Checks every operand of the indexer; see :func:`mla_kpool.index_top_k`.
+
+    ``prefix`` names the cache fields in messages
+    (``k_collection.kv_blocks``).
+
+    Raises:
+        TypeError: A value of the wrong kind (not a tensor or buffer, a
+            non-integer ``top_k`` / ``kpool``).
+        ValueError: A wrong dtype, rank, shape, device or parameter value.
+    """
+    top_k = _int("top_k", top_k, 1, MAX_TOP_K)
+    kpool = _int("kpool", kpool, 1)
+    granularity = _int("quantization_granularity", quantization_granularity, 1)
+    if mask_str not in MASKS:
+        raise ValueError(f"mask must be causal or null, got {mask_str!r}")
+    q = v.check_tensor("q", q)
+    device = q.device
+    fp8 = DType.uint8 if device.is_cpu() else DType.float8_e4m3fn
+    if q.rank != 3:
+        raise ValueError(
+            f"q must be rank 3 [T, num_heads, depth], got rank {q.rank}"
+            f" {v.fmt_shape(q.shape)}"
+        )
+    if q.dtype != fp8:
+        where = (
+            "uint8 holding e4m3fn bytes on the CPU (MAX has no FP8 tensors"
+            " there)"
+            if device.is_cpu()
+            else "float8_e4m3fn on a GPU"
+        )
+        raise ValueError(f"q dtype must be {where}, got {q.dtype.name}")
+    heads, depth = _static("q", q, 1), _static("q", q, 2)
+    q_s = _tensor(
+        "q_s", q_s, DType.float32, (2,), device, "rank 2 [T, num_heads]"
+    )
+    if q_s.shape[1] != heads or v._differ(q_s.shape[0], q.shape[0]):
+        raise ValueError(
+            f"q_s must be [T, num_heads] = {v.fmt_shape([q.shape[0], heads])}"
+            f" to match q, got {v.fmt_shape(q_s.shape)}"
+        )
+    u32 = DType.uint32
+    offsets = _tensor(
+        "input_row_offsets",
+        input_row_offsets,
+        u32,
+        (1,),
+        device,
+        "rank 1 [B + 1]",
+    )
+    blocks = _buffer(f"{prefix}kv_blocks", kv_blocks, fp8, device)
+    layers = _static(f"{prefix}kv_blocks", blocks, 2)
+    page = _static(f"{prefix}kv_blocks", blocks, 3)
+    width = _static(f"{prefix}kv_blocks", blocks, 5)
+    if blocks.shape[1] != 1 or blocks.shape[4] != 1:
+        raise ValueError(
+            f"{prefix}kv_blocks must be [num_blocks, 1, num_layers, page_size,"
+            f" 1, W], got {v.fmt_shape(blocks.shape)}"
+        )
+    spread = width != depth
+    if spread and (kpool == 1 or depth % kpool or width != depth // kpool):
+        raise ValueError(
+            f"{prefix}kv_blocks row width W must be depth={depth} (whole) or"
+            f" depth/kpool (spread, kpool={kpool}), got {width}"
+        )
+    if spread and page % kpool:
+        raise ValueError(
+            f"{prefix}kv_blocks page_size must be a multiple of kpool={kpool}"
+            f" in the spread layout, got {page}"
+        )
+    if kv_scales is None:
+        raise ValueError(
+            f"{prefix}kv_scales must be set: FP8 keys need their per-row scales"
+        )
+    scales = _buffer(f"{prefix}kv_scales", kv_scales, DType.float32, device)
+    want = [1, layers, page, 1, 1]
+    if any(a != b for a, b in zip(scales.shape[1:], want, strict=True)):
+        raise ValueError(
+            f"{prefix}kv_scales must be [num_blocks, 1, {layers}, {page}, 1, 1]"
+            f" to match kv_blocks, got {v.fmt_shape(scales.shape)}"
+        )
+    cpu = DeviceRef.CPU()
+    i64 = DType.int64
+    strides = [
+        _tensor(f"{prefix}{n}", s, i64, (1,), cpu, "rank 1 [1]")
+        for n, s in (
+            ("page_stride", page_stride),
+            ("scales_page_stride", scales_page_stride),
+        )
+    ]
+    lengths = _tensor(
+        f"{prefix}cache_lengths", cache_lengths, u32, (1,), device, "rank 1 [B]"
+    )
+    tables = [
+        _tensor(f"{prefix}{n}", t, u32, (2,), device, "rank 2 [B, max_pages]")
+        for n, t in (
+            ("lookup_table", lookup_table),
+            ("scales_lookup_table", scales_lookup_table),
+        )
+    ]
+    maxima = [
+        _tensor(f"{prefix}{n}", m, u32, (0, 1), cpu, "a scalar or [1]")
+        for n, m in (
+            ("max_prompt_length", max_prompt_length),
+            ("max_cache_length", max_cache_length),
+        )
+    ]
+    layer = _tensor("layer_idx", layer_idx, u32, (0, 1), cpu, "a scalar")
+    batch = Dim(lengths.shape[0])
+    for name, value, extra in (
+        ("input_row_offsets", offsets, 1),
+        (f"{prefix}lookup_table", tables[0], 0),
+        (f"{prefix}scales_lookup_table", tables[1], 0),
+    ):
+        if v._differ(value.shape[0], batch + extra):
+            raise ValueError(
+                f"{name} dim 0 must be B{' + 1' if extra else ''} to match"
+                f" {prefix}cache_lengths {v.fmt_shape(lengths.shape)}, got"
+                f" {v.fmt_shape(value.shape)}"
+            )
+    values = (
+        q, q_s, offsets, blocks, strides[0], lengths, tables[0], maxima[0],
+        maxima[1], scales, strides[1], tables[1], layer,
+    )  # fmt: skip
+    parameters: dict[str, int | str] = {
+        "num_heads": heads,
+        "depth": depth,
+        "k": top_k,
+        "quantization_granularity": granularity,
+        "mask_str": mask_str,
+        "kpool": kpool,
+    }
+    return IndexOperands(values, parameters, device)
+
+
+def add_cpu_op(operands: IndexOperands) -> TensorValue:
+    """Adds ``mla_kpool.index_top_k`` on checked CPU operands.
+
+    Returns:
+        int32 ``[T, top_k]``.
+    """
+    ensure_kernels("index_top_k")
+    q = operands.values[0]
+    out = TensorType(
+        DType.int32, [q.shape[0], operands.parameters["k"]], device=q.device
+    )
+    return ops.inplace_custom(
+        OP_NAME,
+        device=q.device,
+        values=list(operands.values),
+        out_types=[out],
+        parameters=operands.parameters,
+    )[0].tensor

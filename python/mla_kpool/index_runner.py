@@ -1,0 +1,297 @@
+"""Compile-once, run-many execution of :func:`mla_kpool.index_top_k`.
+
+:meth:`mla_kpool.runner.Runner.index_top_k` calls :func:`prepare` and runs
+the model. A model is compiled per :class:`IndexKey` (what the kernel is
+specialized on: heads, depth, row width, layers, page size, ``top_k``,
+``kpool``, mask); tokens, requests, blocks and pages are symbolic graph dims,
+so one model serves every batch and cache size.
+
+The key and scale arenas are bound as MAX binds a padded page arena
+(``max.nn.kv_cache.cache_params.contiguous_page_view_and_stride``): a
+packed-shape view of the start of the flat arena, the stride beside it, and
+the op reads block ``i`` at ``i * page_stride`` past the view's end.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from max import driver
+from max.driver import Buffer
+from max.dtype import DType
+from max.graph import BufferType, DeviceRef, Graph, TensorType
+
+from ._index_op import add_cpu_op, check_operands
+from .buffers import to_buffer
+from .index_cache import PagedIndexCache
+
+
+@dataclass(frozen=True)
+class IndexKey:
+    """What one compiled index_top_k model is specialized on.
+
+    Attributes:
+        num_heads: ``H``.
+        depth: ``D``.
+        width: Cache row width ``W`` (``D`` or ``D / kpool``).
+        num_layers: Layers of the cache.
+        page_size: Rows per page.
+        top_k: Ids per row.
+        kpool: Tokens per key.
+        mask: ``"causal"`` or ``"null"``.
+        quantization_granularity: MAX's parameter (unused by the math).
+        gpu: A GPU graph (FP8 operands, MAX's builtin op).
+    """
+
+    num_heads: int
+    depth: int
+    width: int
+    num_layers: int
+    page_size: int
+    top_k: int
+    kpool: int
+    mask: str
+    quantization_granularity: int = 128
+    gpu: bool = False
+
+    @property
+    def name(self) -> str:
+        """The graph name: everything the model is specialized on."""
+        return (
+            f"mla_kpool_index_top_k_h{self.num_heads}_d{self.depth}"
+            f"_w{self.width}_l{self.num_layers}_p{self.page_size}"
+            f"_k{self.top_k}_kp{self.kpool}_{self.mask}"
+            + ("_gpu" if self.gpu else "")
+        )
+
+    def input_types(self) -> list[TensorType | BufferType]:
+        """The graph inputs in operand order; per-call dims symbolic."""
+        dev = DeviceRef.GPU() if self.gpu else DeviceRef.CPU()
+        cpu = DeviceRef.CPU()
+        fp8 = DType.float8_e4m3fn if self.gpu else DType.uint8
+        u32, i64 = DType.uint32, DType.int64
+        page = [self.num_layers, self.page_size, 1]
+        return [
+            TensorType(fp8, ["tokens", self.num_heads, self.depth], dev),
+            TensorType(DType.float32, ["tokens", self.num_heads], dev),
+            TensorType(u32, ["offsets"], dev),
+            BufferType(fp8, ["blocks", 1, *page, self.width], dev),
+            TensorType(i64, [1], cpu),
+            TensorType(u32, ["batch"], dev),
+            TensorType(u32, ["batch", "pages"], dev),
+            TensorType(u32, [1], cpu),
+            TensorType(u32, [1], cpu),
+            BufferType(DType.float32, ["scale_blocks", 1, *page, 1], dev),
+            TensorType(i64, [1], cpu),
+            TensorType(u32, ["batch", "scale_pages"], dev),
+            TensorType(u32, [], cpu),
+        ]
+
+
+def build_graph(key: IndexKey, extensions: list[Any]) -> Graph:
+    """The one-op graph of ``key``.
+
+    CPU graphs add ``mla_kpool.index_top_k`` from the flat operands (no
+    ``max.nn`` import); GPU graphs go through :func:`mla_kpool.index_top_k`
+    and so MAX's builtin.
+    """
+    with Graph(
+        key.name, input_types=key.input_types(), custom_extensions=extensions
+    ) as g:
+        values = [
+            x.buffer if i in (3, 9) else x.tensor
+            for i, x in enumerate(g.inputs)
+        ]
+        if key.gpu:
+            g.output(_gpu_op(key, values))
+        else:
+            operands = check_operands(
+                *values,
+                top_k=key.top_k,
+                quantization_granularity=key.quantization_granularity,
+                mask_str=key.mask,
+                kpool=key.kpool,
+                prefix="",
+            )
+            g.output(add_cpu_op(operands))
+    return g
+
+
+def _gpu_op(key: IndexKey, values: list[Any]) -> Any:
+    from max.nn.attention.mask_config import MHAMaskVariant
+    from max.nn.kv_cache import PagedCacheValues
+
+    from .indexer import index_top_k
+
+    q, qs, offsets, blocks, stride, lengths, table, mp, mc = values[:9]
+    scales, sstride, stable, layer = values[9:]
+    cache = PagedCacheValues(
+        kv_blocks=blocks,
+        cache_lengths=lengths,
+        lookup_table=table,
+        max_prompt_length=mp,
+        max_cache_length=mc,
+        page_stride=stride,
+        kv_scales=scales,
+        scales_page_stride=sstride,
+        scales_lookup_table=stable,
+    )
+    mask = (
+        MHAMaskVariant.CAUSAL_MASK
+        if key.mask == "causal"
+        else MHAMaskVariant.NULL_MASK
+    )
+    return index_top_k(
+        q, qs, offsets, cache, layer, key.top_k,
+        key.quantization_granularity, mask, key.kpool,
+    )  # fmt: skip
+
+
+def bind_arena(
+    flat: np.ndarray,
+    offset: int,
+    count: int,
+    stride: int,
+    block_shape: tuple[int, ...],
+    dtype: DType,
+    device: driver.Device,
+) -> tuple[Buffer, Buffer]:
+    """A ``[count, *block_shape]`` view of ``flat`` from ``offset``, as MAX.
+
+    Args:
+        flat: The whole flat arena (uint8 bytes or float32), guards included.
+        offset: Elements before block 0 (a test's leading guard).
+        count: Blocks (``shape[0]`` of the view).
+        stride: Elements between blocks (``-1``: packed).
+        block_shape: One block's shape.
+        dtype: The view's dtype (``float8_e4m3fn`` on a GPU).
+        device: Where the arena goes.
+
+    Returns:
+        ``(view, whole)``: the bound view and the whole flat buffer (read it
+        back to check guards).
+    """
+    whole = to_buffer(np.ascontiguousarray(flat), device)
+    if dtype != whole.dtype:
+        whole = whole.view(dtype, shape=(flat.size,))
+    packed = math.prod(block_shape)
+    prefix = whole[offset : offset + count * packed]
+    return prefix.view(dtype=dtype, shape=(count, *block_shape)), whole
+
+
+def _u32(values: Any, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.uint32)
+    return arr.reshape(shape) if shape is not None else arr
+
+
+def prepare(
+    runner: Any,
+    q: np.ndarray,
+    qs: np.ndarray,
+    input_row_offsets: np.ndarray,
+    cache: PagedIndexCache,
+    layer_idx: int,
+    *,
+    top_k: int,
+    kpool: int,
+    mask: str = "causal",
+    quantization_granularity: int = 128,
+    k_max_prompt_length: int | None = None,
+    k_max_cache_length: int | None = None,
+    key_arena: tuple[np.ndarray, int] | None = None,
+    scale_arena: tuple[np.ndarray, int] | None = None,
+) -> tuple[Any, list[Buffer], tuple[Buffer, Buffer]]:
+    """The compiled model and device operands of one call.
+
+    Args:
+        runner: A :class:`mla_kpool.runner.Runner` (``"cpu"`` or ``"gpu"``).
+        q: ``[T, H, D]`` uint8 e4m3fn bytes.
+        qs: ``[T, H]`` float32.
+        input_row_offsets: ``[B + 1]`` (sent as uint32).
+        cache: The paged cache (arenas, tables, lengths, strides).
+        layer_idx: The layer to read.
+        top_k: Ids per row.
+        kpool: Tokens per key.
+        mask: ``"causal"`` or ``"null"``.
+        quantization_granularity: MAX's parameter.
+        k_max_prompt_length: Default: the largest new-token count.
+        k_max_cache_length: Default: the largest ``c + n``.
+        key_arena: ``(flat, offset)`` to bind in place of ``cache.arena``
+            (a guarded copy); ``scale_arena`` likewise.
+        scale_arena: See ``key_arena``.
+
+    Returns:
+        ``(model, operands, (key_buffer, scale_buffer))``, the last two the
+        whole flat arenas as bound.
+    """
+    gpu = runner.device_name == "gpu"
+    if runner.device_name not in ("cpu", "gpu"):
+        raise ValueError(
+            "index_top_k has CPU and GPU kernels only, got runner device"
+            f" {runner.device_name!r}"
+        )
+    q = np.asarray(q, dtype=np.uint8)
+    key = IndexKey(
+        num_heads=int(q.shape[1]),
+        depth=int(q.shape[2]),
+        width=cache.width,
+        num_layers=cache.num_layers,
+        page_size=cache.page_size,
+        top_k=int(top_k),
+        kpool=int(kpool),
+        mask=str(mask),
+        quantization_granularity=int(quantization_granularity),
+        gpu=gpu,
+    )
+    offsets = np.asarray(input_row_offsets).astype(np.int64)
+    lengths = cache.cache_lengths.astype(np.int64)
+    new = np.diff(offsets) if len(offsets) > 1 else np.zeros(0, np.int64)
+    if k_max_prompt_length is None:
+        k_max_prompt_length = int(np.clip(new, 0, None).max(initial=0))
+    if k_max_cache_length is None:
+        total = lengths + np.clip(new, 0, None)
+        k_max_cache_length = int(total.max(initial=0))
+    fp8 = DType.float8_e4m3fn if gpu else DType.uint8
+    dev, cpu = runner.device, driver.CPU()
+    keys, key_whole = bind_arena(
+        *(key_arena or (cache.arena, 0)),
+        cache.num_blocks,
+        _stride(cache.page_stride, cache.block_shape),
+        cache.block_shape,
+        fp8,
+        dev,
+    )
+    scales, scale_whole = bind_arena(
+        *(scale_arena or (cache.scale_arena, 0)),
+        cache.num_scale_blocks,
+        _stride(cache.scales_page_stride, cache.scale_shape),
+        cache.scale_shape,
+        DType.float32,
+        dev,
+    )
+    q_buf = to_buffer(q, dev)
+    if gpu:
+        q_buf = q_buf.view(fp8, shape=q.shape)
+    args = [
+        q_buf,
+        to_buffer(np.asarray(qs, np.float32), dev),
+        to_buffer(_u32(input_row_offsets), dev),
+        keys,
+        to_buffer(np.array([cache.page_stride], np.int64), cpu),
+        to_buffer(_u32(cache.cache_lengths), dev),
+        to_buffer(_u32(cache.lookup_table), dev),
+        to_buffer(_u32([k_max_prompt_length]), cpu),
+        to_buffer(_u32([k_max_cache_length]), cpu),
+        scales,
+        to_buffer(np.array([cache.scales_page_stride], np.int64), cpu),
+        to_buffer(_u32(cache.scales_lookup_table), dev),
+        to_buffer(_u32(layer_idx, ()), cpu),
+    ]
+    return runner.index_model(key), args, (key_whole, scale_whole)
+
+
+def _stride(stride: int, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) if stride == -1 else stride

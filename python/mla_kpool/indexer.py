@@ -1,0 +1,143 @@
+"""The pooled indexer on any device: :func:`index_top_k`.
+
+MAX 26.7's ``max.nn.kernels.mla_fp8_index_top_k`` runs only on a GPU, and
+with ``kpool > 1`` only on the SM100 and gfx950 scorers. This wrapper has its
+signature. On the CPU it adds this package's ``mla_kpool.index_top_k`` op
+(``q`` and the key blocks as ``uint8`` e4m3fn bytes, since MAX has no FP8
+tensors on the CPU); on a GPU it adds MAX's builtin op, byte for byte, after
+the same checks. The contract is in docs/ops.md ("index_top_k").
+
+Importing this module imports ``max.nn`` (``MHAMaskVariant`` is the default
+argument), which takes several seconds; ``mla_kpool.index_top_k`` imports it
+on first use only.
+"""
+
+from __future__ import annotations
+
+from max.graph import TensorValue
+from max.nn.attention.mask_config import MHAMaskVariant
+from max.nn.kv_cache import PagedCacheValues
+
+from ._index_op import add_cpu_op, check_operands
+
+#: The masks the op takes, by MAX's variant.
+_MASK_STR = {
+    MHAMaskVariant.CAUSAL_MASK: "causal",
+    MHAMaskVariant.NULL_MASK: "null",
+}
+
+#: The cache fields the op reads, in its operand order after the offsets.
+_FIELDS = (
+    "kv_blocks",
+    "page_stride",
+    "cache_lengths",
+    "lookup_table",
+    "max_prompt_length",
+    "max_cache_length",
+    "kv_scales",
+    "scales_page_stride",
+    "scales_lookup_table",
+)
+
+
+def _cache_fields(k_collection: object) -> list[object]:
+    missing = [f for f in _FIELDS if not hasattr(k_collection, f)]
+    if missing:
+        raise TypeError(
+            "k_collection must be a max.nn.kv_cache.PagedCacheValues, got"
+            f" {type(k_collection).__name__} (no {', '.join(missing)})"
+        )
+    for field in ("kv_blocks_per_layer", "kv_scales_per_layer"):
+        if getattr(k_collection, field, None):
+            raise ValueError(
+                f"k_collection.{field} must be None: the indexer reads one"
+                " multi-layer buffer"
+            )
+    return [getattr(k_collection, f) for f in _FIELDS]
+
+
+def index_top_k(
+    q: TensorValue,
+    q_s: TensorValue,
+    input_row_offsets: TensorValue,
+    k_collection: PagedCacheValues,
+    layer_idx: TensorValue,
+    top_k: int,
+    quantization_granularity: int,
+    mask_variant: MHAMaskVariant = MHAMaskVariant.CAUSAL_MASK,
+    kpool: int = 1,
+) -> TensorValue:
+    """Top-k pooled key ids per query token, scored on the paged FP8 cache.
+
+    For token ``t`` of request ``b`` (``c = cache_lengths[b]`` cached tokens,
+    ``n`` new ones, ``i = t - input_row_offsets[b]``), candidate ``j`` in
+    ``[0, bound)``, ``bound = (c + n - (n - 1 - i) * causal) // kpool``,
+    scores ``k_scale[j] * sum_h max(q[t, h] . k[j], 0) * q_s[t, h]``. Row
+    ``t`` holds the ``min(top_k, bound)`` best ids by descending score (ties
+    by ascending id on the CPU; MAX's GPU op promises only the set), then
+    ``-1``. Bad runtime metadata gives ``-1`` rows, never a bad read.
+
+    Args:
+        q: Queries ``[T, num_heads, depth]``: uint8 e4m3fn bytes on the CPU,
+            float8_e4m3fn on a GPU; ``num_heads`` and ``depth`` static.
+        q_s: Per (token, head) weights ``[T, num_heads]`` float32, signed.
+        input_row_offsets: ``[B + 1]`` uint32 token row offsets.
+        k_collection: The indexer's paged key cache, with ``kv_scales``:
+            ``kv_blocks`` ``[num_blocks, 1, num_layers, page_size, 1, W]``
+            (dtype of ``q``), ``kv_scales`` ``[num_blocks', 1, num_layers,
+            page_size, 1, 1]`` float32, uint32 ``cache_lengths`` ``[B]`` and
+            lookup tables ``[B, max_pages]``, int64 ``[1]`` page strides and
+            uint32 maxima on the CPU. ``W`` is ``depth / kpool`` (a pooled key
+            spread over ``kpool`` rows, GLM-5-Next's) or ``depth`` (one row).
+        layer_idx: uint32 scalar on the CPU, the layer to read.
+        top_k: Ids per token row, 1..2048.
+        quantization_granularity: Passed to the op (MAX's parameter); the
+            scales are per row, so it does not change the result.
+        mask_variant: ``CAUSAL_MASK`` (token ``i`` sees the cache and the new
+            tokens up to itself) or ``NULL_MASK`` (every new token).
+        kpool: Tokens per cached key; ids are pool ids when ``> 1``.
+
+    Returns:
+        int32 ``[T, top_k]`` ids, ``-1`` after each row's valid ones.
+
+    Raises:
+        TypeError: If an operand is not a graph value of the right kind,
+            ``k_collection`` is not a ``PagedCacheValues``, or ``top_k`` /
+            ``kpool`` / ``quantization_granularity`` is not an int.
+        ValueError: On a wrong dtype, rank, static dim or device, ``top_k``
+            outside 1..2048, ``kpool < 1``, a mask other than NULL/CAUSAL, a
+            row width that is neither layout, a spread page size not a
+            multiple of ``kpool``, missing ``kv_scales`` or per-layer buffers.
+    """
+    if mask_variant not in _MASK_STR:
+        raise ValueError(
+            f"mask_variant must be NULL_MASK or CAUSAL_MASK, got"
+            f" {mask_variant!r}"
+        )
+    operands = check_operands(
+        q,
+        q_s,
+        input_row_offsets,
+        *_cache_fields(k_collection),
+        layer_idx,
+        top_k=top_k,
+        quantization_granularity=quantization_granularity,
+        mask_str=_MASK_STR[mask_variant],
+        kpool=kpool,
+    )
+    if operands.device.is_cpu():
+        return add_cpu_op(operands)
+    # A GPU: MAX's own op (its SM100 / gfx950 scorers, its kpool 1 path).
+    from max.nn.kernels import mla_fp8_index_top_k
+
+    return mla_fp8_index_top_k(
+        q,
+        q_s,
+        input_row_offsets,
+        k_collection,
+        layer_idx,
+        top_k,
+        quantization_granularity,
+        mask_variant,
+        kpool,
+    )

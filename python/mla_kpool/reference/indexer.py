@@ -1,0 +1,491 @@
+"""index_top_k: score every visible pooled key, keep each token row's top k.
+
+Written from the contract in docs/ops.md (section "index_top_k"), never from
+the kernel. For token row ``t`` of request ``b`` and candidate ``j``::
+
+    score[t, j] = k_scale[j] * sum_h max(sum_d q[t,h,d] * k[j,d], 0) * qs[t,h]
+    bound(t)    = (c + n - (n - 1 - i) * causal) // kpool,   j in [0, bound)
+
+with ``c = k_cache_lengths[b]``, ``n`` the request's new tokens and ``i =
+t - input_row_offsets[b]``. FP8 bytes decode exactly (ml_dtypes) and every
+product of two e4m3fn values is exact in float64; the sums here are float64.
+NaN propagates through the ReLU (``np.maximum``), and a NaN score ranks
+below every number.
+
+Output row ``t``: ``m = min(k, bound)`` distinct ids by descending score,
+ties by ascending id, then ``-1``. A row is all ``-1`` when no request owns
+it, when its request has bad offsets, when ``layer_idx`` is past the cache's
+layers, or when a page the row needs has a key or scale lookup entry past
+its arena (or past the lookup table's width).
+
+Two things the contract leaves open are accepted either way by
+:func:`check_selection`, never guessed: rows of a batch whose offsets
+decrease (all ``-1`` or the answer of any valid request whose span holds the
+row), and rows that need no bad page while a later row of their request does
+(all ``-1`` or the answer; a kernel may check pages per request).
+
+Tolerance (:func:`index_tolerance`): the kernel accumulates in float32. The
+products ``q * k`` of two e4m3fn values (4 significant bits each) are exact;
+the dot over ``D`` terms adds at most ``D - 1`` roundings, the ReLU none,
+the ``qs`` product one, the head sum ``H - 1`` and the scale one: ``D + H``
+roundings of unit ``2^-24``, each bounded by the magnitude ``mag_j = |scale_j|
+* sum_h |qs_h| * sum_d |q_hd k_jd|`` that every partial result stays under,
+in any summation order. Four more units cover second-order terms (``(D + H)
+* 2^-24 < 2^-11``) and the float64 oracle's own rounding, so ``tol_j = (D + H
++ 4) * 2^-24 * mag_j``, plus ``(H + 4) * 2^-126`` for float32 underflow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from ._checks import _check_kpool, _index_values, _offsets_ok
+
+#: Float32 unit roundoff, the kernel's accumulation precision.
+UNIT = 2.0**-24
+#: Smallest normal float32: an absolute floor for underflow.
+TINY = 2.0**-126
+#: MAX's largest supported ``top_k``.
+MAX_TOP_K = 2048
+#: Rows of scores computed at once (bounds the oracle's memory).
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def decode_fp8(values: np.ndarray) -> np.ndarray:
+    """e4m3fn bytes (``uint8``) or ``float8_e4m3fn`` -> exact float64."""
+    arr = np.asarray(values)
+    if arr.dtype == np.uint8:
+        arr = arr.view(ml_dtypes.float8_e4m3fn)
+    elif arr.dtype != np.dtype(ml_dtypes.float8_e4m3fn):
+        raise TypeError(
+            f"FP8 operands must be uint8 bytes or float8_e4m3fn, got"
+            f" {arr.dtype}"
+        )
+    return arr.astype(np.float64)
+
+
+def is_causal(mask: object) -> bool:
+    """``"causal"`` / ``"null"`` (or an ``MHAMaskVariant``) -> causal?"""
+    name = getattr(mask, "name", mask)
+    if name in ("causal", "CAUSAL_MASK"):
+        return True
+    if name in ("null", "NULL_MASK"):
+        return False
+    raise ValueError(f"mask must be 'causal' or 'null', got {mask!r}")
+
+
+def index_tolerance(mag: np.ndarray, num_heads: int, depth: int) -> np.ndarray:
+    """Largest float32 error of a score of magnitude ``mag`` (module docs)."""
+    return (depth + num_heads + 4) * UNIT * mag + (num_heads + 4) * TINY
+
+
+@dataclass(frozen=True)
+class RowScores:
+    """One token row's candidates, as the oracle scores them.
+
+    Attributes:
+        request: The request that owns the row.
+        bound: Visible candidates, ids ``[0, bound)``.
+        scores: float64 ``[bound]`` exact scores (NaN where garbage).
+        mag: float64 ``[bound]`` the magnitude bounding float32 error.
+        tol: float64 ``[bound]`` the tolerance (:func:`index_tolerance`).
+    """
+
+    request: int
+    bound: int
+    scores: np.ndarray
+    mag: np.ndarray
+    tol: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What row ``t`` may hold: ``answers`` (request, bound) or all -1."""
+
+    answers: tuple[tuple[int, int], ...]
+    may_be_empty: bool
+
+
+def _layout(depth: int, width: int, kpool: int) -> bool:
+    """Whether the cache is spread (pool over ``kpool`` rows); checks W."""
+    if width == depth:
+        return False
+    if kpool > 1 and depth % kpool == 0 and width == depth // kpool:
+        return True
+    raise ValueError(
+        f"k_blocks row width must be depth={depth} or depth/kpool, got {width}"
+        f" (kpool={kpool})"
+    )
+
+
+class _Inputs:
+    """The operands, checked and decoded once."""
+
+    def __init__(
+        self, q, qs, input_row_offsets, k_blocks, k_cache_lengths,
+        k_lookup_table, k_scales, k_scales_lookup_table, layer_idx,
+        top_k, kpool, mask,
+    ) -> None:  # fmt: skip
+        self.q = decode_fp8(q)
+        if self.q.ndim != 3:
+            raise ValueError(f"q must be [T, H, D], got {self.q.shape}")
+        self.tokens, self.heads, self.depth = self.q.shape
+        self.qs = np.asarray(qs, dtype=np.float64)
+        if self.qs.shape != (self.tokens, self.heads):
+            raise ValueError(f"qs must be [T, H], got {self.qs.shape}")
+        self.blocks = np.asarray(k_blocks)
+        self.scales = np.asarray(k_scales, dtype=np.float64)
+        if self.blocks.ndim != 6 or self.blocks.shape[1] != 1:
+            raise ValueError(
+                f"k_blocks must be rank 6, got {self.blocks.shape}"
+            )
+        if self.scales.ndim != 6 or self.scales.shape[-1] != 1:
+            raise ValueError(
+                f"k_scales must be rank 6, got {self.scales.shape}"
+            )
+        self.layers, self.page = self.blocks.shape[2], self.blocks.shape[3]
+        self.spread = _layout(self.depth, self.blocks.shape[5], kpool)
+        self.offsets = _index_values("input_row_offsets", input_row_offsets)
+        self.cache = _index_values("k_cache_lengths", k_cache_lengths)
+        self.lookup = np.asarray(k_lookup_table).astype(np.int64)
+        self.slookup = np.asarray(k_scales_lookup_table).astype(np.int64)
+        batch = len(self.cache)
+        if len(self.offsets) != batch + 1:
+            raise ValueError(
+                f"input_row_offsets must have batch + 1 = {batch + 1} entries"
+            )
+        for name, table in (("k", self.lookup), ("k_scales", self.slookup)):
+            if table.ndim != 2 or table.shape[0] != batch:
+                raise ValueError(
+                    f"{name} lookup table must be [batch, pages], got"
+                    f" {table.shape}"
+                )
+        if not 1 <= top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in 1..{MAX_TOP_K}, got {top_k}")
+        self.top_k = int(top_k)
+        self.kpool = _check_kpool(kpool)
+        self.causal = is_causal(mask)
+        self.layer = int(layer_idx)
+
+    def bound(self, b: int, i: int) -> int:
+        c, n = self.cache[b], self.offsets[b + 1] - self.offsets[b]
+        return (c + n - (n - 1 - i) * self.causal) // self.kpool
+
+    def readable(self, b: int) -> int:
+        """Candidates of request ``b`` before its first unreadable page."""
+        pages = min(self.lookup.shape[1], self.slookup.shape[1])
+        bad = (self.lookup[b, :pages] >= self.blocks.shape[0]) | (
+            self.slookup[b, :pages] >= self.scales.shape[0]
+        )
+        bad |= (self.lookup[b, :pages] < 0) | (self.slookup[b, :pages] < 0)
+        first_bad = int(np.argmax(bad)) if bad.any() else pages
+        rows = first_bad * self.page
+        return rows // self.kpool if self.spread else rows
+
+    def plans(self) -> list[_Plan]:
+        """Per token row, the answers the contract allows."""
+        plans = [_Plan((), True) for _ in range(self.tokens)]
+        if not 0 <= self.layer < self.layers:
+            return plans
+        offsets = self.offsets
+        monotone = all(
+            a <= b for a, b in zip(offsets[:-1], offsets[1:], strict=True)
+        )
+        owners: list[list[tuple[int, int]]] = [[] for _ in plans]
+        loose = [not monotone] * self.tokens
+        for b in range(len(self.cache)):
+            start, end = offsets[b], offsets[b + 1]
+            if not _offsets_ok(start, end, self.tokens) or self.cache[b] < 0:
+                continue
+            ok = self.readable(b)
+            bounds = [self.bound(b, i) for i in range(end - start)]
+            request_bad = any(bd > ok for bd in bounds)
+            for i, bd in enumerate(bounds):
+                if bd <= ok:
+                    owners[start + i].append((b, bd))
+                    loose[start + i] |= request_bad
+        return [
+            _Plan(tuple(o), len(o) == 0 or lo)
+            for o, lo in zip(owners, loose, strict=True)
+        ]
+
+    def keys(self, b: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Request ``b``'s first ``count`` keys ``[count, D]`` and scales."""
+        kp = self.kpool if self.spread else 1
+        rows = np.arange(count * kp)
+        page, slot = rows // self.page, rows % self.page
+        blocks = self.lookup[b, page]
+        data = self.blocks[blocks, 0, self.layer, slot, 0, :]
+        keys = decode_fp8(data).reshape(count, self.depth)
+        first = rows[::kp]
+        sblocks = self.slookup[b, first // self.page]
+        scales = self.scales[sblocks, 0, self.layer, first % self.page, 0, 0]
+        return keys, scales
+
+
+def _scores(inp: _Inputs, t: int, keys: np.ndarray, scales: np.ndarray):
+    q = inp.q[t]
+    dots = q @ keys.T  # [H, J]
+    mag_dots = np.abs(q) @ np.abs(keys).T
+    with np.errstate(invalid="ignore"):
+        score = scales * (inp.qs[t] @ np.maximum(dots, 0.0))
+        mag = np.abs(scales) * (np.abs(inp.qs[t]) @ mag_dots)
+    return score, mag
+
+
+def _row_scores(inp: _Inputs, plans: list[_Plan]) -> list[dict]:
+    """Per row, ``{(request, bound): RowScores}`` for each allowed answer."""
+    out: list[dict] = [{} for _ in plans]
+    by_request: dict[int, list[tuple[int, int]]] = {}
+    for t, plan in enumerate(plans):
+        for b, bd in plan.answers:
+            by_request.setdefault(b, []).append((t, bd))
+    for b, rows in by_request.items():
+        count = max(bd for _, bd in rows)
+        keys, scales = inp.keys(b, count)
+        for t, bd in rows:
+            score, mag = _scores(inp, t, keys[:bd], scales[:bd])
+            tol = index_tolerance(mag, inp.heads, inp.depth)
+            out[t][(b, bd)] = RowScores(b, bd, score, mag, tol)
+    return out
+
+
+def _order(scores: np.ndarray) -> np.ndarray:
+    """Ids by descending score, NaN last, ties by ascending id."""
+    nan = np.isnan(scores)
+    filled = np.where(nan, 0.0, scores)
+    return np.lexsort((np.arange(len(scores)), -filled, nan))
+
+
+def index_scores(  # noqa: D417 (the operands are index_top_k's)
+    q: np.ndarray,
+    qs: np.ndarray,
+    input_row_offsets: np.ndarray,
+    k_blocks: np.ndarray,
+    k_cache_lengths: np.ndarray,
+    k_lookup_table: np.ndarray,
+    k_scales: np.ndarray,
+    k_scales_lookup_table: np.ndarray,
+    layer_idx: int,
+    *,
+    top_k: int,
+    kpool: int = 1,
+    mask: object = "causal",
+) -> list[RowScores | None]:
+    """Every token row's candidate scores and error magnitudes.
+
+    Args:
+        q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
+        k_scales, k_scales_lookup_table, layer_idx, top_k, kpool, mask: As
+            for :func:`index_top_k`.
+
+    Returns:
+        Per token row, its :class:`RowScores` (for the request found as the
+        last ``b`` with ``input_row_offsets[b] <= t`` among valid spans), or
+        ``None`` for a row that is all ``-1``.
+    """
+    inp = _Inputs(
+        q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
+        k_scales, k_scales_lookup_table, layer_idx, top_k, kpool, mask,
+    )  # fmt: skip
+    plans = inp.plans()
+    scored = _row_scores(inp, plans)
+    rows: list[RowScores | None] = []
+    for plan, by_answer in zip(plans, scored, strict=True):
+        rows.append(by_answer[plan.answers[-1]] if plan.answers else None)
+    return rows
+
+
+def index_top_k(
+    q: np.ndarray,
+    qs: np.ndarray,
+    input_row_offsets: np.ndarray,
+    k_blocks: np.ndarray,
+    k_cache_lengths: np.ndarray,
+    k_lookup_table: np.ndarray,
+    k_scales: np.ndarray,
+    k_scales_lookup_table: np.ndarray,
+    layer_idx: int,
+    *,
+    top_k: int,
+    kpool: int = 1,
+    mask: object = "causal",
+) -> np.ndarray:
+    """The op's output, deterministic: the contract's order.
+
+    Args:
+        q: ``[T, H, D]`` uint8 e4m3fn bytes (or ``float8_e4m3fn``).
+        qs: ``[T, H]`` float32 per (token, head) weights, signed.
+        input_row_offsets: ``[B + 1]`` integer.
+        k_blocks: ``[num_blocks, 1, num_layers, page_size, 1, W]`` uint8 (or
+            ``float8_e4m3fn``): the *logical* blocks (a padded arena's
+            blocks without their padding, ``PagedIndexCache.blocks()``).
+        k_cache_lengths: ``[B]`` tokens cached before this call.
+        k_lookup_table: ``[B, max_pages]`` (request, page) -> block.
+        k_scales: ``[num_scale_blocks, 1, num_layers, page_size, 1, 1]`` f32.
+        k_scales_lookup_table: ``[B, max_pages]`` -> scale block.
+        layer_idx: The layer to read.
+        top_k: Slots per row, 1..2048.
+        kpool: Tokens per pooled key; ``W`` picks the layout (``D`` whole,
+            ``D / kpool`` spread).
+        mask: ``"causal"`` or ``"null"`` (or an ``MHAMaskVariant``).
+
+    Returns:
+        int32 ``[T, top_k]``.
+
+    Raises:
+        TypeError, ValueError: On structurally wrong operands (rank, dtype,
+            shape, ``top_k``, ``kpool``, ``W``, mask); bad metadata *values*
+            give ``-1`` rows instead.
+    """
+    inp = _Inputs(
+        q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
+        k_scales, k_scales_lookup_table, layer_idx, top_k, kpool, mask,
+    )  # fmt: skip
+    plans = inp.plans()
+    scored = _row_scores(inp, plans)
+    out = np.full((inp.tokens, inp.top_k), -1, dtype=np.int32)
+    for t, (plan, by_answer) in enumerate(zip(plans, scored, strict=True)):
+        if plan.answers:
+            row = by_answer[plan.answers[-1]]
+            ids = _order(row.scores)[: inp.top_k]
+            out[t, : len(ids)] = ids
+    return out
+
+
+@dataclass(frozen=True)
+class SelectionReport:
+    """What :func:`check_selection` checked.
+
+    Attributes:
+        rows: Token rows checked.
+        cut_rows: Rows with more visible candidates than ``top_k`` (where a
+            selection was actually made).
+        worst_margin: Smallest ``min_selected(score + tol) -
+            max_unselected(score - tol)`` over the cut rows, in score units
+            (``inf`` when none); never negative for a passing check.
+        worst_row: The row of ``worst_margin`` (-1 when none).
+    """
+
+    rows: int
+    cut_rows: int
+    worst_margin: float
+    worst_row: int
+
+
+def _check_row(got: np.ndarray, row: RowScores, k: int) -> float | str:
+    """The row's margin, or why it is wrong."""
+    m = min(k, row.bound)
+    ids = got[:m].astype(np.int64)
+    if np.any(got[m:] != -1):
+        return f"slots {m}.. must be -1 (m = min(k, bound={row.bound}))"
+    if np.any((ids < 0) | (ids >= row.bound)):
+        return f"ids must be in [0, {row.bound}), got {ids.tolist()[:16]}..."
+    if len(np.unique(ids)) != m:
+        return "ids repeat"
+    nan = np.isnan(row.scores)
+    hi = np.where(nan, -np.inf, row.scores + row.tol)
+    lo = np.where(nan, -np.inf, row.scores - row.tol)
+    with np.errstate(invalid="ignore"):
+        step = np.nan_to_num(hi[ids[:-1]] - lo[ids[1:]], nan=0.0)
+    if m > 1 and np.min(step) < 0:
+        s = int(np.argmin(step))
+        return (
+            f"slot {s} id {ids[s]} score {row.scores[ids[s]]!r} ranks above"
+            f" slot {s + 1} id {ids[s + 1]} score {row.scores[ids[s + 1]]!r}"
+        )
+    if m == row.bound:
+        return np.inf
+    chosen = np.zeros(row.bound, dtype=bool)
+    chosen[ids] = True
+    worst_in = ids[int(np.argmin(hi[ids]))]
+    rest = np.flatnonzero(~chosen)
+    best_out = rest[int(np.argmax(lo[rest]))]
+    with np.errstate(invalid="ignore"):
+        margin = float(hi[worst_in] - lo[best_out])
+    if np.isnan(margin):  # NaN selected over NaN: both rank last
+        margin = np.inf
+    if margin < 0:
+        return (
+            f"selected id {worst_in} score {row.scores[worst_in]!r} but not"
+            f" id {best_out} score {row.scores[best_out]!r} (tolerance"
+            f" {row.tol[worst_in]:.3g} / {row.tol[best_out]:.3g})"
+        )
+    return margin
+
+
+def check_selection(  # noqa: D417 (the operands are index_top_k's)
+    got: np.ndarray,
+    q: np.ndarray,
+    qs: np.ndarray,
+    input_row_offsets: np.ndarray,
+    k_blocks: np.ndarray,
+    k_cache_lengths: np.ndarray,
+    k_lookup_table: np.ndarray,
+    k_scales: np.ndarray,
+    k_scales_lookup_table: np.ndarray,
+    layer_idx: int,
+    *,
+    top_k: int,
+    kpool: int = 1,
+    mask: object = "causal",
+) -> SelectionReport:
+    """Checks an op output row by row: sets at the k-th score, with tolerance.
+
+    Each row must hold ``m = min(k, bound)`` distinct ids in ``[0, bound)``
+    then ``-1``; in non-increasing score order within the tolerance; and the
+    selected set must be the top ``m`` within the tolerance: every selected
+    id's ``score + tol`` is at least every unselected id's ``score - tol``
+    (NaN scores rank below every number). Rows the contract leaves open
+    (module docs) pass with all ``-1`` or any allowed answer.
+
+    Args:
+        got: int32 ``[T, top_k]`` from the op.
+        q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
+        k_scales, k_scales_lookup_table, layer_idx, top_k, kpool, mask: As
+            for :func:`index_top_k`.
+
+    Returns:
+        A :class:`SelectionReport`.
+
+    Raises:
+        AssertionError: On the first wrong row, naming the row, its request,
+            bound, the offending ids and their scores.
+    """
+    inp = _Inputs(
+        q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
+        k_scales, k_scales_lookup_table, layer_idx, top_k, kpool, mask,
+    )  # fmt: skip
+    got = np.asarray(got)
+    if got.shape != (inp.tokens, inp.top_k):
+        raise AssertionError(
+            f"output must be [T, top_k] = {(inp.tokens, inp.top_k)}, got"
+            f" {got.shape}"
+        )
+    plans = inp.plans()
+    scored = _row_scores(inp, plans)
+    worst, worst_row, cut = np.inf, -1, 0
+    for t, (plan, by_answer) in enumerate(zip(plans, scored, strict=True)):
+        if plan.may_be_empty and np.all(got[t] == -1):
+            continue
+        if not plan.answers:
+            raise AssertionError(
+                f"row {t}: must be all -1 (no valid request, bad page or"
+                f" layer), got {got[t].tolist()[:16]}..."
+            )
+        reasons = []
+        for (b, bound), row in by_answer.items():
+            result = _check_row(got[t], row, inp.top_k)
+            if not isinstance(result, str):
+                break
+            reasons.append(f"request {b} bound {bound}: {result}")
+        else:
+            raise AssertionError(f"row {t}: " + "; ".join(reasons))
+        if row.bound > inp.top_k:
+            cut += 1
+            if result < worst:
+                worst, worst_row = result, t
+    return SelectionReport(inp.tokens, cut, worst, worst_row)
