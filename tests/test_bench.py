@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 from max import driver
@@ -19,7 +20,8 @@ from mla_kpool import _sysinfo, bench
 from mla_kpool import reference as ref
 from mla_kpool.__main__ import main
 from mla_kpool._paths import KERNELS, NOOP_KERNELS, compiled_kernels
-from mla_kpool.bench import blas, workload
+from mla_kpool.bench import blas, index, workload
+from mla_kpool.index_cache import PagedIndexCache
 from mla_kpool.runner import model_key
 
 CASES = [
@@ -752,3 +754,269 @@ def test_blas_info_names_the_kernel(monkeypatch):
         assert found["internal_api"] == "openblas"
         assert found["architecture"] and found["num_threads"] >= 1
         assert found["version"] == config["version"]
+
+
+# --------------------------------------------------------------------------
+# index_top_k: the workloads, the NumPy peers, a run
+# --------------------------------------------------------------------------
+
+
+def _tiny_index(
+    shape: index.IndexShape, offsets, lengths, seed: int = 0
+) -> index.IndexWorkload:
+    """A small index workload: every request's visible pools stored (and
+    one pool past them holding other bytes), pages shuffled."""
+    rng = np.random.default_rng(seed)
+    offsets = np.asarray(offsets, np.uint32)
+    lengths = np.asarray(lengths, np.uint32)
+    n = np.diff(offsets.astype(np.int64))
+    pools = (lengths + n) // shape.kpool + 1
+    per_pool = shape.depth // shape.width
+    pages = int(-(-pools.max() * per_pool // shape.page_size))
+    cache = PagedIndexCache(
+        num_blocks=len(lengths) * pages,
+        num_layers=2,
+        page_size=shape.page_size,
+        head_dim=shape.depth,
+        kpool=shape.kpool,
+        width=shape.width,
+        batch=len(lengths),
+        max_pages=pages,
+        fill=0x7F,
+    )
+    cache.map_pages(rng, separate=True)
+    cache.cache_lengths[:] = lengths
+    for b, count in enumerate(pools):
+        keys = rng.standard_normal((int(count), shape.depth), np.float32)
+        keys[rng.random(int(count)) < 0.1] *= 0  # zero keys: scale 0
+        cache.store_keys(b, 1, 0, keys)
+    q = rng.standard_normal((int(offsets[-1]), shape.heads, shape.depth))
+    qs = rng.standard_normal((int(offsets[-1]), shape.heads))
+    return index.IndexWorkload(
+        shape=shape,
+        q=q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8),
+        qs=qs.astype(np.float32),
+        input_row_offsets=offsets,
+        cache=cache,
+        layer=1,
+    )
+
+
+def _index_oracle_check(w: index.IndexWorkload, got: np.ndarray):
+    ops = w.cache.oracle_operands()
+    return ref.check_selection(
+        got,
+        w.q,
+        w.qs,
+        w.input_row_offsets,
+        ops["k_blocks"],
+        ops["k_cache_lengths"],
+        ops["k_lookup_table"],
+        ops["k_scales"],
+        ops["k_scales_lookup_table"],
+        w.layer,
+        top_k=w.shape.top_k,
+        kpool=w.shape.kpool,
+        mask=w.mask,
+    )
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        index.IndexShape(4, 16, 4, 6, 4, 8, True),  # spread, causal
+        index.IndexShape(4, 16, 4, 6, 4, 8, False),  # spread, null
+        index.IndexShape(3, 16, 2, 5, 16, 4, True),  # whole
+        index.IndexShape(2, 8, 1, 3, 8, 4, False),  # kpool 1
+    ],
+    ids=["spread-causal", "spread-null", "whole", "kpool1"],
+)
+def test_numpy_index_twin_matches_the_oracle(shape):
+    """The twin's rows are the oracle's selection (sets at the k-th score),
+    chunked or not: decode rows, a prefill from zero, bound < k, bound 0,
+    an empty request."""
+    w = _tiny_index(shape, [0, 1, 1, 40, 41, 45], [50, 9, 0, 3, 0])
+    for chunk in (256, 7):
+        cache = w.cache
+        got = index.numpy_index_top_k(
+            w.q,
+            w.qs,
+            w.input_row_offsets,
+            cache.cache_lengths,
+            cache.blocks(),
+            cache.scales(),
+            cache.lookup_table,
+            cache.scales_lookup_table,
+            layer=1,
+            top_k=shape.top_k,
+            kpool=shape.kpool,
+            causal=shape.causal,
+            chunk=chunk,
+        )
+        report = _index_oracle_check(w, got)
+        assert report.rows == 45 and report.cut_rows > 0
+
+
+def test_index_workloads_are_glm5_next_decode_and_prefill():
+    decode = index.make_index_workload("decode")
+    assert decode.shape == index.GLM5_NEXT
+    assert decode.q.shape == (16, 32, 128) and decode.q.dtype == np.uint8
+    assert decode.qs.shape == (16, 32)
+    assert decode.input_row_offsets.tolist() == list(range(17))
+    assert set(decode.cache.cache_lengths.tolist()) == {32767}
+    assert decode.candidates == 16 * 8192
+    assert index.score_flops(
+        decode.input_row_offsets, decode.cache.cache_lengths, decode.shape
+    ) == 2 * 16 * 8192 * 32 * 128
+    # Every request's pages are its own blocks.
+    assert len(set(decode.cache.lookup_table.ravel().tolist())) == 16 * 256
+    prefill = index.make_index_workload("prefill")
+    assert prefill.input_row_offsets.tolist() == [0, 4096]
+    assert prefill.cache.cache_lengths.tolist() == [0]
+    assert prefill.candidates == sum((i + 1) // 4 for i in range(4096))
+    # The stored keys are the producer's: the oracle reads them back.
+    head = index.IndexWorkload(
+        prefill.shape,
+        prefill.q[:600],
+        prefill.qs[:600],
+        np.array([0, 600], np.uint32),
+        prefill.cache,
+    )
+    assert _index_oracle_check(head, index.numpy_twin(head)()).rows == 600
+
+
+def test_blas_peer_makes_the_twins_matmuls():
+    shape = index.GLM5_NEXT
+    call, flops = index.blas_matmul(
+        np.array([0, 1, 2], np.uint32), np.array([399, 99], np.uint32), shape
+    )
+    assert flops == 2 * 32 * 128 * (100 + 25)
+    call()
+    _, flops = index.blas_matmul(
+        np.array([0, 300], np.uint32), np.array([0], np.uint32), shape
+    )
+    # Chunks of 256 rows: up to bound 64, then 44 rows up to bound 75.
+    assert flops == 2 * 128 * (256 * 32 * 64 + 44 * 32 * 75)
+
+
+def test_index_top_k_cases_and_graphs():
+    """--ops index_top_k: the two phases, one graph, whatever the grid."""
+    todo = _cases("--ops", "index_top_k", "--batches", "3")
+    assert [(c.op, c.phase, c.batch, c.kpool, c.head_dim) for c in todo] == [
+        ("index_top_k", "decode", 16, 4, 128),
+        ("index_top_k", "prefill", 1, 4, 128),
+    ]
+    assert bench.graphs_to_compile(todo) == 1
+    both = _cases("--ops", "step", "index_top_k", "--batches", "3")
+    assert [c.op for c in both] == ["step", "index_top_k", "index_top_k"]
+    assert bench.graphs_to_compile(both) == 3
+    assert "index_top_k" not in {c.op for c in _cases("--sweep")}
+
+
+INDEX_RECORD = {
+    "op": "index_top_k",
+    "dtype": "float8_e4m3fn",
+    "phase": "decode",
+    "batch": 16,
+    "kpool": 4,
+    "head_dim": 128,
+    "device": "cpu",
+    "tokens": 16,
+    "candidates": 131072,
+    "flops": 1073741824,
+    "median_us": 25000.0,
+    "min_us": 24000.0,
+    "max_us": 31000.0,
+    "gflops": 42.94967296,
+    "numpy_median_us": 200000.0,
+    "blas_gflops": 60.0,
+    "blas": {
+        "internal_api": "openblas",
+        "architecture": "Haswell",
+        "version": "0.3.31",
+        "num_threads": 2,
+    },
+    "device_name": "AMD EPYC",
+}
+
+
+def test_markdown_prints_the_index_table(tmp_path, capsys, no_runner):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps([RECORDS[1], INDEX_RECORD]))
+    assert main(["bench", "--markdown", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "NumPy's BLAS openblas 0.3.31 with its Haswell kernel on 2" in out
+    tables = out.split("\n\n")
+    index_table = next(t for t in tables if "GFLOP/s" in t)
+    head, rows = _table(index_table)
+    assert head == [
+        "phase",
+        "batch",
+        "tokens",
+        "candidates",
+        "op ms",
+        "GFLOP/s",
+        "numpy ms",
+        "numpy/op",
+        "BLAS GFLOP/s",
+        "% of BLAS",
+    ]
+    assert rows == [
+        [
+            "decode",
+            "16",
+            "16",
+            "131072",
+            "25 (24-31)",
+            "42.9",
+            "200",
+            "8",
+            "60",
+            "72%",
+        ]
+    ]
+    assert any(line.startswith("GFLOP/s: 2 * H * D") for line in _legend(out))
+    # The writers' table is still there, and a record lacking a field of
+    # its table is refused.
+    assert _table(out)[0][0] == "op"
+    bad = dict(INDEX_RECORD)
+    del bad["blas_gflops"]
+    path.write_text(json.dumps([bad]))
+    assert main(["bench", "--markdown", str(path)]) == 2
+    assert "lacks 'blas_gflops'" in capsys.readouterr().err
+
+
+def test_index_top_k_on_gpu_is_a_usage_error(capsys, no_runner, monkeypatch):
+    monkeypatch.setattr(driver, "accelerator_count", lambda: 1)
+    assert main(["bench", "--device", "gpu", "--ops", "index_top_k"]) == 2
+    assert "runs on the CPU only" in capsys.readouterr().err
+
+
+def test_tiny_index_bench_run(tmp_path, capsys, monkeypatch):
+    """End to end on GLM-5-Next's compiled indexer, smaller calls."""
+    monkeypatch.setitem(index.INDEX_PHASES, "decode", (2, 1023, 1))
+    monkeypatch.setitem(index.INDEX_PHASES, "prefill", (1, 0, 300))
+    out = tmp_path / "index.json"
+    argv = ["bench", "--ops", "index_top_k", "--min-seconds", "0"]
+    assert main([*argv, "--json", str(out)]) == 0
+    decode, prefill = json.loads(out.read_text())
+    assert (decode["phase"], prefill["phase"]) == ("decode", "prefill")
+    assert decode["candidates"] == 2 * 256 and decode["tokens"] == 2
+    assert prefill["candidates"] == sum((i + 1) // 4 for i in range(300))
+    for r in (decode, prefill):
+        assert r["calls"] >= bench.INDEX_MIN_CALLS
+        assert r["min_us"] <= r["median_us"] <= r["max_us"]
+        assert r["flops"] == 2 * r["candidates"] * 32 * 128
+        assert r["gflops"] == pytest.approx(r["flops"] / r["median_us"] / 1e3)
+        assert r["blas_gflops"] > 0 and r["numpy_median_us"] > 0
+        assert (r["heads"], r["top_k"], r["width"], r["page_size"]) == (
+            32,
+            512,
+            32,
+            128,
+        )
+        assert "blas" in r and r["git_commit"] == _head_commit()
+    captured = capsys.readouterr()
+    assert "2 configurations, 1 graphs to compile" in captured.err
+    head, rows = _table(captured.out)
+    assert head[0] == "phase" and [r[0] for r in rows] == ["decode", "prefill"]

@@ -16,6 +16,13 @@ one set of inputs (:mod:`.workload`) against the peers its ratios divide by:
 - on a GPU, MAX's own GPU builtins on the same graph
   (``builtin_median_us``; MAX has no fused step, so not for ``step``).
 
+``--ops index_top_k`` times the indexer at GLM-5-Next's shape, a decode
+and a prefill call (:mod:`.index`), against its own peers: the NumPy twin
+and NumPy's BLAS GFLOP/s on the same score shapes (:func:`measure_index`);
+its records go to a table of their own. Started from the command line the
+bench runs without ``OPENBLAS_CORETYPE`` and ``OPENBLAS_L2_SIZE``
+(:mod:`.blas`), and each record names the BLAS kernel NumPy used.
+
 With no preset a run measures a short set (:data:`DEFAULT_GRID`);
 ``--sweep`` widens the grid to every op, dtype and kpool and ``--quick``
 measures docs/performance.md's configurations. Both kernel packages are
@@ -39,14 +46,16 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from .. import index_runner
 from .. import runner as kpool_runner
 from .._argtypes import int_at_least, non_negative_float, output_file
 from .._paths import NOOP_KERNELS
 from .._sysinfo import run_info
 from ..runner import Runner
-from . import report, workload
+from . import index, report, workload
+from .blas import blas_info
 from .report import Record
-from .workload import EXPAND_DTYPE, OPS, Case
+from .workload import EXPAND_DTYPE, INDEX_DTYPE, INDEX_OP, OPS, Case
 
 DESCRIPTION = (
     "Time the k-pool ops against MAX's no-op floor, a NumPy twin and memcpy"
@@ -143,6 +152,95 @@ def model_call(
     return call
 
 
+def index_call(runner: Runner, w: index.IndexWorkload) -> Callable[[], None]:
+    """index_top_k as ``runner`` compiles it, its operands bound once."""
+    model, args, _ = index_runner.prepare(
+        runner,
+        w.q,
+        w.qs,
+        w.input_row_offsets,
+        w.cache,
+        w.layer,
+        top_k=w.shape.top_k,
+        kpool=w.shape.kpool,
+        mask=w.mask,
+    )
+
+    def call() -> None:
+        model.execute(*args)
+
+    return call
+
+
+#: Calls each index_top_k peer makes at least (after one warm-up call):
+#: the medians are over this many.
+INDEX_MIN_CALLS = 5
+
+
+def measure_index(
+    case: Case, runner: Runner, info: Record, **timing: Any
+) -> Record:
+    """Measures index_top_k on one phase against its NumPy peers.
+
+    The op (operands bound once, on the CPU), the NumPy twin and NumPy's
+    BLAS on the twin's score matmuls (:mod:`.index`), each at least
+    :data:`INDEX_MIN_CALLS` calls after one warm-up, one peer after the
+    other in the same process.
+
+    Args:
+        case: An index_top_k case (its ``phase``).
+        runner: The CPU runner.
+        info: Where it runs, copied into the record.
+        **timing: :func:`time_calls` options (``min_seconds``).
+
+    Returns:
+        The record: the case's fields, the shape (``heads``, ``top_k``,
+        ``width``, ``page_size``, ``mask``), ``tokens``, ``candidates``
+        (visible, summed over tokens), ``flops`` and ``gflops``, the op's
+        ``median_us`` with ``p10_us``, ``p90_us``, ``min_us``, ``max_us``
+        and ``calls``; ``numpy_median_us``, ``numpy_min_us``,
+        ``numpy_max_us``; ``blas_flops``, ``blas_median_us``,
+        ``blas_gflops``; what :func:`.blas.blas_info` says; ``info``.
+    """
+    w = index.make_index_workload(case.phase)
+    timing = {"warmup": 1, "min_reps": INDEX_MIN_CALLS} | timing
+    offsets, lengths = w.input_row_offsets, w.cache.cache_lengths
+    flops = index.score_flops(offsets, lengths, w.shape)
+    (op_us,) = time_calls(index_call(runner, w), **timing)
+    (numpy_us,) = time_calls(index.numpy_twin(w), **timing)
+    blas_call, blas_flops = index.blas_matmul(offsets, lengths, w.shape)
+    (blas_us,) = time_calls(blas_call, **timing)
+    median = float(np.median(op_us))
+    p10, p90 = np.percentile(op_us, [10, 90])
+    blas_median = float(np.median(blas_us))
+    shape = w.shape
+    return asdict(case) | {
+        "heads": shape.heads,
+        "top_k": shape.top_k,
+        "width": shape.width,
+        "page_size": shape.page_size,
+        "mask": w.mask,
+        "tokens": int(len(w.q)),
+        "candidates": w.candidates,
+        "flops": flops,
+        "median_us": median,
+        "p10_us": float(p10),
+        "p90_us": float(p90),
+        "min_us": float(op_us.min()),
+        "max_us": float(op_us.max()),
+        "calls": len(op_us),
+        "gflops": flops / median / 1e3,
+        "numpy_median_us": float(np.median(numpy_us)),
+        "numpy_min_us": float(numpy_us.min()),
+        "numpy_max_us": float(numpy_us.max()),
+        "blas_flops": blas_flops,
+        "blas_median_us": blas_median,
+        "blas_gflops": blas_flops / blas_median / 1e3,
+        **blas_info(),
+        **info,
+    }
+
+
 def make_runners(device: str) -> dict[str, Runner]:
     """``"ours"``, ``"floor"`` and, on a GPU, ``"builtin"`` runners.
 
@@ -166,6 +264,8 @@ def measure(
 ) -> Record:
     """Measures one configuration: the op and its peers.
 
+    index_top_k goes to :func:`measure_index` (its own peers and record).
+
     Args:
         case: The configuration.
         runners: From :func:`make_runners`.
@@ -179,6 +279,8 @@ def measure(
         ``numpy_median_us``, ``memcpy_gbps``, ``builtin_median_us`` (or
         ``None``) and ``info``'s fields.
     """
+    if case.op == INDEX_OP:
+        return measure_index(case, runners["ours"], info, **timing)
     w = workload.make_workload(case)
     names = ["ours", "floor"]
     if "builtin" in runners and case.op in BUILTIN_OPS:
@@ -214,20 +316,51 @@ def cases(args: argparse.Namespace) -> list[Case]:
         return [Case(*c, HEAD_DIM, args.device) for c in QUICK]
     grid = SWEEP_GRID if args.sweep else DEFAULT_GRID
     ops, dtypes, batches, kpools = (getattr(args, k) or grid[k] for k in grid)
-    return [
+    todo = [
         Case(op, dtype, batch, kpool, args.head_dim, args.device)
         for op in ops
+        if op != INDEX_OP
         for dtype in ([EXPAND_DTYPE] if op == "expand_topk" else dtypes)
         for kpool in kpools
         for batch in batches
     ]
+    if INDEX_OP in ops:
+        todo += index_cases(args.device)
+    return todo
+
+
+def index_cases(device: str) -> list[Case]:
+    """index_top_k's two configurations, whatever the grid options say.
+
+    GLM-5-Next's indexer (:data:`.index.GLM5_NEXT`) on each phase of
+    :data:`.index.INDEX_PHASES`; ``batch`` is the phase's requests.
+    """
+    shape = index.GLM5_NEXT
+    return [
+        Case(
+            INDEX_OP,
+            INDEX_DTYPE,
+            requests,
+            shape.kpool,
+            shape.depth,
+            device,
+            phase,
+        )
+        for phase, (requests, _, _) in index.INDEX_PHASES.items()
+    ]
 
 
 def graphs_to_compile(todo: list[Case]) -> int:
-    """Graphs a run of ``todo`` compiles: per op instance, one per runner."""
+    """Graphs a run of ``todo`` compiles: per op instance, one per runner.
+
+    index_top_k has no floor: one graph serves both its phases.
+    """
     models = {(c.op, c.dtype, c.kpool, c.head_dim, c.device) for c in todo}
     return sum(
-        2 + (dev == "gpu" and op in BUILTIN_OPS) for op, *_, dev in models
+        1
+        if op == INDEX_OP
+        else 2 + (dev == "gpu" and op in BUILTIN_OPS)
+        for op, *_, dev in models
     )
 
 
@@ -248,7 +381,7 @@ def measure_all(args: argparse.Namespace) -> list[Record]:
     bar = tqdm(todo, unit="config", file=sys.stderr, disable=None)
     for case in bar:
         bar.set_description(
-            f"{case.op} {case.dtype} b{case.batch} k{case.kpool}"
+            f"{case.op} {case.phase or case.dtype} b{case.batch} k{case.kpool}"
         )
         records.append(
             measure(case, runners, info, min_seconds=args.min_seconds)
@@ -306,11 +439,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--ops",
         nargs="+",
-        choices=OPS,
+        choices=(*OPS, INDEX_OP),
         metavar="OP",
-        help=f"ops to time: {' '.join(OPS)} (step expand_topk; --sweep: all);"
-        " step is the fused op, step3 the three ops it replaces; expand_topk"
-        " runs on int32 pool ids whatever --dtypes says",
+        help=f"ops to time: {' '.join(OPS)} {INDEX_OP} (step expand_topk;"
+        " --sweep: all but index_top_k); step is the fused op, step3 the"
+        " three ops it replaces; expand_topk runs on int32 pool ids whatever"
+        " --dtypes says; index_top_k runs GLM-5-Next's indexer (H 32, D 128,"
+        " kpool 4, top-k 512) on a decode call (16 requests, 8,192 pools"
+        " each) and a 4,096-token prefill, whatever the grid options say,"
+        " against a NumPy twin and NumPy's BLAS (1 graph, about 1 min on 2"
+        " CPU cores)",
     )
     add(
         "--dtypes",
@@ -386,6 +524,13 @@ def run(args: argparse.Namespace) -> int:
                     f"{', '.join('.' + k for k in sorted(kinds))}, "
                     f"got {args.plot!r}"
                 )
+        if not args.markdown and args.device == "gpu" and INDEX_OP in (
+            args.ops or []
+        ):
+            raise report.ResultsError(
+                f"--ops {INDEX_OP} runs on the CPU only (this package's"
+                " indexer kernel is a CPU kernel); drop --device gpu"
+            )
         if args.markdown and args.json:
             raise report.ResultsError(
                 "--markdown reads a --json file; it does not run, so it "

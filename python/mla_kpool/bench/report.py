@@ -3,7 +3,9 @@
 A record is one configuration's measurements, as ``--json`` writes it
 (see :func:`mla_kpool.bench.measure`). The table has one row per
 configuration and a legend under it; its ratio columns are named for
-what they divide, so each reads on its own.
+what they divide, so each reads on its own. index_top_k records (compute,
+not bytes: :func:`mla_kpool.bench.measure_index`) get a table of their own
+after the writers'.
 """
 
 from __future__ import annotations
@@ -22,8 +24,19 @@ TABLE_FIELDS = tuple(
     " numpy_median_us".split()
 )
 
+#: Record fields the index_top_k table needs.
+INDEX_TABLE_FIELDS = tuple(
+    "op phase batch kpool tokens candidates median_us gflops"
+    " numpy_median_us blas_gflops".split()
+)
+
 #: What makes two records the same configuration (across runs).
-CONFIG = ("op", "dtype", "batch", "kpool", "head_dim", "device")
+CONFIG = ("op", "dtype", "batch", "kpool", "head_dim", "device", "phase")
+
+
+def is_index(record: Record) -> bool:
+    """Whether ``record`` is an index_top_k measurement."""
+    return record.get("op") == "index_top_k"
 
 
 def _builtin_over_op(r: Record) -> float | None:
@@ -57,6 +70,30 @@ LEGEND = (
     " us (above 1: the op is that many times faster).",
     "builtin us: MAX's own GPU kernel. builtin/op: builtin us / op us"
     " (above 1: the op is that many times faster).",
+)
+
+#: The index_top_k table's value columns.
+INDEX_COLUMNS: tuple[tuple[str, Callable[[Record], float | None]], ...] = (
+    ("op ms", lambda r: r["median_us"] / 1e3),
+    ("GFLOP/s", lambda r: r["gflops"]),
+    ("numpy ms", lambda r: r["numpy_median_us"] / 1e3),
+    ("numpy/op", lambda r: r["numpy_median_us"] / r["median_us"]),
+    ("BLAS GFLOP/s", lambda r: r["blas_gflops"]),
+    ("% of BLAS", lambda r: 100 * r["gflops"] / r["blas_gflops"]),
+)
+
+#: The legend under the index_top_k table.
+INDEX_LEGEND = (
+    "op ms: index_top_k's median time per call. In brackets: the fastest"
+    " and slowest of the run's calls (at least 5); over several runs, the"
+    " range of the runs' values (every column).",
+    "GFLOP/s: 2 * H * D flops per visible candidate, summed over the query"
+    " tokens (candidates), / op ms.",
+    "numpy ms: the NumPy twin (FP8 decoded with ml_dtypes, a BLAS matmul,"
+    " ReLU, weighted head sum, argpartition). numpy/op: numpy ms / op ms"
+    " (above 1: the op is that many times faster).",
+    "BLAS GFLOP/s: NumPy's float32 matmul on the twin's score shapes alone,"
+    " this run. % of BLAS: GFLOP/s over it.",
 )
 
 PLOT_MISSING = (
@@ -95,7 +132,8 @@ def load_records(path: str) -> list[Record]:
             f"{path}: must be a JSON list of records, as --json writes"
         )
     for i, record in enumerate(data):
-        missing = [k for k in TABLE_FIELDS if k not in record]
+        fields = INDEX_TABLE_FIELDS if is_index(record) else TABLE_FIELDS
+        missing = [k for k in fields if k not in record]
         if missing:
             raise ResultsError(
                 f"{path}: record {i} lacks {', '.join(map(repr, missing))}"
@@ -127,7 +165,71 @@ def _by_config(runs: list[list[Record]]) -> dict[tuple[Any, ...], list[Record]]:
 
 
 def format_table(runs: list[list[Record]]) -> str:
-    """The results table of one run's records, or of repeated runs'.
+    """The results tables of one run's records, or of repeated runs'.
+
+    The writers' and expand_topk's table (:func:`format_op_table`), then
+    index_top_k's (:func:`format_index_table`), each with its legend; the
+    sentence saying where it was measured comes first, once.
+    """
+    ops = [[r for r in rs if not is_index(r)] for rs in runs]
+    index = [[r for r in rs if is_index(r)] for rs in runs]
+    first = next((records[0] for records in runs if records), {})
+    blas = next((r["blas"] for rs in runs for r in rs if r.get("blas")), None)
+    where = _provenance(first | {"blas": blas})
+    if where and len(runs) > 1:
+        where = where[:-1] + f"; {len(runs)} runs, medians and (ranges)."
+    parts = [where]
+    if any(ops) or not any(index):
+        parts.append(format_op_table(ops))
+    if any(index):
+        parts.append(format_index_table(index))
+    return "\n\n".join(part for part in parts if part)
+
+
+def _lined_up(head: list[str], body: list[list[str]], text: int) -> str:
+    """A markdown table, the first ``text`` columns left-aligned."""
+    widths = [max(map(len, cells)) for cells in zip(head, *body, strict=True)]
+    rule = [
+        "-" * w if i < text else "-" * (w - 1) + ":"
+        for i, w in enumerate(widths)
+    ]
+    lines = []
+    for row in [head, rule, *body]:
+        cells = [
+            cell.ljust(w) if i < text else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_index_table(runs: list[list[Record]]) -> str:
+    """index_top_k's table: one row per phase, then its legend.
+
+    As :func:`format_op_table`: each value computed within its run, the
+    median over runs with their range; a single run's ``op ms`` shows the
+    fastest and slowest call in brackets.
+    """
+    several = len(runs) > 1
+    head = ["phase", "batch", "tokens", "candidates", *["runs"] * several]
+    head += [name for name, _ in INDEX_COLUMNS]
+    body = []
+    for rs in _by_config(runs).values():
+        r = rs[0]
+        row = [r["phase"], str(r["batch"]), str(r["tokens"])]
+        row += [str(r["candidates"])] + [str(len(rs))] * several
+        for name, value in INDEX_COLUMNS:
+            values = [v for v in map(value, rs) if v is not None]
+            row.append(_cell(values, name[0] == "%") if values else "-")
+        if not several and r.get("min_us") is not None:
+            row[4] += f" ({_num(r['min_us'] / 1e3)}-{_num(r['max_us'] / 1e3)})"
+        body.append(row)
+    legend = "\n".join(f"- {text}" for text in INDEX_LEGEND)
+    return _lined_up(head, body, 1) + "\n\n" + legend
+
+
+def format_op_table(runs: list[list[Record]]) -> str:
+    """The writers' and expand_topk's table of one run or repeated runs.
 
     One row per configuration. Every value is computed within each run (a
     ratio compares an op with its floor, NumPy twin or memcpy of the same
@@ -141,9 +243,8 @@ def format_table(runs: list[list[Record]]) -> str:
         runs: One list of records per run.
 
     Returns:
-        Markdown, its columns padded to line up in a terminal: a sentence
-        saying where it was measured (from the first record, when it says),
-        the table, then the legend (:data:`LEGEND`).
+        Markdown, its columns padded to line up in a terminal: the table,
+        then the legend (:data:`LEGEND`).
     """
     several = len(runs) > 1
     builtin = any(r.get("builtin_median_us") is not None for r in sum(runs, []))
@@ -159,24 +260,8 @@ def format_table(runs: list[list[Record]]) -> str:
         if not several and rs[0].get("p10_us") is not None:
             row[4] += f" ({_num(rs[0]['p10_us'])}-{_num(rs[0]['p90_us'])})"
         body.append(row)
-    widths = [max(map(len, cells)) for cells in zip(head, *body, strict=True)]
-    rule = [
-        "-" * w if i < 2 else "-" * (w - 1) + ":" for i, w in enumerate(widths)
-    ]
-    lines = []
-    for row in [head, rule, *body]:
-        cells = [
-            cell.ljust(w) if i < 2 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    first = next((records[0] for records in runs if records), {})
-    where = _provenance(first)
-    if where and several:
-        where = where[:-1] + f"; {len(runs)} runs, medians and (ranges)."
     legend = [f"- {text}" for text in LEGEND[: 5 if builtin else 4]]
-    parts = (where, "\n".join(lines), "\n".join(legend))
-    return "\n\n".join(part for part in parts if part)
+    return _lined_up(head, body, 2) + "\n\n" + "\n".join(legend)
 
 
 def median_records(runs: list[list[Record]]) -> list[Record]:
@@ -184,14 +269,16 @@ def median_records(runs: list[list[Record]]) -> list[Record]:
     merged = []
     for rs in _by_config(runs).values():
         record = dict(rs[0])
-        for key in ("median_us", "gbps", "memcpy_gbps"):
-            record[key] = float(np.median([r[key] for r in rs]))
+        for key in ("median_us", "gbps", "memcpy_gbps", "gflops"):
+            if all(key in r for r in rs):
+                record[key] = float(np.median([r[key] for r in rs]))
         merged.append(record)
     return merged
 
 
 def _provenance(r: Record) -> str:
-    """One sentence: device, cores, versions, commit and command."""
+    """One sentence: device, cores, versions, commit, NumPy's BLAS kernel
+    (when a record names it) and command."""
     cores = f" ({r['cores']} cores)" if r.get("cores") else ""
     parts = [f"{r['device_name']}{cores}"] if r.get("device_name") else []
     for key, name in (("max_version", "MAX"), ("mojo_version", "Mojo")):
@@ -199,6 +286,16 @@ def _provenance(r: Record) -> str:
     if r.get("git_commit"):
         dirty = " with local changes" if r.get("git_dirty") else ""
         parts.append(f"commit {r['git_commit'][:12]}{dirty}")
+    blas = r.get("blas")
+    if blas and blas.get("architecture"):
+        threads = blas.get("num_threads")
+        parts.append(
+            f"NumPy's BLAS {blas.get('internal_api') or ''} "
+            f"{blas.get('version') or ''} with its {blas['architecture']}"
+            f" kernel{f' on {threads} threads' if threads else ''}".replace(
+                "  ", " "
+            )
+        )
     text = "Measured on " + ", ".join(parts) if parts else ""
     if r.get("command"):
         text += (": " if text else "") + f"`{r['command']}`"
@@ -222,6 +319,8 @@ def import_pyplot() -> Any:
 def plot(records: list[Record], path: str) -> None:
     """Draws GB/s against batch, one panel per op, to an image file.
 
+    index_top_k records (GFLOP/s, two phases, no batch axis) are left out.
+
     Each panel has a line per (dtype, kpool) and a dashed line of the
     memcpy bandwidth measured for those records (median per batch): how
     close to the machine's copy speed the op runs at each batch.
@@ -235,6 +334,7 @@ def plot(records: list[Record], path: str) -> None:
         ImportError: If matplotlib is not installed.
     """
     plt = import_pyplot()
+    records = [r for r in records if not is_index(r)]
     ops = list(dict.fromkeys(r["op"] for r in records)) or [""]
     fig, axes = plt.subplots(
         1, len(ops), figsize=(4.2 * len(ops), 3.8), squeeze=False, sharey=True

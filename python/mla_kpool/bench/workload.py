@@ -27,6 +27,10 @@ from max.dtype import DType
 from ..buffers import to_numpy_dtype
 
 OPS = ("ring_close", "compress", "seed_tail", "step", "step3", "expand_topk")
+#: The indexer op: its own workloads, peers and table (:mod:`.index`).
+INDEX_OP = "index_top_k"
+#: The dtype an index_top_k case names: that of ``q`` and the key cache.
+INDEX_DTYPE = "float8_e4m3fn"
 #: The dtype of an expand_topk case: that of ``pool_ids`` (MAX's int32).
 EXPAND_DTYPE = "int32"
 #: Positions an expand_topk row selects: GLM-5-Next's 512 pools of 4.
@@ -35,7 +39,12 @@ EXPAND_POSITIONS = 2048
 
 @dataclass(frozen=True)
 class Case:
-    """One benchmark configuration."""
+    """One benchmark configuration.
+
+    ``phase`` is ``"decode"`` or ``"prefill"`` for index_top_k (whose
+    ``batch`` is its requests and ``head_dim`` its depth ``D``), empty for
+    the other ops.
+    """
 
     op: str
     dtype: str
@@ -43,6 +52,7 @@ class Case:
     kpool: int
     head_dim: int
     device: str
+    phase: str = ""
 
 
 @dataclass
