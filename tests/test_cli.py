@@ -4,8 +4,11 @@ The demo runs in-process on small workloads with the suite's shared CPU runner,
 on two step models the suite compiles anyway (bfloat16 and float32 at kpool 4,
 head_dim 128), so it adds no compile. Its counts are checked against numbers
 derived here from the schedule and the op contracts (pools per request, pools
-ring_close must close), not against the demo's own bookkeeping. ``--inject-
-fault`` must make it fail on exactly the corrupted pool; bad schedule files
+ring_close must close, indexer rows that must choose), not against the demo's
+own bookkeeping. Every run also scores every query token with index_top_k on
+one indexer model (GLM-5-Next's: H 32, W 32, top 512, null mask), on the CPU
+runner whatever the step's device. ``--inject-fault`` must make it fail on
+exactly the corrupted pool or row; bad schedule files
 must give a usage error that says what is wrong. ``--spec-tokens 7`` runs on
 the bfloat16 step model with the 12-entry ring that tests/test_spec_decode.py
 compiles too; its pool counts (rows written, rewritten after a rejection,
@@ -31,8 +34,10 @@ from max import driver
 from mla_kpool import __main__ as cli
 from mla_kpool import reference
 from mla_kpool.demo import (
+    checked_run,
     checks,
     faults,
+    indexing,
     schedule_file,
     scheduling,
     workload,
@@ -65,6 +70,26 @@ SMALL = {
         [[0, 2], [1, 2], [3, 0]],
         [[3, 4], [0, 3], [1, 1]],
         [[3, 4]],
+    ],
+}
+
+#: A bfloat16 workload whose long request sees more than 512 pools (2,100
+#: prompt tokens in chunks of 512, then decode), so index_top_k has to
+#: choose, beside a short one.
+LONG = {
+    "kpool": KPOOL,
+    "head_dim": 128,
+    "dtype": "bfloat16",
+    "max_running": 2,
+    "requests": [{"prompt": 2100, "generate": 2}, {"prompt": 7, "generate": 2}],
+    "calls": [
+        [[0, 512], [1, 7]],
+        [[0, 512], [1, 1]],
+        [[0, 512], [1, 1]],
+        [[0, 512]],
+        [[0, 52]],
+        [[0, 1]],
+        [[0, 1]],
     ],
 }
 
@@ -122,6 +147,7 @@ def run_demo(runners: Callable[[str], Runner]) -> Callable[..., int]:
         return demo.main(
             ["--no-progress", "--device", device, *argv],
             runner=runners(device),
+            index_runner=runners("cpu"),
         )
 
     return run
@@ -164,7 +190,80 @@ def test_small_schedule_counts_every_pool(tmp_path, capsys, run_demo):
     expand = summary["expand_topk"]
     assert expand["rows_expanded"] == expand["rows_checked"] == 728
     assert expand["mismatches"] == 0
-    assert expand["skipped_ids"] > 0
+    # The null mask: a prefill row's selection names the call's later
+    # pools, which expand_topk must skip.
+    assert expand["skipped_ids"] == null_mask_skips(SMALL)
+    index = summary["index_top_k"]
+    assert index["rows"] == index["rows_checked"] == 728
+    assert index["selections_checked"] == 0  # no request sees 512 pools
+    assert index["worst_margin"] is None and index["failed_calls"] == 0
+    assert (index["heads"], index["layout"]) == (32, "spread")
+    assert "index_top_k rows" in rows and rows["worst margin"] == "-"
+
+
+def null_mask_skips(sched: dict[str, Any]) -> int:
+    """Selected ids expand_topk must skip with the null mask, for a
+    schedule where no row sees more than 512 pools: each row of a request
+    selects every pool complete after the call, and those past the pools
+    complete at the query are not visible to it."""
+    seen = [r.get("cached_prefix", 0) for r in sched["requests"]]
+    skips = 0
+    for call in sched["calls"]:
+        for request, n in call:
+            c = seen[request]
+            end = (c + n) // KPOOL
+            assert end <= 512
+            skips += sum(end - (c + i + 1) // KPOOL for i in range(n))
+            seen[request] += n
+    return skips
+
+
+def test_long_request_checks_real_selections(tmp_path, capsys, run_demo):
+    """Rows that see more than 512 pools: the op chooses, the oracle checks
+    the set at the k-th score, and the summary says how many and the worst
+    margin."""
+    path = write(tmp_path, LONG)
+    out_json = tmp_path / "summary.json"
+    status = run_demo(["--schedule", str(path), "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    index = json.loads(out_json.read_text())["index_top_k"]
+    # Null mask: every row of a call sees (c + n) // 4 pools; the long
+    # request's rows see 512 in call 3 (all of them: no choice), then 525
+    # (52 rows in call 4, one each in calls 5 and 6).
+    assert index["selections_checked"] == 52 + 1 + 1
+    assert index["rows_checked"] == index["rows"] == 2102 + 9
+    assert 0 < index["worst_margin"] < float("inf")
+    assert f"{index['selections_checked']} selections" in out
+    assert "every index_top_k row selects the oracle's top 512" in out
+
+
+@pytest.mark.parametrize("kind", ["head", "bound"])
+def test_injected_index_fault_fails_on_that_row(
+    tmp_path, capsys, kind, run_demo
+):
+    """A wrong head weight (on a row that must choose) or a bound one pool
+    too far (on a row that sees fewer than 512) fails that row's check."""
+    path = write(tmp_path, LONG)
+    status = run_demo(["--schedule", str(path), "--inject-fault", kind])
+    captured = capsys.readouterr()
+    assert status == 1, captured.out
+    m = re.search(
+        r"injecting a fault: .*request (\d+).* call (\d+).*token row "
+        r"(\d+)(?: \(position (\d+)\))? must fail",
+        captured.err,
+    )
+    assert m, captured.err
+    request, call, row, _ = m.groups()
+    fails = [
+        line for line in captured.out.splitlines() if line.startswith("FAIL ")
+    ]
+    # Only the indexer's check fails: pools and expansions are right.
+    assert len(fails) == 1, fails
+    assert fails[0].startswith(f"FAIL request {request} (slot ")
+    assert f"call {call}: index_top_k row {row} " in fails[0]
+    assert "injected fault caught" in captured.out
+    assert "result: FAILED, 1 problem (above)" in captured.out
 
 
 @pytest.mark.emulated
@@ -204,6 +303,7 @@ def test_generated_workload_float32(tmp_path, capsys, run_demo):
         "chunk": 512,
         "schedule": None,
         "pool_topk": 512,
+        "index_mask": "null",
     }
     assert s["pools"] == s["pools_expected"] == s["pools_checked"] > 0
     assert s["pools_ring_close"] > 0
@@ -641,37 +741,70 @@ def test_fault_placement_for_expand_topk():
     assert fault.pool == sum(x.tokens for x in call[: fault.entry + 1]) - 1
 
 
-@pytest.mark.parametrize("pool_topk", [1, 3, 512])
-def test_selection_picks_complete_visible_pools(pool_topk):
-    sched = schedule_file.parse_schedule(SMALL)
+def test_fault_placement_for_the_indexer():
+    sched = schedule_file.parse_schedule(LONG)
     plan = scheduling.plan(
-        sched.requests, sched.calls, 3, np.random.default_rng(0)
+        sched.requests, sched.calls, 2, np.random.default_rng(0)
     )
-    skipped_rows = 0
-    for c, call in enumerate(plan.calls):
-        ids, skipped = checks.select_pools(9, c, call, pool_topk, KPOOL)
-        again, _ = checks.select_pools(9, c, call, pool_topk, KPOOL)
-        np.testing.assert_array_equal(ids, again)
-        assert ids.dtype == np.int32
-        assert ids.shape == (sum(e.tokens for e in call), pool_topk)
-        queries = [
-            e.cache_length + local for e in call for local in range(e.tokens)
-        ]
-        bad_rows = 0
-        for row, position in zip(ids, queries, strict=True):
-            complete = (position + 1) // KPOOL
-            valid = row[(row >= 0) & (row < complete)]
-            others = row[(row < -1) | (row >= complete)]
-            assert len(set(valid.tolist())) == len(valid)
-            assert len(others) <= 1
-            bad_rows += len(others)
-            want = min(pool_topk, complete)
-            # One column may have been given an id the op must skip.
-            assert want - len(others) <= len(valid) <= want
-            assert (row == -1).sum() == pool_topk - len(valid) - len(others)
-        assert skipped == bad_rows
-        skipped_rows += skipped
-    assert skipped_rows > 0
+    head = faults.place_fault(plan, "head", KPOOL, 512)
+    e = plan.calls[head.call][head.entry]
+    # The request's last row of the call, which sees more than 512 pools.
+    assert head.position == e.cache_length + e.tokens - 1
+    assert (e.cache_length + e.tokens) // KPOOL > 512
+    bound = faults.place_fault(plan, "bound", KPOOL, 512)
+    e = plan.calls[bound.call][bound.entry]
+    # Its first row, which sees fewer than 512 (null mask: all its rows).
+    assert bound.position == e.cache_length
+    assert (e.cache_length + e.tokens) // KPOOL < 512
+    assert bound.pool == sum(x.tokens for x in plan.calls[bound.call][: bound.entry])
+    causal = faults.place_fault(plan, "bound", KPOOL, 512, causal=True)
+    e = plan.calls[causal.call][causal.entry]
+    assert (e.cache_length + 1) // KPOOL < 512
+    # SMALL has no row that must choose: no place for a head fault.
+    small = schedule_file.parse_schedule(SMALL)
+    plan = scheduling.plan(
+        small.requests, small.calls, 3, np.random.default_rng(0)
+    )
+    assert faults.place_fault(plan, "head", KPOOL, 512) is None
+    weights = np.array([[0.5, -2.0, 1.0]], np.float32)
+    faults.corrupt_weight(weights, 0)
+    assert weights.tolist() == [[0.5, 16.0, 1.0]]
+
+
+def test_index_cache_hands_out_pages_and_takes_them_back():
+    """Pages for every pool a request will have plus one, distinct blocks
+    per request, key and scale tables apart, stale columns in the arena;
+    released blocks go back (bytes kept)."""
+    sched = schedule_file.parse_schedule(LONG)
+    plan = scheduling.plan(
+        sched.requests, sched.calls, 2, np.random.default_rng(0)
+    )
+    cache = indexing.IndexCache(plan, KPOOL, 128, seed=3)
+    assert cache.rows_per_pool == 4 and cache.max_pages == 17  # 526 pools
+    assert cache.cache.num_blocks == 2 * 17
+    cache.admit(0, 526)
+    cache.admit(1, 3)
+    call = plan.calls[1]
+    cache.bind(call)
+    keys, scales = cache.held[0]
+    assert len(keys) == 17 and len(cache.held[1][0]) == 1
+    b = [e.request for e in call].index(0)
+    assert cache.cache.lookup_table[b].tolist() == keys
+    assert cache.cache.scales_lookup_table[b].tolist() == scales
+    assert cache.cache.cache_lengths.tolist() == [
+        e.cache_length for e in call
+    ]
+    assert (cache.cache.lookup_table < cache.cache.num_blocks).all()
+    free = len(cache.free_keys)
+    cache.release(0)
+    assert len(cache.free_keys) == free + 17 and 0 not in cache.held
+
+
+def test_skipped_ids_counts_pools_past_each_query():
+    e = scheduling.Entry(0, 0, 6, 3, False, False)
+    ids = np.array([[0, 1, 2, -1], [2, 1, 0, -1], [2, 0, 1, -1]], np.int32)
+    # Queries at positions 6, 7, 8 see 1, 2, 2 complete pools.
+    assert checked_run.skipped_ids(ids, [e], KPOOL) == 2 + 1 + 1
 
 
 def test_summary_counts_problems_in_singular_and_plural():

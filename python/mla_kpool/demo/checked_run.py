@@ -1,11 +1,15 @@
-"""The checked run: every call through the fused step, every pool checked.
+"""The checked run: every call through the indexer, every result checked.
 
 :func:`serve` (what ``python -m mla_kpool demo`` runs) sends every call of a
 plan through the fused step on one persistent ring; a request admitted with
 a cached prefix that ends mid-pool gets the prefix's pending members restored
 into its new slot first (:func:`restore_ring`). After each step the call's
-pools are filed and its expand_topk rows checked, and each finished request
-is checked against the oracle (:mod:`mla_kpool.demo.checks`).
+pools are filed, stored into the paged FP8 key cache, every query token of
+the call is scored with index_top_k and its selection checked, the
+selection is widened with expand_topk and checked
+(:func:`index_and_expand`, :mod:`mla_kpool.demo.indexing`), and each
+finished request's pools are checked against the oracle
+(:mod:`mla_kpool.demo.checks`).
 
 With speculation the ring is ``mla_kpool.ring_length(kpool, N + 1)``
 entries deep (``N`` drafts per verify step), so drafts never overwrite a
@@ -32,9 +36,15 @@ from .checks import (
     check_expansion,
     check_request,
     keep_latest,
-    select_pools,
 )
-from .faults import Fault, corrupt_selection
+from .faults import Fault, corrupt_selection, corrupt_weight
+from .indexing import (
+    INDEX_LAYER,
+    IndexCache,
+    check_call,
+    index_key,
+    make_queries,
+)
 from .scheduling import Entry, Plan, plan, plan_call_inputs, schedule
 from .workload import (
     DEFAULT_POOL_TOPK,
@@ -68,7 +78,10 @@ class Config:
         chunk: Prefill chunk (generated batching only).
         schedule: The ``--schedule`` file, if any.
         spec_tokens: Drafts per verify step; 0 without speculation.
-        pool_topk: Pool ids each query token selects for expand_topk.
+        pool_topk: Pool ids each query token's indexer row selects (its
+            ``top_k``), which expand_topk widens.
+        index_mask: The indexer's mask, ``"null"`` (GLM-5-Next's) or
+            ``"causal"``.
     """
 
     dtype: np.dtype
@@ -82,6 +95,7 @@ class Config:
     schedule: str | None
     spec_tokens: int = 0
     pool_topk: int = DEFAULT_POOL_TOPK
+    index_mask: str = "null"
 
     @property
     def ring_len(self) -> int:
@@ -191,16 +205,20 @@ def serve(
     runner: Runner,
     fault: Fault | None,
     progress: Any,
+    index_runner: Runner | None = None,
 ) -> Totals:
-    """Runs every call of the plan through the step and checks each request.
+    """Runs every call of the plan through the step and the indexer, and
+    checks each call's indexer rows and each finished request's pools.
 
     Args:
         config: The run's configuration.
         plan_: The calls.
-        runner: Where the step runs.
+        runner: Where the step and expand_topk run.
         fault: A fault to inject, or ``None``.
         progress: Progress display (a ``tqdm`` bar or anything with its
             ``set_postfix_str``, ``update`` and ``close``).
+        index_runner: Where index_top_k runs (a CPU runner); ``runner``
+            when ``None``.
 
     Returns:
         Counts, errors, timings and problems.
@@ -209,17 +227,19 @@ def serve(
     ape = make_ape(config.seed, kpool, head_dim)
     rel_tol = tolerance(dtype)
     ring = runner.new_ring(plan_.max_slots, config.ring_len, head_dim, dtype)
+    cache = IndexCache(plan_, kpool, head_dim, config.seed)
     live: dict[int, LiveRequest] = {}
     totals = Totals()
     finished = 0
     for c, call in enumerate(plan_.calls):
         for e in call:
             if e.admitted:
-                length = plan_.requests[e.request].length
+                request = plan_.requests[e.request]
                 k, gate = request_rows(
-                    config.seed, e.request, length, head_dim, dtype
+                    config.seed, e.request, request.length, head_dim, dtype
                 )
                 live[e.request] = LiveRequest(e.slot, k, gate)
+                cache.admit(e.request, request.end // kpool + 1)
         here = fault if fault is not None and fault.call == c else None
         delta = 0.0
         if here is not None:
@@ -252,10 +272,20 @@ def serve(
         totals.call_seconds.append(time.perf_counter() - start)
 
         collect_pools(c, call, out, live, totals, kpool)
-        expand_and_check(config, c, call, inputs, runner, here, totals)
+        cache.bind(call)
+        store_prefixes(cache, call, live, ape, kpool, dtype)
+        try:
+            for b, pools in enumerate(out.pools()):
+                cache.store_pools(b, pools)
+        except ValueError:
+            pass  # collect_pools reported it
+        index_and_expand(
+            config, c, call, inputs, cache, runner, here, totals, index_runner
+        )
         for e in call:
             if not e.finished:
                 continue
+            cache.release(e.request)
             state = live.pop(e.request)
             err, ratio, checked, problems = check_request(
                 e.request,
@@ -284,46 +314,126 @@ def serve(
     return totals
 
 
-def expand_and_check(
+def store_prefixes(
+    cache: IndexCache,
+    call: Sequence[Entry],
+    live: dict[int, LiveRequest],
+    ape: np.ndarray,
+    kpool: int,
+    dtype: np.dtype,
+) -> None:
+    """Stores the complete pools of each newly admitted cached prefix.
+
+    A prefix-cache hit skips the prefix's tokens, so its pools are never
+    produced by a call; an engine's cache holds them from earlier. Here
+    they come from the oracle, in the key dtype the step outputs.
+    """
+    for b, e in enumerate(call):
+        pools = e.cache_length // kpool
+        if e.admitted and pools:
+            state = live[e.request]
+            keys = reference.pool_sequence(
+                state.k[: pools * kpool], state.gate[: pools * kpool], ape, kpool
+            )
+            cache.store(b, 0, keys.astype(dtype))
+
+
+def index_and_expand(
     config: Config,
     c: int,
     call: Sequence[Entry],
     inputs: CallInputs,
+    cache: IndexCache,
     runner: Runner,
     fault: Fault | None,
     totals: Totals,
+    index_runner: Runner | None = None,
 ) -> None:
-    """Expands a seeded selection for the call's queries and checks it.
+    """Scores the call's queries, checks the selection, expands and checks.
 
-    The kernel gets the selection (with the ``"topk"`` fault applied, if
-    it is this call's); the oracle gets the selection as drawn.
+    index_top_k gets the call's queries and the cache (with the ``"head"``
+    or ``"bound"`` fault applied, if it is this call's); the oracle gets
+    the true ones. expand_topk then widens the op's selection (with the
+    ``"topk"`` fault applied), the oracle the selection as the op gave it.
     """
-    ids, skipped = select_pools(
-        config.seed, c, call, config.pool_topk, config.kpool
+    tokens = len(inputs.k)
+    q, qs = make_queries(config.seed, c, tokens, config.head_dim)
+    sent_qs, lengths = qs, cache.cache.cache_lengths
+    if fault is not None and fault.kind == "head":
+        sent_qs = qs.copy()
+        corrupt_weight(sent_qs, fault.pool)
+    if fault is not None and fault.kind == "bound":
+        cache.cache.cache_lengths = lengths.copy()
+        cache.cache.cache_lengths[fault.entry] += config.kpool
+    start = time.perf_counter()
+    ids = (index_runner or runner).index_top_k(
+        q,
+        sent_qs,
+        inputs.input_row_offsets,
+        cache.cache,
+        INDEX_LAYER,
+        top_k=config.pool_topk,
+        kpool=config.kpool,
+        mask=config.index_mask,
     )
+    totals.index_seconds.append(time.perf_counter() - start)
+    cache.cache.cache_lengths = lengths
+    checked = check_call(
+        c,
+        call,
+        ids,
+        q,
+        qs,
+        cache.cache,
+        top_k=config.pool_topk,
+        kpool=config.kpool,
+        mask=config.index_mask,
+    )
+    totals.index_rows += tokens
+    totals.index_checked += checked.rows
+    totals.index_selections += checked.selections
+    totals.index_worst_margin = min(
+        totals.index_worst_margin, checked.worst_margin
+    )
+    if checked.problem is not None:
+        totals.index_failures += 1
+        totals.problems.append(checked.problem)
+
     sent = ids
     if fault is not None and fault.kind == "topk":
         sent = ids.copy()
         corrupt_selection(
             sent, fault.pool, (fault.position + 1) // config.kpool
         )
-    offsets, cache = inputs.input_row_offsets, inputs.cache_lengths
+    offsets, lengths = inputs.input_row_offsets, inputs.cache_lengths
     start = time.perf_counter()
     (got,) = runner.run(
         "expand_topk",
         config.kpool,
         pool_ids=sent,
         input_row_offsets=offsets,
-        cache_lengths=cache,
+        cache_lengths=lengths,
     )
     totals.expand_seconds.append(time.perf_counter() - start)
-    want = reference.expand_topk(ids, offsets, cache, config.kpool)
+    want = reference.expand_topk(ids, offsets, lengths, config.kpool)
     mismatches, problems = check_expansion(c, call, got, want)
     totals.expand_rows += len(ids)
     totals.expand_checked += len(want) if got.shape == want.shape else 0
     totals.expand_mismatches += mismatches
-    totals.expand_skipped_ids += skipped
+    totals.expand_skipped_ids += skipped_ids(ids, call, config.kpool)
     totals.problems += problems
+
+
+def skipped_ids(ids: np.ndarray, call: Sequence[Entry], kpool: int) -> int:
+    """Selected ids that name a pool not complete and visible to the query.
+
+    With the null mask a prefill row sees the call's later pools too;
+    expand_topk must skip those.
+    """
+    local = np.concatenate([np.arange(e.tokens) for e in call] or [[]])
+    base = np.repeat([e.cache_length for e in call], [e.tokens for e in call])
+    complete = (base + local + 1).astype(np.int64) // kpool
+    return int(((ids >= 0) & (ids >= complete[:, None])).sum())
 
 
 def collect_pools(
@@ -363,16 +473,20 @@ def collect_pools(
             )
 
 
-def compile_models(runner: Runner, config: Config) -> float:
+def compile_models(
+    runner: Runner, config: Config, index_runner: Runner | None = None
+) -> float:
     """Compiles (or loads from MAX's cache) the models :func:`serve` uses.
 
-    The fused step on a ``config.ring_len`` ring and expand_topk at
-    ``config.pool_topk``, both with uint32 index operands, so the first
-    call is not charged with compiling.
+    The fused step on a ``config.ring_len`` ring, expand_topk at
+    ``config.pool_topk`` (both with uint32 index operands) and index_top_k
+    (:func:`mla_kpool.demo.indexing.index_key`), so the first call is not
+    charged with compiling.
 
     Args:
-        runner: Where they run.
-        config: The run's dtype, kpool, head_dim, ring and top-k.
+        runner: Where the step and expand_topk run.
+        config: The run's dtype, kpool, head_dim, ring, top-k and mask.
+        index_runner: Where index_top_k runs; ``runner`` when ``None``.
 
     Returns:
         The seconds it took.
@@ -393,6 +507,11 @@ def compile_models(runner: Runner, config: Config) -> float:
             config.kpool,
             dtype=np.int32,
             pool_topk=config.pool_topk,
+        )
+    )
+    (index_runner or runner).index_model(
+        index_key(
+            config.kpool, config.head_dim, config.pool_topk, config.index_mask
         )
     )
     return time.perf_counter() - start

@@ -6,9 +6,9 @@ which must hold kept tokens only). When a request finishes, the oracle
 (:func:`mla_kpool.reference.pool_sequence`) recomputes its whole sequence in
 one shot and :func:`check_request` compares: none missing, none extra, each
 within the key dtype's tolerance (:func:`mla_kpool.reference.tolerance`)
-relative to the largest ``|k|`` among the pool's members. Each call's query
-tokens also get a seeded selection of pool ids (:func:`select_pools`),
-widened by expand_topk and compared row by row (:func:`check_expansion`).
+relative to the largest ``|k|`` among the pool's members. Each call's
+indexer selection (:mod:`mla_kpool.demo.indexing`) is widened by
+expand_topk and compared row by row (:func:`check_expansion`).
 """
 
 from __future__ import annotations
@@ -31,17 +31,11 @@ __all__ = [
     "check_request",
     "keep_latest",
     "plural",
-    "select_pools",
 ]
 
 
 #: Failures listed per request before the rest are only counted.
 MAX_LISTED = 5
-
-
-#: Share of query rows whose selection gets one id that expand_topk must
-#: skip (a pool not complete or not visible yet, or a negative id).
-SKIPPED_ID_SHARE = 0.25
 
 
 def plural(count: int, noun: str) -> str:
@@ -141,10 +135,20 @@ class Totals:
         worst_ratio: Largest error over its allowed error.
         checked_pools: Final pool rows checked against the oracle.
         rewritten: Pool rows that replaced a row holding a rejected draft.
+        index_rows: index_top_k rows produced.
+        index_checked: index_top_k rows checked against the oracle.
+        index_selections: Of those, rows with more visible pools than
+            ``top_k`` (where the op chose).
+        index_worst_margin: Smallest margin at the k-th score over the
+            selections, in score units (``inf``: none).
+        index_failures: Calls with a wrong index_top_k row.
+        index_seconds: Seconds of each index_top_k call.
         expand_rows: expand_topk rows produced.
         expand_checked: expand_topk rows compared with the oracle.
         expand_mismatches: expand_topk rows that differ from the oracle.
-        expand_skipped_ids: Selected ids expand_topk must skip.
+        expand_skipped_ids: Selected ids expand_topk must skip (pools not
+            complete and visible to the query: with the null mask, a
+            prefill row's selection may name the call's later pools).
         expand_seconds: Seconds of each expand_topk call.
         dropped: Pool ids past a request's end holding drafts only.
         problems: Every failed check, one line each.
@@ -157,6 +161,12 @@ class Totals:
     worst_ratio: float = 0.0
     checked_pools: int = 0
     rewritten: int = 0
+    index_rows: int = 0
+    index_checked: int = 0
+    index_selections: int = 0
+    index_worst_margin: float = float("inf")
+    index_failures: int = 0
+    index_seconds: list[float] = field(default_factory=list)
     expand_rows: int = 0
     expand_checked: int = 0
     expand_mismatches: int = 0
@@ -250,59 +260,6 @@ def check_request(
     max_err = float(np.nanmax(err)) if not np.isnan(err).all() else np.nan
     worst = float(np.max(ratio)) if not np.isnan(ratio).any() else np.inf
     return max_err, worst, len(ids), problems
-
-
-def select_pools(
-    seed: int,
-    call_index: int,
-    call: Sequence[Entry],
-    pool_topk: int,
-    kpool: int,
-) -> tuple[np.ndarray, int]:
-    """A seeded indexer selection for every query token of one call.
-
-    Token row ``t`` is the query at position ``c + local`` of its request
-    (``c`` the entry's cache length), which sees ``visible = c + local + 1``
-    positions and so ``visible // kpool`` complete pools. Its row holds
-    ``min(pool_topk, complete)`` distinct complete pool ids in a random
-    order, then ``-1``. In about :data:`SKIPPED_ID_SHARE` of the rows one
-    column (at random) is then replaced by an id the op must skip: the
-    pool still filling, a pool in the query's future (up to ``2^31 - 1``)
-    or a negative id other than ``-1``.
-
-    Args:
-        seed: The run's seed.
-        call_index: The call (each call draws afresh).
-        call: The call's entries, in batch order.
-        pool_topk: Columns per row.
-        kpool: Tokens per pool.
-
-    Returns:
-        ``(pool_ids, skipped)``: int32 ``[tokens, pool_topk]`` and how many
-        ids other than ``-1`` padding the op must skip.
-    """
-    rng = np.random.default_rng([seed, 4, call_index])
-    total = sum(e.tokens for e in call)
-    ids = np.full((total, pool_topk), -1, dtype=np.int32)
-    skipped = 0
-    t = 0
-    for e in call:
-        for local in range(e.tokens):
-            complete = (e.cache_length + local + 1) // kpool
-            m = min(pool_topk, complete)
-            ids[t, :m] = rng.choice(complete, m, replace=False)
-            if rng.random() < SKIPPED_ID_SHARE:
-                kind = rng.integers(3)
-                if kind == 0:
-                    bad = complete
-                elif kind == 1:
-                    bad = rng.integers(complete + 1, 2**31, endpoint=False)
-                else:
-                    bad = -rng.integers(2, 2**31, endpoint=True)
-                ids[t, rng.integers(pool_topk)] = bad
-                skipped += 1
-            t += 1
-    return ids, skipped
 
 
 def check_expansion(

@@ -18,6 +18,7 @@ from ..runner import DEVICES, Runner
 from . import workload
 from .checked_run import Config, compile_models, make_plan, serve
 from .faults import FAULT_KINDS, place_fault
+from .indexing import INDEX_HEADS, INDEX_MASKS, index_width
 from .schedule_file import load_schedule
 from .scheduling import Plan
 from .summary import format_summary, summarize
@@ -30,9 +31,9 @@ class DemoError(Exception):
     """A usage problem: bad option combination, no GPU, bad schedule."""
 
 
-#: Seconds the two models take to compile on an empty compile cache (a
+#: Seconds the three models take to compile on an empty compile cache (a
 #: 2-core machine, MAX 26.7); a warm cache loads them in a few seconds.
-COLD_COMPILE_S = "30-45"
+COLD_COMPILE_S = "60-90"
 
 _positive = int_at_least(1)
 
@@ -42,10 +43,12 @@ _non_negative = int_at_least(0)
 
 DESCRIPTION = (
     "Run a seeded serving workload (chunked prefill, decode steps, requests "
-    "joining and leaving) through the three k-pool writers, check every "
-    "pool of every request against the float64 oracle, and expand a seeded "
-    "top-k pool selection per query token with expand_topk, checking every "
-    "row against the oracle."
+    "joining and leaving) through the k-pooled indexer: the fused step "
+    "pools the keys (every pool of every request checked against the "
+    "float64 oracle), the pools go into a paged FP8 key cache, index_top_k "
+    "scores every query token against it (every row's selection checked "
+    "against the oracle at the k-th score), and expand_topk widens the "
+    "selection into token positions (every row checked)."
 )
 
 
@@ -107,17 +110,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pool-topk",
         type=_positive,
         default=workload.DEFAULT_POOL_TOPK,
-        help="pool ids each query token selects for expand_topk "
-        f"({workload.DEFAULT_POOL_TOPK})",
+        help="pool ids each query token's indexer row selects (index_top_k's"
+        f" top_k), which expand_topk widens ({workload.DEFAULT_POOL_TOPK})",
+    )
+    add(
+        "--index-mask",
+        choices=INDEX_MASKS,
+        default=INDEX_MASKS[0],
+        help="index_top_k's mask: null (GLM-5-Next's pipeline: every query "
+        "of a call sees all the call's pools, and expand_topk drops those "
+        "past the query) or causal (null)",
     )
     add(
         "--inject-fault",
         nargs="?",
         const=FAULT_KINDS[0],
         choices=FAULT_KINDS,
-        help="corrupt one ring member (ring, the default), one key row (key) "
-        "or one selected pool id sent to expand_topk (topk) that the "
-        "kernels see but the oracle does not; the check must then fail",
+        help="corrupt one ring member (ring, the default), one key row "
+        "(key), one selected pool id sent to expand_topk (topk), one head "
+        "weight of one indexer query (head) or one request's indexer bound, "
+        "one pool too many (bound), that the kernels see but the oracle "
+        "does not; the check must then fail",
     )
     add(
         "--spec-tokens",
@@ -142,7 +155,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(
-    argv: Sequence[str] | None = None, *, runner: Runner | None = None
+    argv: Sequence[str] | None = None,
+    *,
+    runner: Runner | None = None,
+    index_runner: Runner | None = None,
 ) -> int:
     """Runs the demo with its own argument parser.
 
@@ -150,6 +166,8 @@ def main(
         argv: The options (``sys.argv[1:]`` when ``None``).
         runner: A runner to reuse (tests share one so models compile once);
             a new one on ``--device`` when ``None``.
+        index_runner: A CPU runner for index_top_k when ``--device`` is
+            not ``cpu`` (see :func:`run`).
 
     Returns:
         The exit status: 0 all checks passed, 1 a check failed, 2 a usage
@@ -159,7 +177,9 @@ def main(
         prog="python -m mla_kpool demo", description=DESCRIPTION
     )
     add_arguments(parser)
-    return run(parser.parse_args(argv), runner=runner)
+    return run(
+        parser.parse_args(argv), runner=runner, index_runner=index_runner
+    )
 
 
 def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
@@ -207,7 +227,13 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
         schedule=args.schedule,
         spec_tokens=args.spec_tokens or 0,
         pool_topk=args.pool_topk,
+        index_mask=args.index_mask,
     )
+    if config.pool_topk > 2048:
+        raise DemoError(
+            f"--pool-topk must be at most 2048 (index_top_k's top_k), got "
+            f"{config.pool_topk}"
+        )
     if config.spec_tokens and loaded is not None and loaded.calls is not None:
         raise DemoError(
             f"--spec-tokens needs generated batching, but {args.schedule} "
@@ -225,13 +251,24 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
         raise DemoError(f"{where}{err}") from err
 
 
-def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
+def run(
+    args: argparse.Namespace,
+    *,
+    runner: Runner | None = None,
+    index_runner: Runner | None = None,
+) -> int:
     """Runs the demo for parsed options.
+
+    index_top_k has a CPU kernel only (MAX's GPU builtin needs an SM100 or
+    MI355 for kpool > 1), so with ``--device gpu`` or ``gpu-emulated`` it
+    runs on a CPU runner beside the step's.
 
     Args:
         args: Options from :func:`add_arguments`.
         runner: A runner to reuse; a new one on ``args.device`` when
             ``None``. Its device must match ``args.device``.
+        index_runner: A CPU runner for index_top_k; ``runner`` on
+            ``--device cpu``, else a new CPU runner, when ``None``.
 
     Returns:
         The exit status: 0 all checks passed, 1 a check failed, 2 a usage
@@ -243,13 +280,27 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
         config, plan_ = build_plan(args)
         fault = None
         if args.inject_fault:
-            fault = place_fault(plan_, args.inject_fault, config.kpool)
+            fault = place_fault(
+                plan_,
+                args.inject_fault,
+                config.kpool,
+                config.pool_topk,
+                config.index_mask == "causal",
+            )
             if fault is None:
                 raise DemoError(
                     f"--inject-fault {args.inject_fault}: no call in this "
                     f"workload offers a place for it"
                 )
         runner = _runner_on(config.device, runner)
+        if index_runner is None:
+            cpu = config.device == "cpu"
+            index_runner = runner if cpu else Runner("cpu")
+        elif index_runner.device_name != "cpu":
+            raise DemoError(
+                f"the index runner given is on {index_runner.device_name}, "
+                "not cpu"
+            )
     except (DemoError, ScheduleError) as e:
         print(f"mla-kpool demo: error: {e}", file=err)
         return 2
@@ -263,16 +314,19 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
     compiled_kernels()
     package_s = time.perf_counter() - start
     ring = f", ring {config.ring_len}" if config.spec_tokens else ""
+    width = index_width(config.kpool, config.head_dim, 128)
     print(
         f"compiling the step model ({config.dtype.name}, kpool "
         f"{config.kpool}, head_dim {config.head_dim}{ring}) and the "
-        f"expand_topk model (top {config.pool_topk}) on {config.device}: "
-        f"about {COLD_COMPILE_S} s the first time, then loaded from MAX's "
-        "compile cache in a few seconds...",
+        f"expand_topk model (top {config.pool_topk}) on {config.device}, "
+        f"and the index_top_k model (H {INDEX_HEADS}, W {width}, top "
+        f"{config.pool_topk}, {config.index_mask} mask) on cpu: about "
+        f"{COLD_COMPILE_S} s the first time, then loaded from MAX's compile "
+        "cache in a few seconds...",
         file=err,
         flush=True,
     )
-    compile_s = package_s + compile_models(runner, config)
+    compile_s = package_s + compile_models(runner, config, index_runner)
     described = fault.describe() if fault is not None else None
     if fault is not None:
         print(f"injecting a fault: {described}", file=err)
@@ -283,7 +337,7 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
         file=err,
         disable=args.no_progress or not err.isatty(),
     )
-    totals = serve(config, plan_, runner, fault, progress)
+    totals = serve(config, plan_, runner, fault, progress, index_runner)
     wall_s = time.perf_counter() - started
     summary = summarize(
         config, plan_, totals, compile_s, wall_s, described, package_s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from ..reference import tolerance
 from .checked_run import Config
 from .checks import Totals, plural
+from .indexing import INDEX_HEADS, INDEX_PAGE_SIZE, index_width
 from .scheduling import Plan
 
 __all__ = ["format_summary", "summarize"]
@@ -39,8 +41,9 @@ def summarize(
 
     Returns:
         A JSON-ready dict: configuration, token, call and pool counts, the
-        worst error against the oracle, expand_topk counts, timings, the
-        problems, and (with speculation) verify-step counts.
+        worst error against the oracle, index_top_k counts and worst margin,
+        expand_topk counts, timings, the problems, and (with speculation)
+        verify-step counts.
     """
     reqs = plan_.requests
     prefill = decode = 0
@@ -83,6 +86,30 @@ def summarize(
         "max_abs_error": totals.max_abs_error,
         "max_error_over_tolerance": totals.worst_ratio,
         "tolerance": tolerance(config.dtype),
+        "index_top_k": {
+            "heads": INDEX_HEADS,
+            "layout": (
+                "spread"
+                if index_width(config.kpool, config.head_dim, INDEX_PAGE_SIZE)
+                != config.head_dim
+                else "whole"
+            ),
+            "page_size": INDEX_PAGE_SIZE,
+            "rows": totals.index_rows,
+            "rows_checked": totals.index_checked,
+            "selections_checked": totals.index_selections,
+            "worst_margin": (
+                totals.index_worst_margin
+                if math.isfinite(totals.index_worst_margin)
+                else None
+            ),
+            "failed_calls": totals.index_failures,
+            "mean_call_seconds": (
+                statistics.fmean(totals.index_seconds)
+                if totals.index_seconds
+                else None
+            ),
+        },
         "expand_topk": {
             "rows_expanded": totals.expand_rows,
             "rows_checked": totals.expand_checked,
@@ -134,6 +161,7 @@ def summarize(
 def format_summary(s: dict[str, Any]) -> str:
     """The summary table the demo prints."""
     cfg, spec, ex = s["config"], s.get("speculative"), s["expand_topk"]
+    ix = s["index_top_k"]
     head = (
         f"mla-kpool demo: {cfg['dtype']}, kpool {cfg['kpool']}, head_dim "
         f"{cfg['head_dim']}, {cfg['device']}, seed {cfg['seed']}"
@@ -205,14 +233,31 @@ def format_summary(s: dict[str, Any]) -> str:
             ),
         ]
     tps = s["tokens_per_second"]
+    margin = ix["worst_margin"]
+    index_ms = ix["mean_call_seconds"]
     rows += [
+        (
+            "index_top_k rows",
+            f"{ix['rows']}",
+            f"checked {ix['rows_checked']}: "
+            f"{plural(ix['selections_checked'], 'selection')} of the top "
+            f"{cfg['pool_topk']} among more pools, the rest every visible "
+            f"pool; H {ix['heads']}, {ix['layout']} FP8 cache, "
+            f"{cfg['index_mask']} mask",
+        ),
+        (
+            "  worst margin",
+            f"{margin:.3g}" if margin is not None else "-",
+            "at the k-th score, tolerance included (score units; below 0 "
+            "fails)",
+        ),
         (
             "expand_topk rows",
             f"{ex['rows_expanded']}",
             f"checked {ex['rows_checked']}, {ex['mismatches']} "
             f"differ{'s' if ex['mismatches'] == 1 else ''} from "
-            f"the oracle; top {cfg['pool_topk']} pool ids per query, "
-            f"{ex['skipped_ids']} ids the op must skip",
+            f"the oracle; {ex['skipped_ids']} selected ids past the query "
+            "that the op must skip",
         ),
         (
             "max abs error vs oracle",
@@ -223,7 +268,8 @@ def format_summary(s: dict[str, Any]) -> str:
         (
             "mean time per call",
             f"{1e3 * s['mean_call_seconds']:.3f} ms",
-            f"median {1e3 * s['median_call_seconds']:.3f} ms",
+            f"median {1e3 * s['median_call_seconds']:.3f} ms; index_top_k "
+            + (f"{1e3 * index_ms:.3f} ms" if index_ms is not None else "-"),
         ),
         (
             "tokens per second",
@@ -234,8 +280,8 @@ def format_summary(s: dict[str, Any]) -> str:
             "compile",
             f"{s['compile_seconds']:.1f} s",
             f"Mojo kernels {s['kernel_package_seconds']:.1f} s, every run; "
-            "step and expand_topk models: compiled on a cold cache, else "
-            "loaded from it",
+            "step, expand_topk and index_top_k models: compiled on a cold "
+            "cache, else loaded from it",
         ),
         ("wall time", f"{s['wall_seconds']:.1f} s", "everything"),
     ]
@@ -250,12 +296,15 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(
             "result: OK, the last row of every pool id of every request "
             "holds kept tokens only and matches the oracle of the accepted "
-            "stream; every expand_topk row matches the oracle"
+            "stream; every index_top_k row selects the oracle's top "
+            f"{cfg['pool_topk']}; every expand_topk row matches the oracle"
         )
     elif s["ok"]:
         lines.append(
             "result: OK, every pool of every request came out exactly once "
-            "and matches the oracle; every expand_topk row matches the oracle"
+            "and matches the oracle; every index_top_k row selects the "
+            f"oracle's top {cfg['pool_topk']}; every expand_topk row matches "
+            "the oracle"
         )
     else:
         problems = plural(len(s["problems"]), "problem")

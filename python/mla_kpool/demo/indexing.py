@@ -1,0 +1,303 @@
+"""The indexer half of every call: cache the pools, score, check the pick.
+
+After a call's step, :class:`IndexCache` stores the pools the call
+completed (each request's rows from ``Runner.step``, quantized by
+:func:`mla_kpool.index_cache.quantize_pooled_keys`) into a paged FP8 cache
+laid out as MAX's indexer reads it (:class:`mla_kpool.index_cache.PagedIndexCache`:
+GLM-5-Next's spread rows when ``head_dim`` splits into ``kpool`` rows, else
+one row per pool). Then :func:`score_call` scores every query token of the
+call with ``mla_kpool.index_top_k`` and :func:`check_call` checks each
+request's rows against the float64 oracle
+(:func:`mla_kpool.reference.check_selection`: valid ids first, none past the
+row's bound, and the selected *set* the top ``k`` within the float32
+tolerance at the k-th score).
+
+The cache is shaped to catch a kernel reading the wrong place: two layers
+(the indexer reads layer 1; layer 0 holds random bytes), blocks handed out
+in a shuffled order and freed (stale) when a request finishes, key and scale
+blocks mapped by separate lookup tables, lookup entries past a request's
+pages pointing at random blocks, and rows of pools not yet complete holding
+whatever was there (random bytes, NaN scales among them).
+
+Pools of a cached prefix (a prefix-cache hit: the workload never sends
+those tokens) are stored from the oracle on admission, as an engine's
+prefix cache would hold them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from .. import reference
+from ..calls import PoolRow
+from ..index_cache import PagedIndexCache, quantize_pooled_keys
+from ..index_runner import IndexKey
+from .scheduling import Entry, Plan
+
+__all__ = [
+    "INDEX_HEADS",
+    "INDEX_LAYER",
+    "INDEX_LAYERS",
+    "INDEX_PAGE_SIZE",
+    "IndexCache",
+    "INDEX_MASKS",
+    "IndexCheck",
+    "check_call",
+    "index_key",
+    "index_width",
+    "make_queries",
+]
+
+
+#: Query heads ``H`` of the indexer (GLM-5-Next's 32).
+INDEX_HEADS = 32
+
+#: Rows per page of the key cache (GLM-5-Next's 128).
+INDEX_PAGE_SIZE = 128
+
+#: Layers of the cache, and the one the indexer reads (the other holds
+#: random bytes, so a wrong layer stride shows).
+INDEX_LAYERS = 2
+INDEX_LAYER = 1
+
+#: Masks ``--index-mask`` takes; GLM-5-Next's pipeline calls with null.
+INDEX_MASKS = ("null", "causal")
+
+
+def index_width(kpool: int, head_dim: int, page_size: int) -> int:
+    """Row width ``W``: ``head_dim // kpool`` (spread) where it can be.
+
+    GLM-5-Next spreads a pooled key over ``kpool`` rows; that needs
+    ``kpool > 1`` dividing both ``head_dim`` and the page size. Otherwise
+    each pool is one row of ``head_dim`` values (the whole layout).
+    """
+    if kpool > 1 and head_dim % kpool == 0 and page_size % kpool == 0:
+        return head_dim // kpool
+    return head_dim
+
+
+def index_key(kpool: int, head_dim: int, top_k: int, mask: str) -> IndexKey:
+    """The compiled indexer the demo runs, for ``Runner.index_model``."""
+    return IndexKey(
+        num_heads=INDEX_HEADS,
+        depth=head_dim,
+        width=index_width(kpool, head_dim, INDEX_PAGE_SIZE),
+        num_layers=INDEX_LAYERS,
+        page_size=INDEX_PAGE_SIZE,
+        top_k=top_k,
+        kpool=kpool,
+        mask=mask,
+    )
+
+
+def make_queries(
+    seed: int, call: int, tokens: int, head_dim: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """One call's indexer queries, seeded by the call.
+
+    Returns:
+        ``(q, qs)``: ``[tokens, H, head_dim]`` uint8 e4m3fn bytes of
+        standard normals, and ``[tokens, H]`` float32 signed head weights.
+    """
+    rng = np.random.default_rng([seed, 5, call])
+    q = rng.standard_normal((tokens, INDEX_HEADS, head_dim), np.float32)
+    qs = rng.standard_normal((tokens, INDEX_HEADS), np.float32)
+    return q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), qs
+
+
+class IndexCache:
+    """The demo's paged key cache across calls.
+
+    Each request gets its pages' key blocks and scale blocks when it is
+    admitted (enough for every pool it will have, plus one), from shuffled
+    free lists, and gives them back when it finishes; the blocks keep their
+    bytes. :meth:`bind` points the cache's lookup tables and lengths at one
+    call's batch.
+
+    Args:
+        plan_: The run (sizes the arena: the most pages a request needs,
+            times the ring slots).
+        kpool: Tokens per pool.
+        head_dim: Channels per pooled key.
+        seed: Seeds the block order and the arena's initial bytes.
+    """
+
+    def __init__(
+        self, plan_: Plan, kpool: int, head_dim: int, seed: int
+    ) -> None:
+        self.kpool = kpool
+        self.rng = np.random.default_rng([seed, 6])
+        width = index_width(kpool, head_dim, INDEX_PAGE_SIZE)
+        self.rows_per_pool = head_dim // width
+        self.max_pages = max(
+            self.pages(r.end // kpool + 1) for r in plan_.requests
+        )
+        blocks = plan_.max_slots * self.max_pages
+        self.cache = PagedIndexCache(
+            num_blocks=blocks,
+            num_layers=INDEX_LAYERS,
+            page_size=INDEX_PAGE_SIZE,
+            head_dim=head_dim,
+            kpool=kpool,
+            width=width,
+            max_pages=self.max_pages,
+        )
+        self.cache.arena[:] = self.rng.integers(0, 256, self.cache.arena.size)
+        scales = self.rng.standard_normal(self.cache.scale_arena.size)
+        scales[self.rng.random(scales.size) < 0.01] = np.nan
+        self.cache.scale_arena[:] = scales.astype(np.float32)
+        self.free_keys = list(self.rng.permutation(blocks))
+        self.free_scales = list(self.rng.permutation(blocks))
+        #: request -> (key blocks, scale blocks), one per page
+        self.held: dict[int, tuple[list[int], list[int]]] = {}
+
+    def pages(self, pools: int) -> int:
+        """Pages that ``pools`` pools occupy."""
+        return -(-pools * self.rows_per_pool // INDEX_PAGE_SIZE)
+
+    def admit(self, request: int, pools: int) -> None:
+        """Gives ``request`` blocks for ``pools`` pools."""
+        count = self.pages(pools)
+        keys, self.free_keys = self.free_keys[:count], self.free_keys[count:]
+        scales = self.free_scales[:count]
+        self.free_scales = self.free_scales[count:]
+        self.held[request] = (keys, scales)
+
+    def release(self, request: int) -> None:
+        """Returns ``request``'s blocks to the free lists, bytes kept."""
+        keys, scales = self.held.pop(request)
+        self.free_keys += keys
+        self.free_scales += scales
+
+    def bind(self, call: Sequence[Entry]) -> None:
+        """Points the lookup tables and lengths at ``call``'s batch.
+
+        Row ``b`` is the call's ``b``-th entry; columns past a request's
+        pages get random blocks of the arena (what a stale table holds).
+        """
+        batch = len(call)
+        shape = (batch, self.max_pages)
+        blocks = self.cache.num_blocks
+        keys = self.rng.integers(0, blocks, shape).astype(np.uint32)
+        scales = self.rng.integers(0, blocks, shape).astype(np.uint32)
+        for b, e in enumerate(call):
+            mine_k, mine_s = self.held[e.request]
+            keys[b, : len(mine_k)] = mine_k
+            scales[b, : len(mine_s)] = mine_s
+        self.cache.lookup_table = keys
+        self.cache.scales_lookup_table = scales
+        self.cache.cache_lengths = np.array(
+            [e.cache_length for e in call], dtype=np.uint32
+        )
+
+    def store(self, b: int, first_pool: int, keys: np.ndarray) -> None:
+        """Quantizes and stores entry ``b``'s pools from ``first_pool``."""
+        key_bytes, scales = quantize_pooled_keys(keys.astype(np.float32))
+        self.cache.store(b, INDEX_LAYER, first_pool, key_bytes, scales)
+
+    def store_pools(self, b: int, pools: Mapping[int, PoolRow]) -> None:
+        """Stores one call's pools of entry ``b`` (contiguous runs at once)."""
+        ids = sorted(pools)
+        start = 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or ids[i] != ids[i - 1] + 1:
+                run = ids[start:i]
+                keys = np.stack([pools[p].key for p in run])
+                self.store(b, run[0], keys)
+                start = i
+
+
+@dataclass
+class IndexCheck:
+    """What checking one call's index_top_k rows found.
+
+    Attributes:
+        rows: Token rows checked.
+        selections: Of those, rows with more candidates than ``top_k``
+            (where the op had to choose).
+        worst_margin: Smallest margin at the k-th score over the
+            selections (``inf`` if none).
+        problem: The first wrong row, or ``None``.
+    """
+
+    rows: int = 0
+    selections: int = 0
+    worst_margin: float = float("inf")
+    problem: str | None = None
+
+
+_ROW = re.compile(r"^row (\d+): ")
+
+
+def check_call(
+    c: int,
+    call: Sequence[Entry],
+    got: np.ndarray,
+    q: np.ndarray,
+    qs: np.ndarray,
+    cache: PagedIndexCache,
+    *,
+    top_k: int,
+    kpool: int,
+    mask: str,
+) -> IndexCheck:
+    """Checks one call's index_top_k rows against the oracle.
+
+    Args:
+        c: The call's number (for messages).
+        call: Its entries, in batch order (token rows follow them).
+        got: int32 ``[tokens, top_k]`` from the op.
+        q: ``[tokens, H, D]`` the queries the oracle scores.
+        qs: ``[tokens, H]`` the head weights the oracle uses.
+        cache: The cache bound to the call (:meth:`IndexCache.bind`),
+            with the call's true lengths.
+        top_k: Ids per row.
+        kpool: Tokens per pool.
+        mask: ``"null"`` or ``"causal"``.
+
+    Returns:
+        The counts and worst margin; on a wrong row (the oracle stops at
+        the first) a problem line naming its request, slot, call, token row
+        and query position.
+    """
+    counts = [e.tokens for e in call]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
+    try:
+        report = reference.check_selection(
+            got,
+            q,
+            qs,
+            offsets,
+            cache.blocks(),
+            cache.cache_lengths,
+            cache.lookup_table,
+            cache.scales(),
+            cache.scales_lookup_table,
+            INDEX_LAYER,
+            top_k=top_k,
+            kpool=kpool,
+            mask=mask,
+        )
+    except AssertionError as err:
+        text = str(err)
+        found = _ROW.match(text)
+        if found is None:
+            return IndexCheck(problem=f"call {c}: index_top_k: {text}")
+        row = int(found.group(1))
+        b = int(np.searchsorted(offsets, row, side="right")) - 1
+        e = call[min(b, len(call) - 1)]
+        local = row - int(offsets[b])
+        return IndexCheck(
+            rows=len(got),
+            problem=(
+                f"request {e.request} (slot {e.slot}): call {c}: index_top_k"
+                f" row {row} (query position {e.cache_length + local}) "
+                f"differs from the oracle: {text[found.end() :]}"
+            ),
+        )
+    return IndexCheck(report.rows, report.cut_rows, report.worst_margin)
