@@ -11,18 +11,33 @@ updated in place across calls) and the ragged batch metadata:
 The graph is built with ``custom_extensions=[mla_kpool.KERNELS]``, which is
 what makes the ops run on CPU (MAX's own builtins are GPU-only).
 
+The pools then feed the indexer's scorer. After each call the driver
+stores the pools it completed into a paged FP8 key cache
+(:class:`mla_kpool.index_cache.PagedIndexCache`, host-side: quantized with
+:func:`mla_kpool.index_cache.quantize_pooled_keys`, spread over ``kpool`` rows
+of ``head_dim / kpool`` values as GLM-5-Next lays them out), and a second
+graph scores every query token of the call against it with
+:func:`mla_kpool.index_top_k` (MAX's ``mla_fp8_index_top_k`` signature: the
+cache goes in as a ``max.nn.kv_cache.PagedCacheValues``), keeping each
+token's top ``TOP_K`` pool ids. The queries are a projection of the same
+hidden states, rounded to e4m3fn on the host (MAX has no FP8 tensors on the
+CPU, so ``q`` and the cache travel as their bytes, ``uint8``).
+
 The driver below plays a tiny serving engine on CPU: one prefill call for
 three requests, then single-token decode calls, with ring slots that are
 not the batch index and a batch order that changes between calls. After
 every call it prints the pools that call completed (pool id, which writer
-built it, the first channels of the pooled key). At the end it recomputes
-every request's keys and gate scores in NumPy (float64) from the same
-weights and checks each pool against
-:func:`mla_kpool.reference.pool_sequence`, the one-shot pooling of the whole
-sequence: every pool exactly once, none missing, each within tolerance.
+built it, the first channels of the pooled key) and the pools each
+request's newest token selects. It checks every token's selection against
+:func:`mla_kpool.reference.check_selection` (the float64 oracle: the top
+``TOP_K`` set at the k-th score) as it goes; at the end it recomputes every
+request's keys and gate scores in NumPy (float64) from the same weights and
+checks each pool against :func:`mla_kpool.reference.pool_sequence`, the
+one-shot pooling of the whole sequence: every pool exactly once, none
+missing, each within tolerance.
 
 Run it with ``python examples/indexer_layer.py`` (or ``pixi run example``).
-Exit status 0 when every pool checks out, 1 otherwise.
+Exit status 0 when every pool and every selection checks out, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import ml_dtypes
 import numpy as np
 from max.driver import CPU, Buffer
 from max.dtype import DType
@@ -46,11 +62,14 @@ from max.graph import (
     Weight,
 )
 from max.nn import LayerNorm, Linear, Module
+from max.nn.attention.mask_config import MHAMaskVariant
+from max.nn.kv_cache import PagedCacheValues
 
 import mla_kpool
 from mla_kpool import reference
 from mla_kpool.buffers import to_buffer, to_numpy
 from mla_kpool.calls import pools_of_call
+from mla_kpool.index_cache import PagedIndexCache
 
 #: Layer sizes. ``head_dim`` and ``kpool`` are compile-time parameters of
 #: the kernels; everything per call (tokens, batch) is a symbolic graph dim.
@@ -70,6 +89,15 @@ TOLERANCE = 2 * reference.tolerance(np.float32)
 
 #: Channels printed per pooled key.
 SHOWN_CHANNELS = 4
+
+#: The indexer: query heads, pool ids kept per token, cache rows per page.
+#: A pooled key of ``HEAD_DIM`` values spreads over ``KPOOL`` rows of
+#: ``HEAD_DIM // KPOOL`` (GLM-5-Next's layout), so a page holds
+#: ``PAGE_SIZE // KPOOL`` pools.
+INDEX_HEADS = 4
+TOP_K = 2
+PAGE_SIZE = 16
+PAGES_PER_REQUEST = 2
 
 
 class KPoolIndexerKeys(Module):
@@ -159,6 +187,80 @@ def random_weights(rng: np.random.Generator) -> dict[str, np.ndarray]:
     }
 
 
+def random_index_weights(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The indexer's query side: ``q = x @ wq`` (``[hidden, H * D]``) and
+    the signed head weights ``qs = x @ w_heads`` (``[hidden, H]``)."""
+    wq = rng.standard_normal((HIDDEN, INDEX_HEADS * HEAD_DIM)) * HIDDEN**-0.5
+    heads = rng.standard_normal((HIDDEN, INDEX_HEADS)) * HIDDEN**-0.5
+    return {"wq": wq.astype(np.float32), "w_heads": heads.astype(np.float32)}
+
+
+def index_queries(
+    x: np.ndarray, weights: dict[str, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(q, qs)`` of hidden states ``x``: ``q`` as e4m3fn bytes
+    ``[T, H, D]`` (rounded on the host), ``qs`` float32 ``[T, H]``."""
+    q = (x @ weights["wq"]).reshape(len(x), INDEX_HEADS, HEAD_DIM)
+    fp8 = q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return fp8, (x @ weights["w_heads"]).astype(np.float32)
+
+
+def build_index_graph() -> Graph:
+    """One ``mla_kpool.index_top_k`` on the paged cache, as a pipeline
+    stages it: the cache's fields become a ``PagedCacheValues``."""
+    dev = DeviceRef.CPU()
+    u32, i64 = DType.uint32, DType.int64
+    page = [1, 1, PAGE_SIZE, 1]
+    width = HEAD_DIM // KPOOL
+    input_types = [
+        TensorType(DType.uint8, ["tokens", INDEX_HEADS, HEAD_DIM], dev),
+        TensorType(DType.float32, ["tokens", INDEX_HEADS], dev),
+        TensorType(u32, ["batch_plus_1"], dev),
+        BufferType(DType.uint8, ["blocks", *page, width], dev),
+        TensorType(i64, [1], dev),
+        TensorType(u32, ["batch"], dev),
+        TensorType(u32, ["batch", "pages"], dev),
+        TensorType(u32, [1], dev),
+        TensorType(u32, [1], dev),
+        BufferType(DType.float32, ["blocks", *page, 1], dev),
+        TensorType(i64, [1], dev),
+        TensorType(u32, ["batch", "pages"], dev),
+        TensorType(u32, [], dev),
+    ]
+    with Graph(
+        "kpool_indexer_scores",
+        input_types=input_types,
+        custom_extensions=[mla_kpool.KERNELS],
+    ) as graph:
+        q, qs, offsets, blocks, stride, lengths, table = graph.inputs[:7]
+        max_prompt, max_cache, scales, sstride, stable, layer = graph.inputs[7:]
+        cache = PagedCacheValues(
+            kv_blocks=blocks.buffer,
+            cache_lengths=lengths.tensor,
+            lookup_table=table.tensor,
+            max_prompt_length=max_prompt.tensor,
+            max_cache_length=max_cache.tensor,
+            page_stride=stride.tensor,
+            kv_scales=scales.buffer,
+            scales_page_stride=sstride.tensor,
+            scales_lookup_table=stable.tensor,
+        )
+        graph.output(
+            mla_kpool.index_top_k(
+                q.tensor,
+                qs.tensor,
+                offsets.tensor,
+                cache,
+                layer.tensor,
+                TOP_K,
+                128,
+                MHAMaskVariant.NULL_MASK,
+                KPOOL,
+            )
+        )
+    return graph
+
+
 def random_hidden(rng: np.random.Generator, tokens: int) -> np.ndarray:
     """Stand-in hidden states ``[tokens, hidden]``, float32."""
     return rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
@@ -203,6 +305,7 @@ class Request:
             token the request will bring (a stand-in for the model's).
         seen: Tokens already through the layer (``cache_lengths``).
         pools: Pooled keys produced so far, ``pool id -> [(step, key)]``.
+        blocks: Its pages' blocks in the indexer's key cache.
     """
 
     name: str
@@ -211,6 +314,7 @@ class Request:
     hidden: np.ndarray
     seen: int = 0
     pools: dict[int, list[tuple[int, np.ndarray]]] = field(default_factory=dict)
+    blocks: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -258,6 +362,57 @@ def run_call(
     for c in completed:
         c.request.pools.setdefault(c.pool, []).append((step, c.key))
     return completed
+
+
+def score_call(
+    model: Model,
+    cache: PagedIndexCache,
+    batch: list[tuple[Request, int]],
+    completed: list[Completed],
+    weights: dict[str, np.ndarray],
+) -> tuple[np.ndarray, int, list[str]]:
+    """Stores the call's pools in the cache and scores the call's tokens.
+
+    Call it after :func:`run_call` (``seen`` already counts the call's
+    tokens). Returns the ``[tokens, TOP_K]`` pool ids, the rows that had
+    to choose (more than ``TOP_K`` pools visible) and the oracle's
+    complaints (:func:`mla_kpool.reference.check_selection`).
+    """
+    counts = [n for _, n in batch]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
+    row = {id(r): b for b, (r, _) in enumerate(batch)}
+    cache.lookup_table = np.array([r.blocks for r, _ in batch], np.uint32)
+    cache.scales_lookup_table = cache.lookup_table
+    cache.cache_lengths = np.array([r.seen - n for r, n in batch], np.uint32)
+    for done in completed:
+        cache.store_keys(row[id(done.request)], 0, done.pool, done.key[None])
+    x = np.concatenate([r.hidden[r.seen - n : r.seen] for r, n in batch])
+    q, qs = index_queries(x, weights)
+    total = cache.cache_lengths + np.asarray(counts, np.uint32)
+    operands = [
+        q,
+        qs,
+        offsets,
+        cache.blocks(),
+        np.array([cache.page_stride], np.int64),
+        cache.cache_lengths,
+        cache.lookup_table,
+        np.array([max(counts)], np.uint32),
+        np.array([total.max()], np.uint32),
+        cache.scales(),
+        np.array([cache.scales_page_stride], np.int64),
+        cache.scales_lookup_table,
+        np.array(0, np.uint32),
+    ]
+    ids = to_numpy(model.execute(*map(to_buffer, operands))[0])
+    try:
+        report = reference.check_selection(
+            ids, q, qs, offsets, **cache.oracle_operands(), layer_idx=0,
+            top_k=TOP_K, kpool=KPOOL, mask="null",
+        )  # fmt: skip
+    except AssertionError as err:
+        return ids, 0, [f"index_top_k: {err}"]
+    return ids, report.cut_rows, []
 
 
 def expected_pools(
@@ -331,6 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     graph = build_graph(layer)
     session = InferenceSession(devices=[CPU()])
     model = session.load(graph, weights_registry=layer.state_dict())
+    scorer = session.load(build_index_graph())
+    index_weights = random_index_weights(rng)
     ring = to_buffer(np.zeros((MAX_SLOTS, 2, KPOOL, HEAD_DIM), np.float32))
 
     total = args.decode_steps
@@ -338,11 +495,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         Request(name, slot, prompt, random_hidden(rng, prompt + total))
         for name, slot, prompt in (("A", 2, 7), ("B", 0, 5), ("C", 3, 10))
     ]
+    # Each request's pages get blocks of the cache, in a shuffled order.
+    order = rng.permutation(len(requests) * PAGES_PER_REQUEST).tolist()
+    for i, request in enumerate(requests):
+        request.blocks = order[i * PAGES_PER_REQUEST : (i + 1) * PAGES_PER_REQUEST]
+    cache = PagedIndexCache(
+        num_blocks=len(order),
+        num_layers=1,
+        page_size=PAGE_SIZE,
+        head_dim=HEAD_DIM,
+        kpool=KPOOL,
+        max_pages=PAGES_PER_REQUEST,
+    )
     a, b, c = requests
     print(
         f"indexer layer: hidden {HIDDEN}, head_dim {HEAD_DIM}, kpool {KPOOL},"
-        f" float32, CPU; ring [{MAX_SLOTS}, 2, {KPOOL}, {HEAD_DIM}]"
+        f" float32, CPU; ring [{MAX_SLOTS}, 2, {KPOOL}, {HEAD_DIM}]; scorer:"
+        f" {INDEX_HEADS} heads, top {TOP_K} pools, FP8 cache pages of"
+        f" {PAGE_SIZE} rows"
     )
+    index_failures: list[str] = []
+    rows = selections = 0
     # Prefill all three prompts in one call, then decode one token each per
     # call, in a batch order that is neither the prefill's nor the slots'.
     calls = [("prefill", [(r, r.prompt) for r in requests])]
@@ -366,8 +539,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if not completed:
             print("  no pool completed")
+        ids, chose, problems = score_call(
+            scorer, cache, batch, completed, index_weights
+        )
+        index_failures += [f"step {step} {p}" for p in problems]
+        rows += len(ids)
+        selections += chose
+        newest = np.cumsum([n for _, n in batch]) - 1
+        picks = ", ".join(
+            f"{r.name} {ids[t][ids[t] >= 0].tolist()}"
+            for (r, _), t in zip(batch, newest, strict=True)
+        )
+        print(f"  newest tokens select pools: {picks}")
 
-    failures = check(requests, weights)
+    failures = check(requests, weights) + index_failures
     pools = sum(len(r.pools) for r in requests)
     if failures:
         for failure in failures:
@@ -375,7 +560,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(
         f"OK: {pools} pools of {len(requests)} requests match"
-        f" mla_kpool.reference.pool_sequence (tolerance {TOLERANCE:g})"
+        f" mla_kpool.reference.pool_sequence (tolerance {TOLERANCE:g});"
+        f" {rows} index_top_k rows ({selections} chose {TOP_K} of more pools)"
+        " match mla_kpool.reference.check_selection"
     )
     return 0
 

@@ -1,8 +1,8 @@
 """The examples run: ``examples/indexer_layer.py`` and ``quickstart.py``.
 
-``indexer_layer.py`` compiles one model (its layer: two Linear projections, a
-LayerNorm and the fused step at float32, kpool 4, head_dim 32) and runs it in-
-process here. What it prints is checked against pool events derived from its
+``indexer_layer.py`` compiles two models (its layer: two Linear projections, a
+LayerNorm and the fused step at float32, kpool 4, head_dim 32; and its scorer,
+``mla_kpool.index_top_k`` at 4 heads, top 2) and runs them in-process here. What it prints is checked against pool events derived from its
 schedule with the writers' arithmetic of docs/ops.md alone (which call
 completes which pool of which request, and which writer builds it), so a run
 that completes the wrong pools, or checks nothing, fails. The example's own
@@ -89,6 +89,23 @@ def test_example_runs_and_prints_every_pool(example, capsys):
     assert got == want, out
     pools = sum(len(step) for step in want)
     assert f"OK: {pools} pools of 3 requests match" in out, out
+    # Every token scored, null mask: a row sees the (c + n) // kpool pools
+    # complete after its call, and chooses when that is more than top 2.
+    calls = [[(name, prompt) for name, _, prompt in REQUESTS]]
+    calls += [[(name, 1) for name in DECODE_ORDER]] * DECODE_STEPS
+    seen = {name: 0 for name, _, _ in REQUESTS}
+    rows = chose = 0
+    for batch in calls:
+        for name, n in batch:
+            seen[name] += n
+            rows += n
+            chose += n * (seen[name] // KPOOL > example.TOP_K)
+    assert (
+        f"{rows} index_top_k rows ({chose} chose 2 of more pools) match"
+        " mla_kpool.reference.check_selection"
+    ) in out, out
+    picks = [line for line in out.splitlines() if "select pools:" in line]
+    assert len(picks) == len(calls)
     # The schedule exercises both writers and a call that completes nothing.
     writers = {writer for step in want for _, _, writer in step}
     assert writers == {"ring_close", "compress"} and [] in want
