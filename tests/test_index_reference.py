@@ -200,18 +200,35 @@ def test_bad_metadata_gives_all_minus_one(edit):
         ref.check_selection(np.array([[0, -1, -1, -1]]), *args, **kwargs)
 
 
-def test_decreasing_offsets_accept_minus_one_or_an_owner():
+def test_requests_after_the_first_bad_offset_are_minus_one():
+    # Three requests on the same pages; offsets [0, 1, 0, 2]: request 1
+    # decreases, so requests 1 and 2 are not scored though 2's span is fine.
     cache = _whole_cache(KEYS, SCALES, cached=2)
-    cache.cache_lengths = np.array([2, 2], np.uint32)
+    cache.cache_lengths = np.array([2, 2, 1], np.uint32)
     for name in ("lookup_table", "scales_lookup_table"):
         table = getattr(cache, name)
-        setattr(cache, name, np.vstack([table, table]))
+        setattr(cache, name, np.vstack([table] * 3))
     q = np.array(Q * 2, np.float32).astype(F8).view(np.uint8)
-    offsets = np.array([0, 2, 1], np.uint32)  # request 1 decreases
     kw = dict(**cache.oracle_operands(), layer_idx=1, top_k=4, kpool=1)
     qs = np.float32(QS * 2)
-    for got in ([[-1] * 4] * 2, [[0, 2, 1, -1], [-1] * 4]):
-        ref.check_selection(np.array(got), q, qs, offsets, **kw)
+    for offsets, expected in (
+        ([0, 1, 1, 2], [[0, 2, 1, -1], [0, 1, -1, -1]]),
+        ([0, 1, 0, 2], [[0, 2, 1, -1], [-1] * 4]),
+        ([1, 1, 1, 2], [[-1] * 4] * 2),
+    ):
+        offsets = np.array(offsets, np.uint32)
+        got = ref.index_top_k(q, qs, offsets, **kw)
+        assert got.tolist() == expected
+        ref.check_selection(got, q, qs, offsets, **kw)
+
+
+def test_a_bad_page_for_the_last_row_skips_the_whole_request():
+    # c = 1, n = 2, causal, page_size 2: row 0 needs page 0 only, row 1
+    # needs page 1 too, whose entry is past the arena: both rows are -1.
+    cache = _whole_cache(KEYS, SCALES, cached=1)
+    cache.lookup_table[0, 1] = 99
+    args, kwargs = _call(cache, Q + Q, QS + QS, new=2)
+    assert ref.index_top_k(*args, **kwargs).tolist() == [[-1] * 4] * 2
 
 
 @pytest.mark.parametrize(

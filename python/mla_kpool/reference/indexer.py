@@ -13,16 +13,14 @@ NaN propagates through the ReLU (``np.maximum``), and a NaN score ranks
 below every number.
 
 Output row ``t``: ``m = min(k, bound)`` distinct ids by descending score,
-ties by ascending id, then ``-1``. A row is all ``-1`` when no request owns
-it, when its request has bad offsets, when ``layer_idx`` is past the cache's
-layers, or when a page the row needs has a key or scale lookup entry past
-its arena (or past the lookup table's width).
+ties by ascending id, then ``-1``.
 
-Two things the contract leaves open are accepted either way by
-:func:`check_selection`, never guessed: rows of a batch whose offsets
-decrease (all ``-1`` or the answer of any valid request whose span holds the
-row), and rows that need no bad page while a later row of their request does
-(all ``-1`` or the answer; a kernel may check pages per request).
+Metadata is not trusted: requests are scored while ``input_row_offsets``
+is well formed (``off[0] == 0``, then non-decreasing and at most ``T``); from
+the first bad offset on, every row is ``-1``. A request whose cache length
+reads negative, or any of whose rows needs a page with a key or scale lookup
+entry past its arena (or past the table's width), is ``-1`` too, and so is
+every row when ``layer_idx`` is past the cache's layers.
 
 Tolerance (:func:`index_tolerance`): the kernel accumulates in float32. The
 products ``q * k`` of two e4m3fn values (4 significant bits each) are exact;
@@ -186,31 +184,31 @@ class _Inputs:
         return rows // self.kpool if self.spread else rows
 
     def plans(self) -> list[_Plan]:
-        """Per token row, the answers the contract allows."""
+        """Per token row, the answer the contract gives.
+
+        Requests are scored while the offsets are well formed (the first
+        is 0, then non-decreasing and at most ``T``); from the first bad
+        offset on, nothing. A scored request is skipped when its cache
+        length is negative or a page its rows need is unreadable.
+        """
         plans = [_Plan((), True) for _ in range(self.tokens)]
         if not 0 <= self.layer < self.layers:
             return plans
         offsets = self.offsets
-        monotone = all(
-            a <= b for a, b in zip(offsets[:-1], offsets[1:], strict=True)
-        )
-        owners: list[list[tuple[int, int]]] = [[] for _ in plans]
-        loose = [not monotone] * self.tokens
+        if not offsets or offsets[0] != 0:
+            return plans
         for b in range(len(self.cache)):
             start, end = offsets[b], offsets[b + 1]
-            if not _offsets_ok(start, end, self.tokens) or self.cache[b] < 0:
+            if not _offsets_ok(start, end, self.tokens):
+                break
+            if self.cache[b] < 0:
                 continue
-            ok = self.readable(b)
             bounds = [self.bound(b, i) for i in range(end - start)]
-            request_bad = any(bd > ok for bd in bounds)
+            if bounds and max(bounds) > self.readable(b):
+                continue
             for i, bd in enumerate(bounds):
-                if bd <= ok:
-                    owners[start + i].append((b, bd))
-                    loose[start + i] |= request_bad
-        return [
-            _Plan(tuple(o), len(o) == 0 or lo)
-            for o, lo in zip(owners, loose, strict=True)
-        ]
+                plans[start + i] = _Plan(((b, bd),), False)
+        return plans
 
     def keys(self, b: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Request ``b``'s first ``count`` keys ``[count, D]`` and scales."""
@@ -283,9 +281,8 @@ def index_scores(  # noqa: D417 (the operands are index_top_k's)
             for :func:`index_top_k`.
 
     Returns:
-        Per token row, its :class:`RowScores` (for the request found as the
-        last ``b`` with ``input_row_offsets[b] <= t`` among valid spans), or
-        ``None`` for a row that is all ``-1``.
+        Per token row, its :class:`RowScores`, or ``None`` for a row that
+        is all ``-1``.
     """
     inp = _Inputs(
         q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
@@ -439,8 +436,8 @@ def check_selection(  # noqa: D417 (the operands are index_top_k's)
     then ``-1``; in non-increasing score order within the tolerance; and the
     selected set must be the top ``m`` within the tolerance: every selected
     id's ``score + tol`` is at least every unselected id's ``score - tol``
-    (NaN scores rank below every number). Rows the contract leaves open
-    (module docs) pass with all ``-1`` or any allowed answer.
+    (NaN scores rank below every number). Rows of skipped requests (module
+    docs) must be all ``-1``.
 
     Args:
         got: int32 ``[T, top_k]`` from the op.
