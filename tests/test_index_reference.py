@@ -186,11 +186,10 @@ def _bad_case(**edit):
     [
         {"offsets": [1, 1]},  # row 0 before the first offset
         {"offsets": [0, 2]},  # past T
-        {"layer_idx": 2},
         {"k_lookup_table": np.array([[2**31, 0]], np.uint32)},
         {"k_scales_lookup_table": np.array([[9, 9]], np.uint32)},
     ],
-    ids=["offset0", "past_T", "layer", "key_page", "scale_page"],
+    ids=["offset0", "past_T", "key_page", "scale_page"],
 )
 def test_bad_metadata_gives_all_minus_one(edit):
     args, kwargs = _bad_case(**edit)
@@ -198,6 +197,12 @@ def test_bad_metadata_gives_all_minus_one(edit):
     ref.check_selection(np.full((1, 4), -1), *args, **kwargs)
     with pytest.raises(AssertionError, match="all -1"):
         ref.check_selection(np.array([[0, -1, -1, -1]]), *args, **kwargs)
+
+
+def test_a_layer_past_the_cache_raises():
+    args, kwargs = _bad_case(layer_idx=2)
+    with pytest.raises(ValueError, match="layer_idx=2 is past"):
+        ref.index_top_k(*args, **kwargs)
 
 
 def test_requests_after_the_first_bad_offset_are_minus_one():

@@ -19,8 +19,8 @@ Metadata is not trusted: requests are scored while ``input_row_offsets``
 is well formed (``off[0] == 0``, then non-decreasing and at most ``T``); from
 the first bad offset on, every row is ``-1``. A request whose cache length
 reads negative, or any of whose rows needs a page with a key or scale lookup
-entry past its arena (or past the table's width), is ``-1`` too, and so is
-every row when ``layer_idx`` is past the cache's layers.
+entry past its arena (or past the table's width), is ``-1`` too. A
+``layer_idx`` past the cache's layers raises, as the op does.
 
 Tolerance (:func:`index_tolerance`): the kernel accumulates in float32. The
 products ``q * k`` of two e4m3fn values (4 significant bits each) are exact;
@@ -167,6 +167,12 @@ class _Inputs:
         self.kpool = _check_kpool(kpool)
         self.causal = is_causal(mask)
         self.layer = int(layer_idx)
+        if not 0 <= self.layer < self.layers:
+            # The op raises too: a layer is a graph's constant, not data.
+            raise ValueError(
+                f"layer_idx={self.layer} is past the cache's {self.layers}"
+                " layers"
+            )
 
     def bound(self, b: int, i: int) -> int:
         c, n = self.cache[b], self.offsets[b + 1] - self.offsets[b]
@@ -192,8 +198,6 @@ class _Inputs:
         length is negative or a page its rows need is unreadable.
         """
         plans = [_Plan((), True) for _ in range(self.tokens)]
-        if not 0 <= self.layer < self.layers:
-            return plans
         offsets = self.offsets
         if not offsets or offsets[0] != 0:
             return plans
@@ -335,8 +339,9 @@ def index_top_k(
 
     Raises:
         TypeError, ValueError: On structurally wrong operands (rank, dtype,
-            shape, ``top_k``, ``kpool``, ``W``, mask); bad metadata *values*
-            give ``-1`` rows instead.
+            shape, ``top_k``, ``kpool``, ``W``, mask) or a ``layer_idx`` past
+            the cache's layers; bad metadata *values* give ``-1`` rows
+            instead.
     """
     inp = _Inputs(
         q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
