@@ -155,6 +155,19 @@ def _garbage_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
     return (exp_mantissa | sign).astype(np.uint8)
 
 
+def scales_on_first_rows_only(call: Call) -> None:
+    """Negates every spread pool's scale on rows 1.. of the pool.
+
+    The producer replicates a pool's scale on its ``kpool`` rows; the
+    contract has the op read row ``kpool * p``, so this must not change
+    the result.
+    """
+    if call.shape.spread:
+        scales = call.cache.scales()
+        for j in range(1, call.shape.kpool):
+            scales[:, :, :, j :: call.shape.kpool] *= -1
+
+
 def cache_rows(shape: Shape, pools: int) -> int:
     """Cache rows that ``pools`` pooled keys occupy."""
     return pools * shape.kpool if shape.spread else pools

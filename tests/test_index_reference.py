@@ -330,3 +330,31 @@ def test_cache_refuses_bad_layouts_and_strides():
             num_blocks=1, num_layers=1, page_size=4, head_dim=8, kpool=4,
             page_stride=7,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", ["head-weight", "mask", "layer", "scale-row"])
+def test_check_selection_catches_planted_faults(fault):
+    # The oracle's output on planted-fault inputs must fail the check on the
+    # true inputs: the check is sharp enough to see a wrong kernel.
+    from index_cases import GLM_CAUSAL, Case, build
+
+    call = build(Case("f", GLM_CAUSAL, cached=(900, 30), new=(6, 9)))
+    args, kwargs = call.oracle_args()
+    bad_args, bad_kwargs = list(args), dict(kwargs)
+    if fault == "head-weight":
+        qs = args[1].copy()
+        qs[:, 3] *= -1
+        bad_args[1] = qs
+    elif fault == "mask":
+        bad_kwargs["mask"] = "null"
+    elif fault == "layer":
+        bad_kwargs["layer_idx"] = 0
+    else:  # scales read from the pool's last row, not its first
+        scales = kwargs["k_scales"]
+        scales[:, :, :, 3::4] = -scales[:, :, :, 3::4]  # in place: the truth
+        bad_scales = scales.copy()
+        bad_scales[:, :, :, 0::4] = scales[:, :, :, 3::4]
+        bad_kwargs["k_scales"] = bad_scales
+    wrong = ref.index_top_k(*bad_args, **bad_kwargs)
+    with pytest.raises(AssertionError, match="row"):
+        ref.check_selection(wrong, *args, **kwargs)

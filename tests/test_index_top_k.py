@@ -25,6 +25,7 @@ from index_cases import (
     Call,
     Case,
     build,
+    scales_on_first_rows_only,
 )
 from mla_kpool import reference as ref
 
@@ -72,6 +73,13 @@ CASES = [
         scale_pad=1,
     ),
     Case("glm-layer0", GLM, cached=(3000,), new=(2,), layer=0),
+    Case(
+        "glm-scale-read-from-row-0",
+        GLM,
+        cached=(1300, 70),
+        new=(1, 4),
+        tweaks=(scales_on_first_rows_only,),
+    ),
     # The causal twin: each new row sees up to itself.
     Case("glm-causal-prefill", GLM_CAUSAL, cached=(13, 0, 510), new=(40, 9, 6)),
     Case("glm-causal-decode", GLM_CAUSAL, cached=(2051, 4), new=(1, 1)),
@@ -238,3 +246,87 @@ def test_nan_scores_rank_below_every_number(cpu):
     call.check(got)
     assert got[0, 4:7].tolist() == [1, 4, -1]  # bound 6: NaNs last
     assert 0 not in got[1:] and 70 not in got[1:]
+
+
+# --------------------------------------------------------------------------
+# Guarded-buffer fuzz
+# --------------------------------------------------------------------------
+
+#: Guard elements before and after each arena.
+GUARD = 4096
+#: Guard fill: 448 (the largest e4m3fn) keys with huge scales, so a read of
+#: a guard ranks first and fails the check.
+KEY_SENTINEL = np.uint8(0x7E)
+SCALE_SENTINEL = np.float32(1e20)
+FUZZ_SEEDS = 24
+
+
+def _corrupt(rng: np.random.Generator, call: Call) -> str:
+    """Breaks one piece of metadata (or none); says what."""
+    cache, batch = call.cache, len(call.cache.cache_lengths)
+    what = rng.choice(
+        ["none", "none", "offsets", "key-page", "scale-page", "huge-cache"]
+    )
+    if batch == 0 or what == "none":
+        return "none"
+    b = int(rng.integers(batch))
+    if what == "offsets":
+        call.offsets = call.offsets.copy()
+        call.offsets[int(rng.integers(batch + 1))] = rng.integers(0, 50)
+    elif what in ("key-page", "scale-page"):
+        table = (
+            cache.lookup_table
+            if what == "key-page"
+            else cache.scales_lookup_table
+        )
+        table[b, int(rng.integers(table.shape[1]))] = rng.integers(
+            cache.num_blocks, 2**32, dtype=np.uint64
+        )
+    else:
+        cache.cache_lengths[b] = rng.integers(2**20, 2**32, dtype=np.uint64)
+    return f"{what} (request {b})"
+
+
+def _guarded(flat: np.ndarray, sentinel) -> np.ndarray:
+    guard = np.full(GUARD, sentinel, dtype=flat.dtype)
+    return np.concatenate([guard, flat, guard])
+
+
+@pytest.mark.parametrize("shape", [WHOLE, GLM], ids=lambda s: s.name)
+def test_guarded_fuzz(cpu, shape):
+    from mla_kpool import index_runner
+    from mla_kpool.buffers import to_numpy
+
+    for seed in range(FUZZ_SEEDS):
+        rng = np.random.default_rng([7, seed])
+        batch = int(rng.integers(0, 5))
+        case = Case(
+            f"fuzz-{shape.name}-{seed}",
+            shape,
+            cached=tuple(int(c) for c in rng.integers(0, 700, size=batch)),
+            new=tuple(int(n) for n in rng.integers(0, 7, size=batch)),
+            layer=int(rng.integers(0, shape.layers)),
+            key_pad=int(rng.choice([0, 40])),
+            scale_pad=int(rng.choice([0, 3])),
+            separate_scales=bool(rng.integers(0, 2)),
+            seed=seed,
+        )
+        call = build(case)
+        broken = _corrupt(rng, call)
+        keys = _guarded(call.cache.arena, KEY_SENTINEL)
+        scales = _guarded(call.cache.scale_arena, SCALE_SENTINEL)
+        model, args, (key_buf, scale_buf) = index_runner.prepare(
+            cpu, call.q, call.qs, call.offsets, call.cache, case.layer,
+            **call.run_kwargs(),
+            key_arena=(keys, GUARD), scale_arena=(scales, GUARD),
+        )  # fmt: skip
+        got = to_numpy(model.execute(*args)[0])
+        where = f"{case.name}, {broken}: {case}"
+        try:
+            call.check(got)
+        except AssertionError as error:
+            raise AssertionError(f"{where}: {error}") from None
+        assert np.array_equal(to_numpy(key_buf), keys), f"{where}: keys"
+        assert np.array_equal(to_numpy(scale_buf), scales, equal_nan=True), (
+            f"{where}: scales written"
+        )
