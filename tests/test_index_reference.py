@@ -358,3 +358,18 @@ def test_check_selection_catches_planted_faults(fault):
     wrong = ref.index_top_k(*bad_args, **bad_kwargs)
     with pytest.raises(AssertionError, match="row"):
         ref.check_selection(wrong, *args, **kwargs)
+
+
+def test_importing_the_package_does_not_import_max_nn():
+    # max.nn takes seconds to import; index_top_k loads it on first use.
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, mla_kpool; assert 'max.nn' not in sys.modules;"
+        " mla_kpool.index_top_k; assert 'max.nn' in sys.modules"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, env=dict(os.environ)
+    )
