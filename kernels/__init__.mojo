@@ -20,4 +20,10 @@ of them builds it; `seed_tail` only copies rows into the ring.
 `mla_kpool.step` (`step.mojo`, under a name of this package's own) does the
 three writers' work and the pool row offsets for one call in one op, bitwise
 equal to the three-op sequence.
+
+`mla_kpool.index_top_k` (`index_top_k.mojo`, also under a name of this
+package's own) is the indexer that consumes the pooled keys: MAX 26.7's
+`mo.mla.indexer.ragged.float8.paged` (same parameters and operands) on the
+CPU, where MAX has none. It scores each query token against a paged FP8 key
+cache and keeps the ids of its best `k` keys or pools.
 """

@@ -55,6 +55,7 @@ from extensibility import _MutableInputTensor as MutableInputTensor
 from max.algorithm import sync_parallelize
 from max.gpu.host import DeviceContext
 from std.math import ceildiv, max, min
+from std.builtin.sort import sort
 from std.memory import bitcast, stack_allocation
 from std.sys import simd_width_of
 from std.utils.index import IndexList
@@ -362,64 +363,39 @@ def score_tile[
 
 
 @always_inline
-def ranks_below(
-    score_a: Float32, id_a: Int32, score_b: Float32, id_b: Int32
-) -> Bool:
-    """Whether candidate a ranks below b: lower score, or equal and larger id.
+def rank_key(score: Float32, id: Int) -> UInt64:
+    """A candidate's rank as one integer: larger ranks higher.
+
+    The high half orders the scores (`-0.0` as `0.0`, NaN as `-inf`), the
+    low half `2^32 - 1 - id`, so equal scores rank the lower id higher.
+    Ids are below 2^31: the output is int32.
     """
-    return score_a < score_b or (score_a == score_b and id_a > id_b)
+    var value = score + 0.0
+    var bits = bitcast[DType.uint32, 1](value)
+    var ordered = (~bits) if bits & 0x80000000 else bits | 0x80000000
+    if value != value:
+        ordered = 0x007FFFFF  # the key of -inf
+    return (UInt64(ordered) << 32) | UInt64(0xFFFFFFFF - id)
 
 
-def sift_down(
-    scores: Ptr[DType.float32], ids: Ptr[DType.int32], size: Int, pos: Int
-):
-    """Restores the heap below `pos` (root: the lowest-ranked entry)."""
+def sift_down(keys: Ptr[DType.uint64], size: Int, pos: Int):
+    """Restores the min-heap below `pos` (root: the lowest-ranked key)."""
     var i = pos
-    var score = scores[unsafe_offset=i]
-    var id = ids[unsafe_offset=i]
+    var key = keys[unsafe_offset=i]
     while True:
         var child = 2 * i + 1
         if child >= size:
             break
-        var right = child + 1
-        if right < size and ranks_below(
-            scores[unsafe_offset=right],
-            ids[unsafe_offset=right],
-            scores[unsafe_offset=child],
-            ids[unsafe_offset=child],
+        if (
+            child + 1 < size
+            and keys[unsafe_offset=child + 1] < keys[unsafe_offset=child]
         ):
-            child = right
-        if not ranks_below(
-            scores[unsafe_offset=child], ids[unsafe_offset=child], score, id
-        ):
+            child += 1
+        if keys[unsafe_offset=child] >= key:
             break
-        scores[unsafe_offset=i] = scores[unsafe_offset=child]
-        ids[unsafe_offset=i] = ids[unsafe_offset=child]
+        keys[unsafe_offset=i] = keys[unsafe_offset=child]
         i = child
-    scores[unsafe_offset=i] = score
-    ids[unsafe_offset=i] = id
-
-
-def heap_push(
-    scores: Ptr[DType.float32],
-    ids: Ptr[DType.int32],
-    size: Int,
-    score: Float32,
-    id: Int32,
-):
-    """Adds an entry to a heap of `size` entries (room for one more)."""
-    var i = size
-    while i > 0:
-        var parent = (i - 1) // 2
-        if not ranks_below(
-            score, id, scores[unsafe_offset=parent], ids[unsafe_offset=parent]
-        ):
-            break
-        scores[unsafe_offset=i] = scores[unsafe_offset=parent]
-        ids[unsafe_offset=i] = ids[unsafe_offset=parent]
-        i = parent
-    scores[unsafe_offset=i] = score
-    ids[unsafe_offset=i] = id
+    keys[unsafe_offset=i] = key
 
 
 @always_inline
@@ -429,48 +405,38 @@ def offer_tile[
     tile: Ptr[DType.float32],
     first: Int,
     count: Int,
-    heap_scores: Ptr[DType.float32],
-    heap_ids: Ptr[DType.int32],
+    keys: Ptr[DType.uint64],
     size: Int,
 ) -> Int:
-    """Offers candidates `first ..` (scores `tile[0 : count]`) to a top-k heap.
+    """Offers candidates `first ..` (scores `tile[0 : count]`) to a row's top k.
 
-    Candidates arrive in ascending id, so once the heap is full a newcomer
-    enters only with a strictly higher score than the root's. Returns the
-    heap's new size.
+    `keys[0 : size]` holds the row's best so far: unordered while fewer
+    than `k`, a min-heap once full, where a newcomer replaces the root
+    only if it ranks higher. Returns the new size.
     """
-    comptime neg_inf = Float32(FloatLiteral.negative_infinity)
     var filled = size
     for x in range(count):
-        var score = tile[unsafe_offset=x]
-        if score != score:
-            score = neg_inf
+        var key = rank_key(tile[unsafe_offset=x], first + x)
         if filled < k:
-            heap_push(heap_scores, heap_ids, filled, score, Int32(first + x))
+            keys[unsafe_offset=filled] = key
             filled += 1
-        elif score > heap_scores[unsafe_offset=0]:
-            heap_scores[unsafe_offset=0] = score
-            heap_ids[unsafe_offset=0] = Int32(first + x)
-            sift_down(heap_scores, heap_ids, k, 0)
+            if filled == k:
+                for i in reversed(range(k // 2)):
+                    sift_down(keys, k, i)
+        elif key > keys[unsafe_offset=0]:
+            keys[unsafe_offset=0] = key
+            sift_down(keys, k, 0)
     return filled
 
 
-def drain_heap[
-    k: Int
-](
-    heap_scores: Ptr[DType.float32],
-    heap_ids: Ptr[DType.int32],
-    size: Int,
-    dest: Ptr[DType.int32],
-):
-    """Writes a heap's ids best first into `dest[0 : size]`, `-1` after."""
-    var left = size
-    while left > 0:
-        left -= 1
-        dest[unsafe_offset=left] = heap_ids[unsafe_offset=0]
-        heap_scores[unsafe_offset=0] = heap_scores[unsafe_offset=left]
-        heap_ids[unsafe_offset=0] = heap_ids[unsafe_offset=left]
-        sift_down(heap_scores, heap_ids, left, 0)
+def write_row[k: Int](keys: Span[mut=True, UInt64, _], dest: Ptr[DType.int32]):
+    """Sorts a row's kept keys and writes their ids best first, `-1` after."""
+    sort(keys)
+    var size = len(keys)
+    for x in range(size):
+        dest[unsafe_offset=x] = Int32(
+            0xFFFFFFFF - Int(keys[size - 1 - x] & 0xFFFFFFFF)
+        )
     for x in range(size, k):
         dest[unsafe_offset=x] = -1
 
@@ -528,8 +494,7 @@ def score_chunk(op: IndexTopK, b: Int, first: Int, last: Int):
     var keys = List[Float32](length=CPU_TILE * depth, fill=0.0)
     var scales = List[Float32](length=CPU_TILE, fill=0.0)
     var tile = List[Float32](length=CPU_TILE, fill=0.0)
-    var heap_scores = List[Float32](length=rows * k, fill=0.0)
-    var heap_ids = List[Int32](length=rows * k, fill=0)
+    var kept = List[UInt64](length=rows * k, fill=0)
     var sizes = List[Int](length=rows, fill=0)
     for tile_first in range(0, widest, CPU_TILE):
         var count = min(CPU_TILE, widest - tile_first)
@@ -553,15 +518,12 @@ def score_chunk(op: IndexTopK, b: Int, first: Int, last: Int):
                 scratch(tile),
                 tile_first,
                 visible,
-                scratch(heap_scores).unsafe_offset(r * k),
-                scratch(heap_ids).unsafe_offset(r * k),
+                scratch(kept).unsafe_offset(r * k),
                 sizes[r],
             )
     for r in range(rows):
-        drain_heap[k](
-            scratch(heap_scores).unsafe_offset(r * k),
-            scratch(heap_ids).unsafe_offset(r * k),
-            sizes[r],
+        write_row[k](
+            Span(kept)[r * k : r * k + sizes[r]],
             op.output.unsafe_offset((start + first + r) * k),
         )
 
