@@ -248,6 +248,44 @@ def test_nan_scores_rank_below_every_number(cpu):
     assert 0 not in got[1:] and 70 not in got[1:]
 
 
+def _nan_keys(sign: float):
+    """Tweak: non-negative q, keys and scales, ``qs`` of one sign; NaN
+    bytes in candidates 1 and 4 of request 0 and a NaN scale on 2."""
+
+    def tweak(call: Call) -> None:
+        call.q &= np.uint8(0x7F)
+        call.qs[...] = sign * np.abs(call.qs)
+        call.cache.arena &= np.uint8(0x7F)
+        call.cache.scale_arena[...] = np.abs(call.cache.scale_arena)
+        blocks, scales = call.cache.blocks(), call.cache.scales()
+        for j in (1, 2, 4):
+            page, slot = divmod(j, WHOLE.page_size)
+            block = call.cache.lookup_table[0, page]
+            if j == 2:
+                scales[block, 0, call.case.layer, slot, 0, 0] = np.nan
+            else:
+                blocks[block, 0, call.case.layer, slot, 0, 5] = 0x7F
+
+    return tweak
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the kernel's ReLU turns a NaN head dot into 0, so a key with a"
+    " NaN byte scores 0 (above every negative score) instead of NaN",
+)
+def test_a_nan_key_ranks_below_negative_scores(cpu):
+    # Every finite score is negative here, so a key whose NaN byte became
+    # a 0 score would rank first; the contract ranks it last.
+    case = Case(
+        "nan-neg", WHOLE, cached=(25,), new=(1,), tweaks=(_nan_keys(-1),)
+    )
+    call = build(case)
+    got = run(cpu, call)
+    assert set(got[0, 3:6].tolist()) == {1, 2, 4}
+    call.check(got)
+
+
 # --------------------------------------------------------------------------
 # Guarded-buffer fuzz
 # --------------------------------------------------------------------------
