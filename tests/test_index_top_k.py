@@ -83,6 +83,7 @@ CASES = [
     # The causal twin: each new row sees up to itself.
     Case("glm-causal-prefill", GLM_CAUSAL, cached=(13, 0, 510), new=(40, 9, 6)),
     Case("glm-causal-decode", GLM_CAUSAL, cached=(2051, 4), new=(1, 1)),
+    Case("glm-causal-prefill-4096", GLM_CAUSAL, cached=(0,), new=(4096,)),
     # DeepSeek-V3.2: kpool 1, k 2048, causal.
     Case("dsv32-decode", DSV32, cached=(3000, 100), new=(1, 1)),
     Case("dsv32-prefill-at-k", DSV32, cached=(2030,), new=(30,)),
