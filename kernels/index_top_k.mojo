@@ -354,7 +354,10 @@ def score_tile[
             var total = Vec(0)
             comptime for h in range(head_vectors):
                 comptime at = (c * head_vectors + h) * F32_WIDTH
-                total += max(acc.unsafe_load[width=F32_WIDTH](at), Vec(0)) * (
+                var dot = acc.unsafe_load[width=F32_WIDTH](at)
+                # ReLU that keeps a NaN (a NaN key byte) a NaN: `max`
+                # would turn it into 0 and hide it inside a real score.
+                total += dot.lt(0).select(Vec(0), dot) * (
                     weights.unsafe_load[width=F32_WIDTH](h * F32_WIDTH)
                 )
             scores[unsafe_offset=j + c] = (
