@@ -209,20 +209,23 @@ class PagedIndexCache:
         else:
             self.scales_lookup_table[...] = self.lookup_table
 
-    def _locate(self, b: int, row: int, table: np.ndarray, count: int):
-        page, slot = divmod(row, self.page_size)
-        if page >= table.shape[1]:
+    def _locate(
+        self, b: int, rows: np.ndarray, table: np.ndarray, count: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Blocks and slots of request ``b``'s cache ``rows``, checked."""
+        pages, slots = np.divmod(rows, self.page_size)
+        if pages.size and pages.max() >= table.shape[1]:
             raise ValueError(
-                f"request {b} row {row} is on page {page}, past the lookup"
-                f" table's {table.shape[1]} pages"
+                f"request {b} row {rows.max()} is on page {pages.max()}, past"
+                f" the lookup table's {table.shape[1]} pages"
             )
-        block = int(table[b, page])
-        if block >= count:
+        blocks = table[b, pages].astype(np.int64)
+        if blocks.size and blocks.max() >= count:
             raise ValueError(
-                f"request {b} page {page} maps to block {block}, past the"
+                f"request {b} maps a page to block {blocks.max()}, past the"
                 f" arena's {count}"
             )
-        return block, slot
+        return blocks, slots
 
     def store(
         self,
@@ -257,22 +260,17 @@ class PagedIndexCache:
             )
         if scales.shape != key_bytes.shape[:1]:
             raise ValueError(f"scales must be [N], got {scales.shape}")
-        blocks, scale_view = self.blocks(), self.scales()
         per_pool = self.kpool if self.spread else 1
-        w = self.width
-        for i in range(key_bytes.shape[0]):
-            for j in range(per_pool):
-                row = (first_pool + i) * per_pool + j
-                blk, slot = self._locate(
-                    b, row, self.lookup_table, self.num_blocks
-                )
-                blocks[blk, 0, layer, slot, 0, :] = key_bytes[
-                    i, j * w : (j + 1) * w
-                ]
-                sblk, _ = self._locate(
-                    b, row, self.scales_lookup_table, self.num_scale_blocks
-                )
-                scale_view[sblk, 0, layer, slot, 0, 0] = scales[i]
+        count = key_bytes.shape[0]
+        rows = first_pool * per_pool + np.arange(count * per_pool)
+        blk, slot = self._locate(b, rows, self.lookup_table, self.num_blocks)
+        sblk, _ = self._locate(
+            b, rows, self.scales_lookup_table, self.num_scale_blocks
+        )
+        self.blocks()[blk, 0, layer, slot, 0, :] = key_bytes.reshape(
+            count * per_pool, self.width
+        )
+        self.scales()[sblk, 0, layer, slot, 0, 0] = np.repeat(scales, per_pool)
 
     def store_keys(
         self, b: int, layer: int, first_pool: int, keys: np.ndarray

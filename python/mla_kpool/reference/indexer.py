@@ -13,16 +13,14 @@ NaN propagates through the ReLU (``np.maximum``), and a NaN score ranks
 below every number.
 
 Output row ``t``: ``m = min(k, bound)`` distinct ids by descending score,
-ties by ascending id, then ``-1``. A row is all ``-1`` when no request owns
-it, when its request has bad offsets, when ``layer_idx`` is past the cache's
-layers, or when a page the row needs has a key or scale lookup entry past
-its arena (or past the lookup table's width).
+ties by ascending id, then ``-1``.
 
-Two things the contract leaves open are accepted either way by
-:func:`check_selection`, never guessed: rows of a batch whose offsets
-decrease (all ``-1`` or the answer of any valid request whose span holds the
-row), and rows that need no bad page while a later row of their request does
-(all ``-1`` or the answer; a kernel may check pages per request).
+Metadata is not trusted: requests are scored while ``input_row_offsets``
+is well formed (``off[0] == 0``, then non-decreasing and at most ``T``); from
+the first bad offset on, every row is ``-1``. A request whose cache length
+reads negative, or any of whose rows needs a page with a key or scale lookup
+entry past its arena (or past the table's width), is ``-1`` too. A
+``layer_idx`` past the cache's layers raises, as the op does.
 
 Tolerance (:func:`index_tolerance`): the kernel accumulates in float32. The
 products ``q * k`` of two e4m3fn values (4 significant bits each) are exact;
@@ -169,6 +167,12 @@ class _Inputs:
         self.kpool = _check_kpool(kpool)
         self.causal = is_causal(mask)
         self.layer = int(layer_idx)
+        if not 0 <= self.layer < self.layers:
+            # The op raises too: a layer is a graph's constant, not data.
+            raise ValueError(
+                f"layer_idx={self.layer} is past the cache's {self.layers}"
+                " layers"
+            )
 
     def bound(self, b: int, i: int) -> int:
         c, n = self.cache[b], self.offsets[b + 1] - self.offsets[b]
@@ -186,31 +190,29 @@ class _Inputs:
         return rows // self.kpool if self.spread else rows
 
     def plans(self) -> list[_Plan]:
-        """Per token row, the answers the contract allows."""
+        """Per token row, the answer the contract gives.
+
+        Requests are scored while the offsets are well formed (the first
+        is 0, then non-decreasing and at most ``T``); from the first bad
+        offset on, nothing. A scored request is skipped when its cache
+        length is negative or a page its rows need is unreadable.
+        """
         plans = [_Plan((), True) for _ in range(self.tokens)]
-        if not 0 <= self.layer < self.layers:
-            return plans
         offsets = self.offsets
-        monotone = all(
-            a <= b for a, b in zip(offsets[:-1], offsets[1:], strict=True)
-        )
-        owners: list[list[tuple[int, int]]] = [[] for _ in plans]
-        loose = [not monotone] * self.tokens
+        if not offsets or offsets[0] != 0:
+            return plans
         for b in range(len(self.cache)):
             start, end = offsets[b], offsets[b + 1]
-            if not _offsets_ok(start, end, self.tokens) or self.cache[b] < 0:
+            if not _offsets_ok(start, end, self.tokens):
+                break
+            if self.cache[b] < 0:
                 continue
-            ok = self.readable(b)
             bounds = [self.bound(b, i) for i in range(end - start)]
-            request_bad = any(bd > ok for bd in bounds)
+            if bounds and max(bounds) > self.readable(b):
+                continue
             for i, bd in enumerate(bounds):
-                if bd <= ok:
-                    owners[start + i].append((b, bd))
-                    loose[start + i] |= request_bad
-        return [
-            _Plan(tuple(o), len(o) == 0 or lo)
-            for o, lo in zip(owners, loose, strict=True)
-        ]
+                plans[start + i] = _Plan(((b, bd),), False)
+        return plans
 
     def keys(self, b: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Request ``b``'s first ``count`` keys ``[count, D]`` and scales."""
@@ -226,14 +228,31 @@ class _Inputs:
         return keys, scales
 
 
-def _scores(inp: _Inputs, t: int, keys: np.ndarray, scales: np.ndarray):
-    q = inp.q[t]
-    dots = q @ keys.T  # [H, J]
-    mag_dots = np.abs(q) @ np.abs(keys).T
+def _scores(
+    inp: _Inputs, rows: list[int], keys: np.ndarray, scales: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Scores and magnitudes ``[len(rows), J]`` of token ``rows``.
+
+    The dots are one BLAS matmul (exact: products of two e4m3fn values and
+    their sums over ``D`` fit float64's mantissa); NaN survives
+    ``np.maximum``.
+    """
+    q = inp.q[rows]  # [n, H, D]
+    n, heads, depth = q.shape
+    dots = (q.reshape(-1, depth) @ keys.T).reshape(n, heads, -1)
+    mag_dots = (np.abs(q).reshape(-1, depth) @ np.abs(keys).T).reshape(
+        n, heads, -1
+    )
+    qs = inp.qs[rows]  # [n, H]
+    weighted = np.zeros(dots.shape[::2])
+    mag = np.zeros(dots.shape[::2])
     with np.errstate(invalid="ignore"):
-        score = scales * (inp.qs[t] @ np.maximum(dots, 0.0))
-        mag = np.abs(scales) * (np.abs(inp.qs[t]) @ mag_dots)
-    return score, mag
+        # Head by head, so every candidate's sum runs in the same order and
+        # identical keys score identically (exact ties stay exact).
+        for h in range(heads):
+            weighted += qs[:, h, None] * np.maximum(dots[:, h], 0.0)
+            mag += np.abs(qs[:, h, None]) * mag_dots[:, h]
+        return scales * weighted, np.abs(scales) * mag
 
 
 def _row_scores(inp: _Inputs, plans: list[_Plan]) -> list[dict]:
@@ -246,10 +265,18 @@ def _row_scores(inp: _Inputs, plans: list[_Plan]) -> list[dict]:
     for b, rows in by_request.items():
         count = max(bd for _, bd in rows)
         keys, scales = inp.keys(b, count)
-        for t, bd in rows:
-            score, mag = _scores(inp, t, keys[:bd], scales[:bd])
-            tol = index_tolerance(mag, inp.heads, inp.depth)
-            out[t][(b, bd)] = RowScores(b, bd, score, mag, tol)
+        step = max(1, _CHUNK_ELEMENTS // max(1, inp.heads * count))
+        for first in range(0, len(rows), step):
+            part = rows[first : first + step]
+            width = max(bd for _, bd in part)
+            score, mag = _scores(
+                inp, [t for t, _ in part], keys[:width], scales[:width]
+            )
+            for i, (t, bd) in enumerate(part):
+                tol = index_tolerance(mag[i, :bd], inp.heads, inp.depth)
+                out[t][(b, bd)] = RowScores(
+                    b, bd, score[i, :bd], mag[i, :bd], tol
+                )
     return out
 
 
@@ -283,9 +310,8 @@ def index_scores(  # noqa: D417 (the operands are index_top_k's)
             for :func:`index_top_k`.
 
     Returns:
-        Per token row, its :class:`RowScores` (for the request found as the
-        last ``b`` with ``input_row_offsets[b] <= t`` among valid spans), or
-        ``None`` for a row that is all ``-1``.
+        Per token row, its :class:`RowScores`, or ``None`` for a row that
+        is all ``-1``.
     """
     inp = _Inputs(
         q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
@@ -338,8 +364,9 @@ def index_top_k(
 
     Raises:
         TypeError, ValueError: On structurally wrong operands (rank, dtype,
-            shape, ``top_k``, ``kpool``, ``W``, mask); bad metadata *values*
-            give ``-1`` rows instead.
+            shape, ``top_k``, ``kpool``, ``W``, mask) or a ``layer_idx`` past
+            the cache's layers; bad metadata *values* give ``-1`` rows
+            instead.
     """
     inp = _Inputs(
         q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
@@ -439,8 +466,8 @@ def check_selection(  # noqa: D417 (the operands are index_top_k's)
     then ``-1``; in non-increasing score order within the tolerance; and the
     selected set must be the top ``m`` within the tolerance: every selected
     id's ``score + tol`` is at least every unselected id's ``score - tol``
-    (NaN scores rank below every number). Rows the contract leaves open
-    (module docs) pass with all ``-1`` or any allowed answer.
+    (NaN scores rank below every number). Rows of skipped requests (module
+    docs) must be all ``-1``.
 
     Args:
         got: int32 ``[T, top_k]`` from the op.
