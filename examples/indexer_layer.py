@@ -188,8 +188,11 @@ def random_weights(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 def random_index_weights(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """The indexer's query side: ``q = x @ wq`` (``[hidden, H * D]``) and
-    the signed head weights ``qs = x @ w_heads`` (``[hidden, H]``)."""
+    """The indexer's query weights, by name.
+
+    ``q = x @ wq`` (``wq``: ``[hidden, H * D]``) and the signed head
+    weights ``qs = x @ w_heads`` (``[hidden, H]``).
+    """
     wq = rng.standard_normal((HIDDEN, INDEX_HEADS * HEAD_DIM)) * HIDDEN**-0.5
     heads = rng.standard_normal((HIDDEN, INDEX_HEADS)) * HIDDEN**-0.5
     return {"wq": wq.astype(np.float32), "w_heads": heads.astype(np.float32)}
@@ -198,16 +201,22 @@ def random_index_weights(rng: np.random.Generator) -> dict[str, np.ndarray]:
 def index_queries(
     x: np.ndarray, weights: dict[str, np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(q, qs)`` of hidden states ``x``: ``q`` as e4m3fn bytes
-    ``[T, H, D]`` (rounded on the host), ``qs`` float32 ``[T, H]``."""
+    """The indexer's ``(q, qs)`` for hidden states ``x``.
+
+    ``q`` as e4m3fn bytes ``[T, H, D]`` (rounded on the host), ``qs``
+    float32 ``[T, H]``.
+    """
     q = (x @ weights["wq"]).reshape(len(x), INDEX_HEADS, HEAD_DIM)
     fp8 = q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     return fp8, (x @ weights["w_heads"]).astype(np.float32)
 
 
 def build_index_graph() -> Graph:
-    """One ``mla_kpool.index_top_k`` on the paged cache, as a pipeline
-    stages it: the cache's fields become a ``PagedCacheValues``."""
+    """One ``mla_kpool.index_top_k`` on the paged cache.
+
+    As a pipeline stages it: the cache's fields become a
+    ``PagedCacheValues``.
+    """
     dev = DeviceRef.CPU()
     u32, i64 = DType.uint32, DType.int64
     page = [1, 1, PAGE_SIZE, 1]
@@ -498,7 +507,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Each request's pages get blocks of the cache, in a shuffled order.
     order = rng.permutation(len(requests) * PAGES_PER_REQUEST).tolist()
     for i, request in enumerate(requests):
-        request.blocks = order[i * PAGES_PER_REQUEST : (i + 1) * PAGES_PER_REQUEST]
+        first = i * PAGES_PER_REQUEST
+        request.blocks = order[first : first + PAGES_PER_REQUEST]
     cache = PagedIndexCache(
         num_blocks=len(order),
         num_layers=1,

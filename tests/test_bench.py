@@ -865,9 +865,12 @@ def test_index_workloads_are_glm5_next_decode_and_prefill():
     assert decode.input_row_offsets.tolist() == list(range(17))
     assert set(decode.cache.cache_lengths.tolist()) == {32767}
     assert decode.candidates == 16 * 8192
-    assert index.score_flops(
-        decode.input_row_offsets, decode.cache.cache_lengths, decode.shape
-    ) == 2 * 16 * 8192 * 32 * 128
+    assert (
+        index.score_flops(
+            decode.input_row_offsets, decode.cache.cache_lengths, decode.shape
+        )
+        == 2 * 16 * 8192 * 32 * 128
+    )
     # Every request's pages are its own blocks.
     assert len(set(decode.cache.lookup_table.ravel().tolist())) == 16 * 256
     prefill = index.make_index_workload("prefill")

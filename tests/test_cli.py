@@ -756,7 +756,8 @@ def test_fault_placement_for_the_indexer():
     # Its first row, which sees fewer than 512 (null mask: all its rows).
     assert bound.position == e.cache_length
     assert (e.cache_length + e.tokens) // KPOOL < 512
-    assert bound.pool == sum(x.tokens for x in plan.calls[bound.call][: bound.entry])
+    before = plan.calls[bound.call][: bound.entry]
+    assert bound.pool == sum(x.tokens for x in before)
     causal = faults.place_fault(plan, "bound", KPOOL, 512, causal=True)
     e = plan.calls[causal.call][causal.entry]
     assert (e.cache_length + 1) // KPOOL < 512
@@ -791,9 +792,7 @@ def test_index_cache_hands_out_pages_and_takes_them_back():
     b = [e.request for e in call].index(0)
     assert cache.cache.lookup_table[b].tolist() == keys
     assert cache.cache.scales_lookup_table[b].tolist() == scales
-    assert cache.cache.cache_lengths.tolist() == [
-        e.cache_length for e in call
-    ]
+    assert cache.cache.cache_lengths.tolist() == [e.cache_length for e in call]
     assert (cache.cache.lookup_table < cache.cache.num_blocks).all()
     free = len(cache.free_keys)
     cache.release(0)

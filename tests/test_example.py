@@ -2,8 +2,9 @@
 
 ``indexer_layer.py`` compiles two models (its layer: two Linear projections, a
 LayerNorm and the fused step at float32, kpool 4, head_dim 32; and its scorer,
-``mla_kpool.index_top_k`` at 4 heads, top 2) and runs them in-process here. What it prints is checked against pool events derived from its
-schedule with the writers' arithmetic of docs/ops.md alone (which call
+``mla_kpool.index_top_k`` at 4 heads, top 2) and runs them in-process here.
+What it prints is checked against pool events derived from its schedule with
+the writers' arithmetic of docs/ops.md alone (which call
 completes which pool of which request, and which writer builds it), so a run
 that completes the wrong pools, or checks nothing, fails. The example's own
 oracle check is tested separately on hand-made results, with no compile.

@@ -357,9 +357,7 @@ def graphs_to_compile(todo: list[Case]) -> int:
     """
     models = {(c.op, c.dtype, c.kpool, c.head_dim, c.device) for c in todo}
     return sum(
-        1
-        if op == INDEX_OP
-        else 2 + (dev == "gpu" and op in BUILTIN_OPS)
+        1 if op == INDEX_OP else 2 + (dev == "gpu" and op in BUILTIN_OPS)
         for op, *_, dev in models
     )
 
@@ -524,8 +522,10 @@ def run(args: argparse.Namespace) -> int:
                     f"{', '.join('.' + k for k in sorted(kinds))}, "
                     f"got {args.plot!r}"
                 )
-        if not args.markdown and args.device == "gpu" and INDEX_OP in (
-            args.ops or []
+        if (
+            not args.markdown
+            and args.device == "gpu"
+            and INDEX_OP in (args.ops or [])
         ):
             raise report.ResultsError(
                 f"--ops {INDEX_OP} runs on the CPU only (this package's"

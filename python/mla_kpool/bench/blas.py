@@ -86,7 +86,13 @@ def _openblas_probe() -> dict[str, Any] | None:
             continue
         for prefix, suffix in (("scipy_", "64_"), ("", "64_"), ("", "")):
 
-            def call(name: str, restype: Any) -> Any:
+            def call(
+                name: str,
+                restype: Any,
+                lib: Any = lib,
+                prefix: str = prefix,
+                suffix: str = suffix,
+            ) -> Any:
                 fn = getattr(lib, f"{prefix}openblas_{name}{suffix}", None)
                 if fn is None:
                     return None

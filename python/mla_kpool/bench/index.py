@@ -229,8 +229,11 @@ def _request_keys(
     layer: int,
     depth: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Request ``b``'s first ``pools`` keys (float32 ``[pools, D]``) and
-    scales (``[pools]``), read from a packed paged cache."""
+    """Request ``b``'s first ``pools`` keys and scales, from the cache.
+
+    Returns float32 ``[pools, D]`` keys and ``[pools]`` scales, read from a
+    packed paged cache.
+    """
     width, page = k_blocks.shape[-1], k_blocks.shape[3]
     rows_per_pool = depth // width
     rows = pools * rows_per_pool

@@ -277,8 +277,11 @@ def median_records(runs: list[list[Record]]) -> list[Record]:
 
 
 def _provenance(r: Record) -> str:
-    """One sentence: device, cores, versions, commit, NumPy's BLAS kernel
-    (when a record names it) and command."""
+    """One sentence: where and how a record was measured.
+
+    Device, cores, versions, commit, NumPy's BLAS kernel (when a record
+    names it) and command.
+    """
     cores = f" ({r['cores']} cores)" if r.get("cores") else ""
     parts = [f"{r['device_name']}{cores}"] if r.get("device_name") else []
     for key, name in (("max_version", "MAX"), ("mojo_version", "Mojo")):

@@ -207,8 +207,10 @@ def serve(
     progress: Any,
     index_runner: Runner | None = None,
 ) -> Totals:
-    """Runs every call of the plan through the step and the indexer, and
-    checks each call's indexer rows and each finished request's pools.
+    """Runs every call of the plan through the step and the indexer.
+
+    Each call's indexer rows are checked after it, each request's pools
+    when it finishes.
 
     Args:
         config: The run's configuration.
@@ -332,8 +334,9 @@ def store_prefixes(
         pools = e.cache_length // kpool
         if e.admitted and pools:
             state = live[e.request]
+            rows = pools * kpool
             keys = reference.pool_sequence(
-                state.k[: pools * kpool], state.gate[: pools * kpool], ape, kpool
+                state.k[:rows], state.gate[:rows], ape, kpool
             )
             cache.store(b, 0, keys.astype(dtype))
 

@@ -183,7 +183,10 @@ def corrupt_selection(ids: np.ndarray, row: int, complete: int) -> None:
 
 
 def corrupt_weight(qs: np.ndarray, row: int) -> None:
-    """Changes one head weight of ``qs[row]``: the largest in magnitude,
-    negated and scaled by 8, so that head's order dominates the row."""
+    """Changes one head weight of ``qs[row]``.
+
+    The largest in magnitude is negated and scaled by 8, so that head's
+    order dominates the row.
+    """
     h = int(np.argmax(np.abs(qs[row])))
     qs[row, h] = -8 * qs[row, h]

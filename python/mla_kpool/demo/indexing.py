@@ -3,11 +3,13 @@
 After a call's step, :class:`IndexCache` stores the pools the call
 completed (each request's rows from ``Runner.step``, quantized by
 :func:`mla_kpool.index_cache.quantize_pooled_keys`) into a paged FP8 cache
-laid out as MAX's indexer reads it (:class:`mla_kpool.index_cache.PagedIndexCache`:
-GLM-5-Next's spread rows when ``head_dim`` splits into ``kpool`` rows, else
-one row per pool). Then :func:`score_call` scores every query token of the
-call with ``mla_kpool.index_top_k`` and :func:`check_call` checks each
-request's rows against the float64 oracle
+laid out as MAX's indexer reads it
+(:class:`mla_kpool.index_cache.PagedIndexCache`: GLM-5-Next's spread rows
+when ``head_dim`` splits into ``kpool`` rows, else one row per pool). Then
+every query token of the call (:func:`make_queries`) is scored with
+``mla_kpool.index_top_k``
+(:func:`mla_kpool.demo.checked_run.index_and_expand`) and
+:func:`check_call` checks the call's rows against the float64 oracle
 (:func:`mla_kpool.reference.check_selection`: valid ids first, none past the
 row's bound, and the selected *set* the top ``k`` within the float32
 tolerance at the k-th score).
