@@ -57,7 +57,7 @@ from max.gpu.host import DeviceContext
 from std.math import ceildiv, max, min
 from std.builtin.sort import sort
 from std.memory import bitcast, stack_allocation
-from std.sys import simd_width_of
+from std.sys import num_physical_cores, simd_width_of
 from std.utils.index import IndexList
 
 from .operands import ANY, KernelOperands, dims, expect_shape
@@ -72,6 +72,10 @@ x 128 dims) and heaps stay cache-resident while a key tile is reused."""
 
 comptime CPU_TILE = 64
 """Candidates decoded per tile (32 KiB of float32 keys at depth 128)."""
+
+comptime CPU_MIN_PART_CANDIDATES = 4 * 64
+"""Fewest candidates worth a core of their own when one row chunk's
+candidates are split between cores."""
 
 comptime CPU_MIN_PARALLEL_WORK = 1 << 20
 """Score multiply-adds below which one core finishes before others wake."""
@@ -457,27 +461,43 @@ def fill_rows[k: Int](output: Ptr[DType.int32], first: Int, last: Int):
         output[unsafe_offset=x] = -1
 
 
-def score_chunk(op: IndexTopK, b: Int, first: Int, last: Int):
-    """One CPU task: request `b`'s rows `first .. last - 1` (request-local).
+def keep_top_k(
+    op: IndexTopK,
+    b: Int,
+    first: Int,
+    last: Int,
+    part: Int,
+    parts: Int,
+    kept: Ptr[DType.uint64],
+    sizes: Pointer[Int, MutAnyOrigin],
+):
+    """Request `b`'s rows `first .. last - 1`: each one's best `k` of a part.
 
-    Decodes the rows' queries, walks the candidates of the widest row a
-    tile at a time, and keeps each row's best `k` in its own heap.
+    The candidates of the chunk's widest row are cut into `parts` runs of
+    whole tiles; this keeps, for each row `r`, the rank keys of its best
+    `k` visible candidates of run `part` in `kept[r * k :]` (unordered, or
+    a heap) and their number in `sizes[r]`: 0 for every row of a request
+    that is not scored. Decodes the rows' queries once, then each tile's
+    keys once for all the rows.
     """
     comptime k = op.k
     comptime depth = op.depth
     comptime padded = op.padded_heads
     comptime num_heads = op.num_heads
+    var rows = last - first
+    for r in range(rows):
+        sizes[unsafe_offset=r] = 0
     var span = request_span(op, b)
     var start = span[0]
     var n = span[1]
     var c = span[2]
-    if not span[3]:
-        fill_rows[k](op.output, start + first, start + last)
-        return
-    var rows = last - first
     var widest = candidate_bound[op.kpool, op.causal](c, n, last - 1)
-    if widest <= 0:
-        fill_rows[k](op.output, start + first, start + last)
+    if not span[3] or widest <= 0:
+        return
+    var run = ceildiv(ceildiv(widest, parts), CPU_TILE) * CPU_TILE
+    var lo = part * run
+    var hi = min(lo + run, widest)
+    if lo >= hi:
         return
 
     var queries = List[Float32](length=rows * depth * padded, fill=0.0)
@@ -497,10 +517,8 @@ def score_chunk(op: IndexTopK, b: Int, first: Int, last: Int):
     var keys = List[Float32](length=CPU_TILE * depth, fill=0.0)
     var scales = List[Float32](length=CPU_TILE, fill=0.0)
     var tile = List[Float32](length=CPU_TILE, fill=0.0)
-    var kept = List[UInt64](length=rows * k, fill=0)
-    var sizes = List[Int](length=rows, fill=0)
-    for tile_first in range(0, widest, CPU_TILE):
-        var count = min(CPU_TILE, widest - tile_first)
+    for tile_first in range(lo, hi, CPU_TILE):
+        var count = min(CPU_TILE, hi - tile_first)
         decode_candidates(
             op, b, tile_first, count, scratch(keys), scratch(scales)
         )
@@ -517,34 +535,65 @@ def score_chunk(op: IndexTopK, b: Int, first: Int, last: Int):
                 visible,
                 scratch(tile),
             )
-            sizes[r] = offer_tile[k](
+            sizes[unsafe_offset=r] = offer_tile[k](
                 scratch(tile),
                 tile_first,
                 visible,
-                scratch(kept).unsafe_offset(r * k),
-                sizes[r],
+                kept.unsafe_offset(r * k),
+                sizes[unsafe_offset=r],
             )
-    for r in range(rows):
-        write_row[k](
-            Span(kept)[r * k : r * k + sizes[r]],
-            op.output.unsafe_offset((start + first + r) * k),
-        )
+
+
+def write_chunk(
+    op: IndexTopK,
+    b: Int,
+    first: Int,
+    last: Int,
+    parts: Int,
+    kept: Ptr[DType.uint64],
+    sizes: Pointer[Int, MutAnyOrigin],
+):
+    """Writes request `b`'s rows `first .. last - 1` from `keep_top_k`'s parts.
+
+    Part `p`'s keys for row `r` are at `kept[(p * CPU_ROW_CHUNK + r) * k
+    :]`, `sizes[p * CPU_ROW_CHUNK + r]` of them. With one part they are
+    the row's answer; with more, the best `k` of their union are.
+    """
+    comptime k = op.k
+    var start = read_index(op.input_row_offsets, b)
+    var merged = List[UInt64]()
+    for r in range(last - first):
+        var dest = op.output.unsafe_offset((start + first + r) * k)
+        merged.clear()
+        for part in range(parts):
+            var at = part * CPU_ROW_CHUNK + r
+            for x in range(sizes[unsafe_offset=at]):
+                merged.append(kept[unsafe_offset=at * k + x])
+        var total = len(merged)
+        if total > k:
+            sort(Span(merged))
+        write_row[k](Span(merged)[max(total - k, 0) :], dest)
 
 
 def index_top_k_cpu(op: IndexTopK):
-    """CPU index_top_k: a task per (request, row chunk), over the cores.
+    """CPU index_top_k: a task per (request, row chunk, part), over the cores.
 
-    Rows that no scored request owns are `-1` first; each task then writes
-    every row of its chunk.
+    Rows that no scored request owns are `-1` first. Each (request, row
+    chunk) is one task over all its candidates, or, when there are fewer
+    such chunks than cores and the candidates are many, `parts` tasks over
+    runs of them whose kept keys are merged per row afterwards (so a
+    single long-context decode uses every core).
     """
+    comptime k = op.k
     var owned = 0
     if op.scored_requests > 0:
         owned = read_index(op.input_row_offsets, op.scored_requests)
-    fill_rows[op.k](op.output, owned, op.total_tokens)
+    fill_rows[k](op.output, owned, op.total_tokens)
 
     var task_request = List[Int]()
     var task_first = List[Int]()
     var work = 0
+    var widest = 0
     for b in range(op.scored_requests):
         var start = read_index(op.input_row_offsets, b)
         var n = read_index(op.input_row_offsets, b + 1) - start
@@ -553,25 +602,73 @@ def index_top_k_cpu(op: IndexTopK):
             task_request.append(b)
             task_first.append(first)
         if n > 0 and c >= 0:
-            work += n * max(
-                candidate_bound[op.kpool, op.causal](c, n, n - 1), 0
-            )
+            var bound = candidate_bound[op.kpool, op.causal](c, n, n - 1)
+            work += n * max(bound, 0)
+            widest = max(widest, bound)
     work *= op.num_heads * op.depth
+    var chunks = len(task_request)
+    var serial = chunks == 0 or work < CPU_MIN_PARALLEL_WORK
+    var parts = 1
+    if not serial and chunks < num_physical_cores():
+        parts = max(
+            1,
+            min(
+                ceildiv(num_physical_cores(), chunks),
+                widest // CPU_MIN_PART_CANDIDATES,
+            ),
+        )
 
-    def run_task(task: Int) {imm}:
-        var b = task_request[task]
-        var first = task_first[task]
+    var kept = List[UInt64](length=chunks * parts * CPU_ROW_CHUNK * k, fill=0)
+    var sizes = List[Int](length=chunks * parts * CPU_ROW_CHUNK, fill=0)
+    var kept_at = scratch(kept)
+    var sizes_at = sizes.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+
+    @always_inline
+    def rows_of(chunk: Int) {imm} -> Tuple[Int, Int, Int]:
+        var b = task_request[chunk]
+        var first = task_first[chunk]
         var n = read_index(op.input_row_offsets, b + 1) - read_index(
             op.input_row_offsets, b
         )
-        score_chunk(op, b, first, min(first + CPU_ROW_CHUNK, n))
+        return (b, first, min(first + CPU_ROW_CHUNK, n))
 
-    var tasks = len(task_request)
-    if tasks <= 1 or work < CPU_MIN_PARALLEL_WORK:
-        for task in range(tasks):
-            run_task(task)
+    def keep_part(task: Int) {imm}:
+        var chunk = task // parts
+        var part = task % parts
+        var rows = rows_of(chunk)
+        keep_top_k(
+            op,
+            rows[0],
+            rows[1],
+            rows[2],
+            part,
+            parts,
+            kept_at.unsafe_offset(task * CPU_ROW_CHUNK * k),
+            sizes_at.unsafe_offset(task * CPU_ROW_CHUNK),
+        )
+
+    def write(chunk: Int) {imm}:
+        var rows = rows_of(chunk)
+        write_chunk(
+            op,
+            rows[0],
+            rows[1],
+            rows[2],
+            parts,
+            kept_at.unsafe_offset(chunk * parts * CPU_ROW_CHUNK * k),
+            sizes_at.unsafe_offset(chunk * parts * CPU_ROW_CHUNK),
+        )
+
+    if serial:
+        for chunk in range(chunks):
+            keep_part(chunk)
+            write(chunk)
     else:
-        sync_parallelize(run_task, tasks)
+        sync_parallelize(keep_part, chunks * parts)
+        sync_parallelize(write, chunks)
+    # The scratch lives until every task is done with it.
+    _ = len(kept)
+    _ = len(sizes)
 
 
 def scored_prefix[

@@ -270,11 +270,6 @@ def _nan_keys(sign: float):
     return tweak
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the kernel's ReLU turns a NaN head dot into 0, so a key with a"
-    " NaN byte scores 0 (above every negative score) instead of NaN",
-)
 def test_a_nan_key_ranks_below_negative_scores(cpu):
     # Every finite score is negative here, so a key whose NaN byte became
     # a 0 score would rank first; the contract ranks it last.
