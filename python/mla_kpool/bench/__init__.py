@@ -183,9 +183,9 @@ def measure_index(
     """Measures index_top_k on one phase against its NumPy peers.
 
     The op (operands bound once, on the CPU), the NumPy twin and NumPy's
-    BLAS on the twin's score matmuls (:mod:`.index`), each at least
-    :data:`INDEX_MIN_CALLS` calls after one warm-up, one peer after the
-    other in the same process.
+    BLAS on the twin's score matmuls (:mod:`.index`), called in turn, round
+    after round (so a neighbour's load hits all three alike), at least
+    :data:`INDEX_MIN_CALLS` rounds after one warm-up round.
 
     Args:
         case: An index_top_k case (its ``phase``).
@@ -206,10 +206,10 @@ def measure_index(
     timing = {"warmup": 1, "min_reps": INDEX_MIN_CALLS} | timing
     offsets, lengths = w.input_row_offsets, w.cache.cache_lengths
     flops = index.score_flops(offsets, lengths, w.shape)
-    (op_us,) = time_calls(index_call(runner, w), **timing)
-    (numpy_us,) = time_calls(index.numpy_twin(w), **timing)
     blas_call, blas_flops = index.blas_matmul(offsets, lengths, w.shape)
-    (blas_us,) = time_calls(blas_call, **timing)
+    op_us, numpy_us, blas_us = time_calls(
+        index_call(runner, w), index.numpy_twin(w), blas_call, **timing
+    )
     median = float(np.median(op_us))
     p10, p90 = np.percentile(op_us, [10, 90])
     blas_median = float(np.median(blas_us))
