@@ -262,6 +262,7 @@ def test_injected_index_fault_fails_on_that_row(
     assert len(fails) == 1, fails
     assert fails[0].startswith(f"FAIL request {request} (slot ")
     assert f"call {call}: index_top_k row {row} " in fails[0]
+    assert "differs from the oracle: bound " in fails[0]
     assert "injected fault caught" in captured.out
     assert "result: FAILED, 1 problem (above)" in captured.out
 
