@@ -268,6 +268,23 @@ def request_span(op: IndexTopK, b: Int) -> Tuple[Int, Int, Int, Bool]:
 
 
 @always_inline
+def page_bases(op: IndexTopK, b: Int, page: Int) -> Tuple[Int, Int]:
+    """Where request `b`'s page `page` starts, for `layer_idx`.
+
+    Returns:
+        `(key element, scale element)` offsets of its slot 0.
+    """
+    var block = read_index(op.k_lookup_table, b * op.key_pages + page)
+    var scale_block = read_index(
+        op.k_scales_lookup_table, b * op.scale_pages + page
+    )
+    return (
+        block * op.block_stride + op.layer_offset,
+        scale_block * op.scale_block_stride + op.scale_layer_offset,
+    )
+
+
+@always_inline
 def decode_candidates(
     op: IndexTopK,
     b: Int,
@@ -284,26 +301,31 @@ def decode_candidates(
     comptime width = op.width
     comptime rows = op.rows_per_candidate
     comptime depth = op.depth
+    # A candidate's rows share a page (`page_size % rows == 0`), so the
+    # walk keeps a page and slot instead of dividing per row.
+    var page = first * rows // op.page_size
+    var slot = first * rows % op.page_size
+    var key_base = 0
+    var scale_base = 0
+
+    if count > 0:
+        var at = page_bases(op, b, page)
+        key_base = at[0]
+        scale_base = at[1]
     for x in range(count):
-        var row = (first + x) * rows
         comptime for r in range(rows):
-            var page = (row + r) // op.page_size
-            var slot = (row + r) % op.page_size
-            var block = read_index(op.k_lookup_table, b * op.key_pages + page)
             decode_row[width](
-                op.k_blocks.unsafe_offset(
-                    block * op.block_stride + op.layer_offset + slot * width
-                ),
+                op.k_blocks.unsafe_offset(key_base + (slot + r) * width),
                 keys.unsafe_offset(x * depth + r * width),
             )
-        var scale_block = read_index(
-            op.k_scales_lookup_table, b * op.scale_pages + row // op.page_size
-        )
-        scales[unsafe_offset=x] = op.k_scales[
-            unsafe_offset=scale_block * op.scale_block_stride
-            + op.scale_layer_offset
-            + row % op.page_size
-        ]
+        scales[unsafe_offset=x] = op.k_scales[unsafe_offset=scale_base + slot]
+        slot += rows
+        if slot == op.page_size and x + 1 < count:
+            slot = 0
+            page += 1
+            var at = page_bases(op, b, page)
+            key_base = at[0]
+            scale_base = at[1]
 
 
 @always_inline
