@@ -73,7 +73,7 @@ x 128 dims) and heaps stay cache-resident while a key tile is reused."""
 comptime CPU_TILE = 64
 """Candidates decoded per tile (32 KiB of float32 keys at depth 128)."""
 
-comptime CPU_MIN_PART_CANDIDATES = 4 * 64
+comptime CPU_MIN_PART_CANDIDATES = 4 * CPU_TILE
 """Fewest candidates worth a core of their own when one row chunk's
 candidates are split between cores."""
 
@@ -135,6 +135,19 @@ def decode_row[count: Int](src: Ptr[DType.uint8], dest: Ptr[DType.float32]):
         dest[unsafe_offset=i] = decode_e4m3[1](
             SIMD[DType.uint8, 1](src[unsafe_offset=i])
         )[0]
+
+
+@always_inline
+def head_vectors_of[num_heads: Int]() -> Int:
+    """SIMD registers one query dim's `num_heads` heads fill."""
+    return ceildiv(num_heads, F32_WIDTH)
+
+
+@always_inline
+def padded_heads_of[num_heads: Int]() -> Int:
+    """Heads rounded up to whole registers: the decoded queries' row width,
+    shared by the tasks that lay them out and the kernel that reads them."""
+    return head_vectors_of[num_heads]() * F32_WIDTH
 
 
 @fieldwise_init
@@ -212,12 +225,8 @@ struct IndexOperands[
     """Bytes per cache row, `W`."""
     comptime rows_per_candidate = Self.kpool if Self.spread else 1
     """Cache rows one candidate spans."""
-    comptime head_vectors = ceildiv(Self.num_heads, F32_WIDTH)
-    """SIMD registers one query dim's heads fill."""
-    comptime padded_heads = Self.head_vectors * F32_WIDTH
+    comptime padded_heads = padded_heads_of[Self.num_heads]()
     """Heads rounded up to whole registers (padding heads weigh 0)."""
-    comptime block_candidates = max(1, 8 // Self.head_vectors)
-    """Candidates the scoring kernel keeps in registers at once."""
 
 
 comptime IndexTopK = IndexOperands[..., origin=MutAnyOrigin]
@@ -356,8 +365,8 @@ def score_tile[
         scores: `[>= count rounded up]` float32 scores out; entries past
             `count` are scratch.
     """
-    comptime head_vectors = ceildiv(num_heads, F32_WIDTH)
-    comptime padded = head_vectors * F32_WIDTH
+    comptime head_vectors = head_vectors_of[num_heads]()
+    comptime padded = padded_heads_of[num_heads]()
     comptime block = max(1, 8 // head_vectors)
     comptime Vec = SIMD[DType.float32, F32_WIDTH]
     for j in range(0, count, block):
