@@ -360,6 +360,66 @@ def test_check_selection_catches_planted_faults(fault):
         ref.check_selection(wrong, *args, **kwargs)
 
 
+def _mutations(rng, got, bounds, k):
+    """Random single-row edits of a correct output: each may or may not
+    break it (a swap of near-equal scores is still right)."""
+    for _ in range(120):
+        wrong = got.copy()
+        t = int(rng.integers(len(got)))
+        m = min(k, int(bounds[t]))
+        kind = rng.integers(6)
+        if m == 0:
+            wrong[t, int(rng.integers(k))] = int(rng.integers(-1, 3))
+        elif kind == 0 and m > 1:  # swap two slots
+            i, j = rng.choice(m, 2, replace=False)
+            wrong[t, [i, j]] = wrong[t, [j, i]]
+        elif kind == 1:  # an id left out (or past the bound)
+            wrong[t, int(rng.integers(m))] = int(rng.integers(bounds[t] + 1))
+        elif kind == 2 and m > 1:  # a repeat
+            wrong[t, int(rng.integers(1, m))] = wrong[t, 0]
+        elif kind == 3:  # -1 too early
+            wrong[t, int(rng.integers(m))] = -1
+        elif kind == 4 and m < k:  # an id after the last slot
+            wrong[t, m] = int(rng.integers(bounds[t] + 1))
+        else:  # a neighbour swap, often within the tolerance
+            i = int(rng.integers(max(1, m - 1)))
+            wrong[t, [i, i + 1 if m > 1 else i]] = wrong[
+                t, [i + 1 if m > 1 else i, i]
+            ]
+        yield wrong
+
+
+def test_check_selection_agrees_with_the_row_by_row_check():
+    # check_selection checks many rows at once; each of its verdicts and its
+    # worst margin must be what the plain row-by-row check gives.
+    from index_cases import WHOLE, Case, build
+    from mla_kpool.reference.indexer import _check_row
+
+    call = build(
+        Case("v", WHOLE, cached=(400, 0, 40), new=(7, 3, 5), tie_from=60)
+    )
+    args, kwargs = call.oracle_args()
+    rows = ref.index_scores(*args, **kwargs)
+    bounds = np.array([r.bound for r in rows])
+    k = WHOLE.top_k
+    rng = np.random.default_rng(7)
+    verdicts = set()
+    for got in [call.expected(), *_mutations(rng, call.expected(), bounds, k)]:
+        per_row = [_check_row(got[t], r, k) for t, r in enumerate(rows)]
+        wrong = [t for t, v in enumerate(per_row) if isinstance(v, str)]
+        if wrong:
+            with pytest.raises(AssertionError, match=f"row {wrong[0]}: "):
+                ref.check_selection(got, *args, **kwargs)
+        else:
+            report = ref.check_selection(got, *args, **kwargs)
+            cut = [v for t, v in enumerate(per_row) if bounds[t] > k]
+            assert report.cut_rows == len(cut)
+            assert report.worst_margin == min(cut, default=np.inf)
+        verdicts.add(bool(wrong))
+    assert verdicts == {True, False}
+    assert (bounds > k).sum() >= 7 and (bounds == 0).any()
+
+
 def test_importing_the_package_does_not_import_max_nn():
     # max.nn takes seconds to import; index_top_k loads it on first use.
     import os

@@ -46,25 +46,28 @@ def _row_owners(offsets: list[int], total_tokens: int) -> list[list[int]]:
 
 
 def _expanded_row(
-    ids: list[int],
+    ids: np.ndarray,
     cache_length: int,
     local: int,
     kpool: int,
     always_select_tail: bool,
     width: int,
 ) -> np.ndarray:
-    """One packed row for the query at position `cache_length + local`."""
+    """One packed row for the query at position `cache_length + local`.
+
+    `ids` is the row's pool ids in selection order, any integer dtype.
+    """
     row = np.full(width, -1, dtype=np.int32)
     visible = cache_length + local + 1
     if cache_length < 0 or visible > POSITION_LIMIT:
         return row
-    positions: list[int] = []
-    for p in ids:
-        if p >= 0 and (p + 1) * kpool <= visible:
-            positions.extend(range(p * kpool, (p + 1) * kpool))
-    if always_select_tail:
-        positions.extend(range(visible - visible % kpool, visible))
+    # A complete pool the query sees: 0 <= p and (p + 1) * kpool <= visible.
+    seen = ids[(ids >= 0) & (ids < visible // kpool)].astype(np.int64)
+    positions = (seen[:, None] * kpool + np.arange(kpool)).ravel()
     row[: len(positions)] = positions
+    if always_select_tail:
+        tail = np.arange(visible - visible % kpool, visible)
+        row[len(positions) : len(positions) + len(tail)] = tail
     return row
 
 
@@ -137,7 +140,7 @@ def expand_topk(
         if holders:
             b = holders[0]
             out[t] = _expanded_row(
-                [int(p) for p in ids[t]],
+                ids[t],
                 cache[b],
                 t - offsets[b],
                 kpool,
@@ -207,7 +210,7 @@ def expand_topk_candidates(
     )
     found = []
     for t, holders in enumerate(owners):
-        row_ids = [int(p) for p in ids[t]]
+        row_ids = ids[t]
         rows = [np.full(width, -1, dtype=np.int32)]
         rows += [
             _expanded_row(

@@ -255,9 +255,14 @@ def _scores(
         return scales * weighted, np.abs(scales) * mag
 
 
-def _row_scores(inp: _Inputs, plans: list[_Plan]) -> list[dict]:
-    """Per row, ``{(request, bound): RowScores}`` for each allowed answer."""
-    out: list[dict] = [{} for _ in plans]
+def _scored_chunks(inp: _Inputs, plans: list[_Plan]):
+    """Yields ``(request, rows, score, mag)`` over every allowed answer.
+
+    ``rows`` is a list of ``(t, bound)`` of one request; ``score`` and
+    ``mag`` are float64 ``[len(rows), width]`` with ``width`` the largest
+    bound among them (columns past a row's own bound are not its
+    candidates). Chunks hold at most about ``_CHUNK_ELEMENTS`` products.
+    """
     by_request: dict[int, list[tuple[int, int]]] = {}
     for t, plan in enumerate(plans):
         for b, bd in plan.answers:
@@ -272,12 +277,24 @@ def _row_scores(inp: _Inputs, plans: list[_Plan]) -> list[dict]:
             score, mag = _scores(
                 inp, [t for t, _ in part], keys[:width], scales[:width]
             )
-            for i, (t, bd) in enumerate(part):
-                tol = index_tolerance(mag[i, :bd], inp.heads, inp.depth)
-                out[t][(b, bd)] = RowScores(
-                    b, bd, score[i, :bd], mag[i, :bd], tol
-                )
+            yield b, part, score, mag
+
+
+def _row_scores(inp: _Inputs, plans: list[_Plan]) -> list[dict]:
+    """Per row, ``{(request, bound): RowScores}`` for each allowed answer."""
+    out: list[dict] = [{} for _ in plans]
+    for b, part, score, mag in _scored_chunks(inp, plans):
+        for i, (t, bd) in enumerate(part):
+            out[t][(b, bd)] = _row(inp, b, bd, score[i], mag[i])
     return out
+
+
+def _row(
+    inp: _Inputs, b: int, bound: int, score: np.ndarray, mag: np.ndarray
+) -> RowScores:
+    """One row's :class:`RowScores` from its (possibly wider) score row."""
+    tol = index_tolerance(mag[:bound], inp.heads, inp.depth)
+    return RowScores(b, bound, score[:bound], mag[:bound], tol)
 
 
 def _order(scores: np.ndarray) -> np.ndarray:
@@ -444,6 +461,56 @@ def _check_row(got: np.ndarray, row: RowScores, k: int) -> float | str:
     return margin
 
 
+def _chunk_margins(
+    got: np.ndarray, bounds: np.ndarray, hi: np.ndarray, lo: np.ndarray
+) -> np.ndarray:
+    """:func:`_check_row` over many rows at once: margins, NaN where wrong.
+
+    Args:
+        got: int64 ``[n, k]`` the rows' output.
+        bounds: int64 ``[n]`` each row's bound.
+        hi: float64 ``[n, width]`` score plus tolerance, ``-inf`` where
+            the score is NaN; ``width >= bounds.max()``.
+        lo: The same for score minus tolerance.
+
+    Returns:
+        float64 ``[n]``: each row's margin (``inf`` where nothing was cut),
+        or NaN for a row that :func:`_check_row` would reject.
+    """
+    n, k = got.shape
+    width = hi.shape[1]
+    # A spare column, so that unused slots may point somewhere (width 0).
+    spare = np.full((n, 1), -np.inf)
+    hi, lo = np.hstack([hi, spare]), np.hstack([lo, spare])
+    m = np.minimum(k, bounds)[:, None]
+    slot = np.arange(k)[None, :]
+    used = slot < m
+    bad = np.any(~used & (got != -1), axis=1)
+    inside = (got >= 0) & (got < bounds[:, None])
+    bad |= np.any(used & ~inside, axis=1)
+    ids = np.where(used & inside, got, 0)
+    # Distinct: unused slots become distinct negatives, then sort.
+    ordered = np.sort(np.where(used, got, -1 - slot), axis=1)
+    bad |= np.any(ordered[:, 1:] == ordered[:, :-1], axis=1)
+    hi_got = np.take_along_axis(hi, ids, axis=1)
+    lo_got = np.take_along_axis(lo, ids, axis=1)
+    with np.errstate(invalid="ignore"):
+        step = np.nan_to_num(hi_got[:, :-1] - lo_got[:, 1:], nan=0.0)
+    bad |= np.any((step < 0) & used[:, 1:], axis=1)
+    # The set: the worst selected against the best left out.
+    chosen = np.zeros((n, width + 1), dtype=bool)
+    np.put_along_axis(chosen, np.where(used, ids, width), True, axis=1)
+    left_out = ~chosen & (np.arange(width + 1)[None, :] < bounds[:, None])
+    worst_in = np.min(np.where(used, hi_got, np.inf), axis=1)
+    best_out = np.max(np.where(left_out, lo, -np.inf), axis=1)
+    with np.errstate(invalid="ignore"):
+        margin = worst_in - best_out
+    margin[np.isnan(margin)] = np.inf  # NaN selected over NaN: both last
+    margin[m[:, 0] == bounds] = np.inf
+    bad |= margin < 0
+    return np.where(bad, np.nan, margin)
+
+
 def check_selection(  # noqa: D417 (the operands are index_top_k's)
     got: np.ndarray,
     q: np.ndarray,
@@ -493,9 +560,20 @@ def check_selection(  # noqa: D417 (the operands are index_top_k's)
             f" {got.shape}"
         )
     plans = inp.plans()
-    scored = _row_scores(inp, plans)
+    got64 = got.astype(np.int64)
+    margins: list[dict] = [{} for _ in plans]
+    for b, part, score, mag in _scored_chunks(inp, plans):
+        rows = np.array([t for t, _ in part])
+        bounds = np.array([bd for _, bd in part], dtype=np.int64)
+        tol = index_tolerance(mag, inp.heads, inp.depth)
+        nan = np.isnan(score)
+        hi = np.where(nan, -np.inf, score + tol)
+        lo = np.where(nan, -np.inf, score - tol)
+        found = _chunk_margins(got64[rows], bounds, hi, lo)
+        for i, (t, bd) in enumerate(part):
+            margins[t][(b, bd)] = (found[i], score[i], mag[i])
     worst, worst_row, cut = np.inf, -1, 0
-    for t, (plan, by_answer) in enumerate(zip(plans, scored, strict=True)):
+    for t, plan in enumerate(plans):
         if plan.may_be_empty and np.all(got[t] == -1):
             continue
         if not plan.answers:
@@ -503,16 +581,21 @@ def check_selection(  # noqa: D417 (the operands are index_top_k's)
                 f"row {t}: must be all -1 (no valid request, bad page or"
                 f" layer), got {got[t].tolist()[:16]}..."
             )
-        reasons = []
-        for (b, bound), row in by_answer.items():
-            result = _check_row(got[t], row, inp.top_k)
-            if not isinstance(result, str):
-                break
-            reasons.append(f"request {b} bound {bound}: {result}")
-        else:
+        passing = [
+            (bound, margin)
+            for (_, bound), (margin, _, _) in margins[t].items()
+            if not np.isnan(margin)
+        ]
+        if not passing:
+            reasons = []
+            for (b, bound), (_, sc, mg) in margins[t].items():
+                row = _row(inp, b, bound, sc, mg)
+                why = _check_row(got[t], row, inp.top_k)
+                reasons.append(f"request {b} bound {bound}: {why}")
             raise AssertionError(f"row {t}: " + "; ".join(reasons))
-        if row.bound > inp.top_k:
+        bound, margin = passing[0]
+        if bound > inp.top_k:
             cut += 1
-            if result < worst:
-                worst, worst_row = result, t
-    return SelectionReport(inp.tokens, cut, worst, worst_row)
+            if margin < worst:
+                worst, worst_row = margin, t
+    return SelectionReport(inp.tokens, cut, float(worst), worst_row)
