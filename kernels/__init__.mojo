@@ -26,4 +26,10 @@ package's own) is the indexer that consumes the pooled keys: MAX 26.7's
 `mo.mla.indexer.ragged.float8.paged` (same parameters and operands) on the
 CPU, where MAX has none. It scores each query token against a paged FP8 key
 cache and keeps the ids of its best `k` keys or pools.
+
+`parallel.mojo` launches the writers' GPU kernels, whose threads never
+communicate, or runs them over an emulated grid on the CPU;
+`block_phases.mojo` does the same for kernels whose threads share a
+block's memory, written as phases separated by barriers, with an emulation
+that refuses a missing barrier (no op uses it yet).
 """

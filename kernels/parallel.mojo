@@ -113,8 +113,9 @@ def emulate_grid[
 
     The emulation models no barriers, no shared memory, no warps and no
     memory ordering between threads. It is exact for kernels whose threads
-    never communicate, which holds for every kernel in this package; a
-    kernel that synchronizes its threads must not be emulated this way.
+    never communicate, which holds for every writer in this package; a
+    kernel whose threads share memory is written as phases and emulated
+    by `block_phases.emulate_phases` instead.
 
     Args:
         kernel: Name of the kernel, for launch-shape errors.
