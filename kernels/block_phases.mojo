@@ -284,6 +284,9 @@ def emulate_phases[
                 )
             if report[unsafe_offset=0] != 0:
                 raise Error(_violation(kernel, b, report))
+    # The views point into these lists: they must outlive every body call.
+    _ = words^
+    _ = shadow^
 
 
 @__name(t"{name}")

@@ -401,19 +401,29 @@ def score_tile[
 
 
 @always_inline
-def rank_key(score: Float32, id: Int) -> UInt64:
-    """A candidate's rank as one integer: larger ranks higher.
+def score_order(score: Float32) -> UInt32:
+    """A score as an unsigned integer of the same order.
 
-    The high half orders the scores (`-0.0` as `0.0`, NaN as `-inf`), the
-    low half `2^32 - 1 - id`, so equal scores rank the lower id higher.
-    Ids are below 2^31: the output is int32.
+    `-0.0` maps as `0.0` and NaN as `-inf` (the key `0x007FFFFF`), so NaN
+    ranks below every number; 0 is the key of no score.
     """
     var value = score + 0.0
     var bits = bitcast[DType.uint32, 1](value)
     var ordered = (~bits) if bits & 0x80000000 else bits | 0x80000000
     if value != value:
         ordered = 0x007FFFFF  # the key of -inf
-    return (UInt64(ordered) << 32) | UInt64(0xFFFFFFFF - id)
+    return ordered
+
+
+@always_inline
+def rank_key(score: Float32, id: Int) -> UInt64:
+    """A candidate's rank as one integer: larger ranks higher.
+
+    The high half orders the scores (`score_order`), the low half
+    `2^32 - 1 - id`, so equal scores rank the lower id higher. Ids are
+    below 2^31: the output is int32.
+    """
+    return (UInt64(score_order(score)) << 32) | UInt64(0xFFFFFFFF - id)
 
 
 def sift_down(keys: Ptr[DType.uint64], size: Int, pos: Int):

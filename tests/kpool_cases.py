@@ -164,6 +164,21 @@ def mojo_command() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mojo")
 
 
+def run_mojo_file(test_file: str, root: Path = ROOT) -> tuple[int, str]:
+    """``mojo run -I root root/test_file``: its exit status and output."""
+    mojo = mojo_command()
+    assert mojo is not None, "the mojo command is not found"
+    proc = subprocess.run(
+        [mojo, "run", "-I", str(root), str(root / test_file)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env={**os.environ, "MODULAR_DEBUG": "stack-trace-on-error"},
+        timeout=600,
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
 def run_mojo_suite(test_file: str, min_tests: int) -> str:
     """Runs a ``tests/mojo`` file's ``TestSuite``; asserts every test passed.
 
@@ -175,18 +190,8 @@ def run_mojo_suite(test_file: str, min_tests: int) -> str:
     Returns:
         The suite's output.
     """
-    mojo = mojo_command()
-    assert mojo is not None, "the mojo command is not found"
-    proc = subprocess.run(
-        [mojo, "run", "-I", str(ROOT), str(ROOT / test_file)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "MODULAR_DEBUG": "stack-trace-on-error"},
-        timeout=600,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output
+    status, output = run_mojo_file(test_file)
+    assert status == 0, output
     summary = re.search(r"(\d+) tests run: (\d+) passed", output)
     assert summary, output
     assert summary[1] == summary[2], output

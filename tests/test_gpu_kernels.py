@@ -7,14 +7,22 @@ thread once, and the launch shapes a GPU refuses refused).
 tests/mojo/test_block_phases.mojo checks the phased kernels' emulation (a
 block sum over a barrier, a missing barrier, an unwritten word, a
 write-after-read and an index past the shared words all refused) and
-compiles a phased kernel for the three targets.
+compiles a phased kernel for the three targets;
+tests/mojo/test_index_select.mojo runs the indexer's GPU top-k select
+through that emulation against a plain sort of every candidate's rank key,
+and must fail with a planted off-by-one in its radix bucket or with one of
+its barriers left out.
 """
 
 from __future__ import annotations
 
+import re
+import shutil
+from pathlib import Path
+
 import pytest
 
-from kpool_cases import mojo_command, run_mojo_suite
+from kpool_cases import ROOT, mojo_command, run_mojo_file, run_mojo_suite
 
 
 @pytest.mark.skipif(
@@ -29,3 +37,55 @@ def test_gpu_kernels_compile_and_launch_shapes():
 )
 def test_phased_kernels_emulation_and_compile():
     run_mojo_suite("tests/mojo/test_block_phases.mojo", min_tests=7)
+
+
+@pytest.mark.skipif(
+    mojo_command() is None, reason="the mojo command is not found"
+)
+def test_index_select_on_the_phased_emulation():
+    run_mojo_suite("tests/mojo/test_index_select.mojo", min_tests=6)
+
+
+#: Planted select faults: (id, exact source text, its faulty replacement,
+#: what the failing run must say).
+SELECT_MUTANTS = [
+    (
+        # The digit fixed is the bucket below the one that holds the k-th key.
+        "radix_bucket_off_by_one",
+        "(UInt32(b) << UInt32(shift))",
+        "(UInt32(b - 1) << UInt32(shift))",
+        r"slot \d+: got",
+    ),
+    (
+        # Thread 0 adds up the counts in the phase that writes them: right in
+        # the emulation's thread order, so only the shared-word stamps see it.
+        "prefix_without_barrier",
+        "        _count_run(thread, s, scores, bound)\n",
+        "        _count_run(thread, s, scores, bound)\n"
+        "        if thread == 0:\n"
+        "            _prefix_counts(s)\n",
+        "missing barrier",
+    ),
+]
+
+
+@pytest.mark.skipif(
+    mojo_command() is None, reason="the mojo command is not found"
+)
+@pytest.mark.parametrize(
+    "mutant", SELECT_MUTANTS, ids=[m[0] for m in SELECT_MUTANTS]
+)
+def test_index_select_planted_faults_fail(mutant, tmp_path: Path):
+    _, good, bad, match = mutant
+    shutil.copytree(ROOT / "kernels", tmp_path / "kernels")
+    (tmp_path / "tests").mkdir()
+    shutil.copytree(ROOT / "tests/mojo", tmp_path / "tests/mojo")
+    path = tmp_path / "kernels/index_select.mojo"
+    source = path.read_text()
+    assert source.count(good) == 1, "the planted line moved; update it"
+    path.write_text(source.replace(good, bad))
+    status, output = run_mojo_file(
+        "tests/mojo/test_index_select.mojo", tmp_path
+    )
+    assert status != 0, output
+    assert re.search(match, output), output
