@@ -295,7 +295,7 @@ def gpu_phased_kernel[
     Operands: KernelOperands,
     shared_words: Int,
     body: def(Int, Int, Int, Shared, Operands) thin -> None,
-](op: Operands, phases: Int):
+](op: Operands, phases: Int64):
     """A phased kernel on a GPU: each phase, then a barrier.
 
     Parameters:
@@ -306,7 +306,8 @@ def gpu_phased_kernel[
 
     Args:
         op: The call's operands.
-        phases: Phases to run (the same for every thread).
+        phases: Phases to run (the same for every thread; `Int64`, since
+            `Int` is not a kernel argument type).
     """
     var words = stack_allocation[
         shared_words, UInt32, address_space=AddressSpace.SHARED
@@ -316,7 +317,7 @@ def gpu_phased_kernel[
     ]().unsafe_origin_cast[MutAnyOrigin]()
     var b = Int(block_idx.x)
     var t = Int(thread_idx.x)
-    for p in range(phases):
+    for p in range(Int(phases)):
         body(
             p,
             b,
@@ -378,4 +379,4 @@ def launch_phased[
         check_launch(name, grid, block)
         ctx.enqueue_function[
             gpu_phased_kernel[name, Operands, shared_words, body]
-        ](op, phases, grid_dim=grid, block_dim=block)
+        ](op, Int64(phases), grid_dim=grid, block_dim=block)

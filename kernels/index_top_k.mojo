@@ -60,7 +60,8 @@ from std.memory import bitcast, stack_allocation
 from std.sys import num_physical_cores, simd_width_of
 from std.utils.index import IndexList
 
-from .operands import ANY, KernelOperands, dims, expect_shape
+from .index_gpu import index_top_k_gpu, window_rows
+from .operands import ANY, KernelOperands, dims, expect_shape, expect_target
 from .ragged import Field, Ptr, read_index
 
 comptime TOP_K_LIMIT = 2048
@@ -220,6 +221,16 @@ struct IndexOperands[
     """Elements from a key block's start to `layer_idx`'s slot 0."""
     var scale_layer_offset: Int
     """Elements from a scale block's start to `layer_idx`'s slot 0."""
+    var plan: Field[DType.int64, Self.origin]
+    """GPU path: `[2 * T]` each row's request and bound (`index_gpu`)."""
+    var scores: Field[DType.float32, Self.origin]
+    """GPU path: `[window, candidates]` score workspace."""
+    var candidates: Int
+    """GPU path: the most candidates a row can see (a workspace row)."""
+    var first_row: Int
+    """GPU path: the window's first row."""
+    var tiles: Int
+    """GPU path: score blocks per row."""
 
     comptime width = Self.depth // Self.kpool if Self.spread else Self.depth
     """Bytes per cache row, `W`."""
@@ -766,6 +777,7 @@ struct MLAKPoolIndexTopK:
         mask_str: StaticString,
         kpool: Int = 1,
         target: StaticString,
+        emulate_gpu: Bool = False,
     ](
         output_indices: OutputTensor[dtype=DType.int32, rank=2, ...],
         q: InputTensor[rank=3, ...],
@@ -794,7 +806,9 @@ struct MLAKPoolIndexTopK:
                 read).
             mask_str: `"null"` or `"causal"`.
             kpool: Tokens per candidate (1: every cache row).
-            target: `"cpu"`, filled in by the graph compiler.
+            target: `"cpu"` or a GPU, filled in by the graph compiler.
+            emulate_gpu: On a CPU target, run the GPU path (`index_gpu`)
+                over an emulated grid instead of the CPU kernel.
 
         Args:
             output_indices: Output `[T, k]` int32 candidate ids, best
@@ -828,13 +842,7 @@ struct MLAKPoolIndexTopK:
                 page stride is neither `-1` nor at least one block.
         """
         comptime OP = "mla_kpool.index_top_k"
-        comptime if target != "cpu":
-            raise Error(
-                OP,
-                ": no GPU path in this version; on a GPU use MAX's",
-                " mo.mla.indexer.ragged.float8.paged, which",
-                " mla_kpool.index_top_k's Python wrapper calls there",
-            )
+        expect_target[emulate_gpu, target](OP)
         comptime assert (
             q.dtype == DType.uint8 or q.dtype == DType.float8_e4m3fn
         ), "mla_kpool.index_top_k: q and k_blocks must be uint8 or e4m3fn"
@@ -965,12 +973,23 @@ struct MLAKPoolIndexTopK:
         )
         if total_tokens == 0:
             return
+        comptime on_cpu = target == "cpu" and not emulate_gpu
         var offsets = input_row_offsets.unsafe_ptr()
-        var scored = scored_prefix(offsets, batch, total_tokens)
+        # The GPU path reads the offsets on the device (`index_gpu.row_plan`).
+        var scored = batch
+        comptime if on_cpu:
+            scored = scored_prefix(offsets, batch, total_tokens)
+        var rows_per_candidate = kpool if spread else 1
+        var candidates = (
+            min(k_lookup_table.dim_size(1), k_scales_lookup_table.dim_size(1))
+            * page_size
+            // rows_per_candidate
+        )
+        var window = window_rows(candidates, total_tokens)
 
         @always_inline
         @__parameter
-        def run[spread: Bool]():
+        def run[spread: Bool]() raises:
             comptime causal = mask_str == "causal"
             var op = IndexOperands[
                 input_row_offsets.dtype,
@@ -1005,8 +1024,38 @@ struct MLAKPoolIndexTopK:
                 scale_block_stride,
                 layer * layer_elems,
                 layer * page_size,
+                output_indices.unsafe_ptr().unsafe_bitcast[Int64](),
+                k_scales.unsafe_ptr(),
+                candidates,
+                0,
+                0,
             )
-            index_top_k_cpu(op)
+            comptime if on_cpu:
+                index_top_k_cpu(op)
+            elif emulate_gpu:
+                var plan = List[Int64](length=2 * total_tokens, fill=0)
+                var work = List[Float32](length=window * candidates, fill=0.0)
+                index_top_k_gpu[True](
+                    op, scratch(plan), scratch(work), window, ctx
+                )
+                _ = plan^  # the launches used them through pointers
+                _ = work^
+            else:
+                var plan = ctx.enqueue_create_buffer[DType.int64](
+                    2 * total_tokens
+                )
+                var work = ctx.enqueue_create_buffer[DType.float32](
+                    max(window * candidates, 1)
+                )
+                index_top_k_gpu[False](
+                    op,
+                    plan.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+                    work.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+                    window,
+                    ctx,
+                )
+                _ = plan^  # freed in stream order, after the launches
+                _ = work^
 
         comptime if kpool > 1 and depth % kpool == 0:
             if spread:

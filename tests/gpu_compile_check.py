@@ -20,13 +20,18 @@ not ``DevicePassable``, say); this does. ``KERNELS_DIR`` (default
 checked to fail.
 
 The default graph also holds an ``expand_topk`` in MAX's production shape
-(kpool 4, 512 pools, int32 ids, the step's metadata).
+(kpool 4, 512 pools, int32 ids, the step's metadata) and this package's
+``mla_kpool.index_top_k`` op at GLM-5-Next's indexer shape (H 32, D 128,
+kpool 4, top 512, W 32, pages of 128, null mask), added directly so that its
+own GPU path compiles for every target (the Python wrapper would pick MAX's
+builtin on sm_100a).
 
 With ``--devices N`` (N at least 2) it instead sets up N virtual GPUs and
 builds one graph with a ``kpool_step`` (bfloat16, kpool 4, head_dim 128) on
 each of ``DeviceRef.GPU(0)`` to ``DeviceRef.GPU(N - 1)``, every replica with
 its own inputs and its own ring buffer, the way a sharded indexer runs one
-replica of the ops per GPU. The marker line then ends in ``devices=N``.
+replica of the ops per GPU, and one ``mla_kpool.index_top_k`` (the shape
+above) on each. The marker line then ends in ``devices=N``.
 """
 
 from __future__ import annotations
@@ -60,6 +65,40 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     if args.devices < 1:
         parser.error("--devices must be at least 1")
     return args
+
+
+#: The indexer call compiled for each GPU (see the module docs).
+GLM_INDEX = dict(
+    num_heads=32, depth=128, width=32, num_layers=2, page_size=128, top_k=512,
+    kpool=4, mask="null", gpu=True,
+)  # fmt: skip
+
+
+def _index_inputs(device, suffix: str = "") -> list:
+    """The indexer call's 13 input types on ``device``."""
+    from mla_kpool.index_runner import IndexKey
+
+    return IndexKey(**GLM_INDEX).input_types(device, suffix)
+
+
+def _index_op(values: list):
+    """This package's index_top_k op on the 13 graph values."""
+    from mla_kpool._index_op import add_op, check_operands
+
+    values = [
+        x.buffer if i in (3, 9) else x.tensor for i, x in enumerate(values)
+    ]
+    key = GLM_INDEX
+    return add_op(
+        check_operands(
+            *values,
+            top_k=key["top_k"],
+            quantization_granularity=128,
+            mask_str=key["mask"],
+            kpool=key["kpool"],
+            prefix="",
+        )
+    )
 
 
 def _whole_op_graph(kernels: Path):
@@ -106,13 +145,15 @@ def _whole_op_graph(kernels: Path):
         tensor(u32, ["h_batch"]),
         # expand_topk, kpool 4, pool_topk 512 (the step's metadata).
         tensor(DType.int32, ["tokens", 512]),
+        # index_top_k, GLM-5-Next's shape (inputs 18 .. 30).
+        *_index_inputs(gpu, "_index"),
     ]
     with Graph(
         "gpu_compile_check", input_types=inputs, custom_extensions=[kernels]
     ) as graph:
         x = [
             value.buffer if i in (0, 7) else value.tensor
-            for i, value in enumerate(graph.inputs)
+            for i, value in enumerate(graph.inputs[:18])
         ]
         step = mla_kpool.kpool_step(*x[0:7], 4)
         step3 = mla_kpool.kpool_step(*x[0:7], 4, fused=False)
@@ -120,7 +161,8 @@ def _whole_op_graph(kernels: Path):
         wide_step = mla_kpool.kpool_step(x[7], *x[8:11], *x[4:7], 128)
         half = mla_kpool.compress(*x[11:17], 16)
         positions = mla_kpool.expand_topk(x[17], x[4], x[5], 4)
-        graph.output(*step, *step3, *wide, *wide_step, half, positions)
+        ids = _index_op(list(graph.inputs[18:31]))
+        graph.output(*step, *step3, *wide, *wide_step, half, positions, ids)
     return graph
 
 
@@ -156,6 +198,7 @@ def _replica_graph(kernels: Path, count: int):
             TensorType(u32, [f"offsets_{i}"], device=gpu),
             TensorType(u32, [batch], device=gpu),
             TensorType(u32, [batch], device=gpu),
+            *_index_inputs(gpu, f"_index_{i}"),
         ]
     with Graph(
         "gpu_compile_check_replicas",
@@ -164,9 +207,12 @@ def _replica_graph(kernels: Path, count: int):
     ) as graph:
         outputs = []
         for i in range(count):
-            ring, *rest = graph.inputs[7 * i : 7 * i + 7]
+            ring, *rest = graph.inputs[20 * i : 20 * i + 7]
             x = [ring.buffer, *(value.tensor for value in rest)]
             outputs += mla_kpool.kpool_step(*x, 4)
+            outputs.append(
+                _index_op(list(graph.inputs[20 * i + 7 : 20 * i + 20]))
+            )
         graph.output(*outputs)
     return graph
 

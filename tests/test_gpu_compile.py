@@ -11,9 +11,14 @@ kernels whose GPU ring_close kernel took an ``Int`` argument (passed as the
 script's ``KERNELS_DIR``) failed for sm_90a with "Int and UInt do not
 conform to DevicePassable", while that copy still compiled and ran on CPU.
 
-A fourth compile, for cuda/sm_90a only, puts a ``kpool_step`` on each of two
-virtual GPUs in one graph (a sharded indexer runs one replica of the ops per
-GPU). It runs by itself after the three above.
+The whole-op graph also holds this package's ``mla_kpool.index_top_k`` at
+GLM-5-Next's indexer shape, so its GPU path (plan, score and the phased
+select with its barriers and shared memory) compiles for every target.
+
+A fourth compile, for cuda/sm_90a only, puts a ``kpool_step`` and an
+``index_top_k`` on each of two virtual GPUs in one graph (a sharded indexer
+runs one replica of the ops per GPU). It runs by itself after the three
+above.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """index_top_k on the CPU against the float64 oracle.
 
+tests/test_index_top_k_emulated.py runs every test here again on the op's GPU
+path over the emulated grid (the ``runner`` fixture is the only difference).
+
 Cases are data (:mod:`index_cases`); each of the five shapes compiles once
 per session (``Runner`` caches models; tokens, requests, blocks and pages
 are symbolic dims). Every row is checked as a set at the k-th score within
@@ -31,7 +34,8 @@ from mla_kpool import reference as ref
 
 
 @pytest.fixture(scope="module")
-def cpu(runners):
+def runner(runners):
+    """Where the op runs: the CPU kernel here."""
     return runners("cpu")
 
 
@@ -105,16 +109,16 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_matches_the_oracle(cpu, case):
+def test_matches_the_oracle(runner, case):
     call = build(case)
-    got = run(cpu, call)
+    got = run(runner, call)
     assert got.shape == (len(call.q), case.shape.top_k)
     assert got.dtype == np.int32
     report = call.check(got)
     assert report.rows == len(call.q)
 
 
-def test_ties_at_the_kth_score_go_to_the_lowest_ids(cpu):
+def test_ties_at_the_kth_score_go_to_the_lowest_ids(runner):
     # 6,500 visible keys, all from id 100 on identical: > 4,096 candidates
     # tie at the k-th score. Identical bytes and scales score identically
     # in any arithmetic, so the order is exact: ties by ascending id.
@@ -124,43 +128,43 @@ def test_ties_at_the_kth_score_go_to_the_lowest_ids(cpu):
     for row in rows:
         order = np.sort(row.scores)[::-1]
         assert np.sum(row.scores == order[DSV32.top_k - 1]) > 4096
-    got = run(cpu, call)
+    got = run(runner, call)
     call.check(got)
     np.testing.assert_array_equal(got, call.expected())
 
 
-def test_same_output_on_every_run(cpu):
+def test_same_output_on_every_run(runner):
     call = build(CASES[0])
-    first = run(cpu, call)
+    first = run(runner, call)
     for _ in range(2):
-        np.testing.assert_array_equal(run(cpu, call), first)
+        np.testing.assert_array_equal(run(runner, call), first)
 
 
-def test_growing_k_max_leaves_the_result_unchanged(cpu):
+def test_growing_k_max_leaves_the_result_unchanged(runner):
     call = build(CASES[1])
-    base = run(cpu, call)
+    base = run(runner, call)
     for prompt, length in ((64, 3000), (10**6, 2**31), (2**32 - 1, 2**32 - 1)):
         got = run(
-            cpu, call, k_max_prompt_length=prompt, k_max_cache_length=length
+            runner, call, k_max_prompt_length=prompt, k_max_cache_length=length
         )
         np.testing.assert_array_equal(got, base)
 
 
-def test_a_page_stride_smaller_than_a_block_raises(cpu):
+def test_a_page_stride_smaller_than_a_block_raises(runner):
     call = build(
         Case("glm-short-stride", GLM, cached=(300,), new=(1,), key_pad=8)
     )
     packed = math.prod(call.cache.block_shape)
     call.cache.page_stride = packed - 1
     with pytest.raises(ValueError, match="stride"):
-        run(cpu, call)
+        run(runner, call)
 
 
-def test_a_layer_past_the_cache_raises(cpu):
+def test_a_layer_past_the_cache_raises(runner):
     call = build(Case("glm-layer2", GLM, cached=(30,), new=(1,)))
     call.case = replace(call.case, layer=2)
     with pytest.raises(ValueError, match="layer_idx"):
-        run(cpu, call)
+        run(runner, call)
 
 
 def _rows_all_minus_one(got, rows):
@@ -218,16 +222,16 @@ MALFORMED = [
 @pytest.mark.parametrize(
     "case, minus_one", MALFORMED, ids=[c.name for c, _ in MALFORMED]
 )
-def test_malformed_metadata_gives_minus_one_rows(cpu, case, minus_one):
+def test_malformed_metadata_gives_minus_one_rows(runner, case, minus_one):
     call = build(case)
-    got = run(cpu, call)
+    got = run(runner, call)
     rows = range(len(call.q)) if minus_one == "all" else minus_one
     _rows_all_minus_one(got, rows)
     call.check(got)
     assert (got != -1).any() or minus_one == "all"
 
 
-def test_nan_scores_rank_below_every_number(cpu):
+def test_nan_scores_rank_below_every_number(runner):
     # Positive queries, weights, keys and scales: every score is positive,
     # so a NaN candidate ranks last whether or not the ReLU keeps the NaN.
     def positive(call: Call) -> None:
@@ -243,7 +247,7 @@ def test_nan_scores_rank_below_every_number(cpu):
 
     case = Case("nan", WHOLE, cached=(25, 400), new=(1, 2), tweaks=(positive,))
     call = build(case)
-    got = run(cpu, call)
+    got = run(runner, call)
     call.check(got)
     assert got[0, 4:7].tolist() == [1, 4, -1]  # bound 6: NaNs last
     assert 0 not in got[1:] and 70 not in got[1:]
@@ -270,14 +274,14 @@ def _nan_keys(sign: float):
     return tweak
 
 
-def test_a_nan_key_ranks_below_negative_scores(cpu):
+def test_a_nan_key_ranks_below_negative_scores(runner):
     # Every finite score is negative here, so a key whose NaN byte became
     # a 0 score would rank first; the contract ranks it last.
     case = Case(
         "nan-neg", WHOLE, cached=(25,), new=(1,), tweaks=(_nan_keys(-1),)
     )
     call = build(case)
-    got = run(cpu, call)
+    got = run(runner, call)
     assert set(got[0, 3:6].tolist()) == {1, 2, 4}
     call.check(got)
 
@@ -327,7 +331,7 @@ def _guarded(flat: np.ndarray, sentinel) -> np.ndarray:
 
 
 @pytest.mark.parametrize("shape", [WHOLE, GLM], ids=lambda s: s.name)
-def test_guarded_fuzz(cpu, shape):
+def test_guarded_fuzz(runner, shape):
     from mla_kpool import index_runner
     from mla_kpool.buffers import to_numpy
 
@@ -350,7 +354,7 @@ def test_guarded_fuzz(cpu, shape):
         keys = _guarded(call.cache.arena, KEY_SENTINEL)
         scales = _guarded(call.cache.scale_arena, SCALE_SENTINEL)
         model, args, (key_buf, scale_buf) = index_runner.prepare(
-            cpu, call.q, call.qs, call.offsets, call.cache, case.layer,
+            runner, call.q, call.qs, call.offsets, call.cache, case.layer,
             **call.run_kwargs(),
             key_arena=(keys, GUARD), scale_arena=(scales, GUARD),
         )  # fmt: skip

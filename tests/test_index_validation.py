@@ -29,9 +29,11 @@ LAYER = 12
 PAGE = [2, 128, 1]
 
 
-def _graph(types=None, gpu=False, scales=True, **kwargs):
+def _graph(types=None, gpu=False, scales=True, width=None, **kwargs):
     """Builds a graph calling index_top_k; returns it."""
-    key = IndexKey(**{**GLM_KEY.__dict__, "gpu": gpu})
+    key = IndexKey(
+        **{**GLM_KEY.__dict__, "gpu": gpu, "width": width or GLM_KEY.width}
+    )
     all_types = key.input_types()
     for i, t in (types or {}).items():
         all_types[i] = t
@@ -299,12 +301,40 @@ def test_cpu_graph_carries_the_op_with_maxs_parameters():
         assert name in text
 
 
-def test_gpu_graph_is_maxs_own(monkeypatch):
-    # On a GPU the wrapper adds MAX's builtin op exactly as MAX does.
+def _arch(monkeypatch, arch: str | None) -> None:
+    """Makes the wrapper see a GPU of ``arch`` (``None``: no accelerator)."""
+    from max import driver
+
+    def name() -> str:
+        if arch is None:
+            raise ValueError("Not implemented for device: cpu")
+        return arch
+
+    monkeypatch.setattr(driver, "accelerator_architecture_name", name)
+
+
+@pytest.mark.parametrize(
+    "arch, kpool", [("sm_100a", 4), ("gfx950", 4), ("sm_90a", 1), (None, 1)]
+)
+def test_gpu_graph_is_maxs_own_where_max_scores(monkeypatch, arch, kpool):
+    # Where MAX scores the shape, the wrapper adds MAX's builtin op exactly
+    # as MAX does.
     from max.nn.kernels import mla_fp8_index_top_k
 
-    ours = str(_graph(gpu=True))
+    _arch(monkeypatch, arch)
+    width = 128 if kpool == 1 else None  # kpool 1: one key per row
+    ours = str(_graph(gpu=True, kpool=kpool, width=width))
     monkeypatch.setattr(mla_kpool, "index_top_k", mla_fp8_index_top_k)
-    theirs = str(_graph(gpu=True))
+    theirs = str(_graph(gpu=True, kpool=kpool, width=width))
     assert "mo.mla.indexer.ragged.float8.paged" in ours
     assert ours == theirs
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80", "gfx942", None])
+def test_gpu_graph_takes_our_op_where_max_has_no_pooled_scorer(
+    monkeypatch, arch
+):
+    _arch(monkeypatch, arch)
+    text = str(_graph(gpu=True, kpool=4))
+    assert "mla_kpool.index_top_k" in text
+    assert "mo.mla.indexer.ragged.float8.paged" not in text

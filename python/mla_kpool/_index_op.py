@@ -1,4 +1,4 @@
-"""Graph-build checks and the CPU op of :func:`mla_kpool.index_top_k`.
+"""Graph-build checks and this package's op of :func:`mla_kpool.index_top_k`.
 
 Kept apart from :mod:`mla_kpool.indexer` because that module imports
 ``max.nn`` (for ``MHAMaskVariant`` and ``PagedCacheValues``), which takes
@@ -21,7 +21,7 @@ from max.graph.dim import Dim, StaticDim
 from . import _validate as v
 from ._paths import ensure_kernels
 
-#: The registered name of this package's CPU indexer.
+#: The registered name of this package's indexer (CPU and GPU paths).
 OP_NAME = "mla_kpool.index_top_k"
 #: MAX's largest ``top_k`` (its bounded top-k's capacity); ours too.
 MAX_TOP_K = 2048
@@ -268,21 +268,35 @@ def check_operands(
     return IndexOperands(values, parameters, device)
 
 
-def add_cpu_op(operands: IndexOperands) -> TensorValue:
-    """Adds ``mla_kpool.index_top_k`` on checked CPU operands.
+def add_op(operands: IndexOperands, emulate_gpu: bool = False) -> TensorValue:
+    """Adds this package's ``mla_kpool.index_top_k`` on checked operands.
+
+    On the CPU it runs the CPU kernel, or with ``emulate_gpu`` the GPU path
+    over an emulated grid (CPU operands only); on a GPU, the GPU path.
 
     Returns:
         int32 ``[T, top_k]``.
+
+    Raises:
+        ValueError: If ``emulate_gpu`` is asked of GPU operands.
     """
     ensure_kernels("index_top_k")
     q = operands.values[0]
+    if emulate_gpu and not operands.device.is_cpu():
+        raise ValueError(
+            "emulate_gpu runs the GPU path on the host: q must be on the CPU,"
+            f" got {operands.device}"
+        )
     out = TensorType(
         DType.int32, [q.shape[0], operands.parameters["k"]], device=q.device
     )
+    parameters = dict(operands.parameters)
+    if emulate_gpu:
+        parameters["emulate_gpu"] = True
     return ops.inplace_custom(
         OP_NAME,
         device=q.device,
         values=list(operands.values),
         out_types=[out],
-        parameters=operands.parameters,
+        parameters=parameters,
     )[0].tensor

@@ -24,7 +24,7 @@ from max.driver import Buffer
 from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
-from ._index_op import add_cpu_op, check_operands
+from ._index_op import add_op, check_operands
 from .buffers import to_buffer
 from .index_cache import PagedIndexCache
 
@@ -43,7 +43,10 @@ class IndexKey:
         kpool: Tokens per key.
         mask: ``"causal"`` or ``"null"``.
         quantization_granularity: MAX's parameter (unused by the math).
-        gpu: A GPU graph (FP8 operands, MAX's builtin op).
+        gpu: A GPU graph (FP8 operands, through
+            :func:`mla_kpool.index_top_k`, which picks MAX's op or ours).
+        emulate_gpu: A CPU graph whose op runs its GPU path over an
+            emulated grid.
     """
 
     num_heads: int
@@ -56,6 +59,7 @@ class IndexKey:
     mask: str
     quantization_granularity: int = 128
     gpu: bool = False
+    emulate_gpu: bool = False
 
     @property
     def name(self) -> str:
@@ -65,28 +69,41 @@ class IndexKey:
             f"_w{self.width}_l{self.num_layers}_p{self.page_size}"
             f"_k{self.top_k}_kp{self.kpool}_{self.mask}"
             + ("_gpu" if self.gpu else "")
+            + ("_emulated" if self.emulate_gpu else "")
         )
 
-    def input_types(self) -> list[TensorType | BufferType]:
-        """The graph inputs in operand order; per-call dims symbolic."""
-        dev = DeviceRef.GPU() if self.gpu else DeviceRef.CPU()
+    def input_types(
+        self, device: DeviceRef | None = None, suffix: str = ""
+    ) -> list[TensorType | BufferType]:
+        """The graph inputs in operand order; per-call dims symbolic.
+
+        Args:
+            device: Where the device operands go (default: GPU 0 for a
+                GPU key, else the CPU); host operands stay on the CPU.
+            suffix: Appended to every symbolic dim's name (several calls
+                in one graph).
+        """
+        dev = device or (DeviceRef.GPU() if self.gpu else DeviceRef.CPU())
         cpu = DeviceRef.CPU()
         fp8 = DType.float8_e4m3fn if self.gpu else DType.uint8
         u32, i64 = DType.uint32, DType.int64
         page = [self.num_layers, self.page_size, 1]
+        tokens, batch = "tokens" + suffix, "batch" + suffix
         return [
-            TensorType(fp8, ["tokens", self.num_heads, self.depth], dev),
-            TensorType(DType.float32, ["tokens", self.num_heads], dev),
-            TensorType(u32, ["offsets"], dev),
-            BufferType(fp8, ["blocks", 1, *page, self.width], dev),
+            TensorType(fp8, [tokens, self.num_heads, self.depth], dev),
+            TensorType(DType.float32, [tokens, self.num_heads], dev),
+            TensorType(u32, ["offsets" + suffix], dev),
+            BufferType(fp8, ["blocks" + suffix, 1, *page, self.width], dev),
             TensorType(i64, [1], cpu),
-            TensorType(u32, ["batch"], dev),
-            TensorType(u32, ["batch", "pages"], dev),
+            TensorType(u32, [batch], dev),
+            TensorType(u32, [batch, "pages" + suffix], dev),
             TensorType(u32, [1], cpu),
             TensorType(u32, [1], cpu),
-            BufferType(DType.float32, ["scale_blocks", 1, *page, 1], dev),
+            BufferType(
+                DType.float32, ["scale_blocks" + suffix, 1, *page, 1], dev
+            ),
             TensorType(i64, [1], cpu),
-            TensorType(u32, ["batch", "scale_pages"], dev),
+            TensorType(u32, [batch, "scale_pages" + suffix], dev),
             TensorType(u32, [], cpu),
         ]
 
@@ -95,8 +112,9 @@ def build_graph(key: IndexKey, extensions: list[Any]) -> Graph:
     """The one-op graph of ``key``.
 
     CPU graphs add ``mla_kpool.index_top_k`` from the flat operands (no
-    ``max.nn`` import); GPU graphs go through :func:`mla_kpool.index_top_k`
-    and so MAX's builtin.
+    ``max.nn`` import), its GPU path emulated with ``key.emulate_gpu``; GPU
+    graphs go through :func:`mla_kpool.index_top_k`, which picks MAX's
+    builtin where MAX scores the shape and ours elsewhere.
     """
     with Graph(
         key.name, input_types=key.input_types(), custom_extensions=extensions
@@ -116,7 +134,7 @@ def build_graph(key: IndexKey, extensions: list[Any]) -> Graph:
                 kpool=key.kpool,
                 prefix="",
             )
-            g.output(add_cpu_op(operands))
+            g.output(add_op(operands, emulate_gpu=key.emulate_gpu))
     return g
 
 
@@ -207,7 +225,7 @@ def prepare(
     """The compiled model and device operands of one call.
 
     Args:
-        runner: A :class:`mla_kpool.runner.Runner` (``"cpu"`` or ``"gpu"``).
+        runner: A :class:`mla_kpool.runner.Runner` (any device).
         q: ``[T, H, D]`` uint8 e4m3fn bytes.
         qs: ``[T, H]`` float32.
         input_row_offsets: ``[B + 1]`` (sent as uint32).
@@ -228,11 +246,6 @@ def prepare(
         whole flat arenas as bound.
     """
     gpu = runner.device_name == "gpu"
-    if runner.device_name not in ("cpu", "gpu"):
-        raise ValueError(
-            "index_top_k has CPU and GPU kernels only, got runner device"
-            f" {runner.device_name!r}"
-        )
     q = np.asarray(q, dtype=np.uint8)
     key = IndexKey(
         num_heads=int(q.shape[1]),
@@ -245,6 +258,7 @@ def prepare(
         mask=str(mask),
         quantization_granularity=int(quantization_granularity),
         gpu=gpu,
+        emulate_gpu=runner.device_name == "gpu-emulated",
     )
     offsets = np.asarray(input_row_offsets).astype(np.int64)
     lengths = cache.cache_lengths.astype(np.int64)

@@ -5,7 +5,9 @@ with ``kpool > 1`` only on the SM100 and gfx950 scorers. This wrapper has its
 signature. On the CPU it adds this package's ``mla_kpool.index_top_k`` op
 (``q`` and the key blocks as ``uint8`` e4m3fn bytes, since MAX has no FP8
 tensors on the CPU); on a GPU it adds MAX's builtin op, byte for byte, after
-the same checks. The contract is in docs/ops.md ("index_top_k").
+the same checks where MAX scores the shape (:func:`max_scores`), and this
+package's op (its GPU path) elsewhere. The contract is in docs/ops.md
+("index_top_k").
 
 Importing this module imports ``max.nn`` (``MHAMaskVariant`` is the default
 argument), which takes several seconds; ``mla_kpool.index_top_k`` imports it
@@ -18,7 +20,7 @@ from max.graph import TensorValue
 from max.nn.attention.mask_config import MHAMaskVariant
 from max.nn.kv_cache import PagedCacheValues
 
-from ._index_op import add_cpu_op, check_operands
+from ._index_op import add_op, check_operands
 
 #: The masks the op takes, by MAX's variant.
 _MASK_STR = {
@@ -56,6 +58,29 @@ def _cache_fields(k_collection: object) -> list[object]:
     return [getattr(k_collection, f) for f in _FIELDS]
 
 
+def max_scores(kpool: int) -> bool:
+    """Whether MAX 26.7's own GPU indexer scores ``kpool`` on this GPU.
+
+    It scores ``kpool == 1`` on every GPU it supports, and pooled keys
+    (``kpool > 1``) only with its Blackwell (``sm_10x``) and MI355
+    (``gfx950``) tensor-core scorers; elsewhere its op fails to compile.
+    Read from ``max.driver.accelerator_architecture_name()``, as
+    ``max.nn.kernels`` picks its own paths (in virtual-device mode, the
+    virtual target). Where no accelerator answers (a GPU graph built on a
+    machine without one), pooled keys get this package's op, which
+    compiles for every GPU.
+    """
+    if kpool == 1:
+        return True
+    from max import driver
+
+    try:
+        arch = driver.accelerator_architecture_name()
+    except ValueError:  # no accelerator: "not implemented for device: cpu"
+        return False
+    return arch.startswith("sm_10") or arch.startswith("gfx950")
+
+
 def index_top_k(
     q: TensorValue,
     q_s: TensorValue,
@@ -74,7 +99,7 @@ def index_top_k(
     ``[0, bound)``, ``bound = (c + n - (n - 1 - i) * causal) // kpool``,
     scores ``k_scale[j] * sum_h max(q[t, h] . k[j], 0) * q_s[t, h]``. Row
     ``t`` holds the ``min(top_k, bound)`` best ids by descending score (ties
-    by ascending id on the CPU; MAX's GPU op promises only the set), then
+    by ascending id in this package's op; MAX's promises only the set), then
     ``-1``. Bad runtime metadata gives ``-1`` rows, never a bad read.
 
     Args:
@@ -125,9 +150,9 @@ def index_top_k(
         mask_str=_MASK_STR[mask_variant],
         kpool=kpool,
     )
-    if operands.device.is_cpu():
-        return add_cpu_op(operands)
-    # A GPU: MAX's own op (its SM100 / gfx950 scorers, its kpool 1 path).
+    if operands.device.is_cpu() or not max_scores(kpool):
+        return add_op(operands)
+    # MAX's own op where it scores this shape: nobody gets slower.
     from max.nn.kernels import mla_fp8_index_top_k
 
     return mla_fp8_index_top_k(
