@@ -544,7 +544,9 @@ class Runner:
         """Runs :func:`mla_kpool.index_top_k` on host arrays.
 
         One model per :class:`mla_kpool.index_runner.IndexKey`; the batch,
-        token, block and page counts may change between calls.
+        token, block and page counts may change between calls. On
+        ``"gpu-emulated"`` the op's GPU path runs over the emulated grid;
+        on ``"gpu"`` the wrapper picks MAX's op or this package's.
 
         Args:
             q: ``[T, H, D]`` uint8 e4m3fn bytes.
@@ -561,8 +563,7 @@ class Runner:
             int32 ``[T, top_k]``.
 
         Raises:
-            ValueError: From the graph checks, on a runner device other than
-                ``"cpu"`` or ``"gpu"``, and (from MAX) when the kernel
+            ValueError: From the graph checks, and (from MAX) when the kernel
                 raises at run time (a page stride smaller than a block).
         """
         model, args, _ = index_runner.prepare(
