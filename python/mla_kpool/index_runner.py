@@ -47,6 +47,9 @@ class IndexKey:
             :func:`mla_kpool.index_top_k`, which picks MAX's op or ours).
         emulate_gpu: A CPU graph whose op runs its GPU path over an
             emulated grid.
+        gpu_op: On a GPU, ``"auto"`` (the wrapper picks MAX's op where MAX
+            scores the shape, else this package's) or ``"ours"`` (this
+            package's GPU path whatever the GPU, for tests and benches).
     """
 
     num_heads: int
@@ -60,6 +63,7 @@ class IndexKey:
     quantization_granularity: int = 128
     gpu: bool = False
     emulate_gpu: bool = False
+    gpu_op: str = "auto"
 
     @property
     def name(self) -> str:
@@ -70,6 +74,7 @@ class IndexKey:
             f"_k{self.top_k}_kp{self.kpool}_{self.mask}"
             + ("_gpu" if self.gpu else "")
             + ("_emulated" if self.emulate_gpu else "")
+            + ("_ours" if self.gpu and self.gpu_op == "ours" else "")
         )
 
     def input_types(
@@ -123,7 +128,7 @@ def build_graph(key: IndexKey, extensions: list[Any]) -> Graph:
             x.buffer if i in (3, 9) else x.tensor
             for i, x in enumerate(g.inputs)
         ]
-        if key.gpu:
+        if key.gpu and key.gpu_op == "auto":
             g.output(_gpu_op(key, values))
         else:
             operands = check_operands(
@@ -221,6 +226,7 @@ def prepare(
     k_max_cache_length: int | None = None,
     key_arena: tuple[np.ndarray, int] | None = None,
     scale_arena: tuple[np.ndarray, int] | None = None,
+    gpu_op: str = "auto",
 ) -> tuple[Any, list[Buffer], tuple[Buffer, Buffer]]:
     """The compiled model and device operands of one call.
 
@@ -240,10 +246,16 @@ def prepare(
         key_arena: ``(flat, offset)`` to bind in place of ``cache.arena``
             (a guarded copy); ``scale_arena`` likewise.
         scale_arena: See ``key_arena``.
+        gpu_op: ``"auto"`` or ``"ours"`` (:class:`IndexKey`); only a
+            ``"gpu"`` runner reads it.
 
     Returns:
         ``(model, operands, (key_buffer, scale_buffer))``, the last two the
         whole flat arenas as bound.
+
+    Raises:
+        ValueError: For a ``gpu_op`` other than ``"auto"`` or ``"ours"``,
+            and from the graph checks.
     """
     gpu = runner.device_name == "gpu"
     q = np.asarray(q, dtype=np.uint8)
@@ -259,7 +271,10 @@ def prepare(
         quantization_granularity=int(quantization_granularity),
         gpu=gpu,
         emulate_gpu=runner.device_name == "gpu-emulated",
+        gpu_op=gpu_op if gpu else "auto",
     )
+    if key.gpu_op not in ("auto", "ours"):
+        raise ValueError(f"gpu_op must be 'auto' or 'ours', got {gpu_op!r}")
     offsets = np.asarray(input_row_offsets).astype(np.int64)
     lengths = cache.cache_lengths.astype(np.int64)
     new = np.diff(offsets) if len(offsets) > 1 else np.zeros(0, np.int64)
