@@ -989,10 +989,66 @@ def test_markdown_prints_the_index_table(tmp_path, capsys, no_runner):
     assert "lacks 'blas_gflops'" in capsys.readouterr().err
 
 
-def test_index_top_k_on_gpu_is_a_usage_error(capsys, no_runner, monkeypatch):
-    monkeypatch.setattr(driver, "accelerator_count", lambda: 1)
-    assert main(["bench", "--device", "gpu", "--ops", "index_top_k"]) == 2
-    assert "runs on the CPU only" in capsys.readouterr().err
+def test_index_bytes_counts_each_requests_keys_once():
+    # Two requests: 5 cached + 3 new and 0 cached + 4 new, kpool 2, causal.
+    # Bounds: (5+3-2)//2 3, 3, (5+3-0)//2 4; (0+4-3)//2 0, 1, 1, 2. The
+    # last rows see 4 and 2 pools: (4 + 2) * (D + 4) key and scale bytes.
+    shape = index.IndexShape(
+        heads=2, depth=8, kpool=2, top_k=3, width=4, page_size=4, causal=True
+    )
+    offsets = np.array([0, 3, 7])
+    lengths = np.array([5, 0])
+    assert index.index_bytes(offsets, lengths, shape) == (
+        6 * 12 + 7 * 2 * 12 + 7 * 3 * 4
+    )
+
+
+def test_gpu_fractions_use_the_published_peaks():
+    # 1e12 flops and 4.8e9 bytes in 1 ms on an H200: 1000 TFLOP/s of its 67
+    # FP32 and 1979 FP8, 4.8 TB/s of its 4.8.
+    got = bench.gpu_fractions(10**12, 48 * 10**8, 1000.0, "NVIDIA H200")
+    assert got["pct_fp32_peak"] == pytest.approx(100 * 1000 / 67)
+    assert got["pct_fp8_peak"] == pytest.approx(100 * 1000 / 1979)
+    assert got["pct_hbm"] == pytest.approx(100.0)
+    assert got["gpu_peak"]["hbm_tbps"] == 4.8
+    assert bench.gpu_fractions(1, 1, 1.0, "Some GPU") == {}
+    assert bench.gpu_fractions(1, 1, 1.0, None) == {}
+
+
+def test_markdown_adds_the_gpu_columns_for_a_gpu_record(
+    tmp_path, capsys, no_runner
+):
+    record = dict(INDEX_RECORD, device="gpu", pct_fp32_peak=12.5)
+    record |= {"pct_fp8_peak": 0.5, "pct_hbm": 40.0}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps([record]))
+    assert main(["bench", "--markdown", str(path)]) == 0
+    out = capsys.readouterr().out
+    head, rows = _table(out)
+    assert head[-3:] == ["% FP32 peak", "% FP8 peak", "% HBM"]
+    assert rows[0][-3:] == ["12%", "0%", "40%"]
+    assert any(
+        line.startswith("% FP32 peak, % FP8 peak") for line in _legend(out)
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    driver.accelerator_count() == 0,
+    reason="no accelerator (max.driver.accelerator_count() == 0)",
+)
+def test_tiny_index_bench_run_on_gpu(tmp_path, monkeypatch):
+    """This package's GPU path timed, with the GPU's peak fractions."""
+    monkeypatch.setitem(index.INDEX_PHASES, "decode", (2, 1023, 1))
+    monkeypatch.setitem(index.INDEX_PHASES, "prefill", (1, 0, 300))
+    out = tmp_path / "index.json"
+    argv = ["bench", "--ops", "index_top_k", "--device", "gpu"]
+    assert main([*argv, "--min-seconds", "0", "--json", str(out)]) == 0
+    for r in json.loads(out.read_text()):
+        assert r["device"] == "gpu" and r["median_us"] > 0
+        assert r["bytes"] > 0
+        if index.gpu_peak(r.get("device_name")) is not None:
+            assert r["pct_fp32_peak"] > 0 and r["pct_hbm"] > 0
 
 
 def test_tiny_index_bench_run(tmp_path, capsys, monkeypatch):

@@ -19,9 +19,12 @@ one set of inputs (:mod:`.workload`) against the peers its ratios divide by:
 ``--ops index_top_k`` times the indexer at GLM-5-Next's shape, a decode
 and a prefill call (:mod:`.index`), against its own peers: the NumPy twin
 and NumPy's BLAS GFLOP/s on the same score shapes (:func:`measure_index`);
-its records go to a table of their own. Started from the command line the
-bench runs without ``OPENBLAS_CORETYPE`` and ``OPENBLAS_L2_SIZE``
-(:mod:`.blas`), and each record names the BLAS kernel NumPy used.
+its records go to a table of their own. With ``--device gpu`` it times this
+package's GPU path (whatever the GPU) and adds its share of the GPU's
+published FP32, FP8 and memory-bandwidth peaks (:func:`gpu_fractions`).
+Started from the command line the bench runs without
+``OPENBLAS_CORETYPE`` and ``OPENBLAS_L2_SIZE`` (:mod:`.blas`), and each
+record names the BLAS kernel NumPy used.
 
 With no preset a run measures a short set (:data:`DEFAULT_GRID`);
 ``--sweep`` widens the grid to every op, dtype and kpool and ``--quick``
@@ -153,7 +156,12 @@ def model_call(
 
 
 def index_call(runner: Runner, w: index.IndexWorkload) -> Callable[[], None]:
-    """index_top_k as ``runner`` compiles it, its operands bound once."""
+    """index_top_k as ``runner`` compiles it, its operands bound once.
+
+    On a GPU this package's GPU path (``gpu_op="ours"``), synchronized
+    after each call.
+    """
+    gpu = runner.device_name == "gpu"
     model, args, _ = index_runner.prepare(
         runner,
         w.q,
@@ -164,12 +172,38 @@ def index_call(runner: Runner, w: index.IndexWorkload) -> Callable[[], None]:
         top_k=w.shape.top_k,
         kpool=w.shape.kpool,
         mask=w.mask,
+        gpu_op="ours",
     )
 
     def call() -> None:
         model.execute(*args)
+        if gpu:
+            runner.device.synchronize()
 
     return call
+
+
+def gpu_fractions(
+    flops: int, nbytes: int, median_us: float, model_name: str | None
+) -> Record:
+    """The op's share of its GPU's published peaks (empty off a known GPU).
+
+    Returns:
+        ``gpu_peak`` (the peaks used) and ``pct_fp32_peak``,
+        ``pct_fp8_peak``, ``pct_hbm`` (percent of FP32 and FP8 TFLOP/s and
+        of memory bandwidth), or ``{}``.
+    """
+    peak = index.gpu_peak(model_name)
+    if peak is None:
+        return {}
+    tflops = flops / median_us / 1e6
+    tbps = nbytes / median_us / 1e6
+    return {
+        "gpu_peak": asdict(peak),
+        "pct_fp32_peak": 100 * tflops / peak.fp32_tflops,
+        "pct_fp8_peak": 100 * tflops / peak.fp8_tflops,
+        "pct_hbm": 100 * tbps / peak.hbm_tbps,
+    }
 
 
 #: Calls each index_top_k peer makes at least (after one warm-up call):
@@ -182,14 +216,15 @@ def measure_index(
 ) -> Record:
     """Measures index_top_k on one phase against its NumPy peers.
 
-    The op (operands bound once, on the CPU), the NumPy twin and NumPy's
+    The op (operands bound once, on the runner's device; on a GPU this
+    package's GPU path, whatever the GPU), the NumPy twin and NumPy's
     BLAS on the twin's score matmuls (:mod:`.index`), called in turn, round
     after round (so a neighbour's load hits all three alike), at least
     :data:`INDEX_MIN_CALLS` rounds after one warm-up round.
 
     Args:
         case: An index_top_k case (its ``phase``).
-        runner: The CPU runner.
+        runner: The runner (``"cpu"`` or ``"gpu"``).
         info: Where it runs, copied into the record.
         **timing: :func:`time_calls` options (``min_seconds``).
 
@@ -200,7 +235,9 @@ def measure_index(
         ``median_us`` with ``p10_us``, ``p90_us``, ``min_us``, ``max_us``
         and ``calls``; ``numpy_median_us``, ``numpy_min_us``,
         ``numpy_max_us``; ``blas_flops``, ``blas_median_us``,
-        ``blas_gflops``; what :func:`.blas.blas_info` says; ``info``.
+        ``blas_gflops``; ``bytes`` (:func:`.index.index_bytes`); on a GPU
+        whose peaks :data:`.index.GPU_PEAKS` knows, :func:`gpu_fractions`;
+        what :func:`.blas.blas_info` says; ``info``.
     """
     w = index.make_index_workload(case.phase)
     timing = {"warmup": 1, "min_reps": INDEX_MIN_CALLS} | timing
@@ -214,6 +251,9 @@ def measure_index(
     p10, p90 = np.percentile(op_us, [10, 90])
     blas_median = float(np.median(blas_us))
     shape = w.shape
+    nbytes = index.index_bytes(offsets, lengths, shape)
+    gpu = runner.device if runner.device_name == "gpu" else None
+    model_name = None if gpu is None else gpu.model_name
     return asdict(case) | {
         "heads": shape.heads,
         "top_k": shape.top_k,
@@ -223,6 +263,7 @@ def measure_index(
         "tokens": int(len(w.q)),
         "candidates": w.candidates,
         "flops": flops,
+        "bytes": nbytes,
         "median_us": median,
         "p10_us": float(p10),
         "p90_us": float(p90),
@@ -236,6 +277,7 @@ def measure_index(
         "blas_flops": blas_flops,
         "blas_median_us": blas_median,
         "blas_gflops": blas_flops / blas_median / 1e3,
+        **gpu_fractions(flops, nbytes, median, model_name),
         **blas_info(),
         **info,
     }
@@ -446,7 +488,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " kpool 4, top-k 512) on a decode call (16 requests, 8,192 pools"
         " each) and a 4,096-token prefill, whatever the grid options say,"
         " against a NumPy twin and NumPy's BLAS (1 graph, about 1 min on 2"
-        " CPU cores)",
+        " CPU cores); with --device gpu, this package's GPU path, with its"
+        " share of the GPU's published FP32, FP8 and memory peaks (H200,"
+        " H100, MI300X)",
     )
     add(
         "--dtypes",
@@ -522,15 +566,6 @@ def run(args: argparse.Namespace) -> int:
                     f"{', '.join('.' + k for k in sorted(kinds))}, "
                     f"got {args.plot!r}"
                 )
-        if (
-            not args.markdown
-            and args.device == "gpu"
-            and INDEX_OP in (args.ops or [])
-        ):
-            raise report.ResultsError(
-                f"--ops {INDEX_OP} runs on the CPU only (this package's"
-                " indexer kernel is a CPU kernel); drop --device gpu"
-            )
         if args.markdown and args.json:
             raise report.ResultsError(
                 "--markdown reads a --json file; it does not run, so it "

@@ -40,11 +40,15 @@ from ..index_cache import PagedIndexCache, quantize_pooled_keys
 
 __all__ = [
     "GLM5_NEXT",
+    "GPU_PEAKS",
     "INDEX_PHASES",
+    "GpuPeak",
     "IndexShape",
     "IndexWorkload",
     "blas_matmul",
     "bounds",
+    "gpu_peak",
+    "index_bytes",
     "make_index_workload",
     "numpy_index_top_k",
     "numpy_twin",
@@ -217,6 +221,62 @@ def score_flops(
     """Score flops of one call: ``2 * H * D`` per visible candidate."""
     seen = bounds(input_row_offsets, cache_lengths, shape.kpool, shape.causal)
     return 2 * int(seen.sum()) * shape.heads * shape.depth
+
+
+def index_bytes(
+    input_row_offsets: np.ndarray,
+    cache_lengths: np.ndarray,
+    shape: IndexShape,
+) -> int:
+    """The least memory traffic of one call, in bytes.
+
+    Each request's visible keys read once (``D`` FP8 bytes and a float32
+    scale per candidate its last row sees), the FP8 queries, the float32
+    head weights and the int32 output: what a scorer that reads every key
+    once per request moves, a floor for any other.
+    """
+    seen = bounds(input_row_offsets, cache_lengths, shape.kpool, shape.causal)
+    offsets = np.asarray(input_row_offsets, np.int64)
+    last = offsets[1:][np.diff(offsets) > 0] - 1
+    keys = int(seen[last].sum()) * (shape.depth + 4)
+    tokens = int(offsets[-1])
+    queries = tokens * shape.heads * (shape.depth + 4)
+    return keys + queries + tokens * shape.top_k * 4
+
+
+@dataclass(frozen=True)
+class GpuPeak:
+    """A GPU's published peaks (dense, no sparsity).
+
+    Attributes:
+        fp32_tflops: FP32 (non-tensor) TFLOP/s, the precision this
+            package's GPU scorer computes in.
+        fp8_tflops: FP8 tensor-core TFLOP/s, what a tensor-core scorer could
+            reach.
+        hbm_tbps: Memory bandwidth, TB/s.
+    """
+
+    fp32_tflops: float
+    fp8_tflops: float
+    hbm_tbps: float
+
+
+#: Published peaks by a substring of the driver's model name: NVIDIA's H200
+#: and H100 SXM datasheets, AMD's MI300X datasheet (FP8 dense: half the
+#: "with sparsity" figure).
+GPU_PEAKS = {
+    "H200": GpuPeak(fp32_tflops=67.0, fp8_tflops=1979.0, hbm_tbps=4.8),
+    "H100": GpuPeak(fp32_tflops=67.0, fp8_tflops=1979.0, hbm_tbps=3.35),
+    "MI300X": GpuPeak(fp32_tflops=163.4, fp8_tflops=2614.9, hbm_tbps=5.3),
+}
+
+
+def gpu_peak(model_name: str | None) -> GpuPeak | None:
+    """The peaks of ``model_name`` (``max.driver`` device name), if known."""
+    for key, peak in GPU_PEAKS.items():
+        if model_name and key.lower() in model_name.lower():
+            return peak
+    return None
 
 
 def _request_keys(

@@ -80,7 +80,14 @@ INDEX_COLUMNS: tuple[tuple[str, Callable[[Record], float | None]], ...] = (
     ("numpy/op", lambda r: r["numpy_median_us"] / r["median_us"]),
     ("BLAS GFLOP/s", lambda r: r["blas_gflops"]),
     ("% of BLAS", lambda r: 100 * r["gflops"] / r["blas_gflops"]),
+    ("% FP32 peak", lambda r: r.get("pct_fp32_peak")),
+    ("% FP8 peak", lambda r: r.get("pct_fp8_peak")),
+    ("% HBM", lambda r: r.get("pct_hbm")),
 )
+
+#: The last columns of :data:`INDEX_COLUMNS`, shown when a record has them
+#: (a run on a GPU whose peaks the bench knows).
+INDEX_GPU_COLUMNS = 3
 
 #: The legend under the index_top_k table.
 INDEX_LEGEND = (
@@ -94,6 +101,14 @@ INDEX_LEGEND = (
     " (above 1: the op is that many times faster).",
     "BLAS GFLOP/s: NumPy's float32 matmul on the twin's score shapes alone,"
     " this run. % of BLAS: GFLOP/s over it.",
+)
+
+#: The legend's line for the GPU columns.
+INDEX_GPU_LEGEND = (
+    "% FP32 peak, % FP8 peak: GFLOP/s over the GPU's published FP32 and"
+    " dense FP8 TFLOP/s. % HBM: the least bytes a call moves (each"
+    " request's visible keys and scales once, the queries, the output) /"
+    " op ms, over its published memory bandwidth."
 )
 
 PLOT_MISSING = (
@@ -211,20 +226,23 @@ def format_index_table(runs: list[list[Record]]) -> str:
     fastest and slowest call in brackets.
     """
     several = len(runs) > 1
+    gpu = any(r.get("pct_fp32_peak") is not None for r in sum(runs, []))
+    columns = INDEX_COLUMNS if gpu else INDEX_COLUMNS[:-INDEX_GPU_COLUMNS]
     head = ["phase", "batch", "tokens", "candidates", *["runs"] * several]
-    head += [name for name, _ in INDEX_COLUMNS]
+    head += [name for name, _ in columns]
     body = []
     for rs in _by_config(runs).values():
         r = rs[0]
         row = [r["phase"], str(r["batch"]), str(r["tokens"])]
         row += [str(r["candidates"])] + [str(len(rs))] * several
-        for name, value in INDEX_COLUMNS:
+        for name, value in columns:
             values = [v for v in map(value, rs) if v is not None]
             row.append(_cell(values, name[0] == "%") if values else "-")
         if not several and r.get("min_us") is not None:
             row[4] += f" ({_num(r['min_us'] / 1e3)}-{_num(r['max_us'] / 1e3)})"
         body.append(row)
-    legend = "\n".join(f"- {text}" for text in INDEX_LEGEND)
+    lines = INDEX_LEGEND + ((INDEX_GPU_LEGEND,) if gpu else ())
+    legend = "\n".join(f"- {text}" for text in lines)
     return _lined_up(head, body, 1) + "\n\n" + legend
 
 
