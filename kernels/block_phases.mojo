@@ -186,6 +186,24 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         return bitcast[DType.float32, 1](self.load(i))
 
     @always_inline
+    def load_f32x[width: Int](self, i: Int) -> SIMD[DType.float32, width]:
+        """Words `i ..< i + width` as float32 lanes, one vector load on a GPU.
+
+        Parameters:
+            width: Lanes (a power of two); `i` must be a multiple of it.
+        """
+        if self.checked:
+            var lanes = SIMD[DType.float32, width]()
+            comptime for w in range(width):
+                lanes[w] = self.load_f32(i + w)
+            return lanes
+        return (
+            self.words.unsafe_offset(i)
+            .unsafe_bitcast[Float32]()
+            .unsafe_load[width=width](0)
+        )
+
+    @always_inline
     def store_f32(self, i: Int, value: Float32):
         """Stores `value`'s bit pattern in word `i`."""
         self.store(i, bitcast[DType.uint32, 1](value))

@@ -7,10 +7,13 @@ Three launches, with the same answer as the CPU path (`index_top_k_cpu`):
    (offsets malformed before it, a negative cache length, a page past a
    lookup table or an arena). The offsets are read on the device: nothing
    of the call's metadata goes to the host.
-2. **Score** (`index_score_thread`, a thread per (row, candidate)): the
-   candidate's FP8 key and the row's FP8 queries, decoded exactly, a float32
-   dot per head, the NaN-keeping ReLU, the head weight, the head sum and
-   the key's scale, into a float32 workspace row.
+2. **Score** (`index_score_phase`, a block per (row, tile of
+   `SCORE_THREADS` candidates), two phases): the row's FP8 query decoded
+   once into shared memory, then a thread per candidate reads its key's
+   bytes once and keeps the per-head dot products in registers, with the
+   NaN-keeping ReLU, the head weights and the key's scale applied there,
+   into a float32 workspace row (`index_score_thread`, untiled, for shapes
+   whose query does not fit the block's shared memory).
 3. **Select** (`index_select.select_row_phase`, a block per row): the top
    `k` ids of the workspace row in the contract's order.
 
@@ -22,9 +25,9 @@ x axis only: a window's score launch has `rows * tiles` blocks, far below
 2^31 - 1 (`check_launch` refuses anything past it), so long contexts cannot
 overflow a grid dimension.
 
-This first GPU scorer reads each key from global memory once per (row,
-candidate) pair, with no shared-memory tiles: correct on every GPU, not yet
-designed for the memory system.
+A decode reads each visible key once per query row (once per request); a
+prefill reads a request's keys once per row, from the L2 cache after the
+first. Never run on a real GPU.
 """
 
 from max.gpu.host import DeviceContext
@@ -132,6 +135,92 @@ def index_score_thread(block: Int, thread: Int, op: IndexTopK):
     )
 
 
+@always_inline
+def padded_heads_pow2[num_heads: Int]() -> Int:
+    """Heads rounded up to a power of two: the SIMD width of a head vector."""
+    var width = 1
+    while width < num_heads:
+        width *= 2
+    return width
+
+
+@always_inline
+def tile_words[num_heads: Int, depth: Int]() -> Int:
+    """Shared words of the tiled scorer: the row's query and head weights."""
+    return padded_heads_pow2[num_heads]() * (depth + 1)
+
+
+comptime SCORE_SHARED_LIMIT = 12 * 1024
+"""Shared words (48 KiB) a block may use: larger `H * D` score untiled."""
+
+
+@always_inline
+def tiled_scorer[num_heads: Int, depth: Int]() -> Bool:
+    """Whether the tiled scorer serves this shape (`index_score_phase`)."""
+    return (
+        padded_heads_pow2[num_heads]() <= 64
+        and tile_words[num_heads, depth]() <= SCORE_SHARED_LIMIT
+    )
+
+
+def index_score_phase(
+    phase: Int, block: Int, thread: Int, s: Shared, op: IndexTopK
+):
+    """The tiled scorer: one row's query in shared memory, heads in registers.
+
+    Phase 0: the block's threads decode the row's `[H, D]` FP8 query into
+    shared memory once, as `[D, HP]` float32 (heads innermost, padded to a
+    power of two `HP` with zeros), and its head weights after it. Phase 1:
+    each thread scores one candidate of the block's tile: it reads the
+    key's `D` bytes from global memory once, and for each dim adds the
+    decoded key byte times the dim's `HP` query values to `HP` float32
+    accumulators held in registers; then the NaN-keeping ReLU, the head
+    weights and the key's scale, all in registers.
+    """
+    comptime hp = padded_heads_pow2[op.num_heads]()
+    comptime heads = op.num_heads
+    comptime depth = op.depth
+    var row = block // op.tiles
+    var t = op.first_row + row
+    var b = Int(op.plan[unsafe_offset=2 * t])
+    if b < 0:
+        return
+    if phase == 0:
+        var query = op.q.unsafe_offset(t * heads * depth)
+        for x in range(thread, hp * depth, SCORE_THREADS):
+            var d = x // hp
+            var h = x % hp
+            var value = Float32(0)
+            if h < heads:
+                value = decode_e4m3[1](
+                    SIMD[DType.uint8, 1](query[unsafe_offset=h * depth + d])
+                )[0]
+            s.store_f32(x, value)
+        for h in range(thread, hp, SCORE_THREADS):
+            var weight = Float32(0)
+            if h < heads:
+                weight = op.qs[unsafe_offset=t * heads + h]
+            s.store_f32(depth * hp + h, weight)
+        return
+    var j = (block % op.tiles) * SCORE_THREADS + thread
+    if j >= Int(op.plan[unsafe_offset=2 * t + 1]):
+        return
+    comptime rows = op.rows_per_candidate
+    var page = j * rows // op.page_size
+    var slot = j * rows % op.page_size
+    var at = page_bases(op, b, page)
+    var key = op.k_blocks.unsafe_offset(at[0] + slot * op.width)
+    var acc = SIMD[DType.float32, hp](0)
+    for d in range(depth):
+        var k = decode_e4m3[1](SIMD[DType.uint8, 1](key[unsafe_offset=d]))[0]
+        acc = s.load_f32x[hp](d * hp).fma(k, acc)
+    var relu = acc.lt(0).select(SIMD[DType.float32, hp](0), acc)
+    var total = (relu * s.load_f32x[hp](depth * hp)).reduce_add()
+    op.scores[unsafe_offset=row * op.candidates + j] = (
+        total * op.k_scales[unsafe_offset=at[1] + slot]
+    )
+
+
 def index_select_phase(
     phase: Int, block: Int, thread: Int, s: Shared, op: IndexTopK
 ):
@@ -192,6 +281,11 @@ def index_top_k_gpu[
     def select_body(p: Int, block: Int, thread: Int, s: Shared, o: type_of(op)):
         index_select_phase(p, block, thread, s, o)
 
+    def tile_body(p: Int, block: Int, thread: Int, s: Shared, o: type_of(op)):
+        index_score_phase(p, block, thread, s, o)
+
+    comptime tiled = tiled_scorer[op.num_heads, op.depth]()
+
     launch["mla_kpool_index_plan_kernel", plan_body, emulate](
         op, (ceildiv(op.total_tokens, PLAN_THREADS), PLAN_THREADS), ctx
     )
@@ -199,9 +293,17 @@ def index_top_k_gpu[
     while first < op.total_tokens:
         var rows = min(window, op.total_tokens - first)
         op.first_row = first
-        launch["mla_kpool_index_score_kernel", score_body, emulate](
-            op, (rows * op.tiles, SCORE_THREADS), ctx
-        )
+        comptime if tiled:
+            launch_phased[
+                "mla_kpool_index_score_kernel",
+                tile_words[op.num_heads, op.depth](),
+                tile_body,
+                emulate,
+            ](op, (rows * op.tiles, SCORE_THREADS), 2, ctx)
+        else:
+            launch["mla_kpool_index_score_kernel", score_body, emulate](
+                op, (rows * op.tiles, SCORE_THREADS), ctx
+            )
         launch_phased[
             "mla_kpool_index_select_kernel", SELECT_WORDS, select_body, emulate
         ](op, (rows, SELECT_THREADS), select_phases(op.k), ctx)
