@@ -5,12 +5,15 @@ malformed metadata, NaN ranking, ties past 4,096 at the k-th score, more
 than 262,144 candidate pools, guarded fuzz), with the op's GPU path: the
 plan, score and select launches run on the host for every block, thread and
 phase (``Runner("gpu-emulated")``), the select's phases under the
-shared-memory checks of ``kernels/block_phases.mojo``. A file of its own so
+shared-memory checks of ``kernels/block_phases.mojo``. Those shapes take the
+tiled scorer (the row's query in shared memory); one more test covers the
+untiled scorer that a query too large for it takes. A file of its own so
 that the two devices' compiles go to different workers.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from test_index_top_k import *  # noqa: F403 (the tests, run again here)
@@ -20,3 +23,19 @@ from test_index_top_k import *  # noqa: F403 (the tests, run again here)
 def runner(runners):
     """Where the op runs: its GPU path over the emulated grid."""
     return runners("gpu-emulated")
+
+
+def test_untiled_scorer_matches_the_oracle(runner):
+    # 128 heads are more than the tiled scorer's 64 head lanes, so this
+    # shape takes the untiled scorer (everything from global memory).
+    from dataclasses import replace
+
+    from index_cases import WHOLE, Case, build
+
+    wide = replace(WHOLE, name="wide-heads", heads=128, depth=16, width=16)
+    call = build(Case("wide-heads", wide, cached=(90, 3), new=(4, 2)))
+    got = runner.index_top_k(
+        call.q, call.qs, call.offsets, call.cache, 1, **call.run_kwargs()
+    )
+    assert call.check(got).rows == 6
+    np.testing.assert_array_equal(got, call.expected())
