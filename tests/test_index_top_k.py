@@ -368,3 +368,41 @@ def test_guarded_fuzz(runner, shape):
         assert np.array_equal(to_numpy(scale_buf), scales, equal_nan=True), (
             f"{where}: scales written"
         )
+
+
+def test_runner_views_float8_queries_and_refuses_other_dtypes(runner):
+    import ml_dtypes
+
+    call = build(Case("q-dtypes", WHOLE, cached=(80, 9), new=(3, 2)))
+    want = run(runner, call)
+    got = runner.index_top_k(
+        call.q.view(ml_dtypes.float8_e4m3fn), call.qs, call.offsets,
+        call.cache, call.case.layer, **call.run_kwargs(),
+    )  # fmt: skip
+    np.testing.assert_array_equal(got, want)
+    bad = {
+        "q must be uint8": dict(q=call.q.astype(np.float32)),
+        "q must be rank 3": dict(q=call.q.reshape(len(call.q), -1)),
+        "qs must be": dict(qs=call.qs[:, :1]),
+        "layer_idx must be": dict(layer_idx=-1),
+        "gpu_op must be": dict(gpu_op="bogus"),
+    }
+    for match, change in bad.items():
+        args = dict(
+            q=call.q, qs=call.qs, input_row_offsets=call.offsets,
+            cache=call.cache, layer_idx=call.case.layer,
+            **call.run_kwargs(),
+        )  # fmt: skip
+        args.update(change)
+        with pytest.raises(ValueError, match=match):
+            runner.index_top_k(**args)
+
+
+def test_a_cache_length_near_2_to_32_gives_minus_one_rows(runner):
+    # The default k_max_cache_length saturates at 2^32 - 1; the request
+    # whose length reads that large is skipped, the other one scored.
+    call = build(Case("huge-length", WHOLE, cached=(80, 9), new=(3, 2)))
+    call.cache.cache_lengths[1] = 2**32 - 16
+    got = run(runner, call)
+    assert (got[3:] == -1).all() and (got[:3, 0] >= 0).all()
+    call.check(got)

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from max import driver
 from max.driver import Buffer
@@ -232,7 +233,8 @@ def prepare(
 
     Args:
         runner: A :class:`mla_kpool.runner.Runner` (any device).
-        q: ``[T, H, D]`` uint8 e4m3fn bytes.
+        q: ``[T, H, D]`` uint8 e4m3fn bytes (or ``float8_e4m3fn``, viewed
+            as its bytes).
         qs: ``[T, H]`` float32.
         input_row_offsets: ``[B + 1]`` (sent as uint32).
         cache: The paged cache (arenas, tables, lengths, strides).
@@ -242,7 +244,8 @@ def prepare(
         mask: ``"causal"`` or ``"null"``.
         quantization_granularity: MAX's parameter.
         k_max_prompt_length: Default: the largest new-token count.
-        k_max_cache_length: Default: the largest ``c + n``.
+        k_max_cache_length: Default: the largest ``c + n``, at most
+            2^32 - 1.
         key_arena: ``(flat, offset)`` to bind in place of ``cache.arena``
             (a guarded copy); ``scale_arena`` likewise.
         scale_arena: See ``key_arena``.
@@ -254,11 +257,23 @@ def prepare(
         whole flat arenas as bound.
 
     Raises:
-        ValueError: For a ``gpu_op`` other than ``"auto"`` or ``"ours"``,
-            and from the graph checks.
+        ValueError: For a ``gpu_op`` other than ``"auto"`` or ``"ours"`` (on
+            every runner), a ``q`` that is not ``[T, H, D]`` uint8 or
+            float8_e4m3fn, a ``qs`` that is not ``[T, H]``, a ``layer_idx``
+            outside uint32, and from the graph checks.
     """
     gpu = runner.device_name == "gpu"
-    q = np.asarray(q, dtype=np.uint8)
+    if gpu_op not in ("auto", "ours"):
+        raise ValueError(f"gpu_op must be 'auto' or 'ours', got {gpu_op!r}")
+    q = _fp8_bytes(q)
+    qs = np.asarray(qs)
+    if qs.shape != q.shape[:2]:
+        raise ValueError(
+            f"qs must be [T, num_heads] = {list(q.shape[:2])} to match q, got"
+            f" {list(qs.shape)}"
+        )
+    if not 0 <= int(layer_idx) < 2**32:
+        raise ValueError(f"layer_idx must be in 0..2^32-1, got {layer_idx}")
     key = IndexKey(
         num_heads=int(q.shape[1]),
         depth=int(q.shape[2]),
@@ -273,16 +288,16 @@ def prepare(
         emulate_gpu=runner.device_name == "gpu-emulated",
         gpu_op=gpu_op if gpu else "auto",
     )
-    if key.gpu_op not in ("auto", "ours"):
-        raise ValueError(f"gpu_op must be 'auto' or 'ours', got {gpu_op!r}")
     offsets = np.asarray(input_row_offsets).astype(np.int64)
     lengths = cache.cache_lengths.astype(np.int64)
     new = np.diff(offsets) if len(offsets) > 1 else np.zeros(0, np.int64)
+    # The maxima are uint32 operands: a length near 2^32 saturates them
+    # (the op gives that request -1 rows; the maxima only size scratch).
     if k_max_prompt_length is None:
         k_max_prompt_length = int(np.clip(new, 0, None).max(initial=0))
     if k_max_cache_length is None:
         total = lengths + np.clip(new, 0, None)
-        k_max_cache_length = int(total.max(initial=0))
+        k_max_cache_length = min(int(total.max(initial=0)), 2**32 - 1)
     fp8 = DType.float8_e4m3fn if gpu else DType.uint8
     dev, cpu = runner.device, driver.CPU()
     keys, key_whole = bind_arena(
@@ -320,6 +335,26 @@ def prepare(
         to_buffer(_u32(layer_idx, ()), cpu),
     ]
     return runner.index_model(key), args, (key_whole, scale_whole)
+
+
+def _fp8_bytes(q: Any) -> np.ndarray:
+    """``q`` as ``[T, H, D]`` uint8 e4m3fn bytes (float8_e4m3fn viewed).
+
+    Raises:
+        ValueError: For another dtype (values are never converted) or a
+            rank other than 3.
+    """
+    q = np.asarray(q)
+    if q.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+        q = q.view(np.uint8)
+    if q.dtype != np.uint8:
+        raise ValueError(
+            "q must be uint8 e4m3fn bytes or ml_dtypes.float8_e4m3fn, got"
+            f" {q.dtype}"
+        )
+    if q.ndim != 3:
+        raise ValueError(f"q must be rank 3 [T, H, D], got shape {q.shape}")
+    return q
 
 
 def _stride(stride: int, shape: tuple[int, ...]) -> int:

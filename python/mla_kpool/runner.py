@@ -549,7 +549,7 @@ class Runner:
         on ``"gpu"`` the wrapper picks MAX's op or this package's.
 
         Args:
-            q: ``[T, H, D]`` uint8 e4m3fn bytes.
+            q: ``[T, H, D]`` uint8 e4m3fn bytes or ``float8_e4m3fn``.
             qs: ``[T, H]`` float32.
             input_row_offsets: ``[B + 1]``, sent as uint32.
             cache: The :class:`mla_kpool.index_cache.PagedIndexCache` (its

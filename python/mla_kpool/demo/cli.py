@@ -31,9 +31,10 @@ class DemoError(Exception):
     """A usage problem: bad option combination, no GPU, bad schedule."""
 
 
-#: Seconds the three models take to compile on an empty compile cache (a
-#: 2-core machine, MAX 26.7); a warm cache loads them in a few seconds.
-COLD_COMPILE_S = "90-120"
+#: Seconds the three models take to compile on an empty compile cache (2-core
+#: VMs, MAX 26.7: 40.6 s on an AVX-512 one, 117.5 s on an AVX2 one); a warm
+#: cache loads them in a few seconds.
+COLD_COMPILE_S = "40-120"
 
 _positive = int_at_least(1)
 
