@@ -31,5 +31,6 @@ cache and keeps the ids of its best `k` keys or pools.
 communicate, or runs them over an emulated grid on the CPU;
 `block_phases.mojo` does the same for kernels whose threads share a
 block's memory, written as phases separated by barriers, with an emulation
-that refuses a missing barrier (no op uses it yet).
+that refuses a missing barrier: `index_top_k`'s GPU scorer and select
+(`index_gpu.mojo`, `index_select.mojo`).
 """

@@ -31,6 +31,7 @@ first. Never run on a real GPU.
 """
 
 from max.gpu.host import DeviceContext
+from std.bit import next_power_of_two
 from std.math import ceildiv, max, min
 
 from .block_phases import Shared, launch_phased
@@ -98,15 +99,31 @@ def index_plan_thread(block: Int, thread: Int, op: IndexTopK):
 
 
 @always_inline
-def score_candidate(op: IndexTopK, b: Int, t: Int, j: Int) -> Float32:
-    """Row `t`'s score of request `b`'s candidate `j` (float32 sums)."""
+def candidate_at(op: IndexTopK, b: Int, j: Int) -> Tuple[Int, Int]:
+    """Where request `b`'s candidate `j` lies, for `layer_idx`.
+
+    Returns:
+        `(key element, scale element)`: the key's first byte (its `D` bytes
+        follow, since a candidate's `kpool` rows of `W` bytes are adjacent
+        in its page) and its scale.
+    """
     comptime rows = op.rows_per_candidate
     var page = j * rows // op.page_size
     var slot = j * rows % op.page_size
     var at = page_bases(op, b, page)
-    # A candidate's `rows` rows of `W` bytes follow each other in its page:
-    # byte `d` of the key is at `slot * W + d`.
-    var key = op.k_blocks.unsafe_offset(at[0] + slot * op.width)
+    return (at[0] + slot * op.width, at[1] + slot)
+
+
+def score_tiles(op: IndexTopK) -> Int:
+    """Score blocks per row: tiles of `SCORE_THREADS` candidates."""
+    return ceildiv(op.candidates, SCORE_THREADS)
+
+
+@always_inline
+def score_candidate(op: IndexTopK, b: Int, t: Int, j: Int) -> Float32:
+    """Row `t`'s score of request `b`'s candidate `j` (float32 sums)."""
+    var at = candidate_at(op, b, j)
+    var key = op.k_blocks.unsafe_offset(at[0])
     var total = Float32(0)
     for h in range(op.num_heads):
         var query = op.q.unsafe_offset((t * op.num_heads + h) * op.depth)
@@ -118,13 +135,13 @@ def score_candidate(op: IndexTopK, b: Int, t: Int, j: Int) -> Float32:
         # ReLU that keeps a NaN a NaN, as the CPU kernel's.
         var relu = Float32(0) if dot < 0 else dot
         total += relu * op.qs[unsafe_offset=t * op.num_heads + h]
-    return total * op.k_scales[unsafe_offset=at[1] + slot]
+    return total * op.k_scales[unsafe_offset=at[1]]
 
 
 def index_score_thread(block: Int, thread: Int, op: IndexTopK):
     """Scores one (row, candidate) of the window into the workspace."""
-    var row = block // op.tiles
-    var j = (block % op.tiles) * SCORE_THREADS + thread
+    var row = block // score_tiles(op)
+    var j = (block % score_tiles(op)) * SCORE_THREADS + thread
     var t = op.first_row + row
     var b = Int(op.plan[unsafe_offset=2 * t])
     var bound = Int(op.plan[unsafe_offset=2 * t + 1])
@@ -138,10 +155,7 @@ def index_score_thread(block: Int, thread: Int, op: IndexTopK):
 @always_inline
 def padded_heads_pow2[num_heads: Int]() -> Int:
     """Heads rounded up to a power of two: the SIMD width of a head vector."""
-    var width = 1
-    while width < num_heads:
-        width *= 2
-    return width
+    return next_power_of_two(num_heads)
 
 
 @always_inline
@@ -180,7 +194,7 @@ def index_score_phase(
     comptime hp = padded_heads_pow2[op.num_heads]()
     comptime heads = op.num_heads
     comptime depth = op.depth
-    var row = block // op.tiles
+    var row = block // score_tiles(op)
     var t = op.first_row + row
     var b = Int(op.plan[unsafe_offset=2 * t])
     if b < 0:
@@ -202,14 +216,11 @@ def index_score_phase(
                 weight = op.qs[unsafe_offset=t * heads + h]
             s.store_f32(depth * hp + h, weight)
         return
-    var j = (block % op.tiles) * SCORE_THREADS + thread
+    var j = (block % score_tiles(op)) * SCORE_THREADS + thread
     if j >= Int(op.plan[unsafe_offset=2 * t + 1]):
         return
-    comptime rows = op.rows_per_candidate
-    var page = j * rows // op.page_size
-    var slot = j * rows % op.page_size
-    var at = page_bases(op, b, page)
-    var key = op.k_blocks.unsafe_offset(at[0] + slot * op.width)
+    var at = candidate_at(op, b, j)
+    var key = op.k_blocks.unsafe_offset(at[0])
     var acc = SIMD[DType.float32, hp](0)
     for d in range(depth):
         var k = decode_e4m3[1](SIMD[DType.uint8, 1](key[unsafe_offset=d]))[0]
@@ -217,7 +228,7 @@ def index_score_phase(
     var relu = acc.lt(0).select(SIMD[DType.float32, hp](0), acc)
     var total = (relu * s.load_f32x[hp](depth * hp)).reduce_add()
     op.scores[unsafe_offset=row * op.candidates + j] = (
-        total * op.k_scales[unsafe_offset=at[1] + slot]
+        total * op.k_scales[unsafe_offset=at[1]]
     )
 
 
@@ -270,7 +281,7 @@ def index_top_k_gpu[
     var op = op_in
     op.plan = plan
     op.scores = scores
-    op.tiles = ceildiv(op.candidates, SCORE_THREADS)
+    var tiles = score_tiles(op)
 
     def plan_body(block: Int, thread: Int, o: type_of(op)):
         index_plan_thread(block, thread, o)
@@ -299,10 +310,10 @@ def index_top_k_gpu[
                 tile_words[op.num_heads, op.depth](),
                 tile_body,
                 emulate,
-            ](op, (rows * op.tiles, SCORE_THREADS), 2, ctx)
+            ](op, (rows * tiles, SCORE_THREADS), 2, ctx)
         else:
             launch["mla_kpool_index_score_kernel", score_body, emulate](
-                op, (rows * op.tiles, SCORE_THREADS), ctx
+                op, (rows * tiles, SCORE_THREADS), ctx
             )
         launch_phased[
             "mla_kpool_index_select_kernel", SELECT_WORDS, select_body, emulate

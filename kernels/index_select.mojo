@@ -38,6 +38,7 @@ workspace. Radix select and bitonic sort are the textbook GPU methods
 units", 2012; Batcher's bitonic sorter, 1968).
 """
 
+from std.bit import log2_floor, next_power_of_two
 from std.math import min
 
 from .block_phases import Shared
@@ -82,23 +83,12 @@ comptime _COLLECT_PHASES = 3
 @always_inline
 def sort_width(k: Int) -> Int:
     """The pairs' area: the smallest power of two at least `k`."""
-    var width = 1
-    while width < k:
-        width *= 2
-    return width
-
-
-@always_inline
-def _log2(width: Int) -> Int:
-    var n = 0
-    while (1 << n) < width:
-        n += 1
-    return n
+    return next_power_of_two(k)
 
 
 def _sort_steps(k: Int) -> Int:
     """Compare-exchange phases of the bitonic sort of `sort_width(k)`."""
-    var n = _log2(sort_width(k))
+    var n = log2_floor(sort_width(k))
     return n * (n + 1) // 2
 
 
@@ -309,8 +299,8 @@ def _bitonic_step(thread: Int, s: Shared, step: Int, width: Int):
     """
     var size = 2
     var left = step
-    while left >= _log2(size):
-        left -= _log2(size)
+    while left >= log2_floor(size):
+        left -= log2_floor(size)
         size *= 2
     var stride = size >> (left + 1)
     for i in range(thread, width, SELECT_THREADS):

@@ -229,8 +229,6 @@ struct IndexOperands[
     """GPU path: the most candidates a row can see (a workspace row)."""
     var first_row: Int
     """GPU path: the window's first row."""
-    var tiles: Int
-    """GPU path: score blocks per row."""
 
     comptime width = Self.depth // Self.kpool if Self.spread else Self.depth
     """Bytes per cache row, `W`."""
@@ -1027,7 +1025,6 @@ struct MLAKPoolIndexTopK:
                 output_indices.unsafe_ptr().unsafe_bitcast[Int64](),
                 k_scales.unsafe_ptr(),
                 candidates,
-                0,
                 0,
             )
             comptime if on_cpu:
