@@ -25,7 +25,9 @@ The op is timed against two NumPy peers in the same run:
   best on this work, in GFLOP/s.
 
 The op's score GFLOP/s counts ``2 * H * D`` per visible candidate, summed
-over the query tokens (:func:`score_flops`).
+over the query tokens (:func:`score_flops`). The GPU peaks
+(:data:`GPU_PEAKS`, :class:`GpuPeak`, :func:`gpu_peak`) live in
+:mod:`mla_kpool.gpu_specs` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from ..gpu_specs import GPU_PEAKS, GpuPeak, gpu_peak
 from ..index_cache import PagedIndexCache, quantize_pooled_keys
 
 __all__ = [
@@ -242,41 +245,6 @@ def index_bytes(
     tokens = int(offsets[-1])
     queries = tokens * shape.heads * (shape.depth + 4)
     return keys + queries + tokens * shape.top_k * 4
-
-
-@dataclass(frozen=True)
-class GpuPeak:
-    """A GPU's published peaks (dense, no sparsity).
-
-    Attributes:
-        fp32_tflops: FP32 (non-tensor) TFLOP/s, the precision this
-            package's GPU scorer computes in.
-        fp8_tflops: FP8 tensor-core TFLOP/s, what a tensor-core scorer could
-            reach.
-        hbm_tbps: Memory bandwidth, TB/s.
-    """
-
-    fp32_tflops: float
-    fp8_tflops: float
-    hbm_tbps: float
-
-
-#: Published peaks by a substring of the driver's model name: NVIDIA's H200
-#: and H100 SXM datasheets, AMD's MI300X datasheet (FP8 dense: half the
-#: "with sparsity" figure).
-GPU_PEAKS = {
-    "H200": GpuPeak(fp32_tflops=67.0, fp8_tflops=1979.0, hbm_tbps=4.8),
-    "H100": GpuPeak(fp32_tflops=67.0, fp8_tflops=1979.0, hbm_tbps=3.35),
-    "MI300X": GpuPeak(fp32_tflops=163.4, fp8_tflops=2614.9, hbm_tbps=5.3),
-}
-
-
-def gpu_peak(model_name: str | None) -> GpuPeak | None:
-    """The peaks of ``model_name`` (``max.driver`` device name), if known."""
-    for key, peak in GPU_PEAKS.items():
-        if model_name and key.lower() in model_name.lower():
-            return peak
-    return None
 
 
 def _request_keys(
