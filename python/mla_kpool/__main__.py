@@ -1,6 +1,7 @@
-"""Command line: ``python -m mla_kpool {demo,bench}`` (also ``mla-kpool``).
+"""Command line: ``python -m mla_kpool {demo,bench,gpu-report}``.
 
-``--version`` prints the package version. ``bench`` started from the command
+The console script ``mla-kpool`` is the same. ``--version`` prints the
+package version. ``bench`` started from the command
 line re-executes itself without ``OPENBLAS_CORETYPE`` and
 ``OPENBLAS_L2_SIZE`` (:mod:`mla_kpool.bench.blas`), so its NumPy peers get
 OpenBLAS's own choice of kernel. Usage and help name the program
@@ -29,6 +30,10 @@ COMMANDS = {
         "run a serving workload through the writers, check every pool",
     ),
     "bench": ("mla_kpool.bench", "time the writers"),
+    "gpu-report": (
+        "mla_kpool.gpu_report",
+        "compile every GPU kernel (no GPU needed): registers, occupancy",
+    ),
 }
 
 

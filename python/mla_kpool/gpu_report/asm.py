@@ -1,0 +1,256 @@
+"""Facts read from compiled kernel code: PTX, ``ptxas -v`` and AMDGPU asm.
+
+Everything here is text parsing with no tool run, so the tests can feed it
+both the report's files and fabricated snippets.
+
+- PTX (``sm_*``): the ``.entry`` symbols, each entry's parameter block (the
+  ``.param`` declarations laid out with their sizes and alignments, as the
+  CUDA driver packs kernel arguments), its static ``.shared`` bytes, and
+  :func:`ptx_facts`, the instructions of interest (local memory, ``cvt``,
+  global load widths).
+- ``ptxas -v`` output: registers, barriers, stack, spills and shared memory
+  per entry (:func:`parse_ptxas`).
+- AMDGPU assembly (``gfx*``): the ``.amdhsa_*`` kernel descriptor and the
+  code object metadata (:func:`amd_kernels`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+#: Bytes of one element of a PTX ``.param``/``.shared`` type.
+_PTX_TYPE_BYTES = {
+    "b8": 1, "u8": 1, "s8": 1,
+    "b16": 2, "u16": 2, "s16": 2, "f16": 2, "bf16": 2,
+    "b32": 4, "u32": 4, "s32": 4, "f32": 4,
+    "b64": 8, "u64": 8, "s64": 8, "f64": 8,
+}  # fmt: skip
+
+_ENTRY = re.compile(
+    r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+(\S+?)\s*\(", re.M
+)
+_PARAM = re.compile(
+    r"\.param\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s+\S+?(?:\[(\d+)\])?\s*[,)]?$"
+)
+_SHARED = re.compile(
+    r"^\s*\.shared\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s+\S+?(?:\[(\d+)\])?;",
+    re.M,
+)
+
+
+def ptx_entries(ptx: str) -> list[str]:
+    """The ``.entry`` symbols of a PTX module, in order."""
+    return _ENTRY.findall(ptx)
+
+
+def ptx_entry_text(ptx: str, entry: str) -> str:
+    """One entry's text, from its ``.entry`` line to the next entry.
+
+    Raises:
+        KeyError: If ``ptx`` has no entry ``entry``.
+    """
+    starts = [(m.group(1), m.start()) for m in _ENTRY.finditer(ptx)]
+    for i, (name, start) in enumerate(starts):
+        if name == entry:
+            end = starts[i + 1][1] if i + 1 < len(starts) else len(ptx)
+            return ptx[start:end]
+    raise KeyError(f"no .entry {entry} in the PTX")
+
+
+def _align(offset: int, alignment: int) -> int:
+    return -(-offset // alignment) * alignment
+
+
+def ptx_param_bytes(ptx: str, entry: str) -> int:
+    """Bytes of ``entry``'s parameter block.
+
+    Each ``.param`` is placed at the next multiple of its alignment (its
+    ``.align``, else its element size) and the block ends after the last,
+    which is how the driver packs a launch's arguments.
+
+    Raises:
+        KeyError: If there is no such entry.
+        ValueError: For a parameter type this parser does not know.
+    """
+    text = ptx_entry_text(ptx, entry)
+    header = text[text.index("(") + 1 : text.index(")")]
+    offset = 0
+    for line in header.splitlines():
+        m = _PARAM.search(line.strip())
+        if m is None:
+            continue
+        align, kind, count = m.groups()
+        if kind not in _PTX_TYPE_BYTES:
+            raise ValueError(f"{entry}: unknown .param type .{kind}")
+        size = _PTX_TYPE_BYTES[kind] * int(count or 1)
+        offset = _align(offset, int(align or _PTX_TYPE_BYTES[kind])) + size
+    return offset
+
+
+def ptx_shared_bytes(ptx: str, entry: str) -> int:
+    """Static ``.shared`` bytes declared in ``entry``'s body."""
+    total = 0
+    for align, kind, count in _SHARED.findall(ptx_entry_text(ptx, entry)):
+        size = _PTX_TYPE_BYTES.get(kind, 1) * int(count or 1)
+        total = _align(total, int(align or 1)) + size
+    return total
+
+
+_LOCAL = re.compile(r"\b((?:ld|st)\.local[\w.]*)")
+_CVT = re.compile(r"\b(cvt(?:\.[\w]+)+)")
+_LD_GLOBAL = re.compile(r"\b(ld\.global(?:\.[\w]+)+)")
+
+
+def ptx_facts(ptx: str, entry: str) -> dict[str, dict[str, int]]:
+    """The instructions of ``entry`` that tell how it uses memory and FP8.
+
+    Args:
+        ptx: The PTX module.
+        entry: An ``.entry`` symbol of it.
+
+    Returns:
+        ``{"local": ..., "cvt": ..., "global_loads": ...}``, each a dict of
+        instruction (with its type suffixes, e.g. ``ld.global.nc.v2.u32``
+        or ``cvt.rn.f16x2.e4m3x2``) -> occurrences in the entry's text:
+        local-memory loads and stores (spills or stack arrays), conversions
+        (a hardware FP8 decode is a ``cvt`` from ``e4m3x2``), and global
+        loads, whose suffix gives the width (``.u8`` is a byte at a time,
+        ``.v2.u32`` / ``.u64`` eight bytes).
+
+    Raises:
+        KeyError: If there is no such entry.
+    """
+    text = ptx_entry_text(ptx, entry)
+    return {
+        "local": dict(Counter(_LOCAL.findall(text))),
+        "cvt": dict(Counter(_CVT.findall(text))),
+        "global_loads": dict(Counter(_LD_GLOBAL.findall(text))),
+    }
+
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_FRAME = re.compile(
+    r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+    r"(\d+) bytes spill loads"
+)
+_PTXAS_USED = re.compile(r"Used (\d+) registers")
+_PTXAS_BARRIERS = re.compile(r"used (\d+) barriers")
+_PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(output: str) -> dict[str, dict[str, int]]:
+    """Per entry facts from ``ptxas -v`` output.
+
+    Returns:
+        Entry symbol -> ``registers``, ``barriers``, ``stack_bytes``,
+        ``spill_store_bytes``, ``spill_load_bytes`` and ``shared_bytes``
+        (static shared memory; 0 when ptxas prints no ``smem``). Lines about
+        called functions (not entries) are not counted.
+    """
+    facts: dict[str, dict[str, int]] = {}
+    current: dict[str, int] | None = None
+    for line in output.splitlines():
+        m = _PTXAS_ENTRY.search(line)
+        if m:
+            current = facts.setdefault(
+                m.group(1), {"barriers": 0, "shared_bytes": 0}
+            )
+            continue
+        if "Function properties for" in line and current is not None:
+            name = line.rsplit("for", 1)[1].strip()
+            if name not in facts:
+                current = None  # a callee's properties, not the entry's
+            continue
+        if current is None:
+            continue
+        if m := _PTXAS_FRAME.search(line):
+            stack, stores, loads = (int(g) for g in m.groups())
+            current.setdefault("stack_bytes", stack)
+            current.setdefault("spill_store_bytes", stores)
+            current.setdefault("spill_load_bytes", loads)
+        if m := _PTXAS_USED.search(line):
+            current["registers"] = int(m.group(1))
+            if b := _PTXAS_BARRIERS.search(line):
+                current["barriers"] = int(b.group(1))
+            if s := _PTXAS_SMEM.search(line):
+                current["shared_bytes"] = int(s.group(1))
+    return facts
+
+
+_AMD_KERNEL = re.compile(
+    r"^\s*\.amdhsa_kernel\s+(\S+)(.*?)^\s*\.end_amdhsa_kernel", re.M | re.S
+)
+_AMD_FIELD = re.compile(r"^\s*\.amdhsa_(\w+)\s+(-?\d+)", re.M)
+_META_KERNEL = re.compile(r"^\s*-\s+(?=\.)", re.M)
+
+
+def _metadata_kernels(asm: str) -> dict[str, str]:
+    """Kernel name -> its block of the code object metadata (YAML)."""
+    start = asm.find("amdhsa.kernels:")
+    if start < 0:
+        return {}
+    end = asm.find(".end_amdgpu_metadata", start)
+    body = asm[start : end if end > 0 else len(asm)]
+    blocks: dict[str, str] = {}
+    # A kernel's entry starts at two spaces of indent: `  - .agpr_count: 0`.
+    for chunk in re.split(r"^  - ", body, flags=re.M)[1:]:
+        if m := re.search(r"^\s*\.name:\s+(\S+)", chunk, re.M):
+            blocks[m.group(1)] = chunk
+    return blocks
+
+
+def _explicit_kernarg_bytes(meta: str) -> int | None:
+    """End of the last non-hidden argument in a kernel's metadata."""
+    end = None
+    args = re.findall(
+        r"\.offset:\s+(\d+)\s+\.size:\s+(\d+)\s+\.value_kind:\s+(\w+)", meta
+    )
+    for offset, size, kind in args:
+        if not kind.startswith("hidden_"):
+            end = max(end or 0, int(offset) + int(size))
+    return end
+
+
+def _meta_int(meta: str, key: str) -> int | None:
+    m = re.search(rf"^\s*\.{key}:\s+(\d+)", meta, re.M)
+    return int(m.group(1)) if m else None
+
+
+def amd_kernels(asm: str) -> dict[str, dict[str, int]]:
+    """Per kernel facts from AMDGPU assembly.
+
+    Returns:
+        Kernel symbol -> ``registers`` (``.amdhsa_next_free_vgpr``, the
+        VGPRs the kernel descriptor asks the dispatcher for: on gfx90a and
+        gfx942 the unified file, architectural VGPRs up to
+        ``.amdhsa_accum_offset`` then AGPRs, which LLVM may reserve even
+        when the metadata counts none), ``vgpr_count`` and ``agprs`` (the
+        metadata's ``.vgpr_count`` and ``.agpr_count``), ``sgprs``
+        (metadata ``.sgpr_count``, else ``.amdhsa_next_free_sgpr``),
+        ``shared_bytes`` (``.amdhsa_group_segment_fixed_size``, LDS),
+        ``private_bytes`` (``.amdhsa_private_segment_fixed_size``, scratch
+        per lane: spills and stack), ``kernarg_bytes``
+        (``.amdhsa_kernarg_size``, hidden arguments included) and
+        ``param_bytes`` (the explicit arguments only: the end of the last
+        metadata ``.args`` entry whose kind is not ``hidden_*``).
+    """
+    meta = _metadata_kernels(asm)
+    out: dict[str, dict[str, int]] = {}
+    for name, body in _AMD_KERNEL.findall(asm):
+        f = {k: int(v) for k, v in _AMD_FIELD.findall(body)}
+        m = meta.get(name, "")
+        vgprs = f.get("next_free_vgpr", 0)
+        kernarg = f.get("kernarg_size", 0)
+        explicit = _explicit_kernarg_bytes(m)
+        out[name] = {
+            "registers": vgprs,
+            "vgpr_count": _meta_int(m, "vgpr_count") or vgprs,
+            "agprs": _meta_int(m, "agpr_count") or 0,
+            "sgprs": _meta_int(m, "sgpr_count") or f.get("next_free_sgpr", 0),
+            "shared_bytes": f.get("group_segment_fixed_size", 0),
+            "private_bytes": f.get("private_segment_fixed_size", 0),
+            "kernarg_bytes": kernarg,
+            "param_bytes": kernarg if explicit is None else explicit,
+        }
+    return out

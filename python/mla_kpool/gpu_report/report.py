@@ -1,0 +1,191 @@
+"""One row per (kernel, config, arch): what the compiled code says.
+
+:func:`kernel_rows` reads the driver's manifest and code for one target and
+adds, per kernel, what the code and (on NVIDIA) ``ptxas -v`` say: entry
+symbol, registers, spills, stack, barriers, shared memory, parameter block,
+then the theoretical occupancy on each GPU of the target
+(:mod:`mla_kpool.gpu_report.occupancy`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .asm import (
+    amd_kernels,
+    parse_ptxas,
+    ptx_entries,
+    ptx_param_bytes,
+    ptx_shared_bytes,
+)
+from .tools import ToolError, run_ptxas
+
+Row = dict[str, Any]
+
+#: What ``ptxas -v`` adds to a PTX row (``None`` without ptxas).
+PTXAS_FIELDS = (
+    "registers",
+    "spill_store_bytes",
+    "spill_load_bytes",
+    "stack_bytes",
+    "barriers",
+)
+
+
+def is_nvidia(arch: str) -> bool:
+    """Whether ``arch`` is an NVIDIA target (PTX), else AMDGPU."""
+    return arch.startswith("sm_")
+
+
+def read_manifest(out_dir: Path) -> list[Row]:
+    """The driver's ``manifest.jsonl``: one dict per kernel."""
+    text = (out_dir / "manifest.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _entry(symbols: list[str], prefix: str, asm: str) -> str:
+    """The one symbol named ``<prefix>_<hash>``."""
+    found = [s for s in symbols if s.startswith(prefix + "_")]
+    if len(found) != 1:
+        raise ToolError(f"{asm}: {len(found)} kernels named {prefix}_*")
+    return found[0]
+
+
+def _nvidia_facts(arch: str, path: Path, prefix: str, ptxas: str | None) -> Row:
+    ptx = path.read_text()
+    entry = _entry(ptx_entries(ptx), prefix, path.name)
+    row: Row = {
+        "entry": entry,
+        "param_bytes": ptx_param_bytes(ptx, entry),
+        "shared_bytes": ptx_shared_bytes(ptx, entry),
+    }
+    row.update(dict.fromkeys(PTXAS_FIELDS))
+    if ptxas is not None:
+        facts = parse_ptxas(run_ptxas(ptxas, arch, path))[entry]
+        row.update({k: facts[k] for k in PTXAS_FIELDS})
+        row["shared_bytes"] = facts["shared_bytes"]
+    return row
+
+
+def _amd_facts(path: Path, prefix: str) -> Row:
+    kernels = amd_kernels(path.read_text())
+    entry = _entry(list(kernels), prefix, path.name)
+    facts = kernels[entry]
+    return {
+        "entry": entry,
+        "param_bytes": facts["param_bytes"],
+        "kernarg_bytes": facts["kernarg_bytes"],
+        "shared_bytes": facts["shared_bytes"],
+        "registers": facts["registers"],
+        "vgpr_count": facts["vgpr_count"],
+        "agprs": facts["agprs"],
+        "sgprs": facts["sgprs"],
+        # Scratch per lane holds spills and stack alike.
+        "spill_store_bytes": facts["private_bytes"],
+        "spill_load_bytes": facts["private_bytes"],
+        "stack_bytes": facts["private_bytes"],
+        "barriers": None,
+    }
+
+
+def add_occupancy(row: Row) -> None:
+    """Sets ``occupancy``, ``limited_by`` and ``resident_blocks`` per GPU.
+
+    Empty dicts when the row has no register count (PTX without ptxas).
+    """
+    from .occupancy import occupancy_by_gpu
+
+    row["occupancy"], row["limited_by"], row["resident_blocks"] = {}, {}, {}
+    if row["registers"] is None:
+        return
+    by_gpu = occupancy_by_gpu(
+        row["arch"], row["registers"], row["shared_bytes"], row["block_threads"]
+    )
+    for gpu, occ in by_gpu.items():
+        row["occupancy"][gpu] = occ["fraction"]
+        row["limited_by"][gpu] = occ["limited_by"]
+        row["resident_blocks"][gpu] = occ["resident_blocks"]
+
+
+def kernel_rows(arch: str, out_dir: Path, ptxas: str | None) -> list[Row]:
+    """The rows of one target, from the driver's output in ``out_dir``.
+
+    Args:
+        arch: The target the driver compiled for.
+        out_dir: The driver's output directory (named ``arch``; a row's
+            ``asm`` is ``<arch>/<file>``).
+        ptxas: The assembler for NVIDIA targets, or ``None`` (registers,
+            spills, stack, barriers and occupancy are then unknown).
+
+    Returns:
+        One dict per kernel: the manifest's fields, ``arch``, ``entry``,
+        the code's facts (module docs) and the occupancy per GPU.
+
+    Raises:
+        ToolError: If a kernel's symbol is not found once, or ptxas fails.
+    """
+    rows = []
+    for kernel in read_manifest(out_dir):
+        path = out_dir / kernel["asm"]
+        if is_nvidia(arch):
+            facts = _nvidia_facts(arch, path, kernel["entry"], ptxas)
+        else:
+            facts = _amd_facts(path, kernel["entry"])
+        row = {**kernel, "arch": arch, **facts}
+        row["asm"] = f"{out_dir.name}/{kernel['asm']}"
+        add_occupancy(row)
+        rows.append(row)
+    return rows
+
+
+def param_mismatches(rows: list[Row]) -> list[str]:
+    """One message per kernel whose parameter block is not the host's bytes.
+
+    A kernel takes its operand struct by value: the bytes the host copies
+    (``host_bytes``: ``size_of`` the struct, plus 8 for a phased kernel's
+    phase count) must be the parameter block the compiled kernel reads
+    (``param_bytes``), or the kernel reads fields at the wrong offsets.
+    """
+    return [
+        f"{r['arch']} {r['op']}/{r['kernel']} [{r['config']}] ({r['entry']}): "
+        f"param_bytes {r['param_bytes']} != host_bytes {r['host_bytes']}"
+        for r in rows
+        if r["param_bytes"] != r["host_bytes"]
+    ]
+
+
+def _cell(value: Any) -> str:
+    return "?" if value is None else str(value)
+
+
+def _occupancy_cell(row: Row) -> str:
+    return " ".join(
+        f"{gpu} {frac:.2f} ({row['limited_by'][gpu]})"
+        for gpu, frac in row["occupancy"].items()
+    )
+
+
+HEADER = (
+    f"{'arch':8} {'op':12} {'kernel':13} {'config':24} {'regs':>4} "
+    f"{'spill':>7} {'smem':>6} {'thr':>4} {'param/host':>10}  occupancy"
+)
+
+
+def table_line(row: Row) -> str:
+    """A row of the table.
+
+    Columns: registers, spill bytes (stores/loads), shared bytes, threads
+    per block, parameter and host bytes, occupancy per GPU.
+    """
+    spill = (
+        f"{_cell(row['spill_store_bytes'])}/{_cell(row['spill_load_bytes'])}"
+    )
+    params = f"{row['param_bytes']}/{row['host_bytes']}"
+    return (
+        f"{row['arch']:8} {row['op']:12} {row['kernel']:13} "
+        f"{row['config']:24} {_cell(row['registers']):>4} {spill:>7} "
+        f"{row['shared_bytes']:>6} {row['block_threads']:>4} {params:>10}  "
+        f"{_occupancy_cell(row)}"
+    )
