@@ -5,8 +5,8 @@ The bench's documented workloads (:data:`WORKLOADS`):
 - ``step-b64``, ``step-b4096``: the writers' fused step (``mla_kpool.step``)
   at bfloat16, head_dim 128, kpool 4 and batch 64 or 4096, as the bench
   times it (:mod:`mla_kpool.bench.workload`: each request brings
-  ``2 * kpool`` tokens with ``kpool // 2`` pending, closes one pool and
-  builds two);
+  ``2 * kpool`` tokens with ``kpool // 2`` pending, closes one pool,
+  builds one and stashes ``kpool // 2`` tokens);
 - ``glm5-next-decode``: GLM-5-Next's indexer (H 32, D 128, kpool 4, top
   512, rows of W 32, pages of 128 rows, causal), 16 requests of one new
   token after 32,767 cached (:data:`mla_kpool.bench.index.INDEX_PHASES`);
@@ -92,9 +92,9 @@ def step_flops(batch: int, kpool: int, head_dim: int) -> int:
     """Flops of one step call of the bench's workload.
 
     Each pooled channel costs :data:`POOL_FLOPS_PER_MEMBER` per member and
-    one division; a request closes one pool from its ring (when
-    ``kpool // 2 > 0`` members are pending) and builds two from its
-    ``2 * kpool`` new tokens.
+    one division. A request of the workload (``kpool // 2`` pending, then
+    ``2 * kpool`` new tokens) makes two pools: it closes one from its ring
+    and builds one, or, with nothing pending (kpool 1), builds two.
 
     Args:
         batch: Requests.
@@ -104,7 +104,7 @@ def step_flops(batch: int, kpool: int, head_dim: int) -> int:
     Returns:
         The flops.
     """
-    pools = batch * (1 if kpool // 2 else 0) + batch * 2
+    pools = 2 * batch
     return pools * head_dim * (POOL_FLOPS_PER_MEMBER * kpool + 1)
 
 
@@ -315,8 +315,8 @@ def _row_for(
 ) -> dict[str, Any] | None:
     """The kernel row of ``w``'s op, ``kernel`` and ``arch``, if any.
 
-    Among several, the first whose ``params`` agree with ``w``'s on every
-    key both have, else the first.
+    Rows whose ``params`` (a dict) disagree with ``w``'s on a key both
+    have are skipped; of the others, the first.
     """
     mine = [
         r
@@ -324,14 +324,16 @@ def _row_for(
         if r.get("op") == w["op"]
         and r.get("kernel") == kernel
         and _arch(r.get("arch")) in (None, arch)
+        and _agrees(r.get("params"), w["params"])
     ]
-    for r in mine:
-        params = r.get("params")
-        if isinstance(params, dict) and all(
-            params[k] == v for k, v in w["params"].items() if k in params
-        ):
-            return r
     return mine[0] if mine else None
+
+
+def _agrees(params: Any, mine: dict[str, Any]) -> bool:
+    """Whether a row's ``params`` (if a dict) agree with ``mine``."""
+    if not isinstance(params, dict):
+        return True
+    return all(params[k] == v for k, v in mine.items() if k in params)
 
 
 def _kernel_fill(
