@@ -160,3 +160,70 @@ def test_format_rooflines_has_a_row_per_result():
     table = roofline.format_rooflines(results).splitlines()
     assert len(table) == 2 + len(results) == 2 + 5 * 4
     assert table[2].startswith("| step-b64 | H200 |")
+
+
+def test_bench_bound_beside_the_time():
+    from mla_kpool import bench
+    from mla_kpool.bench.workload import Case
+
+    decode = Case("index_top_k", "float8_e4m3fn", 16, 4, 128, "gpu", "decode")
+    # H200: 1,073,741,824 flops / 67e12 = 16.026 us; 160.26 us is 10x.
+    got = bench.gpu_bound(decode, 160.26, "NVIDIA H200")
+    assert got["bound_us"] == pytest.approx(1_073_741_824 / 67e6)
+    assert got["bound_fp8_us"] == pytest.approx(17_401_856 / 4.8e6)
+    assert got["x_bound"] == pytest.approx(10.0, rel=1e-4)
+    assert bench.gpu_bound(decode, 1.0, "Fake GPU 9000") == {}
+    assert bench.gpu_bound(decode, 1.0, None) == {}
+    expand = Case("expand_topk", "int32", 64, 4, 128, "gpu")
+    assert bench.gpu_bound(expand, 1.0, "NVIDIA H200") == {}
+
+
+def _cells(table: str, header: str) -> list[str]:
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    col = head.index(header)
+    return [line.strip("|").split("|")[col].strip() for line in lines[2:]]
+
+
+def test_bench_tables_show_the_bound_columns():
+    from mla_kpool.bench import report
+
+    step = {
+        "op": "step",
+        "dtype": "bfloat16",
+        "batch": 64,
+        "kpool": 4,
+        "head_dim": 128,
+        "device": "gpu",
+        "median_us": 9.0,
+        "gbps": 49.4,
+        "memcpy_gbps": 100.0,
+        "floor_median_us": 5.0,
+        "numpy_median_us": 300.0,
+        "bound_us": 0.09,
+        "x_bound": 100.0,
+    }
+    index_record = {
+        "op": "index_top_k",
+        "phase": "decode",
+        "batch": 16,
+        "kpool": 4,
+        "tokens": 16,
+        "candidates": 131072,
+        "median_us": 160.0,
+        "gflops": 6710.0,
+        "numpy_median_us": 1e5,
+        "blas_gflops": 60.0,
+        "bound_us": 16.0,
+        "x_bound": 10.0,
+    }
+    out = report.format_table([[step, index_record]])
+    ops, index_table = out.split("\n\n- ")[0], out.split("\n\n")[-2]
+    assert _cells(ops, "bound us") == ["0.09"]
+    assert _cells(ops, "x bound") == ["100"]
+    assert _cells(index_table, "bound ms") == ["0.016"]
+    assert _cells(index_table, "x bound") == ["10"]
+    assert "x bound: the op's time over it" in out
+    # A CPU record has no bound: no columns.
+    cpu = {k: v for k, v in step.items() if "bound" not in k}
+    assert "x bound" not in report.format_table([[cpu]])

@@ -22,6 +22,9 @@ and NumPy's BLAS GFLOP/s on the same score shapes (:func:`measure_index`);
 its records go to a table of their own. With ``--device gpu`` it times this
 package's GPU path (whatever the GPU) and adds its share of the GPU's
 published FP32, FP8 and memory-bandwidth peaks (:func:`gpu_fractions`).
+On a GPU the bench knows (:data:`mla_kpool.gpu_specs.GPUS`), index_top_k
+and the step (``step``, ``step3``) also get their roofline lower bound and
+the measured time over it (:func:`gpu_bound`).
 Started from the command line the bench runs without
 ``OPENBLAS_CORETYPE`` and ``OPENBLAS_L2_SIZE`` (:mod:`.blas`), and each
 record names the BLAS kernel NumPy used.
@@ -206,6 +209,36 @@ def gpu_fractions(
     }
 
 
+def gpu_bound(case: Case, median_us: float, model_name: str | None) -> Record:
+    """The roofline lower bound of ``case`` on its GPU, beside its time.
+
+    :func:`mla_kpool.gpu_report.roofline.bound_seconds` of the case's
+    workload (:func:`~mla_kpool.gpu_report.roofline.workload_for_case`:
+    the step and index_top_k): ``max(bytes / HBM bandwidth, flops /
+    peak)``, the same bytes and flops as the record's.
+
+    Returns:
+        ``bound_us`` (FP32 peak), ``bound_fp8_us`` (dense FP8 peak) and
+        ``x_bound`` (``median_us / bound_us``), or ``{}`` off a known GPU
+        or for an op without a bound.
+    """
+    if index.gpu_peak(model_name) is None:
+        return {}
+    from ..gpu_report import roofline
+
+    w = roofline.workload_for_case(case)
+    if w is None:
+        return {}
+    bound = roofline.bound_seconds(w, model_name)
+    fp8 = roofline.bound_seconds(w, model_name, "fp8")
+    assert bound is not None and fp8 is not None
+    return {
+        "bound_us": bound * 1e6,
+        "bound_fp8_us": fp8 * 1e6,
+        "x_bound": median_us / (bound * 1e6),
+    }
+
+
 #: Calls each index_top_k peer makes at least (after one warm-up call):
 #: the medians are over this many.
 INDEX_MIN_CALLS = 5
@@ -236,7 +269,8 @@ def measure_index(
         and ``calls``; ``numpy_median_us``, ``numpy_min_us``,
         ``numpy_max_us``; ``blas_flops``, ``blas_median_us``,
         ``blas_gflops``; ``bytes`` (:func:`.index.index_bytes`); on a GPU
-        whose peaks :data:`.index.GPU_PEAKS` knows, :func:`gpu_fractions`;
+        whose peaks :data:`.index.GPU_PEAKS` knows, :func:`gpu_fractions`
+        and :func:`gpu_bound`;
         what :func:`.blas.blas_info` says; ``info``.
     """
     w = index.make_index_workload(case.phase)
@@ -278,6 +312,7 @@ def measure_index(
         "blas_median_us": blas_median,
         "blas_gflops": blas_flops / blas_median / 1e3,
         **gpu_fractions(flops, nbytes, median, model_name),
+        **gpu_bound(case, median, model_name),
         **blas_info(),
         **info,
     }
@@ -319,7 +354,8 @@ def measure(
         The ``--json`` record: the case's fields, then ``median_us``,
         ``p10_us``, ``p90_us``, ``bytes``, ``gbps``, ``floor_median_us``,
         ``numpy_median_us``, ``memcpy_gbps``, ``builtin_median_us`` (or
-        ``None``) and ``info``'s fields.
+        ``None``), on a known GPU :func:`gpu_bound` (the step) and
+        ``info``'s fields.
     """
     if case.op == INDEX_OP:
         return measure_index(case, runners["ours"], info, **timing)
@@ -333,6 +369,8 @@ def measure(
     median = {name: float(np.median(t)) for name, t in us.items()}
     p10, p90 = np.percentile(us["ours"], [10, 90])
     nbytes = workload.op_bytes(case)
+    ours = runners["ours"]
+    model_name = ours.device.model_name if ours.device_name == "gpu" else None
     return asdict(case) | {
         "median_us": median["ours"],
         "p10_us": float(p10),
@@ -343,6 +381,7 @@ def measure(
         "numpy_median_us": median["numpy"],
         "memcpy_gbps": memcpy_gbps(nbytes, **timing),
         "builtin_median_us": median.get("builtin"),
+        **gpu_bound(case, median["ours"], model_name),
         **info,
     }
 

@@ -57,6 +57,35 @@ COLUMNS: tuple[tuple[str, Callable[[Record], float | None]], ...] = (
     ("builtin/op", _builtin_over_op),
 )
 
+#: The bound columns, shown when a record has a bound (a GPU the bench
+#: knows; :func:`mla_kpool.bench.gpu_bound`), for each table.
+BOUND_COLUMNS: tuple[tuple[str, Callable[[Record], float | None]], ...] = (
+    ("bound us", lambda r: r.get("bound_us")),
+    ("x bound", lambda r: r.get("x_bound")),
+)
+INDEX_BOUND_COLUMNS: tuple[
+    tuple[str, Callable[[Record], float | None]], ...
+] = (
+    ("bound ms", lambda r: _scaled(r.get("bound_us"), 1e-3)),
+    ("x bound", lambda r: r.get("x_bound")),
+)
+
+#: The legend's line for the bound columns.
+BOUND_LEGEND = (
+    "bound: the roofline's lower bound on this GPU, max(bytes / its HBM"
+    " bandwidth, flops / its FP32 peak) (mla_kpool.gpu_report.roofline)."
+    " x bound: the op's time over it (1: at the bound)."
+)
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
+
+
+def _has_bound(runs: list[list[Record]]) -> bool:
+    return any(r.get("bound_us") is not None for rs in runs for r in rs)
+
+
 #: The legend printed under the table (the builtin line with its columns).
 LEGEND = (
     "op us: the op's median time per call, in microseconds. In brackets:"
@@ -228,6 +257,8 @@ def format_index_table(runs: list[list[Record]]) -> str:
     several = len(runs) > 1
     gpu = any(r.get("pct_fp32_peak") is not None for r in sum(runs, []))
     columns = INDEX_COLUMNS if gpu else INDEX_COLUMNS[:-INDEX_GPU_COLUMNS]
+    bound = _has_bound(runs)
+    columns += INDEX_BOUND_COLUMNS if bound else ()
     head = ["phase", "batch", "tokens", "candidates", *["runs"] * several]
     head += [name for name, _ in columns]
     body = []
@@ -242,6 +273,7 @@ def format_index_table(runs: list[list[Record]]) -> str:
             row[4] += f" ({_num(r['min_us'] / 1e3)}-{_num(r['max_us'] / 1e3)})"
         body.append(row)
     lines = INDEX_LEGEND + ((INDEX_GPU_LEGEND,) if gpu else ())
+    lines += (BOUND_LEGEND,) if bound else ()
     legend = "\n".join(f"- {text}" for text in lines)
     return _lined_up(head, body, 1) + "\n\n" + legend
 
@@ -267,6 +299,8 @@ def format_op_table(runs: list[list[Record]]) -> str:
     several = len(runs) > 1
     builtin = any(r.get("builtin_median_us") is not None for r in sum(runs, []))
     columns = COLUMNS if builtin else COLUMNS[:-2]
+    bound = _has_bound(runs)
+    columns += BOUND_COLUMNS if bound else ()
     head = ["op", "dtype", "batch", "kpool", *["runs"] * several]
     head += [name for name, _ in columns]
     body = []
@@ -278,7 +312,8 @@ def format_op_table(runs: list[list[Record]]) -> str:
         if not several and rs[0].get("p10_us") is not None:
             row[4] += f" ({_num(rs[0]['p10_us'])}-{_num(rs[0]['p90_us'])})"
         body.append(row)
-    legend = [f"- {text}" for text in LEGEND[: 5 if builtin else 4]]
+    lines = LEGEND[: 5 if builtin else 4] + ((BOUND_LEGEND,) if bound else ())
+    legend = [f"- {text}" for text in lines]
     return _lined_up(head, body, 2) + "\n\n" + "\n".join(legend)
 
 
