@@ -529,7 +529,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " against a NumPy twin and NumPy's BLAS (1 graph, about 1 min on 2"
         " CPU cores); with --device gpu, this package's GPU path, with its"
         " share of the GPU's published FP32, FP8 and memory peaks (H200,"
-        " H100, MI300X)",
+        " H100, B200, MI300X) and its roofline bound",
     )
     add(
         "--dtypes",
