@@ -530,7 +530,7 @@ BAD_SCHEDULES = [
     BadSchedule(
         "prompt-zero",
         {"requests": [{"prompt": 0}]},
-        "requests[0].prompt must be >= 1, got 0",
+        "requests[0].prompt must be an integer >= 1, got 0",
     ),
     BadSchedule(
         "prefix-not-below-prompt",

@@ -259,7 +259,22 @@ BAD = [
         {},
         {"mask_variant": MHAMaskVariant.CHUNKED_CAUSAL_MASK},
         ValueError,
-        "mask_variant must be NULL_MASK or CAUSAL_MASK",
+        "mask_variant must be 'causal', 'null', MHAMaskVariant.CAUSAL_MASK"
+        " or MHAMaskVariant.NULL_MASK, got <MHAMaskVariant.CHUNKED",
+    ),
+    (
+        "mask-str",
+        {},
+        {"mask_variant": "sliding"},
+        ValueError,
+        "mask_variant must be 'causal', 'null', .* got 'sliding'",
+    ),
+    (
+        "layer-rank",
+        {LAYER: _t(U32, [1])},
+        {},
+        ValueError,
+        r"layer_idx must be a scalar, got rank 1 \[1\]",
     ),
     (
         "collection",
@@ -292,6 +307,19 @@ def test_gpu_operands_must_be_fp8_and_on_the_gpu():
         _graph({QS: _t(DType.float32, ["T", 32], CPU)}, gpu=True)
     with pytest.raises(ValueError, match="page_stride must be on cpu"):
         _graph({STRIDE: _t(DType.int64, [1], GPU)}, gpu=True)
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
+def test_mask_strings_build_the_graph_the_variants_build(monkeypatch, gpu):
+    _arch(monkeypatch, "sm_100a")  # on a GPU: MAX's op, given the variant
+    graphs = []
+    for text, variant in (
+        ("null", MHAMaskVariant.NULL_MASK),
+        ("causal", MHAMaskVariant.CAUSAL_MASK),
+    ):
+        graphs.append(str(_graph(gpu=gpu, mask_variant=text)))
+        assert graphs[-1] == str(_graph(gpu=gpu, mask_variant=variant))
+    assert graphs[0] != graphs[1]  # the string picked the mask
 
 
 def test_cpu_graph_carries_the_op_with_maxs_parameters():

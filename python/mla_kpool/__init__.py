@@ -29,15 +29,14 @@ Attributes:
         the repository's top-level ``kernels/``.
 """
 
-from __future__ import annotations
-
-import tomllib
+# No ``from __future__ import annotations`` and only private names for the
+# standard library, so that ``dir(mla_kpool)`` shows the package's own API.
 from importlib import metadata as _dist_metadata
 from pathlib import Path as _Path
-from typing import Any
+from typing import Any as _Any
 
 from . import buffers, reference
-from ._metadata import check_metadata
+from ._metadata import check_index_metadata, check_metadata
 from ._paths import KERNELS, kernels_loaded
 from .graph import (
     KPoolStep,
@@ -66,6 +65,8 @@ def _find_version() -> str:
     except _dist_metadata.PackageNotFoundError:
         pass
     # A source checkout: python/mla_kpool/__init__.py -> pyproject.toml.
+    import tomllib
+
     pyproject = _Path(__file__).resolve().parents[2] / "pyproject.toml"
     try:
         with pyproject.open("rb") as f:
@@ -80,7 +81,7 @@ def _find_version() -> str:
 __version__: str = _find_version()
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     """``index_top_k``, imported on first use (it imports ``max.nn``)."""
     if name == "index_top_k":
         from .indexer import index_top_k
@@ -94,6 +95,7 @@ __all__ = [
     "__version__",
     "KPoolStep",
     "buffers",
+    "check_index_metadata",
     "check_metadata",
     "compress",
     "expand_topk",

@@ -20,6 +20,7 @@ from max.graph.dim import Dim, StaticDim
 
 from . import _validate as v
 from ._paths import ensure_kernels
+from .reference.indexer import mask_name
 
 #: The registered name of this package's indexer (CPU and GPU paths).
 OP_NAME = "mla_kpool.index_top_k"
@@ -47,7 +48,15 @@ class IndexOperands:
     device: DeviceRef
 
 
-def _int(name: str, value: object, low: int, high: int | None = None) -> int:
+def check_int(
+    name: str, value: object, low: int, high: int | None = None
+) -> int:
+    """``value`` as an ``int`` in ``low..high`` (``high`` ``None``: no top).
+
+    Raises:
+        TypeError: If it is not an integer (``bool`` is not).
+        ValueError: If it is out of range.
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(
             f"{name} must be an int, got {type(value).__name__} {value!r}"
@@ -130,7 +139,7 @@ def check_operands(
     *,
     top_k: object,
     quantization_granularity: object,
-    mask_str: str,
+    mask_str: object,
     kpool: object,
     prefix: str = "k_collection.",
 ) -> IndexOperands:
@@ -144,11 +153,12 @@ def check_operands(
             non-integer ``top_k`` / ``kpool``).
         ValueError: A wrong dtype, rank, shape, device or parameter value.
     """
-    top_k = _int("top_k", top_k, 1, MAX_TOP_K)
-    kpool = _int("kpool", kpool, 1)
-    granularity = _int("quantization_granularity", quantization_granularity, 1)
-    if mask_str not in MASKS:
-        raise ValueError(f"mask must be causal or null, got {mask_str!r}")
+    top_k = check_int("top_k", top_k, 1, MAX_TOP_K)
+    kpool = check_int("kpool", kpool, 1)
+    granularity = check_int(
+        "quantization_granularity", quantization_granularity, 1
+    )
+    mask_str = mask_name(mask_str)
     q = v.check_tensor("q", q)
     device = q.device
     fp8 = DType.uint8 if device.is_cpu() else DType.float8_e4m3fn
@@ -240,7 +250,7 @@ def check_operands(
             ("max_cache_length", max_cache_length),
         )
     ]
-    layer = _tensor("layer_idx", layer_idx, u32, (0, 1), cpu, "a scalar")
+    layer = _tensor("layer_idx", layer_idx, u32, (0,), cpu, "a scalar")
     batch = Dim(lengths.shape[0])
     for name, value, extra in (
         ("input_row_offsets", offsets, 1),

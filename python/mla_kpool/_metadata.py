@@ -11,7 +11,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["check_metadata"]
+from .index_cache import PagedIndexCache
+
+__all__ = ["check_index_metadata", "check_metadata"]
 
 
 def _require_int(name: str, value: object, minimum: int) -> int:
@@ -172,3 +174,107 @@ def check_metadata(
                     f"(pool_row_offsets[{b}]={pools[b]} + {count} "
                     f"pools for c={c}, n={end - start}, kpool={kpool})"
                 )
+
+
+def check_index_metadata(
+    input_row_offsets: np.ndarray | Sequence[int],
+    cache: PagedIndexCache,
+    layer_idx: int,
+    *,
+    total_tokens: int,
+    kpool: int | None = None,
+) -> None:
+    """Validates one ``index_top_k`` call's metadata; raises on the first error.
+
+    The indexer's counterpart of :func:`check_metadata`: the op gives a
+    request whose metadata is bad ``-1`` rows and says nothing, so a bug
+    upstream loses selections silently; this names it. Whole-array problems
+    first, then requests in batch order.
+
+    Rules: ``input_row_offsets`` has ``batch + 1`` entries (``batch`` the
+    cache's ``cache_lengths``), starts at 0, is non-decreasing and ends at
+    exactly ``total_tokens`` (rows past the last offset would come back
+    ``-1``); ``kpool`` is the cache's; ``0 <= layer_idx < num_layers``; and
+    each request ``b`` (``c`` cached, ``n`` new tokens) finds the pages its
+    last row reads, ``ceil(rows / page_size)`` with ``rows = (c + n) //
+    kpool`` pooled keys (times ``kpool`` in the spread layout), in both
+    lookup tables, each naming a block inside its arena.
+
+    Args:
+        input_row_offsets: Token row offsets ``[batch + 1]``, integer dtype.
+        cache: The :class:`mla_kpool.index_cache.PagedIndexCache` the call
+            reads (its ``cache_lengths`` are the call's).
+        layer_idx: The layer the call reads.
+        total_tokens: Query rows this call (``q.shape[0]``), ``>= 0``.
+        kpool: The call's ``kpool``; ``None`` takes the cache's.
+
+    Raises:
+        TypeError: An index array without an integer dtype, or
+            ``layer_idx``, ``total_tokens`` or ``kpool`` not an int.
+        ValueError: Anything else listed above; the message names the field
+            (and the request), the expected and the given value.
+    """
+    total_tokens = _require_int("total_tokens", total_tokens, 0)
+    layer_idx = _require_int("layer_idx", layer_idx, 0)
+    if kpool is not None and _require_int("kpool", kpool, 1) != cache.kpool:
+        raise ValueError(
+            f"kpool must be the cache's kpool={cache.kpool}, got {kpool}"
+        )
+    if layer_idx >= cache.num_layers:
+        raise ValueError(
+            f"layer_idx must be < num_layers={cache.num_layers}, got"
+            f" {layer_idx}"
+        )
+    offsets = _index_array("input_row_offsets", input_row_offsets)
+    lengths = _index_array("cache.cache_lengths", cache.cache_lengths)
+    batch = len(lengths)
+    if len(offsets) != batch + 1:
+        raise ValueError(
+            f"input_row_offsets has {len(offsets)} entries, expected "
+            f"batch + 1 = {batch + 1} (cache.cache_lengths has {batch})"
+        )
+    if offsets[0] != 0:
+        raise ValueError(
+            f"input_row_offsets[0]={offsets[0]}, expected 0 (ragged offsets "
+            f"start at row 0)"
+        )
+    if offsets[-1] != total_tokens:
+        raise ValueError(
+            f"input_row_offsets[{batch}]={offsets[-1]}, expected "
+            f"total_tokens={total_tokens} (the offsets must cover every "
+            f"query row; rows past the last offset come back -1)"
+        )
+    tables = (
+        ("lookup_table", cache.lookup_table, cache.num_blocks),
+        ("scales_lookup_table", cache.scales_lookup_table,
+         cache.num_scale_blocks),
+    )  # fmt: skip
+    for b in range(batch):
+        start, end = offsets[b], offsets[b + 1]
+        where = f"request {b}: "
+        if end < start:
+            raise ValueError(
+                f"{where}input_row_offsets[{b + 1}]={end} < "
+                f"input_row_offsets[{b}]={start} "
+                f"(offsets must be non-decreasing)"
+            )
+        c, n = lengths[b], end - start
+        keys = (c + n) // cache.kpool
+        rows = keys * cache.kpool if cache.spread else keys
+        pages = -(-rows // cache.page_size)
+        for name, table, blocks in tables:
+            width = table.shape[1] if table.ndim == 2 else 0
+            if pages > width:
+                raise ValueError(
+                    f"{where}cache.{name} must have at least {pages} pages"
+                    f" per request ({keys} keys for c={c}, n={n},"
+                    f" kpool={cache.kpool}, page_size={cache.page_size}),"
+                    f" got {width}"
+                )
+            for page in range(pages):
+                block = int(table[b, page])
+                if block >= blocks:
+                    raise ValueError(
+                        f"{where}cache.{name}[{b}, {page}]={block} must be"
+                        f" < {blocks} (the blocks of its arena)"
+                    )

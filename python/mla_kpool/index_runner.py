@@ -25,9 +25,10 @@ from max.driver import Buffer
 from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
-from ._index_op import add_op, check_operands
+from ._index_op import MAX_TOP_K, add_op, check_int, check_operands
 from .buffers import to_buffer
 from .index_cache import PagedIndexCache
+from .reference.indexer import mask_name
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,8 @@ def prepare(
         layer_idx: The layer to read.
         top_k: Ids per row.
         kpool: Tokens per key.
-        mask: ``"causal"`` or ``"null"``.
+        mask: ``"causal"`` or ``"null"``, or MAX's
+            ``MHAMaskVariant.CAUSAL_MASK`` / ``NULL_MASK``.
         quantization_granularity: MAX's parameter.
         k_max_prompt_length: Default: the largest new-token count.
         k_max_cache_length: Default: the largest ``c + n``, at most
@@ -257,23 +259,38 @@ def prepare(
         whole flat arenas as bound.
 
     Raises:
+        TypeError: For a ``cache`` that is not a ``PagedIndexCache``, a
+            ``layer_idx``, ``top_k`` or ``kpool`` that is not an int, or
+            ``input_row_offsets`` of a non-integer dtype.
         ValueError: For a ``gpu_op`` other than ``"auto"`` or ``"ours"`` (on
             every runner), a ``q`` that is not ``[T, H, D]`` uint8 or
-            float8_e4m3fn, a ``qs`` that is not ``[T, H]``, a ``layer_idx``
-            outside uint32, and from the graph checks.
+            float8_e4m3fn, a ``qs`` that is not float32 ``[T, H]``,
+            ``input_row_offsets`` that is not rank 1 ``[B + 1]`` (``B`` the
+            cache's batch), a ``layer_idx`` outside uint32, ``top_k``
+            outside 1..2048, ``kpool < 1``, another mask, and from the graph
+            checks. All before anything is compiled or copied.
     """
     gpu = runner.device_name == "gpu"
     if gpu_op not in ("auto", "ours"):
         raise ValueError(f"gpu_op must be 'auto' or 'ours', got {gpu_op!r}")
+    if not isinstance(cache, PagedIndexCache):
+        raise TypeError(
+            "cache must be a mla_kpool.index_cache.PagedIndexCache, got"
+            f" {type(cache).__name__}"
+        )
     q = _fp8_bytes(q)
-    qs = np.asarray(qs)
+    qs = _float32("qs", qs)
     if qs.shape != q.shape[:2]:
         raise ValueError(
             f"qs must be [T, num_heads] = {list(q.shape[:2])} to match q, got"
             f" {list(qs.shape)}"
         )
-    if not 0 <= int(layer_idx) < 2**32:
-        raise ValueError(f"layer_idx must be in 0..2^32-1, got {layer_idx}")
+    batch = len(cache.cache_lengths)
+    input_row_offsets = _offsets(input_row_offsets, batch)
+    layer_idx = check_int("layer_idx", layer_idx, 0, 2**32 - 1)
+    top_k = check_int("top_k", top_k, 1, MAX_TOP_K)
+    kpool = check_int("kpool", kpool, 1)
+    mask = mask_name(mask)
     key = IndexKey(
         num_heads=int(q.shape[1]),
         depth=int(q.shape[2]),
@@ -282,7 +299,7 @@ def prepare(
         page_size=cache.page_size,
         top_k=int(top_k),
         kpool=int(kpool),
-        mask=str(mask),
+        mask=mask,
         quantization_granularity=int(quantization_granularity),
         gpu=gpu,
         emulate_gpu=runner.device_name == "gpu-emulated",
@@ -355,6 +372,44 @@ def _fp8_bytes(q: Any) -> np.ndarray:
     if q.ndim != 3:
         raise ValueError(f"q must be rank 3 [T, H, D], got shape {q.shape}")
     return q
+
+
+def _float32(name: str, values: Any) -> np.ndarray:
+    """``values`` as float32: a list is converted, an array must be float32.
+
+    Raises:
+        ValueError: For an array of another dtype (never converted).
+    """
+    if not isinstance(values, np.ndarray):
+        return np.asarray(values, np.float32)
+    if values.dtype != np.float32:
+        raise ValueError(f"{name} dtype must be float32, got {values.dtype}")
+    return values
+
+
+def _offsets(values: Any, batch: int) -> np.ndarray:
+    """``input_row_offsets`` checked to be rank 1 ``[batch + 1]`` integers.
+
+    A list becomes int64 (its values are the op's contract, checked by
+    :func:`mla_kpool.check_index_metadata`, not here).
+
+    Raises:
+        TypeError: For a non-integer dtype.
+        ValueError: For another rank or length.
+    """
+    arr = np.asarray(values)
+    if not isinstance(values, np.ndarray) and arr.size == 0:
+        arr = arr.astype(np.int64)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(
+            f"input_row_offsets must have an integer dtype, got {arr.dtype}"
+        )
+    if arr.ndim != 1 or len(arr) != batch + 1:
+        raise ValueError(
+            f"input_row_offsets must be rank 1 [B + 1] = [{batch + 1}] (B from"
+            f" cache.cache_lengths), got shape {list(arr.shape)}"
+        )
+    return arr
 
 
 def _stride(stride: int, shape: tuple[int, ...]) -> int:

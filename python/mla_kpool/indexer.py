@@ -21,11 +21,12 @@ from max.nn.attention.mask_config import MHAMaskVariant
 from max.nn.kv_cache import PagedCacheValues
 
 from ._index_op import add_op, check_operands
+from .reference.indexer import mask_name
 
-#: The masks the op takes, by MAX's variant.
-_MASK_STR = {
-    MHAMaskVariant.CAUSAL_MASK: "causal",
-    MHAMaskVariant.NULL_MASK: "null",
+#: MAX's variant of each mask the op takes.
+_VARIANT = {
+    "causal": MHAMaskVariant.CAUSAL_MASK,
+    "null": MHAMaskVariant.NULL_MASK,
 }
 
 #: The cache fields the op reads, in its operand order after the offsets.
@@ -119,7 +120,8 @@ def index_top_k(
         quantization_granularity: Passed to the op (MAX's parameter); the
             scales are per row, so it does not change the result.
         mask_variant: ``CAUSAL_MASK`` (token ``i`` sees the cache and the new
-            tokens up to itself) or ``NULL_MASK`` (every new token).
+            tokens up to itself) or ``NULL_MASK`` (every new token); the
+            strings ``"causal"`` and ``"null"`` are taken too.
         kpool: Tokens per cached key; ids are pool ids when ``> 1``.
 
     Returns:
@@ -134,11 +136,7 @@ def index_top_k(
             row width that is neither layout, a spread page size not a
             multiple of ``kpool``, missing ``kv_scales`` or per-layer buffers.
     """
-    if mask_variant not in _MASK_STR:
-        raise ValueError(
-            f"mask_variant must be NULL_MASK or CAUSAL_MASK, got"
-            f" {mask_variant!r}"
-        )
+    mask = mask_name(mask_variant, "mask_variant")
     operands = check_operands(
         q,
         q_s,
@@ -147,7 +145,7 @@ def index_top_k(
         layer_idx,
         top_k=top_k,
         quantization_granularity=quantization_granularity,
-        mask_str=_MASK_STR[mask_variant],
+        mask_str=mask,
         kpool=kpool,
     )
     if operands.device.is_cpu() or not max_scores(kpool):
@@ -163,6 +161,6 @@ def index_top_k(
         layer_idx,
         top_k,
         quantization_granularity,
-        mask_variant,
+        _VARIANT[mask],
         kpool,
     )

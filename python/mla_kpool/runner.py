@@ -40,8 +40,16 @@ from max import driver
 from max.driver import Buffer
 from max.dtype import DType
 from max.engine import InferenceSession, Model
-from max.graph import BufferType, DeviceRef, Graph, TensorType
+from max.graph import (
+    BufferType,
+    BufferValue,
+    DeviceRef,
+    Graph,
+    TensorType,
+    TensorValue,
+)
 
+from . import _validate as v
 from . import graph as kpool_graph
 from . import index_runner
 from ._paths import KERNELS, builtin_kernels_only, compiled_kernels
@@ -208,8 +216,9 @@ class Op:
     def host_operands(self, operands: Mapping[str, Any]) -> list[Any]:
         """This op's operands from ``operands``, in argument order.
 
-        The ring stays the caller's buffer, ``ape`` becomes float32 and
-        index operands given as lists become uint32 arrays; names the op
+        The ring stays the caller's buffer; ``ape`` given as a list becomes
+        float32 and index operands given as lists become uint32 arrays
+        (arrays keep their dtype: :meth:`check` judges it); names the op
         does not take are ignored.
 
         Raises:
@@ -221,11 +230,68 @@ class Op:
         values: list[Any] = []
         for name in self.tensors:
             value = operands[name]
-            if name == "ape":
+            if name == "ape" and not isinstance(value, np.ndarray):
                 value = np.asarray(value, np.float32)
             values.append(value)
         values += [_index_array(operands[n]) for n in self.indices]
         return values
+
+    def check(self, kpool: object, values: Sequence[Any]) -> None:
+        """Checks a call's host operands as the graph wrapper checks its own.
+
+        The operands' concrete shapes and dtypes become the inputs of a
+        throwaway graph (nothing is added to it or compiled) and go through
+        the wrapper's own checks (:mod:`mla_kpool._validate`), so a
+        mismatch is refused by name before MAX sees it and before anything
+        is written to the ring. Checked: the ring's rank and shape,
+        ``k`` and ``gate`` of the same rows and of the ring's head_dim and
+        dtype, ``ape`` float32 ``[kpool, head_dim]``, ``pool_ids``, and
+        index operands of rank 1, an index dtype and one batch
+        (``[batch + 1]`` row offsets). Metadata *values* are the ops'
+        contract (:func:`mla_kpool.check_metadata` checks them).
+
+        Args:
+            kpool: Tokens per pool.
+            values: :meth:`host_operands`' result.
+
+        Raises:
+            TypeError: If the ring is not a ``max.driver.Buffer``, another
+                operand not a NumPy array, ``kpool`` not an int, or an
+                index operand (or ``pool_ids``) of a dtype the op does not
+                take.
+            ValueError: If a rank, shape or float dtype is wrong or the
+                operands disagree; the message names the operand, what it
+                must be and what it is.
+        """
+        named = dict(zip(self.operands, values, strict=True))
+        types = [_graph_type(name, named[name]) for name in self.operands]
+        with Graph(f"check_{self.kind}", input_types=types) as g:
+            got = {
+                name: value.buffer if name == "tail" else value.tensor
+                for name, value in zip(self.operands, g.inputs, strict=True)
+            }
+            kpool = v.check_kpool(kpool)
+            if "k" in got:
+                _, _, head_dim = v.check_keys(got["k"], got["gate"])
+                if "tail" in got:
+                    _keys_fit_ring(got["k"], got["tail"])
+                    v.check_tail(got["tail"], kpool, head_dim, got["k"].dtype)
+                if "ape" in got:
+                    v.check_ape(got["ape"], kpool, head_dim)
+            if "pool_ids" in got:
+                kpool_graph._check_pool_ids(got["pool_ids"])
+            extra = {n: int(n.endswith("row_offsets")) for n in self.indices}
+            for name in self.indices:
+                what = "batch + 1" if extra[name] else "batch"
+                v.check_index(name, got[name], what)
+            v.check_batch(
+                got["cache_lengths"],
+                **{
+                    name: (got[name], extra[name])
+                    for name in self.indices
+                    if name != "cache_lengths"
+                },
+            )
 
     def key(
         self,
@@ -333,11 +399,76 @@ def model_key(
     )
 
 
+def _graph_type(name: str, value: Any) -> TensorType | BufferType:
+    """The graph input type of one host operand, its shape static.
+
+    Raises:
+        TypeError: If the ring is not a ``Buffer``, another operand not a
+            NumPy array, or its dtype not one MAX has.
+    """
+    cpu = DeviceRef.CPU()
+    if name == "tail":
+        if not isinstance(value, Buffer):
+            raise TypeError(
+                "tail must be a max.driver.Buffer (Runner.new_ring), got"
+                f" {type(value).__name__}"
+            )
+        return BufferType(value.dtype, list(value.shape), cpu)
+    if not isinstance(value, np.ndarray):
+        raise TypeError(
+            f"{name} must be a NumPy array, got {type(value).__name__}"
+        )
+    try:
+        dtype = to_max_dtype(value.dtype)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{name} dtype must be one MAX has, got {value.dtype}"
+        ) from None
+    return TensorType(dtype, list(value.shape), cpu)
+
+
+def _keys_fit_ring(k: TensorValue, tail: BufferValue) -> None:
+    """Refuses keys of another dtype or head_dim than the ring's.
+
+    The ring is the caller's persistent state, so the message names ``k``
+    (a ring of the wrong shape is named by :func:`_validate.check_tail`).
+    """
+    if k.dtype != tail.dtype:
+        raise ValueError(
+            f"k dtype must be the ring's (tail) {tail.dtype.name}, got"
+            f" {k.dtype.name}"
+        )
+    if tail.rank == 4 and k.shape[1] != tail.shape[3]:
+        raise ValueError(
+            f"k must be [tokens, head_dim={tail.shape[3]}] to match the ring"
+            f" (tail {v.fmt_shape(tail.shape)}), got {v.fmt_shape(k.shape)}"
+        )
+
+
 def _index_array(values: npt.ArrayLike) -> np.ndarray:
     """An index operand as an array; Python lists become uint32 (MAX's)."""
     if isinstance(values, np.ndarray):
         return values
     return np.asarray(values, dtype=np.uint32)
+
+
+def _accelerator() -> driver.Device:
+    """The first accelerator, or MAX's error with each line said once.
+
+    MAX 26.7's ``driver.Accelerator()`` raises one message in which every
+    backend it tried (CUDA, HIP) repeats the ``MODULAR_DEBUG`` hint three
+    times; the repeats are in MAX's string, not from calling it thrice.
+
+    Raises:
+        ValueError: Naming ``device``, with MAX's message.
+    """
+    try:
+        return driver.Accelerator()
+    except ValueError as error:
+        lines = list(dict.fromkeys(str(error).splitlines()))
+        raise ValueError(
+            "device 'gpu' needs an accelerator: " + "\n".join(lines)
+        ) from None
 
 
 #: Devices a :class:`Runner` accepts.
@@ -358,9 +489,10 @@ class Runner:
             loading them.
 
     Raises:
-        ValueError: If ``device`` is none of :data:`DEVICES`, or
-            ``"gpu-emulated"`` is asked for without this package's kernels;
-            from MAX, if ``"gpu"`` is asked for without one.
+        ValueError: If ``device`` is none of :data:`DEVICES`,
+            ``"gpu-emulated"`` is asked for without this package's kernels,
+            or ``"gpu"`` without an accelerator (MAX's message, each line
+            once).
     """
 
     def __init__(
@@ -379,9 +511,7 @@ class Runner:
         on_host = device != "gpu"
         self.device_name = device
         self.kernels = kernels
-        self.device: driver.Device = (
-            driver.CPU() if on_host else driver.Accelerator()
-        )
+        self.device: driver.Device = driver.CPU() if on_host else _accelerator()
         self._ref = DeviceRef.CPU() if on_host else DeviceRef.GPU()
         devices = [driver.CPU()] if on_host else [driver.CPU(), self.device]
         self._session = InferenceSession(devices=devices)
@@ -497,11 +627,16 @@ class Runner:
             ``(model, operands)``.
 
         Raises:
-            ValueError: If ``kind`` is not an op of :data:`OPS`.
-            TypeError: If an operand the op takes is missing.
+            ValueError: If ``kind`` is not an op of :data:`OPS`, or an
+                operand's rank, shape or float dtype is wrong or disagrees
+                with another's (:meth:`Op.check`), before anything is
+                written to the ring.
+            TypeError: If an operand the op takes is missing or of the
+                wrong kind or index dtype (:meth:`Op.check`).
         """
         op = _op(kind)
         values = op.host_operands(operands)
+        op.check(kpool, values)
         key = op.key(kpool, values, always_select_tail)
         args = [
             value if name == "tail" else self.to_device(value)

@@ -47,7 +47,9 @@ def _int(value: Any, where: str, minimum: int) -> int:
             f"{where} must be an integer >= {minimum}, got {value!r}"
         )
     if value < minimum:
-        raise ScheduleError(f"{where} must be >= {minimum}, got {value}")
+        raise ScheduleError(
+            f"{where} must be an integer >= {minimum}, got {value}"
+        )
     return value
 
 

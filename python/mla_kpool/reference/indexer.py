@@ -36,6 +36,7 @@ in any summation order. Four more units cover second-order terms (``(D + H)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import ml_dtypes
 import numpy as np
@@ -65,14 +66,37 @@ def decode_fp8(values: np.ndarray) -> np.ndarray:
     return arr.astype(np.float64)
 
 
-def is_causal(mask: object) -> bool:
-    """``"causal"`` / ``"null"`` (or an ``MHAMaskVariant``) -> causal?"""
-    name = getattr(mask, "name", mask)
+def mask_name(mask: object, argument: str = "mask") -> str:
+    """The indexer's mask as ``"causal"`` or ``"null"``.
+
+    Every entry point takes both spellings: the op's strings and MAX's
+    ``MHAMaskVariant.CAUSAL_MASK`` / ``NULL_MASK`` (read by member name, so
+    this module needs no ``max.nn`` import).
+
+    Args:
+        mask: ``"causal"``, ``"null"`` or one of those two variants.
+        argument: The argument's name, for the message.
+
+    Returns:
+        ``"causal"`` or ``"null"``.
+
+    Raises:
+        ValueError: For anything else, naming ``argument``.
+    """
+    name = mask.name if isinstance(mask, Enum) else mask
     if name in ("causal", "CAUSAL_MASK"):
-        return True
+        return "causal"
     if name in ("null", "NULL_MASK"):
-        return False
-    raise ValueError(f"mask must be 'causal' or 'null', got {mask!r}")
+        return "null"
+    raise ValueError(
+        f"{argument} must be 'causal', 'null', MHAMaskVariant.CAUSAL_MASK or"
+        f" MHAMaskVariant.NULL_MASK, got {mask!r}"
+    )
+
+
+def is_causal(mask: object) -> bool:
+    """Whether ``mask`` (as :func:`mask_name` takes it) is the causal one."""
+    return mask_name(mask) == "causal"
 
 
 def index_tolerance(mag: np.ndarray, num_heads: int, depth: int) -> np.ndarray:

@@ -116,6 +116,11 @@ def tolerance(dtype: npt.DTypeLike) -> float:
         The relative tolerance.
 
     Raises:
-        KeyError: If ``dtype`` is not a key dtype.
+        ValueError: If ``dtype`` is not a key dtype (float32, float16,
+            bfloat16).
     """
-    return TOLERANCE[np.dtype(dtype)]
+    key = np.dtype(dtype)
+    if key not in TOLERANCE:
+        names = ", ".join(str(d) for d in TOLERANCE)
+        raise ValueError(f"dtype must be one of {names}, got {key}")
+    return TOLERANCE[key]
