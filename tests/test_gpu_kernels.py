@@ -10,8 +10,8 @@ write-after-read and an index past the shared words all refused) and
 compiles a phased kernel for the three targets;
 tests/mojo/test_index_select.mojo runs the indexer's GPU top-k select
 through that emulation against a plain sort of every candidate's rank key,
-and must fail with a planted off-by-one in its radix bucket or with one of
-its barriers left out.
+and must fail with a planted off-by-one in its radix bucket or with either
+of two of its barriers left out.
 """
 
 from __future__ import annotations
@@ -57,13 +57,24 @@ SELECT_MUTANTS = [
         r"slot \d+: got",
     ),
     (
-        # Thread 0 adds up the counts in the phase that writes them: right in
-        # the emulation's thread order, so only the shared-word stamps see it.
+        # The first threads prefix their group's counts in the phase that
+        # writes them: right in the emulation's thread order, so only the
+        # shared-word stamps see it.
         "prefix_without_barrier",
-        "        _count_run(thread, s, scores, bound)\n",
-        "        _count_run(thread, s, scores, bound)\n"
-        "        if thread == 0:\n"
-        "            _prefix_counts(s)\n",
+        "        _count_run(thread, s, scores, bound, m, take_all)\n",
+        "        _count_run(thread, s, scores, bound, m, take_all)\n"
+        "        if thread < _WARPS:\n"
+        "            _prefix_group(thread, s)\n",
+        "missing barrier",
+    ),
+    (
+        # The bucket totals are added up in the phase that writes the
+        # partial sums they add: again right in the emulation's order.
+        "totals_without_barrier",
+        "            _sum_columns(thread, s)\n",
+        "            _sum_columns(thread, s)\n"
+        "            if thread < _COUNTED:\n"
+        "                _sum_partials(thread, s)\n",
         "missing barrier",
     ),
 ]

@@ -6,8 +6,11 @@ Each case is a batch of score rows; every row's output must be the top
 candidate's `rank_key` (no radix, no bitonic). Cases: random scores, a
 bound below k, an empty row, more than 4,096 candidates tied at the k-th
 score, a row of only ties, NaN and signed zeros and infinities, k of 1 and
-of 3 (no power of two), and a row of more than 262,144 candidates. The
-select kernel also compiles for sm_90a, sm_100a and gfx942.
+of 3 (no power of two), bounds around the block's `SELECT_THREADS` and
+around k 2048 (below, at, one past, far past), thousands of ties and of
+NaN at the k-th place spread over many threads' runs, and a row of more
+than 262,144 candidates. The select kernel also compiles for sm_90a,
+sm_100a and gfx942.
 """
 
 from max.gpu.host import get_gpu_target
@@ -168,6 +171,64 @@ def test_small_k() raises:
     rows.append(_random(40, 3))
     _check(rows, 1)
     _check(rows, 3)
+
+
+def test_bounds_around_the_block_of_threads() raises:
+    """Rows shorter than the block, runs of 0 or 1 id, bounds just past k."""
+    seed(5)
+    var rows = List[List[Float32]]()
+    rows.append(_random(300, 0))  # k < bound < SELECT_THREADS
+    rows.append(_random(SELECT_THREADS - 1, 0))
+    rows.append(_random(SELECT_THREADS, 0))
+    rows.append(_random(SELECT_THREADS + 1, 0))
+    rows.append(_random(2 * SELECT_THREADS + 7, 0))
+    rows.append(_random(101, 0))  # bound == k
+    rows.append(List[Float32]())  # bound 0
+    _check(rows, 101)
+
+
+def test_k_2048_around_its_bound() raises:
+    seed(6)
+    var rows = List[List[Float32]]()
+    rows.append(_random(2047, 0))  # bound < k: every id, in order
+    rows.append(_random(2048, 0))  # bound == k
+    rows.append(_random(2049, 0))  # one candidate left out
+    rows.append(_random(40000, 0))  # bound >> k
+    rows.append(List[Float32]())  # bound 0: all -1
+    _check(rows, 2048)
+
+
+def test_ties_across_thread_groups_and_nan_at_the_threshold() raises:
+    """Thousands of equal keys straddle the k-th place over many threads."""
+    seed(7)
+    var nan = Float32(0.0) / Float32(0.0)
+    var inf = Float32(1.0) / Float32(0.0)
+    # 600 scores above, then 7,000 NaN and -inf (one key) around them.
+    var row = _random(600, 0)
+    for i in range(7000):
+        row.append(nan if i % 3 else -inf)
+    for i in range(0, 600, 5):
+        row[i] = -inf
+    var tied_top = List[Float32](length=9000, fill=2.0)
+    for i in range(0, 9000, 11):
+        tied_top[i] = 3.0  # 819 above, 8,181 ties for the rest
+    var rows = List[List[Float32]]()
+    rows.append(row^)
+    rows.append(tied_top^)
+    rows.append(List[Float32](length=5000, fill=nan))
+    _check(rows, 512)
+    _check(rows, 2048)
+
+
+def test_k_1() raises:
+    """One id: the best, or the lowest id among the best's ties."""
+    seed(8)
+    var rows = List[List[Float32]]()
+    rows.append(_random(5000, 0))
+    rows.append(List[Float32](length=3000, fill=1.0))
+    rows.append(_random(1, 0))
+    rows.append(List[Float32]())
+    _check(rows, 1)
 
 
 def test_more_than_262144_candidates() raises:
