@@ -1,0 +1,362 @@
+"""``python -m mla_kpool gpu-report``: every kernel compiled, read and checked.
+
+One session fixture runs the report once for sm_90a, sm_100a and gfx942 and
+keeps the code; the tests check its rows against independent reads of that
+code (their own ``ptxas -v`` runs and regular expressions), and the rules
+the kernels must keep: no spills, a parameter block equal to the host's
+operand bytes, a quarter of the GPU's warps resident at least.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mla_kpool.gpu_report as gpu_report
+from mla_kpool.__main__ import main
+from mla_kpool.gpu_report import tools
+from mla_kpool.gpu_report.asm import (
+    amd_kernels,
+    ptx_entries,
+    ptx_facts,
+    ptx_param_bytes,
+    ptx_shared_bytes,
+)
+from mla_kpool.gpu_report.report import param_mismatches
+
+ARCHS = ["sm_90a", "sm_100a", "gfx942"]
+OPS = {"ring_close", "compress", "seed_tail", "step", "expand_topk"}
+OPS |= {"index_top_k"}
+INDEX_CONFIGS = {"glm5next-k512", "glm5next-k2048", "dsv32-k2048"}
+INDEX_KERNELS = {"plan", "score_tiled", "score_untiled", "select"}
+#: Writers' kernels: one per op, and the step's scan.
+WRITER_KERNELS = 6
+PTXAS = tools.find_ptxas()
+needs_ptxas = pytest.mark.skipif(PTXAS is None, reason="no ptxas installed")
+
+
+class Report:
+    """The report's run: exit status, output, JSON and code directory."""
+
+    def __init__(self, tmp: Path):
+        self.asm_dir = tmp / "asm"
+        json_path = tmp / "report.json"
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mla_kpool",
+                "gpu-report",
+                *[a for arch in ARCHS for a in ("--arch", arch)],
+                "--json",
+                str(json_path),
+                "--asm-dir",
+                str(self.asm_dir),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        self.returncode = proc.returncode
+        self.stdout, self.stderr = proc.stdout, proc.stderr
+        assert json_path.is_file(), proc.stderr
+        self.doc = json.loads(json_path.read_text())
+        self.rows = self.doc["kernels"]
+
+    def arch_rows(self, arch: str) -> list[dict]:
+        return [r for r in self.rows if r["arch"] == arch]
+
+    def code(self, row: dict) -> str:
+        return (self.asm_dir / row["asm"]).read_text()
+
+
+@pytest.fixture(scope="session")
+def report(tmp_path_factory: pytest.TempPathFactory) -> Report:
+    return Report(tmp_path_factory.mktemp("gpu_report"))
+
+
+def _name(row: dict) -> str:
+    return f"{row['arch']} {row['op']}/{row['kernel']} [{row['config']}]"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kernel_of_every_op_is_reported(report: Report, arch: str):
+    rows = report.arch_rows(arch)
+    assert {r["op"] for r in rows} == OPS
+    index = {
+        (r["kernel"], r["config"]) for r in rows if r["op"] == "index_top_k"
+    }
+    assert index == {(k, c) for k in INDEX_KERNELS for c in INDEX_CONFIGS}
+    assert len(rows) == WRITER_KERNELS + len(index)
+    for row in rows:
+        code = report.code(row)
+        assert re.fullmatch(r"\w+_kernel_[0-9a-f]+", row["entry"]), row
+        if arch.startswith("sm_"):
+            assert f".target {arch}" in code
+            assert row["entry"] in ptx_entries(code)
+        else:
+            assert f".amdhsa_kernel {row['entry']}" in code
+    # The table: a header, then one line per row naming its arch and config.
+    lines = [ln for ln in report.stdout.splitlines() if ln.startswith(arch)]
+    assert len(lines) == len(rows)
+
+
+def test_report_exits_zero_with_a_roofline(report: Report):
+    assert report.returncode == 0, report.stderr
+    assert "Traceback" not in report.stderr
+    assert report.doc["rooflines"], "no roofline rows"
+
+
+def _ptxas_v(ptx_file: Path, arch: str) -> dict[str, int]:
+    """An independent ``ptxas -v`` of a one-entry PTX file."""
+    proc = subprocess.run(
+        [PTXAS, f"-arch={arch}", "-v", str(ptx_file), "-o", "/dev/null"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    out = proc.stdout + proc.stderr
+    frame = re.search(
+        r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+        r"(\d+) bytes spill loads",
+        out,
+    )
+    regs = re.search(r"Used (\d+) registers", out)
+    assert frame and regs, out
+    return {
+        "stack_bytes": int(frame[1]),
+        "spill_store_bytes": int(frame[2]),
+        "spill_load_bytes": int(frame[3]),
+        "registers": int(regs[1]),
+    }
+
+
+@needs_ptxas
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_nvidia_rows_are_what_ptxas_says(report: Report, arch: str):
+    for row in report.arch_rows(arch):
+        facts = _ptxas_v(report.asm_dir / row["asm"], arch)
+        got = {k: row[k] for k in facts}
+        assert got == facts, _name(row)
+
+
+def test_amd_rows_are_what_the_code_says(report: Report):
+    for row in report.arch_rows("gfx942"):
+        code = report.code(row)
+        start = code.index(f".amdhsa_kernel {row['entry']}")
+        desc = code[start : code.index(".end_amdhsa_kernel", start)]
+
+        def field(name: str, desc: str = desc) -> int:
+            return int(re.search(rf"\.amdhsa_{name}\s+(\d+)", desc)[1])
+
+        assert row["registers"] == field("next_free_vgpr"), _name(row)
+        private = field("private_segment_fixed_size")
+        assert row["spill_store_bytes"] == private, _name(row)
+        assert row["spill_load_bytes"] == private, _name(row)
+        assert row["shared_bytes"] == field("group_segment_fixed_size")
+
+
+def test_no_kernel_spills(report: Report):
+    spilled = []
+    for row in report.rows:
+        code = report.code(row)
+        local = re.findall(r"\b(?:ld|st)\.local", code)
+        if row["spill_store_bytes"] or row["spill_load_bytes"] or local:
+            spilled.append(
+                f"{_name(row)}: {row['spill_store_bytes']} B stored, "
+                f"{row['spill_load_bytes']} B loaded, {len(local)} local ops"
+            )
+    assert not spilled, spilled
+
+
+def test_parameter_blocks_are_the_hosts_operand_bytes(report: Report):
+    for row in report.rows:
+        assert row["param_bytes"] == row["host_bytes"], _name(row)
+    # The operand structs' sizes (pointers and Ints, 8 bytes each); a
+    # phased kernel adds its Int64 phase count.
+    sizes = {
+        ("ring_close", "main"): 104,
+        ("compress", "main"): 80,
+        ("seed_tail", "main"): 80,
+        ("step", "scan"): 136,
+        ("step", "main"): 136,
+        ("expand_topk", "main"): 48,
+        ("index_top_k", "plan"): 192,
+        ("index_top_k", "score_untiled"): 192,
+        ("index_top_k", "score_tiled"): 192 + 8,
+        ("index_top_k", "select"): 192 + 8,
+    }
+    for row in report.rows:
+        assert row["host_bytes"] == sizes[row["op"], row["kernel"]], _name(row)
+
+
+@pytest.mark.parametrize("gpu", ["H200", "MI300X"])
+def test_every_kernel_keeps_a_quarter_of_the_gpu_busy(report: Report, gpu: str):
+    low = [
+        f"{_name(r)}: {r['occupancy'][gpu]:.3f} ({r['limited_by'][gpu]})"
+        for r in report.rows
+        if gpu in r["occupancy"] and r["occupancy"][gpu] < 0.25
+    ]
+    assert any(gpu in r["occupancy"] for r in report.rows)
+    assert not low, low
+
+
+def test_tiled_scorer_ptx_has_no_local_memory(report: Report):
+    for row in report.arch_rows("sm_90a"):
+        if row["kernel"] == "score_tiled":
+            facts = ptx_facts(report.code(row), row["entry"])
+            assert facts["local"] == {}, _name(row)
+            assert facts["global_loads"], _name(row)
+
+
+def _row(**fields) -> dict:
+    row = {
+        "arch": "sm_90a",
+        "op": "ring_close",
+        "kernel": "main",
+        "config": "bf16-d128-kpool4",
+        "entry": "kpool_ring_close_kernel_0",
+        "param_bytes": 104,
+        "host_bytes": 104,
+    }
+    return row | fields
+
+
+def test_a_parameter_mismatch_names_the_kernel_and_both_sizes():
+    rows = [_row(), _row(op="step", kernel="scan", param_bytes=144)]
+    (message,) = param_mismatches(rows)
+    assert "step/scan" in message and "144" in message and "104" in message
+
+
+def test_a_parameter_mismatch_fails_the_command(monkeypatch, capsys, tmp_path):
+    bad = _row(op="compress", param_bytes=88, host_bytes=80)
+    monkeypatch.setattr(gpu_report, "report", lambda archs, d: [_row(), bad])
+    assert main(["gpu-report", "--asm-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "compress/main" in err and "88" in err and "80" in err
+
+
+def _replay(report: Report):
+    """A `compile_kernels` that copies the session's code instead."""
+
+    def copy(arch: str, out_dir: Path, timeout: float = 0) -> None:
+        shutil.copytree(report.asm_dir / arch, out_dir, dirs_exist_ok=True)
+
+    return copy
+
+
+def test_without_ptxas_the_ptx_alone_is_reported(
+    report: Report, monkeypatch, capsys, tmp_path
+):
+    monkeypatch.setattr(gpu_report, "find_ptxas", lambda: None)
+    monkeypatch.setattr(gpu_report, "compile_kernels", _replay(report))
+    args = ["gpu-report", "--arch", "sm_90a", "--asm-dir", str(tmp_path)]
+    json_path = tmp_path / "r.json"
+    assert main([*args, "--json", str(json_path)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    hints = [line for line in err if "mla-kpool[gpu-report]" in line]
+    assert len(hints) == 1 and "ptxas" in hints[0]
+    rows = json.loads(json_path.read_text())["kernels"]
+    expected = {r["asm"]: r for r in report.arch_rows("sm_90a")}
+    for row in rows:
+        assert row["registers"] is None and row["occupancy"] == {}
+        assert row["param_bytes"] == expected[row["asm"]]["param_bytes"]
+        assert row["shared_bytes"] == expected[row["asm"]]["shared_bytes"]
+
+
+def test_a_missing_mojo_is_one_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(tools, "mojo_command", lambda: None)
+    assert main(["gpu-report", "--asm-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("gpu-report: the mojo command is not found")
+    assert not any("Traceback" in line for line in err)
+
+
+PTX = """
+.visible .entry k_1(
+\t.param .u32 k_1_param_0,
+\t.param .align 8 .b8 k_1_param_1[20],
+\t.param .b64 k_1_param_2
+)
+{
+\t.shared .align 4 .b8 k_1_smem[100];
+\tld.global.nc.v2.u32 {%r1, %r2}, [%rd1];
+\tld.global.u8 %rs1, [%rd2];
+\tld.global.u8 %rs2, [%rd3];
+\tcvt.rn.f16x2.e4m3x2 %r3, %rs1;
+\tst.local.u32 [%rd4], %r3;
+\tret;
+}
+.visible .entry k_2(
+\t.param .u8 k_2_param_0
+)
+{
+\tld.local.u32 %r1, [%rd1];
+}
+"""
+
+
+def test_ptx_readers_on_a_written_module():
+    assert ptx_entries(PTX) == ["k_1", "k_2"]
+    # u32 at 0, 20 bytes aligned to 8 at 8..28, b64 aligned to 8 at 32..40.
+    assert ptx_param_bytes(PTX, "k_1") == 40
+    assert ptx_param_bytes(PTX, "k_2") == 1
+    assert ptx_shared_bytes(PTX, "k_1") == 100
+    facts = ptx_facts(PTX, "k_1")
+    assert facts["local"] == {"st.local.u32": 1}
+    assert facts["cvt"] == {"cvt.rn.f16x2.e4m3x2": 1}
+    assert facts["global_loads"] == {
+        "ld.global.nc.v2.u32": 1,
+        "ld.global.u8": 2,
+    }
+    assert ptx_facts(PTX, "k_2")["local"] == {"ld.local.u32": 1}
+
+
+AMD = """
+\t.amdhsa_kernel k_1
+\t\t.amdhsa_group_segment_fixed_size 512
+\t\t.amdhsa_private_segment_fixed_size 16
+\t\t.amdhsa_kernarg_size 272
+\t\t.amdhsa_next_free_vgpr 40
+\t\t.amdhsa_next_free_sgpr 20
+\t.end_amdhsa_kernel
+\t.amdgpu_metadata
+---
+amdhsa.kernels:
+  - .agpr_count:     0
+    .args:
+      - .offset:         0
+        .size:           200
+        .value_kind:     by_value
+      - .offset:         200
+        .size:           8
+        .value_kind:     by_value
+      - .offset:         208
+        .size:           4
+        .value_kind:     hidden_block_count_x
+    .name:           k_1
+    .sgpr_count:     26
+    .vgpr_count:     37
+...
+\t.end_amdgpu_metadata
+"""
+
+
+def test_amd_reader_counts_only_explicit_arguments():
+    (facts,) = amd_kernels(AMD).values()
+    assert facts == {
+        "registers": 40,
+        "vgpr_count": 37,
+        "agprs": 0,
+        "sgprs": 26,
+        "shared_bytes": 512,
+        "private_bytes": 16,
+        "kernarg_bytes": 272,
+        "param_bytes": 208,
+    }
