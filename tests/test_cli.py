@@ -6,8 +6,9 @@ head_dim 128), so it adds no compile. Its counts are checked against numbers
 derived here from the schedule and the op contracts (pools per request, pools
 ring_close must close, indexer rows that must choose), not against the demo's
 own bookkeeping. Every run also scores every query token with index_top_k on
-one indexer model (GLM-5-Next's: H 32, W 32, top 512, null mask), on the CPU
-runner whatever the step's device. ``--inject-fault`` must make it fail on
+one indexer model (GLM-5-Next's: H 32, W 32, top 512, null mask), on the
+step's device: the gpu-emulated run scores with the op's GPU path, and its
+summary must say so. ``--inject-fault`` must make it fail on
 exactly the corrupted pool or row; bad schedule files
 must give a usage error that says what is wrong. ``--spec-tokens 7`` runs on
 the bfloat16 step model with the 12-entry ring that tests/test_spec_decode.py
@@ -25,6 +26,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -147,7 +149,6 @@ def run_demo(runners: Callable[[str], Runner]) -> Callable[..., int]:
         return demo.main(
             ["--no-progress", "--device", device, *argv],
             runner=runners(device),
-            index_runner=runners("cpu"),
         )
 
     return run
@@ -199,6 +200,13 @@ def test_small_schedule_counts_every_pool(tmp_path, capsys, run_demo):
     assert index["worst_margin"] is None and index["failed_calls"] == 0
     assert (index["heads"], index["layout"]) == (32, "spread")
     assert "index_top_k rows" in rows and rows["worst margin"] == "-"
+    # On cpu the scorer is the op's CPU kernel.
+    assert (index["op"], index["path"], index["grid"]) == (
+        "mla_kpool",
+        "cpu",
+        "-",
+    )
+    assert rows["index_top_k scorer"] == "cpu"
 
 
 def null_mask_skips(sched: dict[str, Any]) -> int:
@@ -269,13 +277,15 @@ def test_injected_index_fault_fails_on_that_row(
 
 @pytest.mark.emulated
 def test_demo_on_emulated_gpu_kernels(tmp_path, capsys, run_demo):
-    # The main job through the GPU kernels, on the step model the
-    # gpu-emulated kernel tests compile anyway (bfloat16, kpool 4).
+    # The main job through the GPU kernels, index_top_k's included, on the
+    # step and indexer models the gpu-emulated kernel tests compile anyway
+    # (bfloat16, kpool 4; GLM-5-Next's indexer).
     path = write(tmp_path, SMALL)
     out_json = tmp_path / "summary.json"
     argv = ["--schedule", str(path), "--json", str(out_json)]
     status = run_demo(argv, device="gpu-emulated")
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert status == 0, out
     summary = json.loads(out_json.read_text())
     assert summary["config"]["device"] == "gpu-emulated"
@@ -283,6 +293,19 @@ def test_demo_on_emulated_gpu_kernels(tmp_path, capsys, run_demo):
     assert summary["pools_checked"] == expected_counts(SMALL)["pools"] == 180
     assert summary["expand_topk"]["rows_checked"] == 728
     assert summary["expand_topk"]["mismatches"] == 0
+    index = summary["index_top_k"]
+    assert index["rows"] == index["rows_checked"] == 728
+    assert index["failed_calls"] == 0
+    # The scorer was this package's GPU path over the emulated grid.
+    assert (index["op"], index["path"], index["grid"]) == (
+        "mla_kpool",
+        "gpu",
+        "emulated",
+    )
+    assert table(out)["index_top_k scorer"] == "gpu"
+    assert "GPU kernels over the emulated grid" in out
+    # An explicit schedule keeps its size: no smaller default announced.
+    assert "smaller default workload" not in captured.err
 
 
 def test_generated_workload_float32(tmp_path, capsys, run_demo):
@@ -798,6 +821,71 @@ def test_index_cache_hands_out_pages_and_takes_them_back():
     free = len(cache.free_keys)
     cache.release(0)
     assert len(cache.free_keys) == free + 17 and 0 not in cache.held
+
+
+@pytest.mark.parametrize(
+    "argv, requests",
+    [
+        (["--device", "gpu-emulated"], 9),
+        (["--device", "gpu-emulated", "--requests", "32"], 32),
+        (["--device", "cpu"], 32),
+        (["--device", "gpu"], 32),
+    ],
+)
+def test_emulated_grid_defaults_to_fewer_requests(argv, requests):
+    assert len(spec_plan(argv).requests) == requests
+
+
+def test_emulated_default_workload_makes_index_top_k_choose():
+    # Null mask: every row of an entry sees the pools complete after the
+    # call, (cache_length + tokens) // kpool; more than 512 is a choice.
+    plan = spec_plan(["--device", "gpu-emulated"])
+    choosing = sum(
+        e.tokens
+        for call in plan.calls
+        for e in call
+        if (e.cache_length + e.tokens) // workload.DEFAULT_KPOOL > 512
+    )
+    assert choosing > 0
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu-emulated"])
+def test_precompiled_index_model_is_the_one_the_calls_use(device):
+    # Runner.index_top_k asks its runner for the model of the key
+    # index_runner.prepare builds; the demo compiles index_key's ahead.
+    from mla_kpool import index_runner
+
+    asked = []
+    recorder = SimpleNamespace(
+        device_name=device, device=driver.CPU(), index_model=asked.append
+    )
+
+    cache = indexing.IndexCache(spec_plan(["--requests", "2"]), KPOOL, 128, 0)
+    cache.admit(0, 1)
+    cache.bind([scheduling.Entry(0, 0, 0, 3, True, False)])
+    q, qs = indexing.make_queries(0, 0, 3, 128)
+    index_runner.prepare(
+        recorder, q, qs, [0, 3], cache.cache, 1, top_k=512, kpool=KPOOL,
+        mask="null",
+    )  # fmt: skip
+    want = indexing.index_key(KPOOL, 128, 512, "null", device)
+    assert asked == [want]
+    assert want.emulate_gpu is (device == "gpu-emulated") and not want.gpu
+
+
+def test_index_scorer_names_the_path():
+    assert indexing.index_scorer("cpu", KPOOL) == {
+        "op": "mla_kpool",
+        "path": "cpu",
+        "grid": "-",
+    }
+    assert indexing.index_scorer("gpu-emulated", KPOOL) == {
+        "op": "mla_kpool",
+        "path": "gpu",
+        "grid": "emulated",
+    }
+    # MAX 26.7's GPU op scores kpool 1 on every GPU it supports.
+    assert indexing.index_scorer("gpu", 1)["op"] == "max"
 
 
 def test_skipped_ids_counts_pools_past_each_query():

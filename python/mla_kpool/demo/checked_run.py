@@ -205,7 +205,6 @@ def serve(
     runner: Runner,
     fault: Fault | None,
     progress: Any,
-    index_runner: Runner | None = None,
 ) -> Totals:
     """Runs every call of the plan through the step and the indexer.
 
@@ -215,12 +214,10 @@ def serve(
     Args:
         config: The run's configuration.
         plan_: The calls.
-        runner: Where the step and expand_topk run.
+        runner: Where the step, index_top_k and expand_topk run.
         fault: A fault to inject, or ``None``.
         progress: Progress display (a ``tqdm`` bar or anything with its
             ``set_postfix_str``, ``update`` and ``close``).
-        index_runner: Where index_top_k runs (a CPU runner); ``runner``
-            when ``None``.
 
     Returns:
         Counts, errors, timings and problems.
@@ -281,9 +278,7 @@ def serve(
                 cache.store_pools(b, pools)
         except ValueError:
             pass  # collect_pools reported it
-        index_and_expand(
-            config, c, call, inputs, cache, runner, here, totals, index_runner
-        )
+        index_and_expand(config, c, call, inputs, cache, runner, here, totals)
         for e in call:
             if not e.finished:
                 continue
@@ -350,7 +345,6 @@ def index_and_expand(
     runner: Runner,
     fault: Fault | None,
     totals: Totals,
-    index_runner: Runner | None = None,
 ) -> None:
     """Scores the call's queries, checks the selection, expands and checks.
 
@@ -369,7 +363,7 @@ def index_and_expand(
         cache.cache.cache_lengths = lengths.copy()
         cache.cache.cache_lengths[fault.entry] += config.kpool
     start = time.perf_counter()
-    ids = (index_runner or runner).index_top_k(
+    ids = runner.index_top_k(
         q,
         sent_qs,
         inputs.input_row_offsets,
@@ -476,20 +470,17 @@ def collect_pools(
             )
 
 
-def compile_models(
-    runner: Runner, config: Config, index_runner: Runner | None = None
-) -> float:
+def compile_models(runner: Runner, config: Config) -> float:
     """Compiles (or loads from MAX's cache) the models :func:`serve` uses.
 
     The fused step on a ``config.ring_len`` ring, expand_topk at
     ``config.pool_topk`` (both with uint32 index operands) and index_top_k
-    (:func:`mla_kpool.demo.indexing.index_key`), so the first call is not
-    charged with compiling.
+    (:func:`mla_kpool.demo.indexing.index_key`, on the runner's device),
+    so the first call is not charged with compiling.
 
     Args:
-        runner: Where the step and expand_topk run.
+        runner: Where the step, index_top_k and expand_topk run.
         config: The run's dtype, kpool, head_dim, ring, top-k and mask.
-        index_runner: Where index_top_k runs; ``runner`` when ``None``.
 
     Returns:
         The seconds it took.
@@ -512,9 +503,13 @@ def compile_models(
             pool_topk=config.pool_topk,
         )
     )
-    (index_runner or runner).index_model(
+    runner.index_model(
         index_key(
-            config.kpool, config.head_dim, config.pool_topk, config.index_mask
+            config.kpool,
+            config.head_dim,
+            config.pool_topk,
+            config.index_mask,
+            runner.device_name,
         )
     )
     return time.perf_counter() - start

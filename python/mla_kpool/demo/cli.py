@@ -24,7 +24,14 @@ from .scheduling import Plan
 from .summary import format_summary, summarize
 from .workload import ScheduleError
 
-__all__ = ["DESCRIPTION", "add_arguments", "main", "run"]
+__all__ = [
+    "DESCRIPTION",
+    "EMULATED_REQUESTS",
+    "add_arguments",
+    "default_requests",
+    "main",
+    "run",
+]
 
 
 class DemoError(Exception):
@@ -35,6 +42,13 @@ class DemoError(Exception):
 #: VMs, MAX 26.7: 40.6 s on an AVX-512 one, 117.5 s on an AVX2 one); a warm
 #: cache loads them in a few seconds.
 COLD_COMPILE_S = "40-120"
+
+#: Requests ``--device gpu-emulated`` generates without ``--requests`` (or
+#: a schedule): the emulated grid runs every GPU thread on the host, and the
+#: default workload's index_top_k calls take minutes there. Nine requests of
+#: seed 0 still bring rows that see more than 512 pools (index_top_k has to
+#: choose).
+EMULATED_REQUESTS = 9
 
 _positive = int_at_least(1)
 
@@ -79,8 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--requests",
         type=_positive,
-        help=f"requests to generate ({workload.DEFAULT_REQUESTS}); not with "
-        "--schedule",
+        help=f"requests to generate ({workload.DEFAULT_REQUESTS}; "
+        f"{EMULATED_REQUESTS} on gpu-emulated); not with --schedule",
     )
     add(
         "--device",
@@ -159,7 +173,6 @@ def main(
     argv: Sequence[str] | None = None,
     *,
     runner: Runner | None = None,
-    index_runner: Runner | None = None,
 ) -> int:
     """Runs the demo with its own argument parser.
 
@@ -167,8 +180,6 @@ def main(
         argv: The options (``sys.argv[1:]`` when ``None``).
         runner: A runner to reuse (tests share one so models compile once);
             a new one on ``--device`` when ``None``.
-        index_runner: A CPU runner for index_top_k when ``--device`` is
-            not ``cpu`` (see :func:`run`).
 
     Returns:
         The exit status: 0 all checks passed, 1 a check failed, 2 a usage
@@ -178,9 +189,7 @@ def main(
         prog="python -m mla_kpool demo", description=DESCRIPTION
     )
     add_arguments(parser)
-    return run(
-        parser.parse_args(argv), runner=runner, index_runner=index_runner
-    )
+    return run(parser.parse_args(argv), runner=runner)
 
 
 def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
@@ -241,7 +250,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
             f'lists every call\'s tokens in "calls"'
         )
     try:
-        requests = args.requests or workload.DEFAULT_REQUESTS
+        requests = args.requests or default_requests(args.device)
         return config, make_plan(
             config,
             loaded.requests if loaded else requests,
@@ -252,25 +261,33 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
         raise DemoError(f"{where}{err}") from err
 
 
+def default_requests(device: str) -> int:
+    """Requests generated on ``device`` when no option or schedule says.
+
+    Fewer on the emulated grid (:data:`EMULATED_REQUESTS`).
+    """
+    if device == "gpu-emulated":
+        return EMULATED_REQUESTS
+    return workload.DEFAULT_REQUESTS
+
+
 def run(
     args: argparse.Namespace,
     *,
     runner: Runner | None = None,
-    index_runner: Runner | None = None,
 ) -> int:
     """Runs the demo for parsed options.
 
-    index_top_k runs on a CPU runner beside the step's with ``--device gpu``
-    or ``gpu-emulated`` too: its GPU path is checked by the test suite (on
-    the emulated grid), while the demo keeps one scorer, the CPU kernel, for
-    every device.
+    Every op runs on ``--device``: the step, expand_topk and index_top_k,
+    whose scorer is the CPU kernel on ``cpu``, on ``gpu`` MAX's builtin
+    where it scores the shape and this package's GPU path elsewhere, and on
+    ``gpu-emulated`` this package's GPU path over the emulated grid
+    (:func:`mla_kpool.demo.indexing.index_scorer`; the summary names it).
 
     Args:
         args: Options from :func:`add_arguments`.
         runner: A runner to reuse; a new one on ``args.device`` when
             ``None``. Its device must match ``args.device``.
-        index_runner: A CPU runner for index_top_k; ``runner`` on
-            ``--device cpu``, else a new CPU runner, when ``None``.
 
     Returns:
         The exit status: 0 all checks passed, 1 a check failed, 2 a usage
@@ -295,18 +312,20 @@ def run(
                     f"workload offers a place for it"
                 )
         runner = _runner_on(config.device, runner)
-        if index_runner is None:
-            cpu = config.device == "cpu"
-            index_runner = runner if cpu else Runner("cpu")
-        elif index_runner.device_name != "cpu":
-            raise DemoError(
-                f"the index runner given is on {index_runner.device_name}, "
-                "not cpu"
-            )
     except (DemoError, ScheduleError) as e:
         print(f"mla-kpool demo: error: {e}", file=err)
         return 2
 
+    smaller = default_requests(config.device) != workload.DEFAULT_REQUESTS
+    if smaller and args.requests is None and args.schedule is None:
+        print(
+            f"{config.device}: a smaller default workload, "
+            f"{EMULATED_REQUESTS} requests instead of "
+            f"{workload.DEFAULT_REQUESTS} (the emulated grid runs every GPU "
+            "thread on the host); --requests sets the count",
+            file=err,
+            flush=True,
+        )
     print(
         "precompiling the Mojo kernels (a few seconds, every run)...",
         file=err,
@@ -319,16 +338,16 @@ def run(
     width = index_width(config.kpool, config.head_dim, 128)
     print(
         f"compiling the step model ({config.dtype.name}, kpool "
-        f"{config.kpool}, head_dim {config.head_dim}{ring}) and the "
-        f"expand_topk model (top {config.pool_topk}) on {config.device}, "
-        f"and the index_top_k model (H {INDEX_HEADS}, W {width}, top "
-        f"{config.pool_topk}, {config.index_mask} mask) on cpu: about "
+        f"{config.kpool}, head_dim {config.head_dim}{ring}), the "
+        f"expand_topk model (top {config.pool_topk}) and the index_top_k "
+        f"model (H {INDEX_HEADS}, W {width}, top {config.pool_topk}, "
+        f"{config.index_mask} mask) on {config.device}: about "
         f"{COLD_COMPILE_S} s the first time, then loaded from MAX's compile "
         "cache in a few seconds...",
         file=err,
         flush=True,
     )
-    compile_s = package_s + compile_models(runner, config, index_runner)
+    compile_s = package_s + compile_models(runner, config)
     described = fault.describe() if fault is not None else None
     if fault is not None:
         print(f"injecting a fault: {described}", file=err)
@@ -339,7 +358,7 @@ def run(
         file=err,
         disable=args.no_progress or not err.isatty(),
     )
-    totals = serve(config, plan_, runner, fault, progress, index_runner)
+    totals = serve(config, plan_, runner, fault, progress)
     wall_s = time.perf_counter() - started
     summary = summarize(
         config, plan_, totals, compile_s, wall_s, described, package_s

@@ -8,7 +8,10 @@ laid out as MAX's indexer reads it
 when ``head_dim`` splits into ``kpool`` rows, else one row per pool). Then
 every query token of the call (:func:`make_queries`) is scored with
 ``mla_kpool.index_top_k``
-(:func:`mla_kpool.demo.checked_run.index_and_expand`) and
+(:func:`mla_kpool.demo.checked_run.index_and_expand`) on the step's device
+(:func:`index_scorer`: the CPU kernel on ``cpu``; on ``gpu`` MAX's
+builtin where it scores the shape, else the op's GPU path; on
+``gpu-emulated`` the op's GPU path over the emulated grid) and
 :func:`check_call` checks the call's rows against the float64 oracle
 (:func:`mla_kpool.reference.check_selection`: valid ids first, none past the
 row's bound, and the selected *set* the top ``k`` within the float32
@@ -51,6 +54,7 @@ __all__ = [
     "IndexCheck",
     "check_call",
     "index_key",
+    "index_scorer",
     "index_width",
     "make_queries",
 ]
@@ -83,8 +87,23 @@ def index_width(kpool: int, head_dim: int, page_size: int) -> int:
     return head_dim
 
 
-def index_key(kpool: int, head_dim: int, top_k: int, mask: str) -> IndexKey:
-    """The compiled indexer the demo runs, for ``Runner.index_model``."""
+def index_key(
+    kpool: int, head_dim: int, top_k: int, mask: str, device: str = "cpu"
+) -> IndexKey:
+    """The compiled indexer the demo runs, for ``Runner.index_model``.
+
+    Args:
+        kpool: Tokens per pool.
+        head_dim: Channels per pooled key (the query depth).
+        top_k: Ids per row.
+        mask: ``"null"`` or ``"causal"``.
+        device: The runner's device: ``"gpu"`` builds the GPU graph (MAX's
+            op or this package's, :func:`index_scorer`), ``"gpu-emulated"``
+            a CPU graph running the op's GPU path over the emulated grid,
+            ``"cpu"`` the CPU kernel's. The key is the one
+            ``Runner.index_top_k`` builds on that device, so a model
+            compiled ahead is the one the calls use.
+    """
     return IndexKey(
         num_heads=INDEX_HEADS,
         depth=head_dim,
@@ -94,7 +113,36 @@ def index_key(kpool: int, head_dim: int, top_k: int, mask: str) -> IndexKey:
         top_k=top_k,
         kpool=kpool,
         mask=mask,
+        gpu=device == "gpu",
+        emulate_gpu=device == "gpu-emulated",
     )
+
+
+def index_scorer(device: str, kpool: int) -> dict[str, str]:
+    """Which index_top_k scores the demo's queries on ``device``.
+
+    Args:
+        device: ``"cpu"``, ``"gpu"`` or ``"gpu-emulated"``.
+        kpool: Tokens per pool (MAX's GPU op scores pooled keys only on
+            some GPUs).
+
+    Returns:
+        ``{"op", "path", "grid"}``: ``op`` is ``"mla_kpool"`` (this
+        package's op) or ``"max"`` (MAX's builtin, which
+        :func:`mla_kpool.index_top_k` picks on a GPU where MAX scores the
+        shape); ``path`` the op's code path, ``"cpu"`` or ``"gpu"``;
+        ``grid`` where a GPU path's blocks run, ``"device"`` or
+        ``"emulated"`` (on the host, thread by thread), ``"-"`` on the CPU
+        path.
+    """
+    if device == "cpu":
+        return {"op": "mla_kpool", "path": "cpu", "grid": "-"}
+    if device == "gpu-emulated":
+        return {"op": "mla_kpool", "path": "gpu", "grid": "emulated"}
+    from ..indexer import max_scores  # imports max.nn: only on a GPU
+
+    op = "max" if max_scores(kpool) else "mla_kpool"
+    return {"op": op, "path": "gpu", "grid": "device"}
 
 
 def make_queries(

@@ -10,7 +10,12 @@ from typing import Any
 from ..reference import tolerance
 from .checked_run import Config
 from .checks import Totals, plural
-from .indexing import INDEX_HEADS, INDEX_PAGE_SIZE, index_width
+from .indexing import (
+    INDEX_HEADS,
+    INDEX_PAGE_SIZE,
+    index_scorer,
+    index_width,
+)
 from .scheduling import Plan
 
 __all__ = ["format_summary", "summarize"]
@@ -41,9 +46,10 @@ def summarize(
 
     Returns:
         A JSON-ready dict: configuration, token, call and pool counts, the
-        worst error against the oracle, index_top_k counts and worst margin,
-        expand_topk counts, timings, the problems, and (with speculation)
-        verify-step counts.
+        worst error against the oracle, index_top_k's scorer (op, code path
+        and grid: :func:`mla_kpool.demo.indexing.index_scorer`), counts
+        and worst margin, expand_topk counts, timings, the problems, and
+        (with speculation) verify-step counts.
     """
     reqs = plan_.requests
     prefill = decode = 0
@@ -87,6 +93,7 @@ def summarize(
         "max_error_over_tolerance": totals.worst_ratio,
         "tolerance": tolerance(config.dtype),
         "index_top_k": {
+            **index_scorer(config.device, config.kpool),
             "heads": INDEX_HEADS,
             "layout": (
                 "spread"
@@ -156,6 +163,19 @@ def summarize(
             "pools_dropped": totals.dropped,
         }
     return summary
+
+
+#: The scorer row's note, by ``(op, grid)`` of
+#: :func:`mla_kpool.demo.indexing.index_scorer`.
+_SCORERS = {
+    ("mla_kpool", "-"): "mla_kpool.index_top_k's CPU kernel",
+    ("mla_kpool", "device"): "mla_kpool.index_top_k's GPU kernels",
+    ("mla_kpool", "emulated"): (
+        "mla_kpool.index_top_k's GPU kernels over the emulated grid, on the "
+        "host"
+    ),
+    ("max", "device"): "MAX's builtin GPU op, which scores this shape here",
+}
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -236,6 +256,7 @@ def format_summary(s: dict[str, Any]) -> str:
     margin = ix["worst_margin"]
     index_ms = ix["mean_call_seconds"]
     rows += [
+        ("index_top_k scorer", ix["path"], _SCORERS[ix["op"], ix["grid"]]),
         (
             "index_top_k rows",
             f"{ix['rows']}",
