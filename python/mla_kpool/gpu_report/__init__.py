@@ -76,16 +76,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def report(
-    archs: list[str], asm_dir: Path, out=sys.stdout, err=sys.stderr
-) -> list[Row]:
+def report(archs: list[str], asm_dir: Path, out=None, err=None) -> list[Row]:
     """Compiles and reads every kernel for each target; prints the table.
 
     Args:
         archs: Targets (``sm_90a``, ``sm_100a``, ``gfx942``, ...).
         asm_dir: Directory for the code (one subdirectory per target).
-        out: Stream for the table.
-        err: Stream for progress and the missing-ptxas hint.
+        out: Stream for the table (``sys.stdout`` if ``None``).
+        err: Stream for progress and the missing-ptxas hint
+            (``sys.stderr`` if ``None``).
 
     Returns:
         Every row, target by target.
@@ -93,6 +92,8 @@ def report(
     Raises:
         ToolError: If ``mojo`` is missing or a compile or ptxas run fails.
     """
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
     ptxas = find_ptxas()
     if ptxas is None and any(is_nvidia(a) for a in archs):
         print(PTXAS_HINT, file=err)
