@@ -308,6 +308,30 @@ def test_demo_on_emulated_gpu_kernels(tmp_path, capsys, run_demo):
     assert "smaller default workload" not in captured.err
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(driver.accelerator_count() == 0, reason="no accelerator")
+def test_demo_on_the_gpu_scores_with_a_gpu_path(tmp_path, capsys, run_demo):
+    # The whole indexer on the accelerator, on rows that must choose (see
+    # test_long_request_checks_real_selections for the counts).
+    path = write(tmp_path, LONG)
+    out_json = tmp_path / "summary.json"
+    argv = ["--schedule", str(path), "--json", str(out_json)]
+    status = run_demo(argv, device="gpu")
+    out = capsys.readouterr().out
+    assert status == 0, out
+    summary = json.loads(out_json.read_text())
+    index = summary["index_top_k"]
+    assert summary["config"]["device"] == "gpu"
+    assert index["selections_checked"] == 52 + 1 + 1
+    assert index["rows_checked"] == index["rows"] == 2102 + 9
+    assert (index["path"], index["grid"]) == ("gpu", "device")
+    # MAX 26.7 scores pooled keys only on sm_10x and gfx950 GPUs.
+    arch = driver.accelerator_architecture_name()
+    mine = not arch.startswith(("sm_10", "gfx950"))
+    assert index["op"] == ("mla_kpool" if mine else "max")
+    assert table(out)["index_top_k scorer"] == "gpu"
+
+
 def test_generated_workload_float32(tmp_path, capsys, run_demo):
     out_json = tmp_path / "summary.json"
     argv = ["--requests", "4", "--seed", "7", "--dtype", "float32"]
