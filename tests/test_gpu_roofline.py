@@ -63,17 +63,19 @@ def test_step_b64_by_hand():
 
 def test_grids_mirror_the_launches():
     results = roofline.rooflines([])
-    # Decode: 16 rows; plan 1 block of 256; score 16 x 8,192 / 128 tiles;
-    # select a block per row.
+    # Decode: 16 rows; plan 1 block of 256; score 16 x 8,192 / 256 tiles
+    # (32 heads x 128 dims = 4,096 query words: 4 waves of 64 threads);
+    # select a block of 512 per row.
     decode = _row(results, "glm5-next-decode", "H200")["kernels"]
     assert [(k["kernel"], k["grid"], k["block_threads"]) for k in decode] == [
         ("plan", 1, 256),
-        ("score_tiled", 1024, 128),
-        ("select", 16, 32),
+        ("score_tiled", 512, 256),
+        ("select", 16, 512),
     ]
-    # Prefill: 4,096 rows over 1,024 candidates, one window.
+    # Prefill: 4,096 rows over 1,024 candidates (4 tiles of 256), one
+    # window.
     prefill = _row(results, "glm5-next-prefill", "H100")["kernels"]
-    assert [k["grid"] for k in prefill] == [16, 32768, 4096]
+    assert [k["grid"] for k in prefill] == [16, 16384, 4096]
     # Step at batch 4096: a block per request and per output row (2 per
     # request), 128 threads.
     step = _row(results, "step-b4096", "MI300X")["kernels"]
@@ -115,10 +117,27 @@ def test_fill_takes_the_rows_block_size_and_residency():
     assert score["fill"] == pytest.approx(512 / (132 * 8))
     # The rows are for sm_90a: B200 keeps today's sizes.
     b200 = _row(roofline.rooflines(rows), "glm5-next-decode", "B200")
-    assert b200["kernels"][2]["block_threads"] == 32
-    # DeepSeek's scorer (64 heads) does not take the GLM row's params.
+    assert b200["kernels"][2]["block_threads"] == 512
+    # DeepSeek's scorer (64 heads) does not take the GLM row's params: its
+    # 64 x 128 query words make 8 waves of 64 threads.
     ds = _row(roofline.rooflines(rows), "deepseek-v3.2-decode", "H200")
-    assert ds["kernels"][1]["block_threads"] == 128
+    assert ds["kernels"][1]["block_threads"] == 512
+
+
+@pytest.mark.parametrize(
+    "heads, depth, threads",
+    [
+        (32, 128, 256),  # 4,096 query words: 4 waves
+        (64, 128, 512),  # 8,192 words: 8 waves
+        (8, 64, 128),  # 512 words: one wave, at least 128
+        (3, 100, 128),  # 4 padded heads x 100 = 400 words
+        (16, 640, 1024),  # 10,240 words: 10 waves, the next power 1,024
+        (128, 128, 128),  # past 64 heads: the untiled scorer's 128
+        (64, 256, 128),  # 16,384 words > 12,288: untiled
+    ],
+)
+def test_score_threads_follow_the_query(heads: int, depth: int, threads: int):
+    assert roofline.score_threads(heads, depth) == threads
 
 
 def test_bound_seconds_for_names_and_gpus():

@@ -29,7 +29,11 @@ from mla_kpool.__main__ import COMMANDS
 
 REPO = Path(__file__).resolve().parents[1]
 STABLE_CHANNEL = "https://conda.modular.com/max/"
-MOJO_TREES = ["kernels", "python/mla_kpool/bench_noop"]
+MOJO_TREES = [
+    "kernels",
+    "python/mla_kpool/bench_noop",
+    "python/mla_kpool/gpu_report",
+]
 
 #: Executables a task may call -> the dependency that installs them.
 EXECUTABLES = {

@@ -32,7 +32,7 @@ def _operands() -> dict[str, object]:
         "tail": _Ring(),
         "k": k,
         "gate": k,
-        "ape": np.zeros((KPOOL, HEAD_DIM), np.float64),
+        "ape": np.zeros((KPOOL, HEAD_DIM)).tolist(),
         "pool_ids": np.zeros((8, 5), np.int64),
         "input_row_offsets": [0, 8],
         "pool_row_offsets": np.zeros(2, np.int64),
@@ -66,7 +66,7 @@ def test_key_from_arrays_is_model_key(kind: str) -> None:
             index_dtypes=index_dtypes,
         )
     assert op.key(KPOOL, values, always_select_tail=False) == want
-    # A list becomes uint32 (MAX's), ape float32.
+    # Lists become arrays: index operands uint32 (MAX's), ape float32.
     assert given["input_row_offsets"].dtype == np.uint32
     if "ape" in op.tensors:
         assert given["ape"].dtype == np.float32

@@ -32,6 +32,7 @@ from kernels.index_gpu import (
     index_score_phase,
     index_score_thread,
     index_select_phase,
+    score_threads,
     tile_words,
 )
 from kernels.index_select import SELECT_THREADS, SELECT_WORDS, select_phases
@@ -297,7 +298,7 @@ def _index[
         config,
         params,
         "mla_kpool_index_score_kernel",
-        SCORE_THREADS,
+        score_threads[H, D](),
         phased,
     )
     m.emit[

@@ -62,6 +62,7 @@ __all__ = [
     "format_rooflines",
     "index_workload",
     "rooflines",
+    "score_threads",
     "step_flops",
     "step_workload",
     "workload_for_case",
@@ -70,19 +71,23 @@ __all__ = [
 #: Scores workspace of one index_top_k call (``GPU_WORKSPACE_BYTES``).
 WORKSPACE_BYTES = 1 << 28
 #: Threads per block of each kernel as the ops launch them today, used when
-#: no kernel row names them (``PLAN_THREADS``, ``SCORE_THREADS``,
-#: ``SELECT_THREADS``; the step's scan is one thread).
+#: no kernel row names them (``PLAN_THREADS``, ``SCORE_THREADS`` for the
+#: untiled scorer, ``SELECT_THREADS``; the step's scan is one thread; the
+#: tiled scorer's follow its query, :func:`score_threads`).
 DEFAULT_BLOCK_THREADS = {
     "plan": 256,
-    "score_tiled": 128,
     "score_untiled": 128,
-    "select": 32,
+    "select": 512,
     "scan": 1,
 }
 #: Shared words the tiled scorer may use (``SCORE_SHARED_LIMIT``).
 SCORE_SHARED_WORDS = 12 * 1024
-#: Radix buckets of the select (``RADIX_BUCKETS``).
-RADIX_BUCKETS = 256
+#: Shared words per 64 threads of a tiled-score block (``SCORE_WAVE_WORDS``).
+SCORE_WAVE_WORDS = 1024
+#: Shared bytes of one select block (``SELECT_WORDS`` words: a counter per
+#: thread for 15 of the 16 digits of a 4-bit radix pass, the 15 totals and
+#: 4 words of state).
+SELECT_SHARED_BYTES = 4 * (15 * 512 + 15 + 4)
 #: Flops per pooled member and channel of a writer: gate + ape, minus the
 #: max, exp (counted as one), the weight sum, the weighted key (mul, add).
 POOL_FLOPS_PER_MEMBER = 6
@@ -262,22 +267,38 @@ def bound_seconds(
     return lower_bound_seconds(w["bytes"], w["flops"], spec.peak, precision)
 
 
+def _heads_pow2(heads: int) -> int:
+    return 1 << (heads - 1).bit_length()
+
+
 def _tiled(heads: int, depth: int) -> bool:
     """Whether the tiled scorer serves ``heads`` x ``depth`` (index_gpu)."""
-    hp = 1 << (heads - 1).bit_length()
-    return hp <= 64 and hp * (depth + 1) <= SCORE_SHARED_WORDS
+    hp = _heads_pow2(heads)
+    return hp <= 64 and hp * depth <= SCORE_SHARED_WORDS
+
+
+def score_threads(heads: int, depth: int) -> int:
+    """Threads per block of the score launch (index_gpu's ``score_threads``).
+
+    The untiled scorer's 128; the tiled scorer's a wave of 64 per
+    :data:`SCORE_WAVE_WORDS` of its float32 query, a power of two from
+    128 to 1024 (256 for 32 heads x 128 dims, 512 for 64 x 128).
+    """
+    if not _tiled(heads, depth):
+        return DEFAULT_BLOCK_THREADS["score_untiled"]
+    waves = -(-_heads_pow2(heads) * depth // SCORE_WAVE_WORDS)
+    return min(max(1 << (waves * 64 - 1).bit_length(), 128), 1024)
 
 
 def _kernels(w: dict[str, Any]) -> list[tuple[str, int]]:
     """``(kernel, default shared bytes)`` of each launch of ``w``'s op."""
     if w["op"] == "step":
         return [("scan", 0), ("main", 0)]
-    hp = 1 << (w["heads"] - 1).bit_length()
     if _tiled(w["heads"], w["depth"]):
-        score = ("score_tiled", hp * (w["depth"] + 1) * 4)
+        score = ("score_tiled", _heads_pow2(w["heads"]) * w["depth"] * 4)
     else:
         score = ("score_untiled", 0)
-    return [("plan", 0), score, ("select", -1)]
+    return [("plan", 0), score, ("select", SELECT_SHARED_BYTES)]
 
 
 def _grid(w: dict[str, Any], kernel: str, threads: int) -> tuple[int, int]:
@@ -298,12 +319,9 @@ def _grid(w: dict[str, Any], kernel: str, threads: int) -> tuple[int, int]:
 def _default_threads(w: dict[str, Any], kernel: str) -> int:
     if kernel == "main":
         return min(w["head_dim"], 1024)
+    if kernel == "score_tiled":
+        return score_threads(w["heads"], w["depth"])
     return DEFAULT_BLOCK_THREADS[kernel]
-
-
-def _select_shared(threads: int) -> int:
-    """Shared bytes of the select (``SELECT_WORDS``) at ``threads``."""
-    return 4 * (threads * RADIX_BUCKETS + RADIX_BUCKETS + 2 * threads + 4)
 
 
 def _arch(arch: str | None) -> str | None:
@@ -346,8 +364,6 @@ def _kernel_fill(
     resident = ((row or {}).get("resident_blocks") or {}).get(gpu)
     source = "kernel row"
     if resident is None:
-        if shared < 0:
-            shared = _select_shared(threads)
         occ = occupancy_by_gpu(
             spec.arch,
             int((row or {}).get("registers") or 0),
