@@ -9,6 +9,7 @@ operand bytes, a quarter of the GPU's warps resident at least.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
@@ -360,3 +361,16 @@ def test_amd_reader_counts_only_explicit_arguments():
         "kernarg_bytes": 272,
         "param_bytes": 208,
     }
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--arch", "sm_90a", "gfx942"],
+        ["--arch", "sm_90a", "--arch", "gfx942"],
+    ],
+)
+def test_arch_takes_several_targets(argv: list[str]):
+    parser = argparse.ArgumentParser()
+    gpu_report.add_arguments(parser)
+    assert parser.parse_args(argv).arch == ["sm_90a", "gfx942"]

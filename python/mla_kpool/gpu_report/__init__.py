@@ -58,9 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds ``--arch``, ``--json`` and ``--asm-dir`` to ``parser``."""
     parser.add_argument(
         "--arch",
-        action="append",
+        action="extend",
+        nargs="+",
         metavar="ARCH",
-        help="target to compile for (repeatable; default: "
+        help="targets to compile for (one or more, repeatable; default: "
         + " ".join(DEFAULT_ARCHS)
         + ")",
     )
