@@ -1,27 +1,25 @@
-"""The benchmark's pieces: NumPy twins, byte counts, and one tiny run."""
+"""The benchmark's writers: NumPy twins, byte counts, options, a tiny
+run and where a run was measured."""
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 from max import driver
 
+from bench_helpers import cases, head_commit, legend_lines, num, table_cells
 from kpool_cases import F32, TOLERANCE
 from mla_kpool import _sysinfo, bench
 from mla_kpool import reference as ref
 from mla_kpool.__main__ import main
 from mla_kpool._paths import KERNELS, NOOP_KERNELS, compiled_kernels
-from mla_kpool.bench import blas, index, workload
-from mla_kpool.index_cache import PagedIndexCache
+from mla_kpool.bench import workload
 from mla_kpool.runner import model_key
 
 CASES = [
@@ -36,35 +34,6 @@ CASES = [
 ]
 WRITERS = [op for op in workload.OPS if op != "expand_topk"]
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _num(value: float) -> str:
-    """The table's number format: 3 significant digits, whole from 1000."""
-    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}"
-
-
-def _table(out: str) -> tuple[list[str], list[list[str]]]:
-    """The header and body cells of the markdown table printed in ``out``."""
-    lines = [line for line in out.splitlines() if line.startswith("|")]
-    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
-    return cells[0], cells[2:]
-
-
-def _legend(out: str) -> list[str]:
-    """The legend's lines under the table, without their ``- ``."""
-    return [line[2:] for line in out.splitlines() if line.startswith("- ")]
-
-
-def _head_commit() -> str | None:
-    """HEAD of the checkout the package is imported from, read from git."""
-    package = Path(bench.__file__).resolve().parent
-    done = subprocess.run(
-        ["git", "-C", str(package), "rev-parse", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return done.stdout.strip() if done.returncode == 0 else None
 
 
 @pytest.mark.parametrize(
@@ -262,7 +231,7 @@ def test_tiny_bench_run_writes_its_json(tmp_path, capsys):
         assert r["mojo_version"] == importlib.metadata.version("mojo")
         assert r["cores"] == os.cpu_count()
         assert r["cpu_model"] and r["device_name"] == r["cpu_model"]
-        assert r["git_commit"] == _head_commit()
+        assert r["git_commit"] == head_commit()
         assert isinstance(r["command"], str) and r["command"]
     assert record["bytes"] == workload.op_bytes(
         workload.Case("ring_close", "float32", 3, 4, 128, "cpu")
@@ -281,7 +250,7 @@ def test_tiny_bench_run_writes_its_json(tmp_path, capsys):
     # The printed table: a row per record, its ratios from those numbers.
     captured = capsys.readouterr()
     assert "2 configurations, 4 graphs to compile" in captured.err
-    head, rows = _table(captured.out)
+    head, rows = table_cells(captured.out)
     assert head[4:] == [
         "op us",
         "GB/s",
@@ -296,9 +265,9 @@ def test_tiny_bench_run_writes_its_json(tmp_path, capsys):
         ["expand_topk", "int32", "3", "4"],
     ]
     for row, r in zip(rows, (record, expand), strict=True):
-        assert row[8] == _num(r["median_us"] / r["floor_median_us"])
-        assert row[10] == _num(r["numpy_median_us"] / r["median_us"])
-    assert _legend(captured.out)[0].startswith("op us: the op's median")
+        assert row[8] == num(r["median_us"] / r["floor_median_us"])
+        assert row[10] == num(r["numpy_median_us"] / r["median_us"])
+    assert legend_lines(captured.out)[0].startswith("op us: the op's median")
 
 
 @pytest.mark.parametrize(
@@ -322,17 +291,10 @@ def test_bad_options_exit_2_before_compiling(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def _cases(*argv: str) -> list[workload.Case]:
-    """The configurations ``bench *argv`` would measure (nothing compiles)."""
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    return bench.cases(parser.parse_args(argv))
-
-
 def test_default_is_the_short_set():
     """With no preset: the fused step and expand_topk at kpool 4, four
     batches, bfloat16: 8 configurations on 4 compiled graphs."""
-    todo = _cases()
+    todo = cases()
     assert [(c.op, c.dtype, c.batch, c.kpool) for c in todo] == [
         (op, dtype, batch, 4)
         for op, dtype in (("step", "bfloat16"), ("expand_topk", "int32"))
@@ -341,7 +303,7 @@ def test_default_is_the_short_set():
     assert {(c.head_dim, c.device) for c in todo} == {(128, "cpu")}
     assert bench.graphs_to_compile(todo) == 4
     # An option narrows or widens only its own axis.
-    todo = _cases("--kpools", "16", "--ops", "ring_close")
+    todo = cases("--kpools", "16", "--ops", "ring_close")
     assert {(c.op, c.dtype, c.kpool) for c in todo} == {
         ("ring_close", "bfloat16", 16)
     }
@@ -352,7 +314,7 @@ def test_sweep_and_quick_presets():
     kpool 4 16 128, batch 1 64 512 4096: 5 * 2 * 3 * 4 + 3 * 4 = 132
     configurations on 5 * 2 * 3 + 3 = 33 op instances, two graphs each
     (op and floor). --quick: docs/performance.md's 10 on 9 instances."""
-    todo = _cases("--sweep")
+    todo = cases("--sweep")
     assert len(todo) == len(set(todo)) == 132
     assert {c.op for c in todo} == set(workload.OPS)
     assert {c.kpool for c in todo} == {4, 16, 128}
@@ -362,12 +324,12 @@ def test_sweep_and_quick_presets():
         "bfloat16",
     }
     assert bench.graphs_to_compile(todo) == 66
-    assert len(_cases("--sweep", "--dtypes", "float32")) == 72
-    quick = _cases("--quick")
+    assert len(cases("--sweep", "--dtypes", "float32")) == 72
+    quick = cases("--quick")
     assert len(quick) == 10 and {c.op for c in quick} == set(workload.OPS)
     assert bench.graphs_to_compile(quick) == 18
     with pytest.raises(SystemExit):
-        _cases("--quick", "--sweep")
+        cases("--quick", "--sweep")
 
 
 def test_help_states_each_presets_cold_cost(capsys):
@@ -422,7 +384,7 @@ def test_cpu_model_reads_proc_cpuinfo(tmp_path):
 
 def test_git_commit_only_for_this_package_checkout(tmp_path):
     found = _sysinfo.git_commit()
-    want = _head_commit()
+    want = head_commit()
     assert (found[0] if found else None) == want
     # A directory that is not python/mla_kpool of a checkout: no commit.
     assert _sysinfo.git_commit(tmp_path) is None
@@ -445,637 +407,3 @@ def test_run_info_names_the_accelerator_on_gpu():
     assert gpu["device_name"] == "NVIDIA H100 80GB HBM3"
     assert cpu["max_version"] == importlib.metadata.version("max")
     assert cpu["command"] == _sysinfo.command_line(sys.argv)
-
-
-# --------------------------------------------------------------------------
-# Reading results back: --markdown and --plot (nothing compiles)
-# --------------------------------------------------------------------------
-
-#: Two records as --json writes them (the second from an older run, with
-#: no provenance fields and MAX's builtin timed).
-RECORDS = [
-    {
-        "op": "ring_close",
-        "dtype": "float32",
-        "batch": 4096,
-        "kpool": 128,
-        "median_us": 32721.4,
-        "gbps": 16.48,
-        "memcpy_gbps": 27.5,
-        "floor_median_us": 341.2,
-        "numpy_median_us": 903796.0,
-        "builtin_median_us": None,
-        "p10_us": 30000.0,
-        "p90_us": 35210.0,
-        "device_name": "AMD EPYC 9R14",
-        "cores": 2,
-        "max_version": "26.7.0",
-        "mojo_version": "1.2.0",
-        "git_commit": "0123456789abcdef0123",
-        "git_dirty": True,
-        "command": "python -m mla_kpool bench --quick",
-    },
-    {
-        "op": "expand_topk",
-        "dtype": "int32",
-        "batch": 64,
-        "kpool": 4,
-        "median_us": 40.0,
-        "gbps": 16.4,
-        "memcpy_gbps": 82.0,
-        "floor_median_us": 25.0,
-        "numpy_median_us": 1000.0,
-        "builtin_median_us": 10.0,
-    },
-]
-
-
-@pytest.fixture
-def no_runner(monkeypatch):
-    """Makes precompiling the kernels or building a Runner fail the test."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the kernels were precompiled or compiled")
-
-    monkeypatch.setattr(bench, "make_runners", refuse)
-
-
-def test_markdown_prints_the_table_and_its_legend(tmp_path, capsys, no_runner):
-    path = tmp_path / "bench.json"
-    path.write_text(json.dumps(RECORDS))
-    assert main(["bench", "--markdown", str(path)]) == 0
-    out = capsys.readouterr().out
-    assert out.splitlines()[:2] == [
-        "Measured on AMD EPYC 9R14 (2 cores), MAX 26.7.0, Mojo 1.2.0, "
-        "commit 0123456789ab with local changes: "
-        "`python -m mla_kpool bench --quick`.",
-        "",
-    ]
-    # 16.48 / 27.5 GB/s = 59.9% of memcpy; 32721.4 / 341.2 = 95.9 times
-    # the floor; 903796 / 32721.4: NumPy 27.6 times slower; 40 / 10: the
-    # builtin 0.25 times the op's time. p10-p90 in brackets where known.
-    head, rows = _table(out)
-    assert head == [
-        "op",
-        "dtype",
-        "batch",
-        "kpool",
-        "op us",
-        "GB/s",
-        "% of memcpy",
-        "floor us",
-        "op/floor",
-        "numpy us",
-        "numpy/op",
-        "builtin us",
-        "builtin/op",
-    ]
-    assert rows == [
-        [
-            "ring_close",
-            "float32",
-            "4096",
-            "128",
-            "32721 (30000-35210)",
-            "16.5",
-            "60%",
-            "341",
-            "95.9",
-            "903796",
-            "27.6",
-            "-",
-            "-",
-        ],
-        "expand_topk int32 64 4 40 16.4 20% 25 1.6 1000 25 10 0.25".split(),
-    ]
-    # Columns line up: every table line is as long as the header.
-    lines = [line for line in out.splitlines() if line.startswith("|")]
-    assert len({len(line) for line in lines}) == 1
-    assert lines[1].startswith("| ---") and lines[1].endswith(": |")
-    legend = _legend(out)
-    assert [line.split(":")[0] for line in legend] == [
-        "op us",
-        "GB/s",
-        "floor us",
-        "numpy us",
-        "builtin us",
-    ]
-    assert "op/floor: op us / floor us" in legend[2]
-    assert "numpy/op: numpy us / op us (above 1: the op is" in legend[3]
-
-
-def test_markdown_of_several_runs_gives_medians_and_ranges(
-    tmp_path, capsys, no_runner
-):
-    # Three runs of one configuration; only the times move. Per run:
-    #   op us       100, 300, 200         -> 200 (100-300)
-    #   GB/s        10, 5, 8              -> 8 (5-10)
-    #   % memcpy    10/40, 5/40, 8/40 = 25%, 12.5%, 20%
-    #               -> 20% (12%-25%)  (12.5 printed without decimals)
-    #   floor us    50, 100, 40           -> 50 (40-100)
-    #   op/floor    100/50, 300/100, 200/40 = 2, 3, 5 -> 3 (2-5)
-    #   numpy us    400, 600, 1000        -> 600 (400-1000)
-    #   numpy/op    400/100, 600/300, 1000/200 = 4, 2, 5 -> 4 (2-5)
-    # A second configuration, with a builtin time, appears in the first
-    # run only.
-    base = {k: v for k, v in RECORDS[0].items()}
-    runs = []
-    for i, (median, gbps, floor, numpy_us) in enumerate(
-        [(100, 10, 50, 400), (300, 5, 100, 600), (200, 8, 40, 1000)]
-    ):
-        record = {
-            **base,
-            "median_us": median,
-            "gbps": gbps,
-            "memcpy_gbps": 40.0,
-            "floor_median_us": floor,
-            "numpy_median_us": numpy_us,
-        }
-        records = [record] + ([RECORDS[1]] if i == 0 else [])
-        path = tmp_path / f"run{i}.json"
-        path.write_text(json.dumps(records))
-        runs.append(str(path))
-    assert main(["bench", "--markdown", *runs]) == 0
-    out = capsys.readouterr().out
-    assert out.splitlines()[0].endswith("; 3 runs, medians and (ranges).")
-    head, rows = _table(out)
-    assert head[4:7] == ["runs", "op us", "GB/s"]
-    assert rows == [
-        [
-            "ring_close",
-            "float32",
-            "4096",
-            "128",
-            "3",
-            "200 (100-300)",
-            "8 (5-10)",
-            "20% (12%-25%)",
-            "50 (40-100)",
-            "3 (2-5)",
-            "600 (400-1000)",
-            "4 (2-5)",
-            "-",
-            "-",
-        ],
-        "expand_topk int32 64 4 1 40 16.4 20% 25 1.6 1000 25 10 0.25".split(),
-    ]
-    image = tmp_path / "runs.png"
-    assert main(["bench", "--markdown", *runs, "--plot", str(image)]) == 0
-    assert image.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
-
-
-@pytest.mark.parametrize(
-    "content, message",
-    [
-        (None, "cannot read"),
-        ("[{", "not valid JSON"),
-        ('{"op": "ring_close"}', "must be a JSON list of records"),
-        ('[{"op": "ring_close"}]', "record 0 lacks 'dtype', 'batch'"),
-    ],
-    ids=["missing", "not-json", "not-list", "lacks-fields"],
-)
-def test_markdown_bad_file_exits_2(
-    tmp_path, capsys, no_runner, content, message
-):
-    path = tmp_path / "bench.json"
-    if content is not None:
-        path.write_text(content)
-    assert main(["bench", "--markdown", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"mla-kpool bench: error: {path}: ")
-    assert message in err
-
-
-def test_markdown_with_json_exits_2(tmp_path, capsys, no_runner):
-    path = tmp_path / "bench.json"
-    path.write_text(json.dumps(RECORDS))
-    argv = ["bench", "--markdown", str(path), "--json", str(tmp_path / "o")]
-    assert main(argv) == 2
-    assert "--markdown reads a --json file" in capsys.readouterr().err
-
-
-def test_plot_without_matplotlib_exits_2_before_compiling(
-    monkeypatch, capsys, no_runner, tmp_path
-):
-    # None in sys.modules makes `import matplotlib` raise ImportError.
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    image = tmp_path / "bench.png"
-    assert main(["bench", "--quick", "--plot", str(image)]) == 2
-    err = capsys.readouterr().err
-    assert "--plot needs matplotlib" in err
-    assert "pip install matplotlib" in err
-    assert not image.exists()
-
-
-def test_plot_draws_the_markdown_file(tmp_path, capsys, no_runner):
-    pytest.importorskip("matplotlib")
-    path = tmp_path / "bench.json"
-    path.write_text(json.dumps(RECORDS))
-    image = tmp_path / "bench.png"
-    assert main(["bench", "--markdown", str(path), "--plot", str(image)]) == 0
-    assert image.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["--json", "/no-such-folder-mla-kpool/run.json"],
-        ["--plot", "/no-such-folder-mla-kpool/plot.png"],
-    ],
-    ids=["json", "plot"],
-)
-def test_output_in_a_missing_folder_exits_2_first(argv, capsys, no_runner):
-    """A path the results cannot be written to is refused before the
-    run, not after it (a --sweep run takes over 20 minutes)."""
-    with pytest.raises(SystemExit) as exc:
-        main(["bench", *argv])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert f"argument {argv[0]}: must be a file in an existing folder" in err
-
-
-def test_plot_format_is_checked_first(tmp_path, capsys, no_runner):
-    pytest.importorskip("matplotlib")
-    records = tmp_path / "bench.json"
-    records.write_text(json.dumps(RECORDS))
-    image = tmp_path / "plot.txt"
-    argv = ["bench", "--markdown", str(records), "--plot", str(image)]
-    assert main(argv) == 2
-    assert "--plot IMAGE must end in one of" in capsys.readouterr().err
-    assert not image.exists()
-
-
-# --------------------------------------------------------------------------
-# NumPy's BLAS: a clean environment, and which kernel ran
-# --------------------------------------------------------------------------
-
-
-def test_bench_restarts_without_the_slow_blas_variables(monkeypatch):
-    """The command line re-executes itself without OPENBLAS_CORETYPE and
-    OPENBLAS_L2_SIZE, marking what it unset; with neither set it goes on."""
-    calls = []
-
-    def execve(path, argv, env):
-        calls.append((path, argv, env))
-
-    env = {"OPENBLAS_CORETYPE": "Prescott", "OPENBLAS_L2_SIZE": "1", "A": "1"}
-    argv = ["python", "-m", "mla_kpool", "bench", "--ops", "index_top_k"]
-    blas.reexec_without_slow_blas(env, argv, execve)
-    ((path, new_argv, new_env),) = calls
-    assert path == sys.executable
-    assert new_argv == [sys.executable, *argv[1:]]
-    assert "OPENBLAS_CORETYPE" not in new_env and new_env["A"] == "1"
-    assert "OPENBLAS_L2_SIZE" not in new_env
-    assert new_env[blas.UNSET_MARKER] == (
-        "OPENBLAS_CORETYPE=Prescott;OPENBLAS_L2_SIZE=1"
-    )
-    calls.clear()
-    blas.reexec_without_slow_blas({"A": "1"}, argv, execve)
-    assert calls == []
-    # Tests call main(argv): never re-executed, whatever the environment.
-    monkeypatch.setenv("OPENBLAS_L2_SIZE", "1")
-    monkeypatch.setattr(blas, "reexec_without_slow_blas", execve)
-    with pytest.raises(SystemExit):
-        main(["bench", "--help"])
-    assert calls == []
-
-
-def test_blas_info_names_the_kernel(monkeypatch):
-    """NumPy's BLAS library, kernel and threads, from threadpoolctl or
-    OpenBLAS itself; and what the command line unset."""
-    monkeypatch.setenv(blas.UNSET_MARKER, "OPENBLAS_CORETYPE=Prescott")
-    monkeypatch.setenv("OPENBLAS_L2_SIZE", "1")
-    info = blas.blas_info()
-    assert info["blas_unset"] == "OPENBLAS_CORETYPE=Prescott"
-    assert info["blas_env"] == {"OPENBLAS_L2_SIZE": "1"}
-    config = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
-    if "openblas" in config["name"]:
-        found = info["blas"]
-        assert found["internal_api"] == "openblas"
-        assert found["architecture"] and found["num_threads"] >= 1
-        assert found["version"] == config["version"]
-
-
-# --------------------------------------------------------------------------
-# index_top_k: the workloads, the NumPy peers, a run
-# --------------------------------------------------------------------------
-
-
-def _tiny_index(
-    shape: index.IndexShape, offsets, lengths, seed: int = 0
-) -> index.IndexWorkload:
-    """A small index workload: every request's visible pools stored (and
-    one pool past them holding other bytes), pages shuffled."""
-    rng = np.random.default_rng(seed)
-    offsets = np.asarray(offsets, np.uint32)
-    lengths = np.asarray(lengths, np.uint32)
-    n = np.diff(offsets.astype(np.int64))
-    pools = (lengths + n) // shape.kpool + 1
-    per_pool = shape.depth // shape.width
-    pages = int(-(-pools.max() * per_pool // shape.page_size))
-    cache = PagedIndexCache(
-        num_blocks=len(lengths) * pages,
-        num_layers=2,
-        page_size=shape.page_size,
-        head_dim=shape.depth,
-        kpool=shape.kpool,
-        width=shape.width,
-        batch=len(lengths),
-        max_pages=pages,
-        fill=0x7F,
-    )
-    cache.map_pages(rng, separate=True)
-    cache.cache_lengths[:] = lengths
-    for b, count in enumerate(pools):
-        keys = rng.standard_normal((int(count), shape.depth), np.float32)
-        keys[rng.random(int(count)) < 0.1] *= 0  # zero keys: scale 0
-        cache.store_keys(b, 1, 0, keys)
-    q = rng.standard_normal((int(offsets[-1]), shape.heads, shape.depth))
-    qs = rng.standard_normal((int(offsets[-1]), shape.heads))
-    return index.IndexWorkload(
-        shape=shape,
-        q=q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8),
-        qs=qs.astype(np.float32),
-        input_row_offsets=offsets,
-        cache=cache,
-        layer=1,
-    )
-
-
-def _index_oracle_check(w: index.IndexWorkload, got: np.ndarray):
-    ops = w.cache.oracle_operands()
-    return ref.check_selection(
-        got,
-        w.q,
-        w.qs,
-        w.input_row_offsets,
-        ops["k_blocks"],
-        ops["k_cache_lengths"],
-        ops["k_lookup_table"],
-        ops["k_scales"],
-        ops["k_scales_lookup_table"],
-        w.layer,
-        top_k=w.shape.top_k,
-        kpool=w.shape.kpool,
-        mask=w.mask,
-    )
-
-
-@pytest.mark.parametrize(
-    "shape",
-    [
-        index.IndexShape(4, 16, 4, 6, 4, 8, True),  # spread, causal
-        index.IndexShape(4, 16, 4, 6, 4, 8, False),  # spread, null
-        index.IndexShape(3, 16, 2, 5, 16, 4, True),  # whole
-        index.IndexShape(2, 8, 1, 3, 8, 4, False),  # kpool 1
-    ],
-    ids=["spread-causal", "spread-null", "whole", "kpool1"],
-)
-def test_numpy_index_twin_matches_the_oracle(shape):
-    """The twin's rows are the oracle's selection (sets at the k-th score),
-    chunked or not: decode rows, a prefill from zero, bound < k, bound 0,
-    an empty request."""
-    w = _tiny_index(shape, [0, 1, 1, 40, 41, 45], [50, 9, 0, 3, 0])
-    for chunk in (256, 7):
-        cache = w.cache
-        got = index.numpy_index_top_k(
-            w.q,
-            w.qs,
-            w.input_row_offsets,
-            cache.cache_lengths,
-            cache.blocks(),
-            cache.scales(),
-            cache.lookup_table,
-            cache.scales_lookup_table,
-            layer=1,
-            top_k=shape.top_k,
-            kpool=shape.kpool,
-            causal=shape.causal,
-            chunk=chunk,
-        )
-        report = _index_oracle_check(w, got)
-        assert report.rows == 45 and report.cut_rows > 0
-
-
-def test_index_workloads_are_glm5_next_decode_and_prefill():
-    decode = index.make_index_workload("decode")
-    assert decode.shape == index.GLM5_NEXT
-    assert decode.q.shape == (16, 32, 128) and decode.q.dtype == np.uint8
-    assert decode.qs.shape == (16, 32)
-    assert decode.input_row_offsets.tolist() == list(range(17))
-    assert set(decode.cache.cache_lengths.tolist()) == {32767}
-    assert decode.candidates == 16 * 8192
-    assert (
-        index.score_flops(
-            decode.input_row_offsets, decode.cache.cache_lengths, decode.shape
-        )
-        == 2 * 16 * 8192 * 32 * 128
-    )
-    # Every request's pages are its own blocks.
-    assert len(set(decode.cache.lookup_table.ravel().tolist())) == 16 * 256
-    prefill = index.make_index_workload("prefill")
-    assert prefill.input_row_offsets.tolist() == [0, 4096]
-    assert prefill.cache.cache_lengths.tolist() == [0]
-    assert prefill.candidates == sum((i + 1) // 4 for i in range(4096))
-    # The stored keys are the producer's: the oracle reads them back.
-    head = index.IndexWorkload(
-        prefill.shape,
-        prefill.q[:600],
-        prefill.qs[:600],
-        np.array([0, 600], np.uint32),
-        prefill.cache,
-    )
-    assert _index_oracle_check(head, index.numpy_twin(head)()).rows == 600
-
-
-def test_blas_peer_makes_the_twins_matmuls():
-    shape = index.GLM5_NEXT
-    call, flops = index.blas_matmul(
-        np.array([0, 1, 2], np.uint32), np.array([399, 99], np.uint32), shape
-    )
-    assert flops == 2 * 32 * 128 * (100 + 25)
-    call()
-    _, flops = index.blas_matmul(
-        np.array([0, 300], np.uint32), np.array([0], np.uint32), shape
-    )
-    # Chunks of 256 rows: up to bound 64, then 44 rows up to bound 75.
-    assert flops == 2 * 128 * (256 * 32 * 64 + 44 * 32 * 75)
-
-
-def test_index_top_k_cases_and_graphs():
-    """--ops index_top_k: the two phases, one graph, whatever the grid."""
-    todo = _cases("--ops", "index_top_k", "--batches", "3")
-    assert [(c.op, c.phase, c.batch, c.kpool, c.head_dim) for c in todo] == [
-        ("index_top_k", "decode", 16, 4, 128),
-        ("index_top_k", "prefill", 1, 4, 128),
-    ]
-    assert bench.graphs_to_compile(todo) == 1
-    both = _cases("--ops", "step", "index_top_k", "--batches", "3")
-    assert [c.op for c in both] == ["step", "index_top_k", "index_top_k"]
-    assert bench.graphs_to_compile(both) == 3
-    assert "index_top_k" not in {c.op for c in _cases("--sweep")}
-
-
-INDEX_RECORD = {
-    "op": "index_top_k",
-    "dtype": "float8_e4m3fn",
-    "phase": "decode",
-    "batch": 16,
-    "kpool": 4,
-    "head_dim": 128,
-    "device": "cpu",
-    "tokens": 16,
-    "candidates": 131072,
-    "flops": 1073741824,
-    "median_us": 25000.0,
-    "min_us": 24000.0,
-    "max_us": 31000.0,
-    "gflops": 42.94967296,
-    "numpy_median_us": 200000.0,
-    "blas_gflops": 60.0,
-    "blas": {
-        "internal_api": "openblas",
-        "architecture": "Haswell",
-        "version": "0.3.31",
-        "num_threads": 2,
-    },
-    "device_name": "AMD EPYC",
-}
-
-
-def test_markdown_prints_the_index_table(tmp_path, capsys, no_runner):
-    path = tmp_path / "run.json"
-    path.write_text(json.dumps([RECORDS[1], INDEX_RECORD]))
-    assert main(["bench", "--markdown", str(path)]) == 0
-    out = capsys.readouterr().out
-    assert "NumPy's BLAS openblas 0.3.31 with its Haswell kernel on 2" in out
-    tables = out.split("\n\n")
-    index_table = next(t for t in tables if "GFLOP/s" in t)
-    head, rows = _table(index_table)
-    assert head == [
-        "phase",
-        "batch",
-        "tokens",
-        "candidates",
-        "op ms",
-        "GFLOP/s",
-        "numpy ms",
-        "numpy/op",
-        "BLAS GFLOP/s",
-        "% of BLAS",
-    ]
-    assert rows == [
-        [
-            "decode",
-            "16",
-            "16",
-            "131072",
-            "25 (24-31)",
-            "42.9",
-            "200",
-            "8",
-            "60",
-            "72%",
-        ]
-    ]
-    assert any(line.startswith("GFLOP/s: 2 * H * D") for line in _legend(out))
-    # The writers' table is still there, and a record lacking a field of
-    # its table is refused.
-    assert _table(out)[0][0] == "op"
-    bad = dict(INDEX_RECORD)
-    del bad["blas_gflops"]
-    path.write_text(json.dumps([bad]))
-    assert main(["bench", "--markdown", str(path)]) == 2
-    assert "lacks 'blas_gflops'" in capsys.readouterr().err
-
-
-def test_index_bytes_counts_each_requests_keys_once():
-    # Two requests: 5 cached + 3 new and 0 cached + 4 new, kpool 2, causal.
-    # Bounds: (5+3-2)//2 3, 3, (5+3-0)//2 4; (0+4-3)//2 0, 1, 1, 2. The
-    # last rows see 4 and 2 pools: (4 + 2) * (D + 4) key and scale bytes.
-    shape = index.IndexShape(
-        heads=2, depth=8, kpool=2, top_k=3, width=4, page_size=4, causal=True
-    )
-    offsets = np.array([0, 3, 7])
-    lengths = np.array([5, 0])
-    assert index.index_bytes(offsets, lengths, shape) == (
-        6 * 12 + 7 * 2 * 12 + 7 * 3 * 4
-    )
-
-
-def test_gpu_fractions_use_the_published_peaks():
-    # 1e12 flops and 4.8e9 bytes in 1 ms on an H200: 1000 TFLOP/s of its 67
-    # FP32 and 1979 FP8, 4.8 TB/s of its 4.8.
-    got = bench.gpu_fractions(10**12, 48 * 10**8, 1000.0, "NVIDIA H200")
-    assert got["pct_fp32_peak"] == pytest.approx(100 * 1000 / 67)
-    assert got["pct_fp8_peak"] == pytest.approx(100 * 1000 / 1979)
-    assert got["pct_hbm"] == pytest.approx(100.0)
-    assert got["gpu_peak"]["hbm_tbps"] == 4.8
-    assert bench.gpu_fractions(1, 1, 1.0, "Some GPU") == {}
-    assert bench.gpu_fractions(1, 1, 1.0, None) == {}
-
-
-def test_markdown_adds_the_gpu_columns_for_a_gpu_record(
-    tmp_path, capsys, no_runner
-):
-    record = dict(INDEX_RECORD, device="gpu", pct_fp32_peak=12.5)
-    record |= {"pct_fp8_peak": 0.5, "pct_hbm": 40.0}
-    path = tmp_path / "run.json"
-    path.write_text(json.dumps([record]))
-    assert main(["bench", "--markdown", str(path)]) == 0
-    out = capsys.readouterr().out
-    head, rows = _table(out)
-    assert head[-3:] == ["% FP32 peak", "% FP8 peak", "% HBM"]
-    assert rows[0][-3:] == ["12%", "0%", "40%"]
-    assert any(
-        line.startswith("% FP32 peak, % FP8 peak") for line in _legend(out)
-    )
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(
-    driver.accelerator_count() == 0,
-    reason="no accelerator (max.driver.accelerator_count() == 0)",
-)
-def test_tiny_index_bench_run_on_gpu(tmp_path, monkeypatch):
-    """This package's GPU path timed, with the GPU's peak fractions."""
-    monkeypatch.setitem(index.INDEX_PHASES, "decode", (2, 1023, 1))
-    monkeypatch.setitem(index.INDEX_PHASES, "prefill", (1, 0, 300))
-    out = tmp_path / "index.json"
-    argv = ["bench", "--ops", "index_top_k", "--device", "gpu"]
-    assert main([*argv, "--min-seconds", "0", "--json", str(out)]) == 0
-    for r in json.loads(out.read_text()):
-        assert r["device"] == "gpu" and r["median_us"] > 0
-        assert r["bytes"] > 0
-        if index.gpu_peak(r.get("device_name")) is not None:
-            assert r["pct_fp32_peak"] > 0 and r["pct_hbm"] > 0
-
-
-def test_tiny_index_bench_run(tmp_path, capsys, monkeypatch):
-    """End to end on GLM-5-Next's compiled indexer, smaller calls."""
-    monkeypatch.setitem(index.INDEX_PHASES, "decode", (2, 1023, 1))
-    monkeypatch.setitem(index.INDEX_PHASES, "prefill", (1, 0, 300))
-    out = tmp_path / "index.json"
-    argv = ["bench", "--ops", "index_top_k", "--min-seconds", "0"]
-    assert main([*argv, "--json", str(out)]) == 0
-    decode, prefill = json.loads(out.read_text())
-    assert (decode["phase"], prefill["phase"]) == ("decode", "prefill")
-    assert decode["candidates"] == 2 * 256 and decode["tokens"] == 2
-    assert prefill["candidates"] == sum((i + 1) // 4 for i in range(300))
-    for r in (decode, prefill):
-        assert r["calls"] >= bench.INDEX_MIN_CALLS
-        assert r["min_us"] <= r["median_us"] <= r["max_us"]
-        assert r["flops"] == 2 * r["candidates"] * 32 * 128
-        assert r["gflops"] == pytest.approx(r["flops"] / r["median_us"] / 1e3)
-        assert r["blas_gflops"] > 0 and r["numpy_median_us"] > 0
-        assert (r["heads"], r["top_k"], r["width"], r["page_size"]) == (
-            32,
-            512,
-            32,
-            128,
-        )
-        assert "blas" in r and r["git_commit"] == _head_commit()
-    captured = capsys.readouterr()
-    assert "2 configurations, 1 graphs to compile" in captured.err
-    head, rows = _table(captured.out)
-    assert head[0] == "phase" and [r[0] for r in rows] == ["decode", "prefill"]
