@@ -267,7 +267,21 @@ def test_tiny_bench_run_writes_its_json(tmp_path, capsys):
     for row, r in zip(rows, (record, expand), strict=True):
         assert row[8] == num(r["median_us"] / r["floor_median_us"])
         assert row[10] == num(r["numpy_median_us"] / r["median_us"])
-    assert legend_lines(captured.out)[0].startswith("op us: the op's median")
+    # The legend's first line says what one call held: ring_close at kpool
+    # 4 closes a pool from 2 ring members and 2 new tokens per request (the
+    # workload that ran), expand_topk's query selects 2048 / 4 pools.
+    ran = workload.make_workload(
+        workload.Case("ring_close", "float32", 3, 4, 128, "cpu")
+    )
+    assert set(np.diff(ran.input_row_offsets)) == {2}
+    assert set(ran.cache_lengths % 4) == {2} and ran.k.shape[1] == 128
+    legend = legend_lines(captured.out)
+    assert legend[0] == (
+        "call: batch requests; per request, ring_close at kpool 4, head_dim"
+        " 128: 2 new tokens onto 2 pending in its ring; expand_topk at kpool"
+        " 4, head_dim 128: 1 query token selecting 512 pools."
+    )
+    assert legend[1].startswith("op us: the op's median")
 
 
 @pytest.mark.parametrize(
@@ -340,6 +354,11 @@ def test_help_states_each_presets_cold_cost(capsys):
     assert "8 configurations, 4 graphs to compile: about 1.5 min" in text
     assert "132 configurations, 66 graphs, about 22 min cold" in text
     assert "18 graphs, about 6 min and 4 GB of memory cold" in text
+    # Why a command-line run starts again without two OpenBLAS variables.
+    assert (
+        "restarts itself without OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE: they"
+        " slow NumPy's BLAS, which the NumPy peers run on" in text
+    )
 
 
 def test_runners_load_precompiled_packages():

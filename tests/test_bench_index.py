@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from max import driver
 
-from bench_helpers import cases, head_commit, table_cells
+from bench_helpers import cases, head_commit, legend_lines, table_cells
 from mla_kpool import bench
 from mla_kpool import reference as ref
 from mla_kpool.__main__ import main
@@ -298,3 +298,8 @@ def test_tiny_index_bench_run(tmp_path, capsys, monkeypatch):
     assert "2 configurations, 1 graphs to compile" in captured.err
     head, rows = table_cells(captured.out)
     assert head[0] == "phase" and [r[0] for r in rows] == ["decode", "prefill"]
+    # What a call held, from the run's records: GLM-5-Next's indexer.
+    call = legend_lines(captured.out)[0]
+    assert call.startswith("call: tokens query tokens over batch requests")
+    assert "(kpool 4) with 32 heads of head_dim 128" in call
+    assert call.endswith("selects the top 512.")

@@ -19,6 +19,7 @@ RECORDS = [
         "dtype": "float32",
         "batch": 4096,
         "kpool": 128,
+        "head_dim": 128,
         "median_us": 32721.4,
         "gbps": 16.48,
         "memcpy_gbps": 27.5,
@@ -114,14 +115,22 @@ def test_markdown_prints_the_table_and_its_legend(tmp_path, capsys, no_runner):
     assert lines[1].startswith("| ---") and lines[1].endswith(": |")
     legend = legend_lines(out)
     assert [line.split(":")[0] for line in legend] == [
+        "call",
         "op us",
         "GB/s",
         "floor us",
         "numpy us",
         "builtin us",
     ]
-    assert "op/floor: op us / floor us" in legend[2]
-    assert "numpy/op: numpy us / op us (above 1: the op is" in legend[3]
+    # ring_close at kpool 128: 64 ring members and 64 new tokens close a
+    # pool; the older expand_topk record names no head_dim.
+    assert legend[0] == (
+        "call: batch requests; per request, ring_close at kpool 128, head_dim"
+        " 128: 64 new tokens onto 64 pending in its ring; expand_topk at kpool"
+        " 4: 1 query token selecting 512 pools."
+    )
+    assert "op/floor: op us / floor us" in legend[3]
+    assert "numpy/op: numpy us / op us (above 1: the op is" in legend[4]
 
 
 def test_markdown_of_several_runs_gives_medians_and_ranges(
@@ -273,6 +282,8 @@ INDEX_RECORD = {
     "kpool": 4,
     "head_dim": 128,
     "device": "cpu",
+    "heads": 32,
+    "top_k": 512,
     "tokens": 16,
     "candidates": 131072,
     "flops": 1073741824,
@@ -327,8 +338,12 @@ def test_markdown_prints_the_index_table(tmp_path, capsys, no_runner):
             "72%",
         ]
     ]
-    assert any(
-        line.startswith("GFLOP/s: 2 * H * D") for line in legend_lines(out)
+    legend = legend_lines(out)
+    assert any(line.startswith("GFLOP/s: 2 * H * D") for line in legend)
+    assert (
+        "call: tokens query tokens over batch requests; each token scores its"
+        " request's visible pools (kpool 4) with 32 heads of head_dim 128 and"
+        " selects the top 512." in legend
     )
     # The writers' table is still there, and a record lacking a field of
     # its table is refused.

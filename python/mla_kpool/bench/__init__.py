@@ -68,6 +68,9 @@ DESCRIPTION = (
     " bandwidth. With no preset: the fused step and expand_topk, bfloat16,"
     " kpool 4, batch 1 64 512 4096 (8 configurations, 4 graphs to compile:"
     " about 1.5 min on a cold compile cache on 2 CPU cores, 20 s warm)."
+    " From the command line it restarts itself without OPENBLAS_CORETYPE"
+    " and OPENBLAS_L2_SIZE: they slow NumPy's BLAS, which the NumPy peers"
+    " run on, so the peers get their best."
 )
 
 #: Ops that MAX also ships as GPU builtins (the fused step is ours only).

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from .workload import expand_pool_topk, tokens_per_request
+
 Record = dict[str, Any]
 
 #: Record fields the table and the plot need.
@@ -247,6 +249,36 @@ def _lined_up(head: list[str], body: list[list[str]], text: int) -> str:
     return "\n".join(lines)
 
 
+def call_legend(records: list[Record]) -> str:
+    """The legend's line saying what one row's call holds, per op and kpool.
+
+    From :func:`.workload.tokens_per_request`: the tokens each request
+    brings and those pending in its ring; expand_topk's selections.
+    """
+    held = {}
+    for r in records:
+        pending, new = tokens_per_request(r["op"], r["kpool"])
+        what = f"{new} new tokens onto {pending} pending in its ring"
+        if r["op"] == "expand_topk":
+            what = (
+                f"1 query token selecting {expand_pool_topk(r['kpool'])} pools"
+            )
+        dim = f", head_dim {r['head_dim']}" if "head_dim" in r else ""
+        held[f"{r['op']} at kpool {r['kpool']}{dim}: {what}"] = None
+    return "call: batch requests; per request, " + "; ".join(held) + "."
+
+
+def index_call_legend(records: list[Record]) -> str:
+    """The index table's line saying what one row's call holds."""
+    r = records[0]
+    heads, dim, top_k = (r.get(k, "?") for k in ("heads", "head_dim", "top_k"))
+    return (
+        "call: tokens query tokens over batch requests; each token scores its"
+        f" request's visible pools (kpool {r['kpool']}) with {heads} heads of"
+        f" head_dim {dim} and selects the top {top_k}."
+    )
+
+
 def format_index_table(runs: list[list[Record]]) -> str:
     """index_top_k's table: one row per phase, then its legend.
 
@@ -272,7 +304,8 @@ def format_index_table(runs: list[list[Record]]) -> str:
         if not several and r.get("min_us") is not None:
             row[4] += f" ({_num(r['min_us'] / 1e3)}-{_num(r['max_us'] / 1e3)})"
         body.append(row)
-    lines = INDEX_LEGEND + ((INDEX_GPU_LEGEND,) if gpu else ())
+    lines = (index_call_legend(sum(runs, [])), *INDEX_LEGEND)
+    lines += (INDEX_GPU_LEGEND,) if gpu else ()
     lines += (BOUND_LEGEND,) if bound else ()
     legend = "\n".join(f"- {text}" for text in lines)
     return _lined_up(head, body, 1) + "\n\n" + legend
@@ -312,7 +345,8 @@ def format_op_table(runs: list[list[Record]]) -> str:
         if not several and rs[0].get("p10_us") is not None:
             row[4] += f" ({_num(rs[0]['p10_us'])}-{_num(rs[0]['p90_us'])})"
         body.append(row)
-    lines = LEGEND[: 5 if builtin else 4] + ((BOUND_LEGEND,) if bound else ())
+    lines = (call_legend(sum(runs, [])), *LEGEND[: 5 if builtin else 4])
+    lines += (BOUND_LEGEND,) if bound else ()
     legend = [f"- {text}" for text in lines]
     return _lined_up(head, body, 2) + "\n\n" + "\n".join(legend)
 

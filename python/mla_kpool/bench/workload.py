@@ -80,7 +80,7 @@ def expand_pool_topk(kpool: int) -> int:
     return max(1, EXPAND_POSITIONS // kpool)
 
 
-def _tokens_per_request(op: str, kpool: int) -> tuple[int, int]:
+def tokens_per_request(op: str, kpool: int) -> tuple[int, int]:
     """``(pending ring members r, new tokens n)`` per request for ``op``."""
     r = kpool // 2
     special = {
@@ -106,7 +106,7 @@ def make_workload(case: Case, seed: int = 0) -> Workload:
     """
     rng = np.random.default_rng(seed)
     dtype = numpy_dtype(case.dtype)
-    r, n = _tokens_per_request(case.op, case.kpool)
+    r, n = tokens_per_request(case.op, case.kpool)
     batch, kpool, hd = case.batch, case.kpool, case.head_dim
     expand = case.op == "expand_topk"
     base = max(1000, expand_pool_topk(kpool)) if expand else 1000
@@ -146,7 +146,7 @@ def op_bytes(case: Case) -> int:
     batch, kpool = case.batch, case.kpool
     row = case.head_dim * numpy_dtype(case.dtype).itemsize
     ape = kpool * case.head_dim * 4
-    r, n = _tokens_per_request(case.op, kpool)
+    r, n = tokens_per_request(case.op, kpool)
     if case.op == "expand_topk":
         topk = expand_pool_topk(kpool)
         return batch * n * 4 * (topk + topk * kpool + kpool - 1)
