@@ -25,12 +25,19 @@ equal to the three-op sequence.
 package's own) is the indexer that consumes the pooled keys: MAX 26.7's
 `mo.mla.indexer.ragged.float8.paged` (same parameters and operands) on the
 CPU, where MAX has none. It scores each query token against a paged FP8 key
-cache and keeps the ids of its best `k` keys or pools.
+cache and keeps the ids of its best `k` keys or pools. Its CPU path
+(`index_cpu.mojo`, scoring in `index_cpu_score.mojo`) and its GPU path
+(`index_gpu.mojo`: the plan and score launches, `index_gpu_score.mojo`,
+`index_gpu_shape.mojo`, and the select in `index_select.mojo`,
+`index_select_layout.mojo`, `index_select_sort.mojo`) share the operand
+struct (`index_operands.mojo`), the rows scored and their bounds
+(`index_plan.mojo`), the FP8 decode (`index_fp8.mojo`) and the candidate
+order (`index_rank.mojo`).
 
 `parallel.mojo` launches the writers' GPU kernels, whose threads never
 communicate, or runs them over an emulated grid on the CPU;
 `block_phases.mojo` does the same for kernels whose threads share a
 block's memory, written as phases separated by barriers, with an emulation
 that refuses a missing barrier: `index_top_k`'s GPU scorer and select
-(`index_gpu.mojo`, `index_select.mojo`).
+(`index_gpu_score.mojo`, `index_select.mojo`).
 """

@@ -15,14 +15,10 @@ from max.gpu.host.compile import _compile_code
 from std.testing import TestSuite, assert_equal, assert_false, assert_true
 
 from kernels.block_phases import Shared, gpu_phased_kernel
-from kernels.index_gpu import (
-    SCORE_THREADS,
-    index_score_phase,
-    index_score_thread,
-    score_threads,
-    tile_words,
-)
-from kernels.index_top_k import IndexOperands, decode_e4m3
+from kernels.index_fp8 import decode_e4m3
+from kernels.index_gpu_score import index_score_phase, index_score_thread
+from kernels.index_gpu_shape import SCORE_THREADS, score_threads, tile_words
+from kernels.index_operands import IndexOperands
 from std.memory import bitcast
 from kernels.parallel import gpu_kernel
 

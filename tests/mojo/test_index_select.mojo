@@ -21,13 +21,13 @@ from std.random import random_float64, random_ui64, seed
 from std.testing import TestSuite, assert_equal, assert_true
 
 from kernels.block_phases import Shared, emulate_phases, gpu_phased_kernel
-from kernels.index_select import (
+from kernels.index_rank import rank_key
+from kernels.index_select import select_row_phase
+from kernels.index_select_layout import (
     SELECT_THREADS,
     SELECT_WORDS,
     select_phases,
-    select_row_phase,
 )
-from kernels.index_top_k import rank_key
 from kernels.operands import KernelOperands
 from kernels.ragged import Field, Ptr
 

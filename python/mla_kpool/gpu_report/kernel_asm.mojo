@@ -27,16 +27,17 @@ from kernels.expand_topk import (
 )
 from kernels.index_gpu import (
     PLAN_THREADS,
-    SCORE_THREADS,
     index_plan_thread,
-    index_score_phase,
-    index_score_thread,
     index_select_phase,
-    score_threads,
-    tile_words,
 )
-from kernels.index_select import SELECT_THREADS, SELECT_WORDS, select_phases
-from kernels.index_top_k import IndexOperands
+from kernels.index_gpu_score import index_score_phase, index_score_thread
+from kernels.index_gpu_shape import SCORE_THREADS, score_threads, tile_words
+from kernels.index_operands import IndexOperands
+from kernels.index_select_layout import (
+    SELECT_THREADS,
+    SELECT_WORDS,
+    select_phases,
+)
 from kernels.parallel import gpu_block_width, gpu_kernel
 from kernels.ring_close import RingCloseOperands, ring_close_thread
 from kernels.seed_tail import SeedTailOperands, seed_tail_thread

@@ -1,0 +1,261 @@
+"""`mla_kpool.index_top_k` on the CPU: tasks over the cores, a heap per row.
+
+A task per (request, chunk of `CPU_ROW_CHUNK` query rows), spread over the
+cores. A task decodes its rows' queries once (transposed, heads
+innermost), then walks the candidates a tile at a time: decode the tile's
+keys and scales to float32 once, score it for every row of the chunk
+(`index_cpu_score.mojo`), and feed the scores into one bounded heap per
+row (`index_rank.mojo`), which holds the row's best `k` seen so far.
+Memory per task is bounded by the chunk, the tile and `k`, never by the
+context length.
+"""
+
+from max.algorithm import sync_parallelize
+from std.builtin.sort import sort
+from std.math import ceildiv, max, min
+from std.sys import num_physical_cores
+
+from .index_cpu_score import decode_candidates, score_tile
+from .index_fp8 import decode_row
+from .index_operands import IndexTopK
+from .index_plan import candidate_bound, request_span
+from .index_rank import offer_tile, write_row
+from .ragged import Ptr, read_index
+
+
+comptime CPU_ROW_CHUNK = 16
+"""Query rows per CPU task: their decoded queries (16 KiB a row at 32 heads
+x 128 dims) and heaps stay cache-resident while a key tile is reused."""
+
+comptime CPU_TILE = 64
+"""Candidates decoded per tile (32 KiB of float32 keys at depth 128)."""
+
+comptime CPU_MIN_PART_CANDIDATES = 4 * CPU_TILE
+"""Fewest candidates worth a core of their own when one row chunk's
+candidates are split between cores."""
+
+comptime CPU_MIN_PARALLEL_WORK = 1 << 20
+"""Score multiply-adds below which one core finishes before others wake."""
+
+
+@always_inline
+def scratch[dtype: DType](mut buffer: List[Scalar[dtype]]) -> Ptr[dtype]:
+    """A task-local buffer's data as the kernels' raw pointer type."""
+    return buffer.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+
+
+@always_inline
+def fill_rows[k: Int](output: Ptr[DType.int32], first: Int, last: Int):
+    """Writes `-1` into output rows `[first, last)`."""
+    for x in range(first * k, last * k):
+        output[unsafe_offset=x] = -1
+
+
+def keep_top_k(
+    op: IndexTopK,
+    b: Int,
+    first: Int,
+    last: Int,
+    part: Int,
+    parts: Int,
+    kept: Ptr[DType.uint64],
+    sizes: Pointer[Int, MutAnyOrigin],
+):
+    """Request `b`'s rows `first .. last - 1`: each one's best `k` of a part.
+
+    The candidates of the chunk's widest row are cut into `parts` runs of
+    whole tiles; this keeps, for each row `r`, the rank keys of its best
+    `k` visible candidates of run `part` in `kept[r * k :]` (unordered, or
+    a heap) and their number in `sizes[r]`: 0 for every row of a request
+    that is not scored. Decodes the rows' queries once, then each tile's
+    keys once for all the rows.
+    """
+    comptime k = op.k
+    comptime depth = op.depth
+    comptime padded = op.padded_heads
+    comptime num_heads = op.num_heads
+    var rows = last - first
+    for r in range(rows):
+        sizes[unsafe_offset=r] = 0
+    var span = request_span(op, b)
+    var start = span[0]
+    var n = span[1]
+    var c = span[2]
+    var widest = candidate_bound[op.kpool, op.causal](c, n, last - 1)
+    if not span[3] or widest <= 0:
+        return
+    var run = ceildiv(ceildiv(widest, parts), CPU_TILE) * CPU_TILE
+    var lo = part * run
+    var hi = min(lo + run, widest)
+    if lo >= hi:
+        return
+
+    var queries = List[Float32](length=rows * depth * padded, fill=0.0)
+    var weights = List[Float32](length=rows * padded, fill=0.0)
+    var decoded = List[Float32](length=depth, fill=0.0)
+    for r in range(rows):
+        var t = start + first + r
+        for h in range(num_heads):
+            decode_row[depth](
+                op.q.unsafe_offset((t * num_heads + h) * depth),
+                scratch(decoded),
+            )
+            for d in range(depth):
+                queries[(r * depth + d) * padded + h] = decoded[d]
+            weights[r * padded + h] = op.qs[unsafe_offset=t * num_heads + h]
+
+    var keys = List[Float32](length=CPU_TILE * depth, fill=0.0)
+    var scales = List[Float32](length=CPU_TILE, fill=0.0)
+    var tile = List[Float32](length=CPU_TILE, fill=0.0)
+    for tile_first in range(lo, hi, CPU_TILE):
+        var count = min(CPU_TILE, hi - tile_first)
+        decode_candidates(
+            op, b, tile_first, count, scratch(keys), scratch(scales)
+        )
+        for r in range(rows):
+            var bound = candidate_bound[op.kpool, op.causal](c, n, first + r)
+            var visible = min(count, bound - tile_first)
+            if visible <= 0:
+                continue
+            score_tile[num_heads, depth](
+                scratch(queries).unsafe_offset(r * depth * padded),
+                scratch(weights).unsafe_offset(r * padded),
+                scratch(keys),
+                scratch(scales),
+                visible,
+                scratch(tile),
+            )
+            sizes[unsafe_offset=r] = offer_tile[k](
+                scratch(tile),
+                tile_first,
+                visible,
+                kept.unsafe_offset(r * k),
+                sizes[unsafe_offset=r],
+            )
+
+
+def write_chunk(
+    op: IndexTopK,
+    b: Int,
+    first: Int,
+    last: Int,
+    parts: Int,
+    kept: Ptr[DType.uint64],
+    sizes: Pointer[Int, MutAnyOrigin],
+):
+    """Writes request `b`'s rows `first .. last - 1` from `keep_top_k`'s parts.
+
+    Part `p`'s keys for row `r` are at `kept[(p * CPU_ROW_CHUNK + r) * k
+    :]`, `sizes[p * CPU_ROW_CHUNK + r]` of them. With one part they are
+    the row's answer; with more, the best `k` of their union are.
+    """
+    comptime k = op.k
+    var start = read_index(op.input_row_offsets, b)
+    var merged = List[UInt64]()
+    for r in range(last - first):
+        var dest = op.output.unsafe_offset((start + first + r) * k)
+        merged.clear()
+        for part in range(parts):
+            var at = part * CPU_ROW_CHUNK + r
+            for x in range(sizes[unsafe_offset=at]):
+                merged.append(kept[unsafe_offset=at * k + x])
+        var total = len(merged)
+        if total > k:
+            sort(Span(merged))
+        write_row[k](Span(merged)[max(total - k, 0) :], dest)
+
+
+def index_top_k_cpu(op: IndexTopK):
+    """CPU index_top_k: a task per (request, row chunk, part), over the cores.
+
+    Rows that no scored request owns are `-1` first. Each (request, row
+    chunk) is one task over all its candidates, or, when there are fewer
+    such chunks than cores and the candidates are many, `parts` tasks over
+    runs of them whose kept keys are merged per row afterwards (so a
+    single long-context decode uses every core).
+    """
+    comptime k = op.k
+    var owned = 0
+    if op.scored_requests > 0:
+        owned = read_index(op.input_row_offsets, op.scored_requests)
+    fill_rows[k](op.output, owned, op.total_tokens)
+
+    var task_request = List[Int]()
+    var task_first = List[Int]()
+    var work = 0
+    var widest = 0
+    for b in range(op.scored_requests):
+        var start = read_index(op.input_row_offsets, b)
+        var n = read_index(op.input_row_offsets, b + 1) - start
+        var c = read_index(op.k_cache_lengths, b)
+        for first in range(0, n, CPU_ROW_CHUNK):
+            task_request.append(b)
+            task_first.append(first)
+        if n > 0 and c >= 0:
+            var bound = candidate_bound[op.kpool, op.causal](c, n, n - 1)
+            work += n * max(bound, 0)
+            widest = max(widest, bound)
+    work *= op.num_heads * op.depth
+    var chunks = len(task_request)
+    var serial = chunks == 0 or work < CPU_MIN_PARALLEL_WORK
+    var parts = 1
+    if not serial and chunks < num_physical_cores():
+        parts = max(
+            1,
+            min(
+                ceildiv(num_physical_cores(), chunks),
+                widest // CPU_MIN_PART_CANDIDATES,
+            ),
+        )
+
+    var kept = List[UInt64](length=chunks * parts * CPU_ROW_CHUNK * k, fill=0)
+    var sizes = List[Int](length=chunks * parts * CPU_ROW_CHUNK, fill=0)
+    var kept_at = scratch(kept)
+    var sizes_at = sizes.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+
+    @always_inline
+    def rows_of(chunk: Int) {imm} -> Tuple[Int, Int, Int]:
+        var b = task_request[chunk]
+        var first = task_first[chunk]
+        var n = read_index(op.input_row_offsets, b + 1) - read_index(
+            op.input_row_offsets, b
+        )
+        return (b, first, min(first + CPU_ROW_CHUNK, n))
+
+    def keep_part(task: Int) {imm}:
+        var chunk = task // parts
+        var part = task % parts
+        var rows = rows_of(chunk)
+        keep_top_k(
+            op,
+            rows[0],
+            rows[1],
+            rows[2],
+            part,
+            parts,
+            kept_at.unsafe_offset(task * CPU_ROW_CHUNK * k),
+            sizes_at.unsafe_offset(task * CPU_ROW_CHUNK),
+        )
+
+    def write(chunk: Int) {imm}:
+        var rows = rows_of(chunk)
+        write_chunk(
+            op,
+            rows[0],
+            rows[1],
+            rows[2],
+            parts,
+            kept_at.unsafe_offset(chunk * parts * CPU_ROW_CHUNK * k),
+            sizes_at.unsafe_offset(chunk * parts * CPU_ROW_CHUNK),
+        )
+
+    if serial:
+        for chunk in range(chunks):
+            keep_part(chunk)
+            write(chunk)
+    else:
+        sync_parallelize(keep_part, chunks * parts)
+        sync_parallelize(write, chunks)
+    # The scratch lives until every task is done with it.
+    _ = len(kept)
+    _ = len(sizes)

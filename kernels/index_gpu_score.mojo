@@ -1,0 +1,304 @@
+"""`index_top_k`'s GPU scorers: a window's rows scored against their candidates.
+
+`index_score_phase` (the tiled scorer, a block per (row, tile of
+`score_threads` candidates), two phases): the row's FP8 query decoded once
+into shared memory, then a thread per candidate reads its key's bytes
+(16 per load where aligned; decoded by the hardware's FP8 conversion on
+NVIDIA GPUs) and keeps up to `PASS_HEADS` per-head dot products in
+registers per pass over the key. `index_score_thread` (untiled, for shapes
+whose query does not fit the block's shared memory) reads the query from
+global memory. Both apply the NaN-keeping ReLU, the head weights and the
+key's scale, and write a float32 workspace row.
+"""
+
+from .block_phases import Shared
+from .index_fp8 import decode_e4m3_gpu
+from .index_gpu_shape import (
+    key_chunk,
+    padded_heads_pow2,
+    pass_heads,
+    score_passes,
+    score_threads,
+    score_tiles,
+)
+from .index_operands import IndexTopK
+from .index_plan import page_bases
+from .ragged import Ptr
+
+
+@always_inline
+def candidate_at(op: IndexTopK, b: Int, j: Int) -> Tuple[Int, Int]:
+    """Where request `b`'s candidate `j` lies, for `layer_idx`.
+
+    Returns:
+        `(key element, scale element)`: the key's first byte (its `D` bytes
+        follow, since a candidate's `kpool` rows of `W` bytes are adjacent
+        in its page) and its scale.
+    """
+    comptime rows = op.rows_per_candidate
+    var page = j * rows // op.page_size
+    var slot = j * rows % op.page_size
+    var at = page_bases(op, b, page)
+    return (at[0] + slot * op.width, at[1] + slot)
+
+
+@always_inline
+def load_e4m3[
+    width: Int
+](src: Ptr[DType.uint8], at: Int, aligned: Bool) -> SIMD[DType.float32, width]:
+    """Bytes `at ..< at + width` of `src`, decoded (`decode_e4m3_gpu`).
+
+    One `width`-byte load when `aligned` (the caller checked that
+    `src + at` is a multiple of `width`), else `width` byte loads: a
+    key's address depends on the page stride, a runtime value, so the
+    alignment is checked per candidate instead of assumed.
+
+    Parameters:
+        width: Bytes (a power of two, at most 16).
+
+    Args:
+        src: The bytes.
+        at: First byte.
+        aligned: `src + at` is a multiple of `width` bytes.
+
+    Returns:
+        The `width` values as float32.
+    """
+    var bytes = SIMD[DType.uint8, width]()
+    comptime if width == 1:
+        bytes[0] = src[unsafe_offset=at]
+    else:
+        if aligned:
+            bytes = src.unsafe_offset(at).unsafe_load[
+                width=width, alignment=width
+            ](0)
+        else:
+            comptime for i in range(width):
+                bytes[i] = src[unsafe_offset=at + i]
+    return decode_e4m3_gpu[width](bytes)
+
+
+@always_inline
+def is_aligned[width: Int](src: Ptr[DType.uint8]) -> Bool:
+    """Whether `src` is a multiple of `width` bytes (a power of two)."""
+    return (Int(src) & (width - 1)) == 0
+
+
+@always_inline
+def dot_heads[
+    chunk: Int
+](op: IndexTopK, key: Ptr[DType.uint8], t: Int) -> Float32:
+    """Row `t`'s weighted sum of ReLU'd head dots with `key`.
+
+    Per head, the dims in ascending order; the query's and the key's
+    bytes read `chunk` at a time (both must be multiples of `chunk`).
+    """
+    var total = Float32(0)
+    for h in range(op.num_heads):
+        var query = op.q.unsafe_offset((t * op.num_heads + h) * op.depth)
+        var dot = Float32(0)
+        for c in range(0, op.depth, chunk):
+            var x = load_e4m3[chunk](query, c, True)
+            var y = load_e4m3[chunk](key, c, True)
+            comptime for i in range(chunk):
+                dot += x[i] * y[i]
+        # ReLU that keeps a NaN a NaN, as the CPU kernel's.
+        var relu = Float32(0) if dot < 0 else dot
+        total += relu * op.qs[unsafe_offset=t * op.num_heads + h]
+    return total
+
+
+@always_inline
+def score_candidate(op: IndexTopK, b: Int, t: Int, j: Int) -> Float32:
+    """Row `t`'s score of request `b`'s candidate `j` (float32 sums).
+
+    Wide loads when the key and the row's query are aligned to
+    `key_chunk` (each head's query then is too), else byte loads: two
+    loops, since the compiler merges a branch per load into byte loads.
+    """
+    comptime chunk = key_chunk[op.depth]()
+    var at = candidate_at(op, b, j)
+    var key = op.k_blocks.unsafe_offset(at[0])
+    var query = op.q.unsafe_offset(t * op.num_heads * op.depth)
+    var total: Float32
+    if is_aligned[chunk](key) and is_aligned[chunk](query):
+        total = dot_heads[chunk](op, key, t)
+    else:
+        total = dot_heads[1](op, key, t)
+    return total * op.k_scales[unsafe_offset=at[1]]
+
+
+def index_score_thread(block: Int, thread: Int, op: IndexTopK):
+    """Scores one (row, candidate) of the window into the workspace."""
+    comptime threads = score_threads[op.num_heads, op.depth]()
+    var row = block // score_tiles(op)
+    var j = (block % score_tiles(op)) * threads + thread
+    var t = op.first_row + row
+    var b = Int(op.plan[unsafe_offset=2 * t])
+    var bound = Int(op.plan[unsafe_offset=2 * t + 1])
+    if b < 0 or j >= bound:
+        return
+    op.scores[unsafe_offset=row * op.candidates + j] = score_candidate(
+        op, b, t, j
+    )
+
+
+@always_inline
+def halving_sum[n: Int](v: SIMD[DType.float32, n]) -> Float32:
+    """The lanes' float32 sum as a halving tree: lane `i` plus lane
+    `i + n / 2`, recursively (`n` a power of two).
+
+    The same order on every target and in the emulation; the sum of lanes
+    `p, p + P, p + 2P, ...` of `v` by the same tree is the `p`-th lane of
+    the tree's level with `P` lanes, which is how the passes of the tiled
+    scorer add up to the whole head vector's tree.
+    """
+    comptime if n == 1:
+        return v[0]
+    else:
+        return halving_sum[n // 2](
+            v.slice[n // 2]() + v.slice[n // 2, offset=n // 2]()
+        )
+
+
+@no_inline
+def _checked_f32x[width: Int](s: Shared, i: Int) -> SIMD[DType.float32, width]:
+    """`s.load_f32x` out of line: the emulation's checked read."""
+    return s.load_f32x[width](i)
+
+
+@always_inline
+def shared_f32x[width: Int](s: Shared, i: Int) -> SIMD[DType.float32, width]:
+    """Shared words `i ..< i + width` as float32 lanes (`s.load_f32x`).
+
+    The emulation's checks are a call rather than inline code: the tiled
+    scorer reads its query at `D` places per pass, and inlined checks
+    made the body too large for the compiler to inline into the kernel,
+    which then kept them (and its arguments in memory) on the GPU too.
+    """
+    if s.checked:
+        return _checked_f32x[width](s, i)
+    return (
+        s.words.unsafe_offset(i)
+        .unsafe_bitcast[Float32]()
+        .unsafe_load[width=width](0)
+    )
+
+
+@always_inline
+def score_pass[
+    heads: Int, passes: Int, depth: Int, chunk: Int
+](s: Shared, key: Ptr[DType.uint8], p: Int) -> SIMD[DType.float32, heads]:
+    """Pass `p` over a key: the dot products of its `heads` heads.
+
+    Lane `m` is head `passes * m + p`: the float32 sum over the dims in
+    ascending order, one fma per dim, of the key's value times the
+    query's (shared words `(d * passes + p) * heads + m`). The key is read
+    `chunk` bytes per load (`key` must be a multiple of `chunk` bytes).
+    """
+    var acc = SIMD[DType.float32, heads](0)
+    for c in range(0, depth, chunk):
+        var k = load_e4m3[chunk](key, c, True)
+        comptime for i in range(chunk):
+            acc = shared_f32x[heads](s, ((c + i) * passes + p) * heads).fma(
+                k[i], acc
+            )
+    return acc
+
+
+@always_inline
+def pass_sum[
+    heads: Int, passes: Int, depth: Int, chunk: Int
+](
+    s: Shared,
+    key: Ptr[DType.uint8],
+    aligned: Bool,
+    weights: Ptr[DType.float32],
+    num_heads: Int,
+    p: Int,
+) -> Float32:
+    """Pass `p`'s share of a score: its heads' ReLU'd, weighted dots.
+
+    The halving tree over lanes `m` (head `passes * m + p`); `aligned`
+    says whether `key` is a multiple of `chunk` bytes.
+    """
+    var acc: SIMD[DType.float32, heads]
+    # Two loops, not a branch per load: the compiler merges the latter
+    # into byte loads.
+    if aligned:
+        acc = score_pass[heads, passes, depth, chunk](s, key, p)
+    else:
+        acc = score_pass[heads, passes, depth, 1](s, key, p)
+    var relu = acc.lt(0).select(SIMD[DType.float32, heads](0), acc)
+    var w = SIMD[DType.float32, heads](0)
+    comptime for m in range(heads):
+        if passes * m + p < num_heads:
+            w[m] = weights[unsafe_offset=passes * m + p]
+    return halving_sum[heads](relu * w)
+
+
+def index_score_phase(
+    phase: Int, block: Int, thread: Int, s: Shared, op: IndexTopK
+):
+    """The tiled scorer: one row's query in shared memory, heads in registers.
+
+    Phase 0: the block's threads decode the row's `[H, D]` FP8 query into
+    shared memory once, as float32 (heads padded to a power of two `HP`
+    with zeros), dim-major, each dim's heads in `score_passes` groups of
+    `pass_heads` (group `p` holds the heads `h % passes == p`). Phase 1:
+    each thread scores one candidate of the block's tile: per group, it
+    reads the key's `D` bytes (`key_chunk` at a time where the key is
+    aligned to that, else a byte at a time) and, for each dim, adds the
+    decoded key byte times the group's query values to float32
+    accumulators held in registers; then the NaN-keeping ReLU and the
+    head weights (read from global memory: the same few words for the
+    whole block), the heads summed by one halving tree over `HP` lanes,
+    then the key's scale.
+    """
+    comptime hp = padded_heads_pow2[op.num_heads]()
+    comptime heads = op.num_heads
+    comptime depth = op.depth
+    comptime group = pass_heads[heads]()
+    comptime passes = score_passes[heads]()
+    comptime threads = score_threads[heads, depth]()
+    comptime chunk = key_chunk[depth]()
+    var row = block // score_tiles(op)
+    var t = op.first_row + row
+    var b = Int(op.plan[unsafe_offset=2 * t])
+    if b < 0:
+        return
+    if phase == 0:
+        # Source order: consecutive threads read consecutive query bytes.
+        var query = op.q.unsafe_offset(t * heads * depth)
+        for x in range(thread, hp * depth, threads):
+            var h = x // depth
+            var d = x % depth
+            var value = Float32(0)
+            if h < heads:
+                value = decode_e4m3_gpu[1](
+                    SIMD[DType.uint8, 1](query[unsafe_offset=x])
+                )[0]
+            s.store_f32((d * passes + h % passes) * group + h // passes, value)
+        return
+    var j = (block % score_tiles(op)) * threads + thread
+    if j >= Int(op.plan[unsafe_offset=2 * t + 1]):
+        return
+    var at = candidate_at(op, b, j)
+    var key = op.k_blocks.unsafe_offset(at[0])
+    var aligned = is_aligned[chunk](key)
+    var weights = op.qs.unsafe_offset(t * heads)
+    # One pass per iteration (unrolled passes let the compiler overlap
+    # them, with their registers); the tree over `HP` lanes ends with its
+    # levels over the `passes` pass sums.
+    var sums = SIMD[DType.float32, passes](0)
+    for p in range(passes):
+        var sum = pass_sum[group, passes, depth, chunk](
+            s, key, aligned, weights, heads, p
+        )
+        comptime for i in range(passes):
+            if p == i:
+                sums[i] = sum
+    var total = halving_sum[passes](sums)
+    op.scores[unsafe_offset=row * op.candidates + j] = (
+        total * op.k_scales[unsafe_offset=at[1]]
+    )
