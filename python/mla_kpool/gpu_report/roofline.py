@@ -272,13 +272,16 @@ def _heads_pow2(heads: int) -> int:
 
 
 def _tiled(heads: int, depth: int) -> bool:
-    """Whether the tiled scorer serves ``heads`` x ``depth`` (index_gpu)."""
+    """Whether the tiled scorer serves ``heads`` x ``depth``.
+
+    Mirrors ``tiled_scorer`` in ``kernels/index_gpu_shape.mojo``.
+    """
     hp = _heads_pow2(heads)
     return hp <= 64 and hp * depth <= SCORE_SHARED_WORDS
 
 
 def score_threads(heads: int, depth: int) -> int:
-    """Threads per block of the score launch (index_gpu's ``score_threads``).
+    """Threads per block of the score launch (index_gpu_shape.score_threads).
 
     The untiled scorer's 128; the tiled scorer's a wave of 64 per
     :data:`SCORE_WAVE_WORDS` of its float32 query, a power of two from
