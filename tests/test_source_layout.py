@@ -24,6 +24,8 @@ PACKAGE = ROOT / "python" / "mla_kpool"
 MAX_SCAFFOLDING_RATIO = 0.75
 #: No Python file under python/, tests/ or examples/ is longer.
 MAX_PYTHON_LINES = 800
+#: No Mojo file under kernels/ is longer.
+MAX_KERNEL_LINES = 400
 
 #: Product code, paths relative to the repository root (a folder: every
 #: .py and .mojo file under it), each with why it is product.
@@ -193,3 +195,41 @@ def test_no_python_file_is_too_long(folder):
         if (n := len(p.read_text().splitlines())) > MAX_PYTHON_LINES
     }
     assert long == {}, f"over {MAX_PYTHON_LINES} lines"
+
+
+def test_no_kernel_file_is_too_long():
+    long = {
+        p.name: n
+        for p in (ROOT / "kernels").rglob("*.mojo")
+        if (n := len(p.read_text().splitlines())) > MAX_KERNEL_LINES
+    }
+    assert long == {}, f"over {MAX_KERNEL_LINES} lines"
+
+
+def _kernel_imports(path: Path) -> set[str]:
+    """The kernels modules ``path`` imports (``from .x``/``from kernels.x``)."""
+    names = re.findall(
+        r"^from (?:kernels)?\.(\w+) import", path.read_text(), re.M
+    )
+    return set(names)
+
+
+def test_kernel_imports_have_no_cycle():
+    graph = {
+        p.stem: _kernel_imports(p) for p in (ROOT / "kernels").glob("*.mojo")
+    }
+    assert graph["index_top_k"] >= {"index_cpu"}, "the parser reads nothing"
+    done: set[str] = set()
+
+    def visit(node: str, path: tuple[str, ...]) -> None:
+        if node in path:
+            cycle = " -> ".join(path[path.index(node) :] + (node,))
+            pytest.fail(f"import cycle: {cycle}")
+        if node in done or node not in graph:
+            return
+        for dep in sorted(graph[node]):
+            visit(dep, path + (node,))
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, ())
