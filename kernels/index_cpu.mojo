@@ -1,25 +1,28 @@
 """`mla_kpool.index_top_k` on the CPU: tasks over the cores, a heap per row.
 
 A task per (request, chunk of `CPU_ROW_CHUNK` query rows), spread over the
-cores. A task decodes its rows' queries once (transposed, heads
-innermost), then walks the candidates a tile at a time: decode the tile's
-keys and scales to float32 once, score it for every row of the chunk
-(`index_cpu_score.mojo`), and feed the scores into one bounded heap per
-row (`index_rank.mojo`), which holds the row's best `k` seen so far.
-Memory per task is bounded by the chunk, the tile and `k`, never by the
-context length.
+cores. A chunk of a few rows (a decode) decodes its queries once
+(transposed, heads innermost), then walks the candidates a tile at a time:
+decode the tile's keys and scales to float32 once, score it for every row
+of the chunk (`index_cpu_score.mojo`), and feed the scores into one
+bounded heap per row (`index_rank.mojo`), which holds the row's best `k`
+seen so far. A chunk of at least `CPU_PREFILL_MIN_ROWS` rows (a prefill)
+takes the register-blocked prefill scorer (`index_cpu_prefill.mojo`),
+which scores many rows against each transposed key tile and keeps each
+row's candidates in a bounded pool instead of a heap. Memory per task is
+bounded by the chunk, the tile and `k`, never by the context length.
 """
 
 from max.algorithm import sync_parallelize
-from std.builtin.sort import sort
 from std.math import ceildiv, max, min
 from std.sys import num_physical_cores
 
-from .index_cpu_score import decode_candidates, score_tile
+from .index_cpu_prefill import CPU_PREFILL_MIN_ROWS, keep_top_k_prefill
+from .index_cpu_score import decode_candidates, scratch, score_tile
 from .index_fp8 import decode_row
 from .index_operands import IndexTopK
 from .index_plan import candidate_bound, request_span
-from .index_rank import offer_tile, write_row
+from .index_rank import offer_tile, sort_keys, write_row
 from .ragged import Ptr, read_index
 
 
@@ -36,12 +39,6 @@ candidates are split between cores."""
 
 comptime CPU_MIN_PARALLEL_WORK = 1 << 20
 """Score multiply-adds below which one core finishes before others wake."""
-
-
-@always_inline
-def scratch[dtype: DType](mut buffer: List[Scalar[dtype]]) -> Ptr[dtype]:
-    """A task-local buffer's data as the kernels' raw pointer type."""
-    return buffer.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
 
 
 @always_inline
@@ -68,7 +65,8 @@ def keep_top_k(
     `k` visible candidates of run `part` in `kept[r * k :]` (unordered, or
     a heap) and their number in `sizes[r]`: 0 for every row of a request
     that is not scored. Decodes the rows' queries once, then each tile's
-    keys once for all the rows.
+    keys once for all the rows; a chunk of `CPU_PREFILL_MIN_ROWS` rows or
+    more goes to `keep_top_k_prefill` instead.
     """
     comptime k = op.k
     comptime depth = op.depth
@@ -88,6 +86,9 @@ def keep_top_k(
     var lo = part * run
     var hi = min(lo + run, widest)
     if lo >= hi:
+        return
+    if rows >= CPU_PREFILL_MIN_ROWS:
+        keep_top_k_prefill(op, b, start, n, c, first, last, lo, hi, kept, sizes)
         return
 
     var queries = List[Float32](length=rows * depth * padded, fill=0.0)
@@ -161,7 +162,7 @@ def write_chunk(
                 merged.append(kept[unsafe_offset=at * k + x])
         var total = len(merged)
         if total > k:
-            sort(Span(merged))
+            sort_keys(Span(merged))
         write_row[k](Span(merged)[max(total - k, 0) :], dest)
 
 

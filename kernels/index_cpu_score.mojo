@@ -21,6 +21,12 @@ from .ragged import Ptr
 
 
 @always_inline
+def scratch[dtype: DType](mut buffer: List[Scalar[dtype]]) -> Ptr[dtype]:
+    """A task-local buffer's data as the kernels' raw pointer type."""
+    return buffer.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+
+
+@always_inline
 def decode_candidates(
     op: IndexTopK,
     b: Int,

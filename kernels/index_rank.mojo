@@ -8,7 +8,7 @@ bounded min-heap (`offer_tile`) and writes them best first (`write_row`).
 """
 
 from std.builtin.sort import sort
-from std.memory import bitcast
+from std.memory import bitcast, stack_allocation
 
 from .ragged import Ptr
 
@@ -90,9 +90,111 @@ def offer_tile[
     return filled
 
 
+comptime RADIX_MIN_KEYS = 64
+"""Fewest keys that `sort_keys` radix-sorts (fewer: a comparison sort)."""
+
+
+def sort_keys(keys: Span[mut=True, UInt64, _]):
+    """Sorts rank keys ascending: a least-significant-digit radix sort.
+
+    One stable counting pass per byte, skipping the bytes that every key
+    shares (the high bytes of small ids), so a row's 512 kept keys sort in
+    a handful of branch-free passes instead of a comparison sort's
+    mispredicted branches. Rank keys are distinct (distinct ids), so the
+    order is the one `sort` gives.
+    """
+    var size = len(keys)
+    if size < RADIX_MIN_KEYS:
+        sort(keys)
+        return
+    var spare = List[UInt64](length=size, fill=0)
+    var src = keys.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+    var dst = spare.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+    var every = ~UInt64(0)
+    var some = UInt64(0)
+    for x in range(size):
+        every &= src[unsafe_offset=x]
+        some |= src[unsafe_offset=x]
+    var differ = every ^ some
+    var counts = stack_allocation[256, DType.int64]()
+    var in_spare = False
+    for shift in range(0, 64, 8):
+        if (differ >> UInt64(shift)) & 0xFF == 0:
+            continue
+        for d in range(256):
+            counts[unsafe_offset=d] = 0
+        for x in range(size):
+            counts[
+                unsafe_offset=Int(
+                    (src[unsafe_offset=x] >> UInt64(shift)) & 0xFF
+                )
+            ] += 1
+        var total = Int64(0)
+        for d in range(256):
+            var here = counts[unsafe_offset=d]
+            counts[unsafe_offset=d] = total
+            total += here
+        for x in range(size):
+            var key = src[unsafe_offset=x]
+            var d = Int((key >> UInt64(shift)) & 0xFF)
+            dst[unsafe_offset=Int(counts[unsafe_offset=d])] = key
+            counts[unsafe_offset=d] += 1
+        var swap = src
+        src = dst
+        dst = swap
+        in_spare = not in_spare
+    if in_spare:
+        for x in range(size):
+            keys[x] = spare[x]
+
+
+@always_inline
+def offer_pool[
+    k: Int
+](
+    tile: Ptr[DType.float32],
+    first: Int,
+    count: Int,
+    pool: Ptr[DType.uint64],
+    size: Int,
+    floor: UInt64,
+) -> Tuple[Int, UInt64]:
+    """Offers candidates `first ..` (scores `tile[0 : count]`) to a row's pool.
+
+    The pool (`pool[0 : size]`, room for `2 * k + 1` keys) holds every key
+    seen that ranks above `floor`, a superset of the row's best `k`.
+    Appending is branch-free; when the pool reaches `2 * k` keys it keeps
+    its best `k` (`keep_best`) and `floor` becomes the lowest of them, the
+    k-th best so far: a key at or below it can never be in the answer. So
+    each key costs O(1) amortized, where a heap's replacement costs a
+    sift of `log2(k)` levels. Returns the new size and floor.
+    """
+    var filled = size
+    var low = floor
+    for x in range(count):
+        var key = rank_key(tile[unsafe_offset=x], first + x)
+        pool[unsafe_offset=filled] = key
+        filled += Int(key > low)
+        if filled == 2 * k:
+            filled = keep_best[k](pool, filled)
+            low = pool[unsafe_offset=0]
+    return (filled, low)
+
+
+def keep_best[k: Int](pool: Ptr[DType.uint64], size: Int) -> Int:
+    """Moves the best `min(size, k)` of `pool[0 : size]` to its front, sorted
+    ascending (the k-th best first); returns how many."""
+    sort_keys(Span[UInt64, MutAnyOrigin](unsafe_ptr=pool, length=size))
+    var kept = min(size, k)
+    var skip = size - kept
+    for x in range(kept):
+        pool[unsafe_offset=x] = pool[unsafe_offset=skip + x]
+    return kept
+
+
 def write_row[k: Int](keys: Span[mut=True, UInt64, _], dest: Ptr[DType.int32]):
     """Sorts a row's kept keys and writes their ids best first, `-1` after."""
-    sort(keys)
+    sort_keys(keys)
     var size = len(keys)
     for x in range(size):
         dest[unsafe_offset=x] = Int32(

@@ -1,0 +1,158 @@
+"""Unit tests of the CPU prefill scorer's parts: the radix sort, the pool, the
+register-blocked head block.
+
+Runs without a GPU (`mojo run -I . tests/mojo/test_index_cpu_prefill.mojo`);
+`tests/test_index_cpu_prefill.py` runs it under pytest. Writer against
+writer: the radix sort against `sort`, the pool's kept keys against the
+heap's (`offer_tile`), bit for bit, and the prefill head blocks against the
+row scorer (`score_tile`) within float32 rounding of the head sum.
+"""
+
+from std.builtin.sort import sort
+from std.math import abs, max
+from std.testing import TestSuite, assert_equal, assert_true
+
+from kernels.index_cpu_prefill import (
+    PREFILL_HEADS,
+    PREFILL_TILE,
+    prefill_heads_of,
+    score_head_block,
+    transpose_tile,
+)
+from kernels.index_cpu_score import score_tile, scratch
+from kernels.index_operands import padded_heads_of
+from kernels.index_rank import (
+    keep_best,
+    offer_pool,
+    offer_tile,
+    rank_key,
+    sort_keys,
+)
+
+
+def value(i: Int, salt: Int) -> Float32:
+    """A deterministic spread of values in [-1, 1], with repeats."""
+    return Float32(((i * 7919 + salt * 104729) % 2003) - 1001) / 1001.0
+
+
+def test_radix_sort_matches_sort() raises:
+    # Sizes below and above the radix threshold; scores with ties, ids
+    # past one byte, a NaN and both zeros.
+    for size in [5, 63, 64, 700]:
+        var mine = List[UInt64]()
+        for i in range(size):
+            var score = value(i, size)
+            if i % 97 == 3:
+                score = Float32(FloatLiteral.nan)
+            elif i % 89 == 5:
+                score = Float32(-0.0)
+            mine.append(rank_key(score, 1000 + i * 37))
+        var theirs = mine.copy()
+        sort_keys(Span(mine))
+        sort(Span(theirs))
+        for i in range(size):
+            assert_equal(mine[i], theirs[i], String("size ", size, " at ", i))
+
+
+def test_pool_keeps_what_the_heap_keeps() raises:
+    comptime k = 16
+    # 1,000 candidates with ties in tiles of 24: the pool fills and
+    # compacts many times; its best k must be the heap's, bit for bit.
+    var n = 1000
+    var scores = List[Float32](length=n, fill=0.0)
+    for i in range(n):
+        scores[i] = Float32((i * 37) % 101) / 7.0
+    var heap = List[UInt64](length=k, fill=0)
+    var pool = List[UInt64](length=2 * k + 1, fill=0)
+    var size = 0
+    var pooled = 0
+    var floor = UInt64(0)
+    for first in range(0, n, 24):
+        var count = min(24, n - first)
+        var tile = scratch(scores).unsafe_offset(first)
+        size = offer_tile[k](tile, first, count, scratch(heap), size)
+        var offered = offer_pool[k](
+            tile, first, count, scratch(pool), pooled, floor
+        )
+        pooled = offered[0]
+        floor = offered[1]
+        assert_true(pooled < 2 * k)
+    var kept = keep_best[k](scratch(pool), pooled)
+    assert_equal(kept, k)
+    assert_equal(size, k)
+    sort(Span(heap))
+    for i in range(k):
+        assert_equal(pool[i], heap[i], String("rank ", i))
+
+
+def test_pool_with_fewer_than_k_keeps_all() raises:
+    comptime k = 8
+    var scores = List[Float32](length=5, fill=1.0)
+    var pool = List[UInt64](length=2 * k + 1, fill=0)
+    var offered = offer_pool[k](
+        scratch(scores), 40, 5, scratch(pool), 0, UInt64(0)
+    )
+    assert_equal(offered[0], 5)
+    assert_equal(keep_best[k](scratch(pool), 5), 5)
+    # Equal scores: the lowest id ranks highest, so it sorts last.
+    assert_equal(pool[4], rank_key(1.0, 40))
+
+
+def test_head_blocks_score_like_the_row_scorer() raises:
+    comptime num_heads = 20  # not a whole number of blocks or registers
+    comptime depth = 24
+    comptime padded = prefill_heads_of[num_heads]()
+    comptime row_padded = padded_heads_of[num_heads]()
+    comptime count = PREFILL_TILE - 3
+    # The prefill layout: [heads, depth], padding heads zero.
+    var queries = List[Float32](length=padded * depth, fill=0.0)
+    var weights = List[Float32](length=padded, fill=0.0)
+    # The row scorer's: [depth, padded heads].
+    var row_queries = List[Float32](length=depth * row_padded, fill=0.0)
+    var row_weights = List[Float32](length=row_padded, fill=0.0)
+    for h in range(num_heads):
+        weights[h] = value(h, 1)
+        row_weights[h] = weights[h]
+        for d in range(depth):
+            queries[h * depth + d] = value(h * depth + d, 2)
+            row_queries[d * row_padded + h] = queries[h * depth + d]
+    var keys = List[Float32](length=(PREFILL_TILE + 8) * depth, fill=0.0)
+    var scales = List[Float32](length=PREFILL_TILE + 8, fill=0.0)
+    for x in range(count):
+        scales[x] = 0.5 + Float32(x % 3)
+        for d in range(depth):
+            keys[x * depth + d] = value(x * depth + d, 3)
+    keys[5 * depth + 2] = Float32(FloatLiteral.nan)  # a NaN key
+    var transposed = List[Float32](length=PREFILL_TILE * depth, fill=0.0)
+    transpose_tile[depth](scratch(keys), count, scratch(transposed))
+    var totals = List[Float32](length=PREFILL_TILE, fill=0.0)
+    for block in range(0, padded, PREFILL_HEADS):
+        score_head_block[depth](
+            scratch(queries).unsafe_offset(block * depth),
+            scratch(weights).unsafe_offset(block),
+            scratch(transposed),
+            scratch(totals),
+        )
+    var want = List[Float32](length=PREFILL_TILE + 8, fill=0.0)
+    score_tile[num_heads, depth](
+        scratch(row_queries),
+        scratch(row_weights),
+        scratch(keys),
+        scratch(scales),
+        count,
+        scratch(want),
+    )
+    for x in range(count):
+        var got = totals[x] * scales[x]
+        if x == 5:
+            assert_true(got != got, "a NaN key scores NaN")
+            continue
+        var scale = max(abs(want[x]), Float32(1.0))
+        assert_true(
+            abs(got - want[x]) <= 1e-5 * scale,
+            String("candidate ", x, ": ", got, " vs ", want[x]),
+        )
+
+
+def main() raises:
+    TestSuite.discover_tests[__functions_in_module()]().run()
