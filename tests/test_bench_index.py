@@ -197,6 +197,25 @@ def test_index_workloads_are_glm5_next_decode_and_prefill():
     assert _index_oracle_check(head, index.numpy_twin(head)()).rows == 600
 
 
+def test_the_long_prefill_phase_counts_its_triangle():
+    # 16,384 causal tokens from an empty cache: token i sees (i + 1) // 4
+    # of 4,096 pools, 33,550,336 candidates in all.
+    assert index.INDEX_PHASES["prefill-16k"] == (1, 0, 16384)
+    offsets = np.array([0, 16384], np.uint32)
+    lengths = np.array([0], np.uint32)
+    seen = index.bounds(offsets, lengths, 4, True)
+    assert seen[0] == 0 and seen[3] == 1 and seen[-1] == 4096
+    assert int(seen.sum()) == 33_550_336
+    shape = index.GLM5_NEXT
+    assert index.score_flops(offsets, lengths, shape) == (
+        2 * 33_550_336 * 32 * 128
+    )
+    # The last row's 4,096 keys and scales, the queries, the output.
+    assert index.index_bytes(offsets, lengths, shape) == (
+        4096 * 132 + 16384 * 32 * 132 + 16384 * 512 * 4
+    )
+
+
 def test_blas_peer_makes_the_twins_matmuls():
     shape = index.GLM5_NEXT
     call, flops = index.blas_matmul(
@@ -212,15 +231,16 @@ def test_blas_peer_makes_the_twins_matmuls():
 
 
 def test_index_top_k_cases_and_graphs():
-    """--ops index_top_k: the two phases, one graph, whatever the grid."""
+    """--ops index_top_k: the three phases, one graph, whatever the grid."""
     todo = cases("--ops", "index_top_k", "--batches", "3")
     assert [(c.op, c.phase, c.batch, c.kpool, c.head_dim) for c in todo] == [
         ("index_top_k", "decode", 16, 4, 128),
         ("index_top_k", "prefill", 1, 4, 128),
+        ("index_top_k", "prefill-16k", 1, 4, 128),
     ]
     assert bench.graphs_to_compile(todo) == 1
     both = cases("--ops", "step", "index_top_k", "--batches", "3")
-    assert [c.op for c in both] == ["step", "index_top_k", "index_top_k"]
+    assert [c.op for c in both] == ["step"] + ["index_top_k"] * 3
     assert bench.graphs_to_compile(both) == 3
     assert "index_top_k" not in {c.op for c in cases("--sweep")}
 
@@ -260,6 +280,7 @@ def test_tiny_index_bench_run_on_gpu(tmp_path, monkeypatch):
     """This package's GPU path timed, with the GPU's peak fractions."""
     monkeypatch.setitem(index.INDEX_PHASES, "decode", (2, 1023, 1))
     monkeypatch.setitem(index.INDEX_PHASES, "prefill", (1, 0, 300))
+    monkeypatch.setitem(index.INDEX_PHASES, "prefill-16k", (1, 0, 520))
     out = tmp_path / "index.json"
     argv = ["bench", "--ops", "index_top_k", "--device", "gpu"]
     assert main([*argv, "--min-seconds", "0", "--json", str(out)]) == 0
@@ -274,14 +295,26 @@ def test_tiny_index_bench_run(tmp_path, capsys, monkeypatch):
     """End to end on GLM-5-Next's compiled indexer, smaller calls."""
     monkeypatch.setitem(index.INDEX_PHASES, "decode", (2, 1023, 1))
     monkeypatch.setitem(index.INDEX_PHASES, "prefill", (1, 0, 300))
+    # The long prefill's row, at a size a test can afford: 520 tokens,
+    # more than one of the twin's and BLAS's 256-token chunks.
+    monkeypatch.setitem(index.INDEX_PHASES, "prefill-16k", (1, 0, 520))
     out = tmp_path / "index.json"
     argv = ["bench", "--ops", "index_top_k", "--min-seconds", "0"]
     assert main([*argv, "--json", str(out)]) == 0
-    decode, prefill = json.loads(out.read_text())
-    assert (decode["phase"], prefill["phase"]) == ("decode", "prefill")
+    decode, prefill, long = json.loads(out.read_text())
+    assert [r["phase"] for r in (decode, prefill, long)] == [
+        "decode",
+        "prefill",
+        "prefill-16k",
+    ]
     assert decode["candidates"] == 2 * 256 and decode["tokens"] == 2
     assert prefill["candidates"] == sum((i + 1) // 4 for i in range(300))
-    for r in (decode, prefill):
+    assert long["tokens"] == 520 and long["batch"] == 1
+    assert long["candidates"] == sum((i + 1) // 4 for i in range(520))
+    # The BLAS peer's chunks: 256 tokens up to bound 64, 256 up to 128,
+    # 8 up to 130.
+    assert long["blas_flops"] == 2 * 128 * 32 * (256 * 64 + 256 * 128 + 8 * 130)
+    for r in (decode, prefill, long):
         assert r["calls"] >= bench.INDEX_MIN_CALLS
         assert r["min_us"] <= r["median_us"] <= r["max_us"]
         assert r["flops"] == 2 * r["candidates"] * 32 * 128
@@ -295,9 +328,11 @@ def test_tiny_index_bench_run(tmp_path, capsys, monkeypatch):
         )
         assert "blas" in r and r["git_commit"] == head_commit()
     captured = capsys.readouterr()
-    assert "2 configurations, 1 graphs to compile" in captured.err
+    assert "3 configurations, 1 graphs to compile" in captured.err
     head, rows = table_cells(captured.out)
-    assert head[0] == "phase" and [r[0] for r in rows] == ["decode", "prefill"]
+    assert head[0] == "phase"
+    assert [r[0] for r in rows] == ["decode", "prefill", "prefill-16k"]
+    assert [r[2] for r in rows] == ["2", "300", "520"]
     # What a call held, from the run's records: GLM-5-Next's indexer.
     call = legend_lines(captured.out)[0]
     assert call.startswith("call: tokens query tokens over batch requests")

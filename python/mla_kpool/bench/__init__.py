@@ -17,7 +17,8 @@ one set of inputs (:mod:`.workload`) against the peers its ratios divide by:
   (``builtin_median_us``; MAX has no fused step, so not for ``step``).
 
 ``--ops index_top_k`` times the indexer at GLM-5-Next's shape, a decode
-and a prefill call (:mod:`.index`), against its own peers: the NumPy twin
+call and prefills of 4,096 and 16,384 tokens (:mod:`.index`), against its
+own peers: the NumPy twin
 and NumPy's BLAS GFLOP/s on the same score shapes (:func:`measure_index`);
 its records go to a table of their own. With ``--device gpu`` it times this
 package's GPU path (whatever the GPU) and adds its share of the GPU's
@@ -414,7 +415,7 @@ def cases(args: argparse.Namespace) -> list[Case]:
 
 
 def index_cases(device: str) -> list[Case]:
-    """index_top_k's two configurations, whatever the grid options say.
+    """index_top_k's configurations (one per phase), whatever the grid says.
 
     GLM-5-Next's indexer (:data:`.index.GLM5_NEXT`) on each phase of
     :data:`.index.INDEX_PHASES`; ``batch`` is the phase's requests.
@@ -437,7 +438,7 @@ def index_cases(device: str) -> list[Case]:
 def graphs_to_compile(todo: list[Case]) -> int:
     """Graphs a run of ``todo`` compiles: per op instance, one per runner.
 
-    index_top_k has no floor: one graph serves both its phases.
+    index_top_k has no floor: one graph serves all its phases.
     """
     models = {(c.op, c.dtype, c.kpool, c.head_dim, c.device) for c in todo}
     return sum(
@@ -528,11 +529,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " three ops it replaces; expand_topk runs on int32 pool ids whatever"
         " --dtypes says; index_top_k runs GLM-5-Next's indexer (H 32, D 128,"
         " kpool 4, top-k 512) on a decode call (16 requests, 8,192 pools"
-        " each) and a 4,096-token prefill, whatever the grid options say,"
-        " against a NumPy twin and NumPy's BLAS (1 graph, about 1 min on 2"
-        " CPU cores); with --device gpu, this package's GPU path, with its"
-        " share of the GPU's published FP32, FP8 and memory peaks (H200,"
-        " H100, B200, MI300X) and its roofline bound",
+        " each) and prefills of 4,096 and 16,384 tokens, whatever the grid"
+        " options say, against a NumPy twin and NumPy's BLAS (1 graph, about"
+        " 2 min on 2 CPU cores); with --device gpu, this package's GPU"
+        " path, with its share of the GPU's published FP32, FP8 and memory"
+        " peaks (H200, H100, B200, MI300X) and its roofline bound",
     )
     add(
         "--dtypes",

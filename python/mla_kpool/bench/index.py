@@ -1,13 +1,18 @@
 """The index_top_k benchmark: GLM-5-Next's indexer at serving sizes.
 
-Two workloads at GLM-5-Next's indexer shape (H 32, D 128, kpool 4, top-k
-512, rows of W 32 in the spread layout, pages of 128 rows), causal mask:
+Three workloads at GLM-5-Next's indexer shape (H 32, D 128, kpool 4,
+top-k 512, rows of W 32 in the spread layout, pages of 128 rows), causal
+mask:
 
 - ``decode``: 16 requests, each one new token after a 32,767-token context,
   so each query sees 8,192 complete pools;
 - ``prefill``: one request, 4,096 new tokens from an empty cache; the
   call's 1,024 pools are in the cache (the step runs first) and token ``i``
-  sees ``(i + 1) // 4`` of them.
+  sees ``(i + 1) // 4`` of them;
+- ``prefill-16k``: the same with 16,384 new tokens (4,096 pools, about
+  33.5M candidates): a long prompt, where the causal triangle's scoring
+  dominates. The peers stay bounded (the twin and BLAS work in chunks of
+  256 tokens: a 128 MiB score buffer).
 
 The keys are seeded normal pooled keys quantized by the producer
 (:func:`mla_kpool.index_cache.quantize_pooled_keys`) into a packed paged
@@ -90,6 +95,7 @@ GLM5_NEXT = IndexShape()
 INDEX_PHASES = {
     "decode": (16, 32 * 1024 - 1, 1),
     "prefill": (1, 0, 4096),
+    "prefill-16k": (1, 0, 16384),
 }
 
 

@@ -409,7 +409,7 @@ def import_pyplot() -> Any:
 def plot(records: list[Record], path: str) -> None:
     """Draws GB/s against batch, one panel per op, to an image file.
 
-    index_top_k records (GFLOP/s, two phases, no batch axis) are left out.
+    index_top_k records (GFLOP/s, its phases, no batch axis) are left out.
 
     Each panel has a line per (dtype, kpool) and a dashed line of the
     memcpy bandwidth measured for those records (median per batch): how

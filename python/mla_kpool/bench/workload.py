@@ -41,9 +41,10 @@ EXPAND_POSITIONS = 2048
 class Case:
     """One benchmark configuration.
 
-    ``phase`` is ``"decode"`` or ``"prefill"`` for index_top_k (whose
-    ``batch`` is its requests and ``head_dim`` its depth ``D``), empty for
-    the other ops.
+    ``phase`` is a key of ``index.INDEX_PHASES`` (``"decode"``,
+    ``"prefill"``, ``"prefill-16k"``) for index_top_k (whose ``batch`` is
+    its requests and ``head_dim`` its depth ``D``), empty for the other
+    ops.
     """
 
     op: str
