@@ -261,8 +261,11 @@ def test_without_ptxas_the_ptx_alone_is_reported(
     json_path = tmp_path / "r.json"
     assert main([*args, "--json", str(json_path)]) == 0
     err = capsys.readouterr().err.splitlines()
-    hints = [line for line in err if "mla-kpool[gpu-report]" in line]
+    hints = [line for line in err if "[gpu-report]" in line]
     assert len(hints) == 1 and "ptxas" in hints[0]
+    # Run from this checkout: the editable install, run at its root.
+    root = Path(__file__).resolve().parents[1]
+    assert f"`pip install -e '.[gpu-report]'` in {root}" in hints[0]
     rows = json.loads(json_path.read_text())["kernels"]
     expected = {r["asm"]: r for r in report.arch_rows("sm_90a")}
     for row in rows:
@@ -374,3 +377,150 @@ def test_arch_takes_several_targets(argv: list[str]):
     parser = argparse.ArgumentParser()
     gpu_report.add_arguments(parser)
     assert parser.parse_args(argv).arch == ["sm_90a", "gfx942"]
+
+
+def test_the_ptxas_hint_names_the_extra(monkeypatch, tmp_path):
+    hint = tools.ptxas_hint(checkout=Path("/src/mla-kpool"))
+    assert "`pip install -e '.[gpu-report]'` in /src/mla-kpool" in hint
+    assert "\n" not in hint
+    # Installed from a wheel: no pyproject.toml three folders up.
+    monkeypatch.setattr(tools, "_CHECKOUT", tmp_path)
+    hint = tools.ptxas_hint()
+    assert "`pip install 'mla-kpool[gpu-report]'`" in hint
+    (tmp_path / "pyproject.toml").write_text("")
+    assert (
+        f"`pip install -e '.[gpu-report]'` in {tmp_path}" in tools.ptxas_hint()
+    )
+
+
+#: Mojo's output for an architecture its GPU table lacks (abridged).
+UNKNOWN_ARCH_STDERR = """\
+kernel_asm.mojo:336:5: error: function instantiation failed
+def main() raises:
+    ^
+kernel_asm.mojo:140:9: note: function instantiation failed
+Mojo/stdlib/std/_gpu/host/info.mojo:126:13: note: constraint failed: \
+Unknown GPU architecture detected.
+
+Supported GPU architectures:
+/venv/bin/mojo: error: failed to run the pass manager
+"""
+
+
+def test_a_failed_compile_names_the_constraint(monkeypatch):
+    def mojo(argv, **kwargs):
+        return subprocess.CompletedProcess(argv, 1, "", UNKNOWN_ARCH_STDERR)
+
+    monkeypatch.setattr(tools.subprocess, "run", mojo)
+    with pytest.raises(tools.ToolError) as e:
+        tools.compile_kernels("sm_90a", Path("unused"))
+    assert str(e.value) == (
+        "compiling the kernels for sm_90a failed: kernel_asm.mojo:336:5: "
+        "error: function instantiation failed (constraint failed: Unknown "
+        "GPU architecture detected.)"
+    )
+    # Without a note, the first error line alone.
+    assert tools.compile_error("a\nx: error: bad\ny: error: worse\n", 1) == (
+        "x: error: bad"
+    )
+    assert tools.compile_error("", 3) == "exit status 3"
+
+
+def _no_compile(arch: str, out_dir: Path, timeout: float = 0) -> None:
+    raise AssertionError(f"compiled for {arch}")
+
+
+def _usage_error(capsys, argv: list[str]) -> str:
+    """The one-line error of a command line refused with exit status 2."""
+    with pytest.raises(SystemExit) as e:
+        main(["gpu-report", *argv])
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    return captured.err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("arch", ["gfx950", "sm_80", "nonsense", "sm_90"])
+def test_an_arch_the_report_does_not_know_is_a_usage_error(
+    monkeypatch, capsys, arch: str
+):
+    monkeypatch.setattr(gpu_report, "compile_kernels", _no_compile)
+    line = _usage_error(capsys, ["--arch", "sm_90a", arch])
+    assert line.endswith(
+        "error: argument --arch: must be one of sm_90a, sm_100a, gfx942 (the "
+        f"targets whose GPUs the occupancy model knows), got {arch!r}"
+    )
+
+
+def test_json_in_a_missing_folder_is_a_usage_error(
+    monkeypatch, capsys, tmp_path
+):
+    monkeypatch.setattr(gpu_report, "compile_kernels", _no_compile)
+    path = tmp_path / "missing" / "x.json"
+    line = _usage_error(capsys, ["--json", str(path)])
+    assert line.endswith(
+        f"error: argument --json: must be a file in an existing folder, "
+        f"got {str(path)!r}"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_asm_dir_under_a_file_is_a_usage_error(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(gpu_report, "compile_kernels", _no_compile)
+    file = tmp_path / "file"
+    file.write_text("x")
+    line = _usage_error(capsys, ["--asm-dir", str(file / "asm")])
+    assert line.endswith(
+        f"error: argument --asm-dir: cannot create {str(file / 'asm')!r}: "
+        f"{str(file)!r} is not a folder"
+    )
+    line = _usage_error(capsys, ["--asm-dir", str(file)])
+    assert line.endswith(
+        f"error: argument --asm-dir: must be a folder, got the file "
+        f"{str(file)!r}"
+    )
+    assert file.read_text() == "x" and list(tmp_path.iterdir()) == [file]
+
+
+def test_an_asm_dir_that_cannot_be_created_fails_before_compiling(
+    monkeypatch, capsys, tmp_path
+):
+    # Paths the option check passes but mkdir refuses (as root, /proc/x):
+    # without the check, a path under a file stands in for them.
+    monkeypatch.setattr(gpu_report, "output_dir", str)
+    monkeypatch.setattr(gpu_report, "compile_kernels", _no_compile)
+    file = tmp_path / "file"
+    file.write_text("x")
+    assert main(["gpu-report", "--asm-dir", str(file / "asm")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == (
+        f"gpu-report: argument --asm-dir: cannot create {file / 'asm'}: "
+        "Not a directory"
+    )
+
+
+def test_a_json_path_that_cannot_be_written_is_one_line(
+    monkeypatch, capsys, tmp_path
+):
+    monkeypatch.setattr(gpu_report, "output_file", str)
+    monkeypatch.setattr(gpu_report, "report", lambda archs, d: [_row()])
+    argv = ["gpu-report", "--asm-dir", str(tmp_path), "--json", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"gpu-report: argument --json: cannot write {tmp_path}: Is a directory"
+    )
+
+
+def test_a_failed_compile_prints_no_table(monkeypatch, capsys, tmp_path):
+    def fail(arch: str, out_dir: Path, timeout: float = 0) -> None:
+        raise tools.ToolError(f"compiling the kernels for {arch} failed: x")
+
+    monkeypatch.setattr(gpu_report, "compile_kernels", fail)
+    assert main(["gpu-report", "--asm-dir", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip().splitlines()[-1] == (
+        "gpu-report: compiling the kernels for sm_90a failed: x"
+    )

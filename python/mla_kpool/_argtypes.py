@@ -1,8 +1,9 @@
-"""argparse value types shared by the subcommands (``demo``, ``bench``).
+"""argparse value types shared by the subcommands.
 
-Each checks its value while the command line is parsed, so a bad option is
-an argparse error (exit status 2) before anything compiles, with a message
-of the form "must be ..., got ...".
+``demo``, ``bench`` and ``gpu-report`` use them. Each checks its value
+while the command line is parsed, so a bad option is an argparse error
+(exit status 2) before anything compiles, with a message of the form
+"must be ..., got ...".
 """
 
 from __future__ import annotations
@@ -59,5 +60,30 @@ def output_file(text: str) -> str:
             f"must be a file in an existing folder, got {text!r}"
         )
     if not os.access(folder, os.W_OK) or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}")
+    return text
+
+
+def output_dir(text: str) -> str:
+    """An argparse type: a folder that exists or can be created, writable.
+
+    The folder itself, or else the nearest folder above it that exists,
+    must be a writable directory; nothing is created here. Checked up
+    front, like :func:`output_file`, so that a typo fails before anything
+    compiles.
+    """
+    path = os.path.abspath(text)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(
+            f"must be a folder, got the file {text!r}"
+        )
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise argparse.ArgumentTypeError(
+            f"cannot create {text!r}: {existing!r} is not a folder"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text!r}")
     return text

@@ -1,6 +1,8 @@
 """``gpu-report``: every GPU kernel compiled for each target, with no GPU.
 
-For each target (``--arch``; ``sm_90a sm_100a gfx942`` by default) the
+For each target (``--arch``: ``sm_90a``, ``sm_100a`` and ``gfx942``, the
+targets whose GPUs the occupancy and roofline models know; all three by
+default) the
 package's Mojo driver (``kernel_asm.mojo``) compiles every kernel of every
 op at the model shapes it names, then each kernel's code is read: PTX and
 ``ptxas -v`` on NVIDIA, the kernel descriptor and metadata on AMD. A table
@@ -13,6 +15,10 @@ The run fails (exit status 1) when a kernel's parameter block differs from
 the bytes the host passes for it, since the kernels take their operand
 structs by value. Without ``ptxas`` (the ``gpu-report`` extra), the NVIDIA
 rows carry only what the PTX says, and one line says what to install.
+
+A usage error exits with status 2 before anything compiles or prints: a
+target other than those three, a ``--json`` file in a missing or
+read-only folder, an ``--asm-dir`` that cannot be created.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .._argtypes import output_dir, output_file
+from ..gpu_specs import ARCH_GPUS
 from .asm import ptx_facts
 from .report import (
     HEADER,
@@ -33,9 +41,10 @@ from .report import (
     param_mismatches,
     table_line,
 )
-from .tools import PTXAS_HINT, ToolError, compile_kernels, find_ptxas
+from .tools import ToolError, compile_kernels, find_ptxas, ptxas_hint
 
 __all__ = [
+    "ARCHS",
     "DEFAULT_ARCHS",
     "DESCRIPTION",
     "add_arguments",
@@ -50,8 +59,26 @@ DESCRIPTION = (
     "registers, spills, shared memory, parameter bytes and occupancy."
 )
 
+#: The targets the report takes: those whose GPUs (H100 and H200, B200,
+#: MI300X) the occupancy and roofline models know.
+ARCHS = tuple(ARCH_GPUS)
+
 #: Targets reported when ``--arch`` is not given.
-DEFAULT_ARCHS = ("sm_90a", "sm_100a", "gfx942")
+DEFAULT_ARCHS = ARCHS
+
+
+class OutputError(ToolError):
+    """An output path the report cannot write (a usage error, status 2)."""
+
+
+def known_arch(text: str) -> str:
+    """An argparse type: one of :data:`ARCHS`."""
+    if text not in ARCHS:
+        raise argparse.ArgumentTypeError(
+            f"must be one of {', '.join(ARCHS)} (the targets whose GPUs "
+            f"the occupancy model knows), got {text!r}"
+        )
+    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,20 +87,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--arch",
         action="extend",
         nargs="+",
+        type=known_arch,
         metavar="ARCH",
-        help="targets to compile for (one or more, repeatable; default: "
-        + " ".join(DEFAULT_ARCHS)
-        + ")",
+        help="targets to compile for, one or more of "
+        + " ".join(ARCHS)
+        + " (repeatable; default: all). Other targets are refused: the "
+        "occupancy model has no limits for their GPUs",
     )
     parser.add_argument(
-        "--json", type=Path, metavar="PATH", help="write the rows as JSON"
+        "--json",
+        type=output_file,
+        metavar="PATH",
+        help="write the rows and the rooflines as JSON (its folder must exist)",
     )
     parser.add_argument(
         "--asm-dir",
-        type=Path,
+        type=output_dir,
         metavar="DIR",
-        help="keep each kernel's code under DIR/<arch>/ (default: a "
-        "temporary directory, removed)",
+        help="keep each kernel's code under DIR/<arch>/, created if needed "
+        "(default: a temporary directory, removed)",
     )
 
 
@@ -91,21 +123,28 @@ def report(archs: list[str], asm_dir: Path, out=None, err=None) -> list[Row]:
         Every row, target by target.
 
     Raises:
+        OutputError: If a target's directory cannot be created.
         ToolError: If ``mojo`` is missing or a compile or ptxas run fails.
     """
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     ptxas = find_ptxas()
     if ptxas is None and any(is_nvidia(a) for a in archs):
-        print(PTXAS_HINT, file=err)
+        print(ptxas_hint(), file=err)
     rows: list[Row] = []
-    print(HEADER, file=out)
     for arch in archs:
         out_dir = asm_dir / arch
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"cannot create {out_dir}: {e.strerror}") from e
         start = time.perf_counter()
         compile_kernels(arch, out_dir)
         arch_rows = kernel_rows(arch, out_dir, ptxas)
+        if not rows:
+            # The header once the first target compiled, so that a failed
+            # compile prints one line and no table.
+            print(HEADER, file=out)
         for row in arch_rows:
             print(table_line(row), file=out)
         seconds = time.perf_counter() - start
@@ -122,24 +161,46 @@ def _write_json(path: Path, rows: list[Row]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs the report; exit status 0, or 1 on a failure or a mismatch.
+    """Runs the report and returns its exit status.
 
-    Every failure is one line on stderr: a missing ``mojo``, a failed
-    compile, and one line per kernel whose ``param_bytes`` is not its
+    0 when every kernel compiled and matches; 1 on a failure or a
+    mismatch; 2 when an ``--asm-dir`` or ``--json`` path that passed the
+    option checks still cannot be written (such as a folder under
+    ``/proc``, which ``os.access`` does not catch). Every failure is one
+    line on stderr: a missing ``mojo``, a failed compile, the path and why,
+    and one line per kernel whose ``param_bytes`` is not its
     ``host_bytes``.
     """
-    archs = args.arch or list(DEFAULT_ARCHS)
+    archs = list(dict.fromkeys(args.arch or DEFAULT_ARCHS))
     try:
         if args.asm_dir is not None:
-            rows = report(archs, args.asm_dir)
+            asm_dir = Path(args.asm_dir)
+            try:
+                asm_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise OutputError(
+                    f"cannot create {asm_dir}: {e.strerror}"
+                ) from e
+            rows = report(archs, asm_dir)
         else:
             with tempfile.TemporaryDirectory() as tmp:
                 rows = report(archs, Path(tmp))
+    except OutputError as e:
+        print(f"gpu-report: argument --asm-dir: {e}", file=sys.stderr)
+        return 2
     except ToolError as e:
         print(f"gpu-report: {e}", file=sys.stderr)
         return 1
     if args.json is not None:
-        _write_json(args.json, rows)
+        try:
+            _write_json(Path(args.json), rows)
+        except OSError as e:
+            print(
+                f"gpu-report: argument --json: cannot write {args.json}: "
+                f"{e.strerror}",
+                file=sys.stderr,
+            )
+            return 2
     mismatches = param_mismatches(rows)
     for line in mismatches:
         print(f"gpu-report: parameter block mismatch: {line}", file=sys.stderr)

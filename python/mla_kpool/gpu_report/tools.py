@@ -15,12 +15,34 @@ from .._paths import KERNELS
 #: The Mojo program that compiles every kernel for one target.
 DRIVER = Path(__file__).resolve().parent / "kernel_asm.mojo"
 
-#: What to install for ``ptxas`` (the optional extra and its wheel).
-PTXAS_HINT = (
-    "ptxas not found: registers, spills and occupancy of the NVIDIA kernels "
-    "need it; install it with `pip install 'mla-kpool[gpu-report]'` "
-    "(the nvidia-cuda-nvcc wheel)"
-)
+#: The repository root, when this package runs from a source checkout.
+_CHECKOUT = Path(__file__).resolve().parents[3]
+
+
+def ptxas_hint(checkout: Path | None = None) -> str:
+    """The one line that says what to install for ``ptxas``.
+
+    Args:
+        checkout: The source checkout to name; ``None`` takes this
+            package's own when it runs from one (an editable install: the
+            folder holding ``python/mla_kpool`` has a ``pyproject.toml``).
+
+    Returns:
+        From a checkout, ``pip install -e '.[gpu-report]'`` run at its
+        root; otherwise ``pip install 'mla-kpool[gpu-report]'``; either
+        brings the nvidia-cuda-nvcc wheel, which carries ptxas.
+    """
+    if checkout is None and (_CHECKOUT / "pyproject.toml").is_file():
+        checkout = _CHECKOUT
+    if checkout is not None:
+        command = f"`pip install -e '.[gpu-report]'` in {checkout}"
+    else:
+        command = "`pip install 'mla-kpool[gpu-report]'`"
+    return (
+        "ptxas not found: registers, spills and occupancy of the NVIDIA "
+        f"kernels need it; install it with {command} (the nvidia-cuda-nvcc "
+        "wheel)"
+    )
 
 
 class ToolError(RuntimeError):
@@ -90,11 +112,27 @@ def compile_kernels(arch: str, out_dir: Path, timeout: float = 900) -> None:
     except subprocess.TimeoutExpired as e:
         raise ToolError(f"compiling for {arch} took over {timeout} s") from e
     if proc.returncode != 0:
-        errors = [
-            line for line in proc.stderr.splitlines() if "error" in line
-        ] or proc.stderr.strip().splitlines()[-1:]
-        last = errors[0] if errors else f"exit status {proc.returncode}"
-        raise ToolError(f"compiling the kernels for {arch} failed: {last}")
+        raise ToolError(
+            f"compiling the kernels for {arch} failed: "
+            + compile_error(proc.stderr, proc.returncode)
+        )
+
+
+def compile_error(stderr: str, returncode: int) -> str:
+    """The one line that says why a ``mojo`` compile failed.
+
+    The compiler's first line with ``error`` (else its last line), and,
+    when a ``constraint failed`` note says what the code refused (an
+    unknown GPU architecture, say), that note's first line too.
+    """
+    lines = stderr.strip().splitlines()
+    errors = [line for line in lines if "error" in line] or lines[-1:]
+    message = errors[0].strip() if errors else f"exit status {returncode}"
+    for line in lines:
+        if "constraint failed:" in line:
+            reason = line.split("constraint failed:", 1)[1].strip()
+            return f"{message} (constraint failed: {reason})"
+    return message
 
 
 def run_ptxas(ptxas: str, arch: str, ptx_file: Path) -> str:
