@@ -8,9 +8,16 @@ OpenBLAS's own choice of kernel. Usage and help name the program
 the way it was started: ``mla-kpool`` for the console script,
 ``python -m mla_kpool`` otherwise.
 
+``demo`` runs a serving workload through the writer ops and
+``index_top_k`` and checks every pool and every selection against the
+oracle; ``bench`` times the writer ops, and ``index_top_k`` with ``--ops
+index_top_k``; ``gpu-report`` compiles every GPU kernel for sm_90a,
+sm_100a and gfx942 with no GPU and reports its resources and occupancy.
+
 Each subcommand lives in a module of this package (``mla_kpool.demo``,
-``mla_kpool.bench``) that provides ``DESCRIPTION`` (a sentence),
-``add_arguments(parser)`` and ``run(args) -> int`` (the exit status).
+``mla_kpool.bench``, ``mla_kpool.gpu_report``) that provides
+``DESCRIPTION`` (a sentence), ``add_arguments(parser)`` and
+``run(args) -> int`` (the exit status).
 """
 
 from __future__ import annotations
@@ -27,9 +34,13 @@ from . import __version__
 COMMANDS = {
     "demo": (
         "mla_kpool.demo",
-        "run a serving workload through the writers, check every pool",
+        "run a serving workload through the writers and index_top_k, check "
+        "every pool and every selection",
     ),
-    "bench": ("mla_kpool.bench", "time the writers"),
+    "bench": (
+        "mla_kpool.bench",
+        "time the writers (--ops index_top_k: the indexer too)",
+    ),
     "gpu-report": (
         "mla_kpool.gpu_report",
         "compile every GPU kernel (no GPU needed): registers, occupancy",
