@@ -417,7 +417,8 @@ def test_summary_counts_problems_in_singular_and_plural():
 )
 def test_tolerance_per_key_dtype(dtype, rel):
     # The oracle tolerances of the contract: float32 1e-5, float16 2e-3,
-    # bfloat16 1.6e-2 (about one bfloat16 ulp, 2^-6 = 1.5625e-2).
+    # bfloat16 1.6e-2 (about 2^-6 = 1.5625e-2: two bfloat16 ulps at 1,
+    # whose epsilon is 2^-7).
     assert reference.tolerance(workload.DTYPES[dtype]) == rel
 
 

@@ -105,8 +105,8 @@ def tolerance(dtype: npt.DTypeLike) -> float:
     A pooled key is a convex combination of its members, so its rounding
     error lives on the scale of the largest member magnitude: a result is
     right when ``|got - want| <= tolerance(dtype) * max |k|`` over the
-    pool's members. float32 1e-5, float16 2e-3, bfloat16 1.6e-2 (about one
-    bfloat16 ulp).
+    pool's members. float32 1e-5, float16 2e-3, bfloat16 1.6e-2 (about
+    2^-6: two bfloat16 ulps at 1, whose epsilon is 2^-7).
 
     Args:
         dtype: The key dtype the kernel ran in (NumPy, or
