@@ -179,6 +179,40 @@ def test_format_rooflines_has_a_row_per_result():
     table = roofline.format_rooflines(results).splitlines()
     assert len(table) == 2 + len(results) == 2 + 5 * 4
     assert table[2].startswith("| step-b64 | H200 |")
+    # No kernel rows: every fill is the model's.
+    assert table[0].endswith("| resident blocks from |")
+    assert all(line.endswith("| model |") for line in table[2:])
+
+
+def test_the_table_says_which_fills_come_from_compiled_kernels():
+    # Rows for the select and the tiled scorer on sm_90a, with registers.
+    rows = [
+        {
+            "op": "index_top_k",
+            "kernel": kernel,
+            "arch": "sm_90a",
+            "block_threads": threads,
+            "registers": 32,
+            "shared_bytes": 0,
+            "resident_blocks": {"H100": 4, "H200": 4},
+        }
+        for kernel, threads in (("select", 512), ("score_tiled", 256))
+    ]
+    results = roofline.rooflines(rows)
+    source = {
+        (r["workload"], r["gpu"]): roofline.residency_source(r) for r in results
+    }
+    # The plan has no row: its fill is the model's.
+    assert source["glm5-next-decode", "H200"] == "compiled sm_90a; model: plan"
+    # B200 is sm_100a, MI300X gfx942: no rows of theirs.
+    assert source["glm5-next-decode", "B200"] == "model"
+    assert source["glm5-next-decode", "MI300X"] == "model"
+    rows.append({**rows[0], "kernel": "plan", "block_threads": 256})
+    h100 = _row(roofline.rooflines(rows), "deepseek-v3.2-decode", "H100")
+    assert roofline.residency_source(h100) == "compiled sm_90a"
+    line = roofline.format_rooflines([h100]).splitlines()[2]
+    assert line.startswith("| deepseek-v3.2-decode | H100 |")
+    assert line.endswith("| compiled sm_90a |")
 
 
 def test_bench_bound_beside_the_time():

@@ -61,6 +61,7 @@ __all__ = [
     "bound_seconds",
     "format_rooflines",
     "index_workload",
+    "residency_source",
     "rooflines",
     "score_threads",
     "step_flops",
@@ -447,18 +448,40 @@ def _us(seconds: float) -> str:
     return f"{us:.0f}" if us >= 100 else f"{us:.3g}"
 
 
+def residency_source(result: dict[str, Any]) -> str:
+    """Where one :func:`rooflines` result's resident blocks come from.
+
+    ``"compiled <arch>"`` when every kernel's come from a kernel row of
+    the GPU's target (its registers and shared memory as compiled),
+    ``"model"`` when none do (no row, or a row without registers: the
+    occupancy model with no register limit), else ``"compiled <arch>;
+    model: <kernels>"``.
+    """
+    model = [
+        k["kernel"]
+        for k in result["kernels"]
+        if k["resident_from"] != "kernel row"
+    ]
+    if not model:
+        return f"compiled {result['arch']}"
+    if len(model) == len(result["kernels"]):
+        return "model"
+    return f"compiled {result['arch']}; model: {', '.join(model)}"
+
+
 def format_rooflines(results: list[dict[str, Any]]) -> str:
     """A markdown table of :func:`rooflines`' results, a row each.
 
     Columns: workload, GPU, MB moved, GFLOP, the FP32 and FP8 bounds in
-    microseconds with what binds each, and each kernel's ``grid`` and
-    ``fill`` (``kernel grid/fill%``).
+    microseconds with what binds each, each kernel's ``grid`` and
+    ``fill`` (``kernel grid (fill%)``), and where the fills' resident
+    blocks come from (:func:`residency_source`).
     """
     head = (
         "| workload | GPU | MB | GFLOP | FP32 bound us | FP8 bound us |"
-        " kernels: grid (fill) |"
+        " kernels: grid (fill) | resident blocks from |"
     )
-    lines = [head, "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = [head, "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in results:
         kernels = ", ".join(
             f"{k['kernel']} {k['grid']} ({100 * k['fill']:.0f}%)"
@@ -468,6 +491,6 @@ def format_rooflines(results: list[dict[str, Any]]) -> str:
             f"| {r['workload']} | {r['gpu']} | {r['bytes'] / 1e6:.3g} |"
             f" {r['flops'] / 1e9:.3g} | {_us(r['bound_s_fp32'])}"
             f" {r['binding_fp32']} | {_us(r['bound_s_fp8'])}"
-            f" {r['binding_fp8']} | {kernels} |"
+            f" {r['binding_fp8']} | {kernels} | {residency_source(r)} |"
         )
     return "\n".join(lines)
