@@ -1,14 +1,12 @@
 """The CPU prefill scorer of `index_top_k`: many rows against one key tile.
 
 A chunk of query rows scores a tile of candidates like a small GEMM: the
-tile's decoded keys are transposed to `[depth, PREFILL_TILE]`, so one
-SIMD register holds a dim of `F32_WIDTH` candidates, and a register block
-of `PREFILL_HEADS` query heads x `PREFILL_VECTORS` candidate registers
-walks the dims with one FMA per (head, register): each key register feeds
-every head of the block and each broadcast query value every candidate
-register. The tile (16 KiB at depth 128 on AVX-512) stays in L1 while
-every row of the chunk passes over it; each head's query values are read
-once per tile.
+tile's keys are decoded and transposed once (`index_cpu_block.mojo`: one
+SIMD register holds a dim, or a dim pair, of `F32_WIDTH` candidates), and
+every row of the chunk that sees any of them walks its heads over the
+tile a register block at a time. The tile (8-16 KiB at depth 128) stays
+in L1 while the rows pass over it; each head's query values are read once
+per tile.
 
 Per (row `t`, candidate `j`) the score is
 `scale_j * sum_h w[t, h] * relu(sum_d q[t, h, d] * k[j, d])`: the ReLU is
@@ -18,9 +16,19 @@ and added, head by head, to the row's running totals; the key scales
 multiply the totals once every head is in.
 """
 
-from std.math import ceildiv
-from std.memory import stack_allocation
-
+from .index_cpu_block import (
+    PREFILL_HEADS,
+    PREFILL_TILE,
+    PREFILL_VECTORS,
+    pack_pairs,
+    prefill_heads_of,
+    query_words_of,
+    score_head_block,
+    score_head_block_pairs,
+    transpose_tile,
+    transpose_tile_pairs,
+    use_pairs,
+)
 from .index_cpu_score import decode_candidates, scratch
 from .index_fp8 import decode_row
 from .index_operands import F32_WIDTH, IndexTopK
@@ -29,104 +37,9 @@ from .index_rank import keep_best, offer_pool
 from .ragged import Ptr
 
 
-comptime CPU_REGISTERS = 32 if F32_WIDTH >= 16 else 16
-"""SIMD registers of the target: 32 zmm with AVX-512, 16 ymm with AVX2."""
-
-comptime PREFILL_VECTORS = 2
-"""Candidate registers per register block: the tile is this many
-registers of `F32_WIDTH` candidates wide."""
-
-comptime PREFILL_TILE = PREFILL_VECTORS * F32_WIDTH
-"""Candidates per prefill tile (32 on AVX-512: 16 KiB of keys at depth
-128, which stay in L1 while the chunk's rows pass over them)."""
-
-
-def floor_pow2(n: Int) -> Int:
-    """The largest power of two at most `n` (1 for `n < 2`)."""
-    var p = 1
-    while p * 2 <= n:
-        p *= 2
-    return p
-
-
-comptime PREFILL_HEADS = floor_pow2(
-    (CPU_REGISTERS - PREFILL_VECTORS - 2) // PREFILL_VECTORS
-)
-"""Query heads per register block: as many as leave the block's key
-registers and a broadcast free (8 on AVX-512: 16 accumulators; 4 on
-AVX2: 8), a power of two so that common head counts split evenly."""
-
 comptime CPU_PREFILL_MIN_ROWS = 4
 """Fewest rows in a chunk for which the prefill scorer beats scoring row
 by row (`score_tile`, which keeps the single-row decode path)."""
-
-
-@always_inline
-def prefill_heads_of[num_heads: Int]() -> Int:
-    """Heads per row rounded up to whole register blocks (padding heads
-    have a zero query and weight)."""
-    return ceildiv(num_heads, PREFILL_HEADS) * PREFILL_HEADS
-
-
-@always_inline
-def score_head_block[
-    depth: Int
-](
-    queries: Ptr[DType.float32],
-    weights: Ptr[DType.float32],
-    keys: Ptr[DType.float32],
-    totals: Ptr[DType.float32],
-):
-    """Adds one register block of heads' weighted ReLU dots to a row's totals.
-
-    Args:
-        queries: `[PREFILL_HEADS, depth]` the block's decoded query heads.
-        weights: `[PREFILL_HEADS]` their head weights.
-        keys: `[depth, PREFILL_TILE]` the tile's decoded keys, transposed.
-        totals: `[PREFILL_TILE]` the row's running weighted head sums.
-    """
-    comptime heads = PREFILL_HEADS
-    comptime vectors = PREFILL_VECTORS
-    comptime Vec = SIMD[DType.float32, F32_WIDTH]
-    # Constant offsets only, so the compiler keeps these in registers.
-    var acc = stack_allocation[heads * vectors * F32_WIDTH, DType.float32]()
-    comptime for x in range(heads * vectors):
-        acc.unsafe_store[width=F32_WIDTH](x * F32_WIDTH, Vec(0))
-    for d in range(depth):
-        comptime for v in range(vectors):
-            var key = keys.unsafe_load[width=F32_WIDTH](
-                d * PREFILL_TILE + v * F32_WIDTH
-            )
-            comptime for h in range(heads):
-                comptime at = (h * vectors + v) * F32_WIDTH
-                acc.unsafe_store[width=F32_WIDTH](
-                    at,
-                    Vec(queries[unsafe_offset=h * depth + d]).fma(
-                        key, acc.unsafe_load[width=F32_WIDTH](at)
-                    ),
-                )
-    comptime for v in range(vectors):
-        var total = totals.unsafe_load[width=F32_WIDTH](v * F32_WIDTH)
-        comptime for h in range(heads):
-            var dot = acc.unsafe_load[width=F32_WIDTH](
-                (h * vectors + v) * F32_WIDTH
-            )
-            # ReLU that keeps a NaN (a NaN key byte) a NaN.
-            total += dot.lt(0).select(Vec(0), dot) * Vec(
-                weights[unsafe_offset=h]
-            )
-        totals.unsafe_store[width=F32_WIDTH](v * F32_WIDTH, total)
-
-
-def transpose_tile[
-    depth: Int
-](keys: Ptr[DType.float32], count: Int, transposed: Ptr[DType.float32]):
-    """Copies `count` decoded keys `[count, depth]` to `[depth, PREFILL_TILE]`."""
-    for x in range(count):
-        for d in range(depth):
-            transposed[unsafe_offset=d * PREFILL_TILE + x] = keys[
-                unsafe_offset=x * depth + d
-            ]
 
 
 def keep_top_k_prefill(
@@ -171,17 +84,23 @@ def keep_top_k_prefill(
     comptime padded = prefill_heads_of[num_heads]()
     var rows = last - first
 
-    var queries = List[Float32](length=rows * padded * depth, fill=0.0)
+    comptime pairs = use_pairs[depth]()
+    comptime words = query_words_of[depth]()
+    var queries = List[Float32](length=rows * padded * words, fill=0.0)
     var weights = List[Float32](length=rows * padded, fill=0.0)
+    var decoded = List[Float32](length=depth, fill=0.0)
     var q_at = scratch(queries)
     var w_at = scratch(weights)
     for r in range(rows):
         var t = start + first + r
         for h in range(num_heads):
-            decode_row[depth](
-                op.q.unsafe_offset((t * num_heads + h) * depth),
-                q_at.unsafe_offset((r * padded + h) * depth),
-            )
+            var head = q_at.unsafe_offset((r * padded + h) * words)
+            var src = op.q.unsafe_offset((t * num_heads + h) * depth)
+            comptime if pairs:
+                decode_row[depth](src, scratch(decoded))
+                pack_pairs[depth, 1](scratch(decoded), head.unsafe_bitcast[UInt32]())
+            else:
+                decode_row[depth](src, head)
             w_at[unsafe_offset=r * padded + h] = op.qs[
                 unsafe_offset=t * num_heads + h
             ]
@@ -204,7 +123,12 @@ def keep_top_k_prefill(
     for tile_first in range(lo, hi, PREFILL_TILE):
         var count = min(PREFILL_TILE, hi - tile_first)
         decode_candidates(op, b, tile_first, count, keys_at, scales_at)
-        transpose_tile[depth](keys_at, count, transposed_at)
+        comptime if pairs:
+            transpose_tile_pairs[depth](
+                keys_at, count, transposed_at.unsafe_bitcast[UInt32]()
+            )
+        else:
+            transpose_tile[depth](keys_at, count, transposed_at)
         for r in range(rows):
             var bound = candidate_bound[op.kpool, op.causal](c, n, first + r)
             var visible = min(count, bound - tile_first)
@@ -213,12 +137,19 @@ def keep_top_k_prefill(
             comptime for v in range(PREFILL_VECTORS):
                 totals_at.unsafe_store[width=F32_WIDTH](v * F32_WIDTH, Vec(0))
             for block in range(0, padded, PREFILL_HEADS):
-                score_head_block[depth](
-                    q_at.unsafe_offset((r * padded + block) * depth),
-                    w_at.unsafe_offset(r * padded + block),
-                    transposed_at,
-                    totals_at,
-                )
+                var head = q_at.unsafe_offset((r * padded + block) * words)
+                var weight = w_at.unsafe_offset(r * padded + block)
+                comptime if pairs:
+                    score_head_block_pairs[depth](
+                        head.unsafe_bitcast[UInt32](),
+                        weight,
+                        transposed_at.unsafe_bitcast[UInt32](),
+                        totals_at,
+                    )
+                else:
+                    score_head_block[depth](
+                        head, weight, transposed_at, totals_at
+                    )
             comptime for v in range(PREFILL_VECTORS):
                 comptime at = v * F32_WIDTH
                 totals_at.unsafe_store[width=F32_WIDTH](
@@ -245,6 +176,7 @@ def keep_top_k_prefill(
     _ = len(pool)
     _ = len(queries)
     _ = len(weights)
+    _ = len(decoded)
     _ = len(keys)
     _ = len(transposed)
     _ = len(scales)

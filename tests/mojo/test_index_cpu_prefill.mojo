@@ -5,20 +5,29 @@ Runs without a GPU (`mojo run -I . tests/mojo/test_index_cpu_prefill.mojo`);
 `tests/test_index_cpu_prefill.py` runs it under pytest. Writer against
 writer: the radix sort against `sort`, the pool's kept keys against the
 heap's (`offer_tile`), bit for bit, and the prefill head blocks against the
-row scorer (`score_tile`) within float32 rounding of the head sum.
+row scorer (`score_tile`) within float32 rounding of the head sum, and
+the bfloat16 pair form against the float32 form on e4m3fn values (which
+bfloat16 holds exactly) within float32 rounding of the dim sum.
 """
 
 from std.builtin.sort import sort
 from std.math import abs, max
+from std.memory import bitcast
 from std.testing import TestSuite, assert_equal, assert_true
 
-from kernels.index_cpu_prefill import (
+from kernels.index_cpu_block import (
     PREFILL_HEADS,
     PREFILL_TILE,
+    bf16_pairs,
+    pack_pairs,
     prefill_heads_of,
     score_head_block,
+    score_head_block_pairs,
     transpose_tile,
+    transpose_tile_pairs,
+    use_pairs,
 )
+from kernels.index_fp8 import decode_e4m3
 from kernels.index_cpu_score import score_tile, scratch
 from kernels.index_operands import padded_heads_of
 from kernels.index_rank import (
@@ -152,6 +161,87 @@ def test_head_blocks_score_like_the_row_scorer() raises:
             abs(got - want[x]) <= 1e-5 * scale,
             String("candidate ", x, ": ", got, " vs ", want[x]),
         )
+
+
+def e4m3(i: Int) -> Float32:
+    """A deterministic e4m3fn value (byte `i * 37 mod 256`, never NaN)."""
+    var byte = (i * 37 + 11) % 256
+    if byte & 0x7F == 0x7F:
+        byte -= 1
+    return decode_e4m3[1](SIMD[DType.uint8, 1](UInt8(byte)))[0]
+
+
+def test_pairs_hold_every_e4m3_value_exactly() raises:
+    # Every byte: the pair word's halves, widened back to float32, are
+    # the decoded value bit for bit (a NaN stays a NaN).
+    for byte in range(256):
+        var value = decode_e4m3[1](SIMD[DType.uint8, 1](UInt8(byte)))[0]
+        var word = bf16_pairs[1](value, -value)[0]
+        var low = bitcast[DType.float32, 1](UInt32(word << 16))[0]
+        var high = bitcast[DType.float32, 1](UInt32(word & 0xFFFF0000))[0]
+        if value != value:
+            assert_true(low != low and high != high, String("byte ", byte))
+            continue
+        assert_equal(low, value, String("byte ", byte))
+        assert_equal(high, -value, String("byte ", byte))
+
+
+def test_pair_blocks_score_like_float32_blocks() raises:
+    comptime depth = 38  # not a whole number of packing steps
+    comptime num_heads = 20
+    comptime padded = prefill_heads_of[num_heads]()
+    comptime count = PREFILL_TILE - 5
+    comptime if not use_pairs[depth]():
+        print("no AVX-512 BF16 on this target: the pair form is not built")
+        return
+    var queries = List[Float32](length=padded * depth, fill=0.0)
+    var weights = List[Float32](length=padded, fill=0.0)
+    for h in range(num_heads):
+        weights[h] = value(h, 4)
+        for d in range(depth):
+            queries[h * depth + d] = e4m3(h * depth + d)
+    var keys = List[Float32](length=PREFILL_TILE * depth, fill=0.0)
+    for x in range(count):
+        for d in range(depth):
+            keys[x * depth + d] = e4m3(x * depth + d + 5000)
+    keys[7 * depth + 31] = Float32(FloatLiteral.nan)  # a NaN key
+    var transposed = List[Float32](length=PREFILL_TILE * depth, fill=0.0)
+    transpose_tile[depth](scratch(keys), count, scratch(transposed))
+    var want = List[Float32](length=PREFILL_TILE, fill=0.0)
+    var query_words = List[UInt32](length=padded * depth // 2, fill=0)
+    var key_words = List[UInt32](length=PREFILL_TILE * depth // 2, fill=0)
+    for h in range(padded):
+        pack_pairs[depth, 1](
+            scratch(queries).unsafe_offset(h * depth),
+            scratch(query_words).unsafe_offset(h * depth // 2),
+        )
+    transpose_tile_pairs[depth](scratch(keys), count, scratch(key_words))
+    var got = List[Float32](length=PREFILL_TILE, fill=0.0)
+    for block in range(0, padded, PREFILL_HEADS):
+        score_head_block[depth](
+            scratch(queries).unsafe_offset(block * depth),
+            scratch(weights).unsafe_offset(block),
+            scratch(transposed),
+            scratch(want),
+        )
+        score_head_block_pairs[depth](
+            scratch(query_words).unsafe_offset(block * depth // 2),
+            scratch(weights).unsafe_offset(block),
+            scratch(key_words),
+            scratch(got),
+        )
+    var nonzero = 0
+    for x in range(count):
+        if x == 7:
+            assert_true(got[x] != got[x], "a NaN key scores NaN")
+            continue
+        nonzero += Int(want[x] != 0)
+        var scale = max(abs(want[x]), Float32(1.0))
+        assert_true(
+            abs(got[x] - want[x]) <= 1e-5 * scale,
+            String("candidate ", x, ": ", got[x], " vs ", want[x]),
+        )
+    assert_true(nonzero > count // 2, "the case scores mostly nonzero")
 
 
 def main() raises:
