@@ -170,10 +170,11 @@ def index_top_k_cpu(op: IndexTopK):
     """CPU index_top_k: a task per (request, row chunk, part), over the cores.
 
     Rows that no scored request owns are `-1` first. Each (request, row
-    chunk) is one task over all its candidates, or, when there are fewer
-    such chunks than cores and the candidates are many, `parts` tasks over
-    runs of them whose kept keys are merged per row afterwards (so a
-    single long-context decode uses every core).
+    chunk) is one task over all its candidates that keeps and writes its
+    rows in scratch of its own (the latest chunks first), or, when there
+    are fewer such chunks than cores and the candidates are many, `parts`
+    tasks over runs of them whose kept keys are merged per row afterwards
+    (so a single long-context decode uses every core).
     """
     comptime k = op.k
     var owned = 0
@@ -189,7 +190,9 @@ def index_top_k_cpu(op: IndexTopK):
         var start = read_index(op.input_row_offsets, b)
         var n = read_index(op.input_row_offsets, b + 1) - start
         var c = read_index(op.k_cache_lengths, b)
-        for first in range(0, n, CPU_ROW_CHUNK):
+        # Last chunk first: in a causal prefill the later rows see more
+        # candidates, and the heaviest tasks should not start last.
+        for first in reversed(range(0, n, CPU_ROW_CHUNK)):
             task_request.append(b)
             task_first.append(first)
         if n > 0 and c >= 0:
@@ -209,11 +212,6 @@ def index_top_k_cpu(op: IndexTopK):
             ),
         )
 
-    var kept = List[UInt64](length=chunks * parts * CPU_ROW_CHUNK * k, fill=0)
-    var sizes = List[Int](length=chunks * parts * CPU_ROW_CHUNK, fill=0)
-    var kept_at = scratch(kept)
-    var sizes_at = sizes.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-
     @always_inline
     def rows_of(chunk: Int) {imm} -> Tuple[Int, Int, Int]:
         var b = task_request[chunk]
@@ -222,6 +220,36 @@ def index_top_k_cpu(op: IndexTopK):
             op.input_row_offsets, b
         )
         return (b, first, min(first + CPU_ROW_CHUNK, n))
+
+    if parts == 1:
+        # Each task keeps and writes its own rows, in scratch of its own.
+        def keep_and_write(chunk: Int) {imm}:
+            var rows = rows_of(chunk)
+            var kept = List[UInt64](unsafe_uninit_length=CPU_ROW_CHUNK * k)
+            var sizes = List[Int](length=CPU_ROW_CHUNK, fill=0)
+            var sizes_at = sizes.unsafe_ptr().unsafe_origin_cast[
+                MutAnyOrigin
+            ]()
+            keep_top_k(
+                op, rows[0], rows[1], rows[2], 0, 1, scratch(kept), sizes_at
+            )
+            write_chunk(
+                op, rows[0], rows[1], rows[2], 1, scratch(kept), sizes_at
+            )
+            _ = len(kept)
+            _ = len(sizes)
+
+        if serial:
+            for chunk in range(chunks):
+                keep_and_write(chunk)
+        else:
+            sync_parallelize(keep_and_write, chunks)
+        return
+
+    var kept = List[UInt64](unsafe_uninit_length=chunks * parts * CPU_ROW_CHUNK * k)
+    var sizes = List[Int](length=chunks * parts * CPU_ROW_CHUNK, fill=0)
+    var kept_at = scratch(kept)
+    var sizes_at = sizes.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
 
     def keep_part(task: Int) {imm}:
         var chunk = task // parts
@@ -250,13 +278,8 @@ def index_top_k_cpu(op: IndexTopK):
             sizes_at.unsafe_offset(chunk * parts * CPU_ROW_CHUNK),
         )
 
-    if serial:
-        for chunk in range(chunks):
-            keep_part(chunk)
-            write(chunk)
-    else:
-        sync_parallelize(keep_part, chunks * parts)
-        sync_parallelize(write, chunks)
+    sync_parallelize(keep_part, chunks * parts)
+    sync_parallelize(write, chunks)
     # The scratch lives until every task is done with it.
     _ = len(kept)
     _ = len(sizes)

@@ -75,7 +75,7 @@ def keep_top_k_prefill(
         last: One past the chunk's last row.
         lo: The first candidate of this part.
         hi: One past its last candidate (at most the widest row's bound).
-        kept: `[rows, k]` the rows' best keys out (ascending).
+        kept: `[rows, k]` the rows' best keys out (in no order).
         sizes: `[rows]` how many each row kept.
     """
     comptime k = op.k

@@ -101,9 +101,17 @@ def sort_keys(keys: Span[mut=True, UInt64, _]):
     shares (the high bytes of small ids), so a row's 512 kept keys sort in
     a handful of branch-free passes instead of a comparison sort's
     mispredicted branches. Rank keys are distinct (distinct ids), so the
-    order is the one `sort` gives.
+    order is the one `sort` gives. Keys already in order (a row that
+    `write_chunk` sorted when merging parts) cost one scan.
     """
     var size = len(keys)
+    var ordered = True
+    for x in range(1, size):
+        if keys[x - 1] > keys[x]:
+            ordered = False
+            break
+    if ordered:
+        return
     if size < RADIX_MIN_KEYS:
         sort(keys)
         return
@@ -181,14 +189,63 @@ def offer_pool[
     return (filled, low)
 
 
+def kth_best(pool: Ptr[DType.uint64], size: Int, k: Int) -> UInt64:
+    """The `k`-th largest of `size >= k >= 1` distinct rank keys.
+
+    A most-significant-digit radix select: one counting pass per byte over
+    the keys that share the bytes chosen so far, until the byte's bucket
+    that holds the `k`-th key is taken whole. The answer is then the
+    lowest key of the `k` that are at or above the returned bound, so
+    `key >= bound` picks exactly the best `k`. Float scores spread over
+    the high bytes, so a pool of a thousand keys takes a few counting
+    passes, where the LSD sort takes a counting and a scattering pass per
+    byte.
+    """
+    var need = k
+    var prefix = UInt64(0)
+    var mask = UInt64(0)
+    var counts = stack_allocation[256, DType.int32]()
+    for shift in range(56, -8, -8):
+        for d in range(256):
+            counts[unsafe_offset=d] = 0
+        for x in range(size):
+            var key = pool[unsafe_offset=x]
+            counts[unsafe_offset=Int((key >> UInt64(shift)) & 0xFF)] += Int32(
+                Int((key & mask) == prefix)
+            )
+        var d = 255
+        var above = 0
+        while above + Int(counts[unsafe_offset=d]) < need:
+            above += Int(counts[unsafe_offset=d])
+            d -= 1
+        need -= above
+        prefix |= UInt64(d) << UInt64(shift)
+        mask |= UInt64(0xFF) << UInt64(shift)
+        if Int(counts[unsafe_offset=d]) == need:
+            break
+    return prefix
+
+
 def keep_best[k: Int](pool: Ptr[DType.uint64], size: Int) -> Int:
-    """Moves the best `min(size, k)` of `pool[0 : size]` to its front, sorted
-    ascending (the k-th best first); returns how many."""
-    sort_keys(Span[UInt64, MutAnyOrigin](unsafe_ptr=pool, length=size))
-    var kept = min(size, k)
-    var skip = size - kept
-    for x in range(kept):
-        pool[unsafe_offset=x] = pool[unsafe_offset=skip + x]
+    """Moves the best `min(size, k)` of `pool[0 : size]` to its front, the
+    lowest of them (with `k` kept, the k-th best) first and the rest in no
+    order; returns how many. Selects (`kth_best`) instead of sorting."""
+    var kept = size
+    if size > k:
+        var bound = kth_best(pool, size, k)
+        kept = 0
+        for x in range(size):
+            var key = pool[unsafe_offset=x]
+            pool[unsafe_offset=kept] = key
+            kept += Int(key >= bound)
+    var low = 0
+    for x in range(1, kept):
+        if pool[unsafe_offset=x] < pool[unsafe_offset=low]:
+            low = x
+    if kept > 0:
+        var key = pool[unsafe_offset=low]
+        pool[unsafe_offset=low] = pool[unsafe_offset=0]
+        pool[unsafe_offset=0] = key
     return kept
 
 

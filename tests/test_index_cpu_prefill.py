@@ -1,9 +1,10 @@
 """The CPU prefill scorer's parts, unit-tested in Mojo.
 
-``tests/mojo/test_index_cpu_prefill.mojo`` checks the radix sort of rank
-keys against ``sort``, the bounded pool's kept keys against the heap's bit
-for bit, and the register-blocked head blocks (keys transposed, heads
-padded to whole blocks, a NaN key) against the row scorer.
+``tests/mojo/test_index_cpu_prefill.mojo`` checks the radix sort and the
+radix select of rank keys against ``sort``, the bounded pool's kept keys
+against the heap's bit for bit, the register-blocked head blocks (keys
+transposed, heads padded to whole blocks, a NaN key) against the row
+scorer, and the bfloat16 pair blocks against the float32 blocks.
 """
 
 from __future__ import annotations
@@ -17,4 +18,4 @@ from kpool_cases import mojo_command, run_mojo_suite
     mojo_command() is None, reason="the mojo command is not found"
 )
 def test_prefill_scorer_parts() -> None:
-    run_mojo_suite("tests/mojo/test_index_cpu_prefill.mojo", min_tests=6)
+    run_mojo_suite("tests/mojo/test_index_cpu_prefill.mojo", min_tests=7)

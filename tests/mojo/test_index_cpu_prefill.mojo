@@ -32,6 +32,7 @@ from kernels.index_cpu_score import score_tile, scratch
 from kernels.index_operands import padded_heads_of
 from kernels.index_rank import (
     keep_best,
+    kth_best,
     offer_pool,
     offer_tile,
     rank_key,
@@ -90,6 +91,9 @@ def test_pool_keeps_what_the_heap_keeps() raises:
     assert_equal(kept, k)
     assert_equal(size, k)
     sort(Span(heap))
+    # The k-th best first, the rest in no order.
+    assert_equal(pool[0], heap[0])
+    sort(Span(pool)[:k])
     for i in range(k):
         assert_equal(pool[i], heap[i], String("rank ", i))
 
@@ -103,8 +107,42 @@ def test_pool_with_fewer_than_k_keeps_all() raises:
     )
     assert_equal(offered[0], 5)
     assert_equal(keep_best[k](scratch(pool), 5), 5)
-    # Equal scores: the lowest id ranks highest, so it sorts last.
-    assert_equal(pool[4], rank_key(1.0, 40))
+    # Equal scores: the lowest id ranks highest, the highest lowest,
+    # and the lowest-ranked key goes first.
+    assert_equal(pool[0], rank_key(1.0, 44))
+    sort(Span(pool)[:5])
+    for i in range(5):
+        assert_equal(pool[i], rank_key(1.0, 44 - i))
+
+
+def test_kth_best_selects_like_sort() raises:
+    # Pools with tied scores (distinct ids), NaN, both zeros and keys that
+    # share their high bytes; every k from 1 to the pool's size.
+    for size in [1, 7, 300, 1025]:
+        var keys = List[UInt64]()
+        for i in range(size):
+            var score = value(i, size) * Float32(1 + i % 3)
+            if i % 61 == 4:
+                score = Float32(FloatLiteral.nan)
+            elif i % 53 == 9:
+                score = Float32(-0.0)
+            elif i % 47 == 2:
+                score = 0.0
+            keys.append(rank_key(score, 70000 + i))
+        var ordered = keys.copy()
+        sort(Span(ordered))
+        for k in range(1, size + 1, max(1, size // 37)):
+            var want = ordered[size - k]
+            var bound = kth_best(scratch(keys), size, k)
+            var picked = 0
+            for i in range(size):
+                picked += Int(keys[i] >= bound)
+            assert_equal(picked, k, String("size ", size, " k ", k))
+            assert_true(bound <= want, String("size ", size, " k ", k))
+            if k < size:
+                assert_true(
+                    bound > ordered[size - k - 1], String("size ", size)
+                )
 
 
 def test_head_blocks_score_like_the_row_scorer() raises:
