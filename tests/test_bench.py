@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -426,3 +427,29 @@ def test_run_info_names_the_accelerator_on_gpu():
     assert gpu["device_name"] == "NVIDIA H100 80GB HBM3"
     assert cpu["max_version"] == importlib.metadata.version("max")
     assert cpu["command"] == _sysinfo.command_line(sys.argv)
+
+
+def test_time_calls_settles_before_each_timed_call():
+    # Each timed call starts at least ``settle`` after the previous one
+    # ended; warm-up calls are not paused.
+    ends: list[float] = []
+    starts: list[float] = []
+
+    def call() -> None:
+        starts.append(time.perf_counter())
+        ends.append(time.perf_counter())
+
+    (us,) = bench.time_calls(
+        call, warmup=2, min_reps=3, min_seconds=0.0, settle=0.05
+    )
+    assert len(us) == 3
+    gaps = [b - a for a, b in zip(ends[2:-1], starts[3:], strict=True)]
+    assert len(gaps) == 2 and min(gaps) >= 0.05
+    assert starts[1] - ends[0] < 0.05
+
+
+def test_index_legend_states_the_pause():
+    from mla_kpool.bench import report
+
+    line = report.INDEX_LEGEND[0]
+    assert f"{bench.INDEX_SETTLE_S} s pause" in line

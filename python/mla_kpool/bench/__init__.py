@@ -113,6 +113,7 @@ def time_calls(
     warmup: int = 3,
     min_reps: int = 10,
     min_seconds: float = 0.3,
+    settle: float = 0.0,
 ) -> list[np.ndarray]:
     """Per-call microseconds of each callable, called in turn.
 
@@ -120,6 +121,10 @@ def time_calls(
     machine state (frequency, caches, a neighbour's load), so their ratio
     is steadier than back-to-back series give. After ``warmup`` rounds it
     runs at least ``min_reps`` rounds and at least ``min_seconds``.
+    ``settle`` seconds of sleep before each timed call (not timed) let the
+    previous call's worker threads stop spinning: OpenBLAS's wait for
+    work for about 2^28 cycles after a call (0.1 s at 2.6 GHz), which
+    takes a core from whatever runs next.
     """
     for _ in range(warmup):
         for fn in fns:
@@ -128,6 +133,8 @@ def time_calls(
     began = time.perf_counter()
     while len(times[0]) < min_reps or time.perf_counter() - began < min_seconds:
         for fn, out in zip(fns, times, strict=True):
+            if settle:
+                time.sleep(settle)
             t0 = time.perf_counter()
             fn()
             out.append(time.perf_counter() - t0)
@@ -247,6 +254,11 @@ def gpu_bound(case: Case, median_us: float, model_name: str | None) -> Record:
 #: the medians are over this many.
 INDEX_MIN_CALLS = 5
 
+#: Seconds of pause before each timed index_top_k, twin or BLAS call, so
+#: no call shares the cores with the previous one's spinning threads
+#: (OpenBLAS's after the twin and BLAS, MAX's after the op).
+INDEX_SETTLE_S = 0.25
+
 
 def measure_index(
     case: Case, runner: Runner, info: Record, **timing: Any
@@ -257,7 +269,9 @@ def measure_index(
     package's GPU path, whatever the GPU), the NumPy twin and NumPy's
     BLAS on the twin's score matmuls (:mod:`.index`), called in turn, round
     after round (so a neighbour's load hits all three alike), at least
-    :data:`INDEX_MIN_CALLS` rounds after one warm-up round.
+    :data:`INDEX_MIN_CALLS` rounds after one warm-up round, each call after
+    a pause of :data:`INDEX_SETTLE_S` (so none shares the cores with the
+    previous call's spinning threads).
 
     Args:
         case: An index_top_k case (its ``phase``).
@@ -278,7 +292,11 @@ def measure_index(
         what :func:`.blas.blas_info` says; ``info``.
     """
     w = index.make_index_workload(case.phase)
-    timing = {"warmup": 1, "min_reps": INDEX_MIN_CALLS} | timing
+    timing = {
+        "warmup": 1,
+        "min_reps": INDEX_MIN_CALLS,
+        "settle": INDEX_SETTLE_S,
+    } | timing
     offsets, lengths = w.input_row_offsets, w.cache.cache_lengths
     flops = index.score_flops(offsets, lengths, w.shape)
     blas_call, blas_flops = index.blas_matmul(offsets, lengths, w.shape)
