@@ -4,6 +4,7 @@ run and where a run was measured."""
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
 import json
 import os
 import sys
@@ -429,23 +430,32 @@ def test_run_info_names_the_accelerator_on_gpu():
     assert cpu["command"] == _sysinfo.command_line(sys.argv)
 
 
-def test_time_calls_settles_before_each_timed_call():
-    # Each timed call starts at least ``settle`` after the previous one
-    # ended; warm-up calls are not paused.
-    ends: list[float] = []
-    starts: list[float] = []
+def test_time_calls_settles_before_each_round():
+    # Each round's first call starts at least ``settle`` after the previous
+    # round's last call ended; the second follows at once; warm-up rounds
+    # are not paused.
+    calls: list[tuple[str, float, float]] = []
 
-    def call() -> None:
-        starts.append(time.perf_counter())
-        ends.append(time.perf_counter())
+    def timed(name: str):
+        def call() -> None:
+            calls.append((name, time.perf_counter(), time.perf_counter()))
 
-    (us,) = bench.time_calls(
-        call, warmup=2, min_reps=3, min_seconds=0.0, settle=0.05
+        return call
+
+    first, second = bench.time_calls(
+        timed("a"),
+        timed("b"),
+        warmup=2,
+        min_reps=3,
+        min_seconds=0.0,
+        settle=0.05,
     )
-    assert len(us) == 3
-    gaps = [b - a for a, b in zip(ends[2:-1], starts[3:], strict=True)]
-    assert len(gaps) == 2 and min(gaps) >= 0.05
-    assert starts[1] - ends[0] < 0.05
+    assert len(first) == len(second) == 3
+    assert [name for name, _, _ in calls] == ["a", "b"] * 5
+    gaps = [b[1] - a[2] for a, b in itertools.pairwise(calls)]
+    # Gaps after warm-up round 2 and timed rounds 1 and 2 end a round.
+    assert min(gaps[i] for i in (3, 5, 7)) >= 0.05
+    assert max(gaps[i] for i in (0, 1, 2, 4, 6, 8)) < 0.05
 
 
 def test_index_legend_states_the_pause():

@@ -121,10 +121,11 @@ def time_calls(
     machine state (frequency, caches, a neighbour's load), so their ratio
     is steadier than back-to-back series give. After ``warmup`` rounds it
     runs at least ``min_reps`` rounds and at least ``min_seconds``.
-    ``settle`` seconds of sleep before each timed call (not timed) let the
-    previous call's worker threads stop spinning: OpenBLAS's wait for
-    work for about 2^28 cycles after a call (0.1 s at 2.6 GHz), which
-    takes a core from whatever runs next.
+    ``settle`` seconds of sleep before each round (not timed) let the
+    previous round's worker threads stop spinning before the first
+    callable runs: OpenBLAS's threads wait for work for about 2^28 cycles
+    after a call (0.1 s at 2.6 GHz), which takes a core from whatever runs
+    next. The other callables follow at once, as without it.
     """
     for _ in range(warmup):
         for fn in fns:
@@ -132,9 +133,9 @@ def time_calls(
     times: list[list[float]] = [[] for _ in fns]
     began = time.perf_counter()
     while len(times[0]) < min_reps or time.perf_counter() - began < min_seconds:
+        if settle:
+            time.sleep(settle)
         for fn, out in zip(fns, times, strict=True):
-            if settle:
-                time.sleep(settle)
             t0 = time.perf_counter()
             fn()
             out.append(time.perf_counter() - t0)
@@ -254,9 +255,11 @@ def gpu_bound(case: Case, median_us: float, model_name: str | None) -> Record:
 #: the medians are over this many.
 INDEX_MIN_CALLS = 5
 
-#: Seconds of pause before each timed index_top_k, twin or BLAS call, so
-#: no call shares the cores with the previous one's spinning threads
-#: (OpenBLAS's after the twin and BLAS, MAX's after the op).
+#: Seconds of pause before each round of index_top_k, twin and BLAS, so
+#: the op does not share the cores with OpenBLAS's threads, which spin
+#: for about 0.1 s after the previous round's BLAS call. The twin and BLAS
+#: follow the op at once: a pause before the twin made it slower, not
+#: faster (NumPy's page faults on its large temporaries grew).
 INDEX_SETTLE_S = 0.25
 
 
@@ -269,9 +272,9 @@ def measure_index(
     package's GPU path, whatever the GPU), the NumPy twin and NumPy's
     BLAS on the twin's score matmuls (:mod:`.index`), called in turn, round
     after round (so a neighbour's load hits all three alike), at least
-    :data:`INDEX_MIN_CALLS` rounds after one warm-up round, each call after
-    a pause of :data:`INDEX_SETTLE_S` (so none shares the cores with the
-    previous call's spinning threads).
+    :data:`INDEX_MIN_CALLS` rounds after one warm-up round, each round after
+    a pause of :data:`INDEX_SETTLE_S` (so the op does not share the cores
+    with the previous round's spinning BLAS threads).
 
     Args:
         case: An index_top_k case (its ``phase``).
