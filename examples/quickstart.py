@@ -43,7 +43,7 @@ def build_graph() -> Graph:
         rows,  # k
         rows,  # gate
         TensorType(DType.float32, [KPOOL, HEAD_DIM], cpu),  # ape
-        TensorType(DType.uint32, ["offsets"], cpu),  # input_row_offsets
+        TensorType(DType.uint32, ["batch_plus_1"], cpu),  # input_row_offsets
         TensorType(DType.uint32, ["batch"], cpu),  # cache_lengths
         TensorType(DType.uint32, ["batch"], cpu),  # slot_idx
     ]

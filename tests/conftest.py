@@ -34,19 +34,27 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 #: The files whose cold run takes longest (the ``--durations`` of a cold
 #: ``.ci/run``), slowest first. Workers take whole files in collection
-#: order, so these go first: a long file handed out last would leave the
-#: other workers idle while it finishes.
+#: order (``--no-loadscope-reorder`` in pyproject.toml keeps xdist from
+#: handing out the files with the most tests first), so these go first: a
+#: long file handed out last would leave the other workers idle while it
+#: finishes.
 SLOW_FILES = (
     "test_gpu_compile.py",
     "test_step_fused.py",
     "test_streaming.py",
-    "test_gpu_emulation.py",
     "test_spec_decode.py",
+    "test_gpu_emulation.py",
     "test_example.py",
-    "test_gpu_report.py",
+    "test_cli.py",
     "test_index_top_k_emulated.py",
     "test_ring_close.py",
     "test_expand_topk.py",
+    "test_index_top_k.py",
+    "test_gpu_report.py",
+    "test_pool_row_offsets.py",
+    "test_bench.py",
+    "test_gpu_kernels.py",
+    "test_packaging.py",
 )
 
 

@@ -535,7 +535,7 @@ def test_max_wrapper_builds_the_same_op(cfg: ExpandConfig) -> None:
         cfg,
         DeviceRef.CPU(),
         functools.partial(mla_kpool.expand_topk, emulate_gpu=True),
-        [mla_kpool.KERNELS],  # MAX's builtin has no emulate_gpu parameter
+        [compiled_kernels()],  # MAX's builtin has no emulate_gpu parameter
         "same",
     )
     assert "emulate_gpu" in str(emulated) and "emulate_gpu" not in str(ours)
@@ -553,7 +553,7 @@ def test_max_wrapper_runs_our_kernel_on_cpu() -> None:
         cfg,
         DeviceRef.CPU(),
         max_nn_kernels().mla_kpool_expand_topk,
-        [mla_kpool.KERNELS],
+        [compiled_kernels()],
         f"mla_kpool_expand_topk_{to_max_dtype(cfg.id_dtype)}_k{cfg.kpool}"
         f"_t{cfg.pool_topk}_tail",
     )
@@ -573,7 +573,7 @@ def test_parity_graphs_build(cfg: ExpandConfig) -> None:
     """The GPU parity graphs build, ours and the builtin (any host)."""
     gpu = DeviceRef.GPU()
     for expand, ext in (
-        (mla_kpool.expand_topk, [mla_kpool.KERNELS]),
+        (mla_kpool.expand_topk, [compiled_kernels()]),
         (max_nn_kernels().mla_kpool_expand_topk, []),
     ):
         text = str(_graph(cfg, gpu, expand, ext, "parity_expand_topk"))
@@ -600,7 +600,7 @@ def test_matches_max_builtin(cfg: ExpandConfig) -> None:
     models = {
         label: session.load(_graph(cfg, gpu, expand, ext, f"parity_{label}"))
         for label, expand, ext in (
-            ("ours", mla_kpool.expand_topk, [mla_kpool.KERNELS]),
+            ("ours", mla_kpool.expand_topk, [compiled_kernels()]),
             ("builtin", max_nn_kernels().mla_kpool_expand_topk, []),
         )
     }

@@ -21,7 +21,6 @@ from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
 
-import mla_kpool
 from kpool_cases import (
     assert_pooled_close,
     mojo_command,
@@ -30,6 +29,7 @@ from kpool_cases import (
     run_mojo_suite,
 )
 from mla_kpool import reference as ref
+from mla_kpool._paths import compiled_kernels
 from mla_kpool.buffers import to_buffer, to_numpy
 
 KPOOL, HEAD_DIM = 4, 16
@@ -67,7 +67,7 @@ def ring_close_any_shape() -> Any:
     with Graph(
         "ring_close_any_shape",
         input_types=input_types,
-        custom_extensions=[mla_kpool.KERNELS],
+        custom_extensions=[compiled_kernels()],
     ) as graph:
         tail, *rest = graph.inputs
         outs = ops.inplace_custom(

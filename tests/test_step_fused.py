@@ -62,6 +62,7 @@ from kpool_cases import (
     random_ape,
     random_rows,
 )
+from mla_kpool._paths import compiled_kernels
 from mla_kpool.buffers import to_numpy
 from mla_kpool.calls import CallInputs
 from mla_kpool.runner import Runner, StepResult
@@ -333,7 +334,7 @@ def _step_graph(
     with Graph(
         f"step_{fused}",
         input_types=types,
-        custom_extensions=[mla_kpool.KERNELS],
+        custom_extensions=[compiled_kernels()],
     ) as graph:
         x = [
             v.buffer if i == 0 else v.tensor for i, v in enumerate(graph.inputs)

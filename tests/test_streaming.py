@@ -52,6 +52,7 @@ from kpool_cases import (
     bits,
 )
 from mla_kpool import reference
+from mla_kpool._paths import compiled_kernels
 from mla_kpool.calls import CallInputs, first_pool_ids
 from mla_kpool.runner import Runner, StepResult
 
@@ -332,7 +333,7 @@ def swapped_step_model(device: str, cfg: Config) -> Model:
     with Graph(
         f"mla_kpool_swapped_step_{cfg.id}_{device.replace('-', '_')}",
         input_types=inputs,
-        custom_extensions=[mla_kpool.KERNELS],
+        custom_extensions=[compiled_kernels()],
     ) as g:
         tail = g.inputs[0].buffer
         k, gate, ape, offsets, cache, slots = (v.tensor for v in g.inputs[1:])
