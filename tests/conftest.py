@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import os
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import max.nn  # noqa: F401  (imported first on purpose, see below)
 import pytest
 from max import driver
-from max.graph import DeviceRef
+from max.engine import InferenceSession
+from max.graph import DeviceRef, Graph
 
 from kpool_cases import restore_environment
 from mla_kpool.runner import Runner
@@ -93,6 +98,37 @@ DEVICE_NAMES = [
     pytest.param("gpu-emulated", id="gpu-emulated", marks=pytest.mark.emulated),
     pytest.param("gpu", id="gpu", marks=DEVICES[1].marks),
 ]
+
+
+#: Where workers take turns to compile a graph (one lock file per graph).
+COMPILE_LOCKS = Path(tempfile.gettempdir(), f"mla-kpool-{os.getuid()}-compiles")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_compile_per_graph() -> Iterator[None]:
+    """Workers that load the same graph at once compile it once.
+
+    MAX caches compiled graphs on disk, but two workers that start the
+    same graph at the same time (the step models that several files share)
+    would both compile it. Each graph's load holds an exclusive lock named
+    by the hash of the graph's text, so the second worker waits for the
+    first and then loads the cached model.
+    """
+    COMPILE_LOCKS.mkdir(exist_ok=True)
+    load = InferenceSession.load
+
+    @functools.wraps(load)
+    def load_in_turn(self, model, *args, **kwargs):
+        if not isinstance(model, Graph):
+            return load(self, model, *args, **kwargs)
+        digest = hashlib.sha256(str(model).encode()).hexdigest()[:24]
+        with open(COMPILE_LOCKS / digest, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return load(self, model, *args, **kwargs)
+
+    InferenceSession.load = load_in_turn
+    yield
+    InferenceSession.load = load
 
 
 @pytest.fixture(params=DEVICES)
