@@ -1,10 +1,12 @@
-"""The indexer's candidate order as integers, and the CPU path's top-k heap.
+"""The indexer's candidate order as integers, and the CPU path's top k.
 
 `score_order` maps a float32 score to a uint32 of the same order (NaN as
 `-inf`, below every number); `rank_key` adds the tie rule (the lower id
 ranks higher). The GPU select (`index_select.mojo`) radix-selects on
 `score_order`; the CPU path keeps each row's best `k` rank keys in a
-bounded min-heap (`offer_tile`) and writes them best first (`write_row`).
+bounded min-heap (`offer_tile`, decode rows) or a pool of `2k` cut back
+by a radix select (`offer_pool`, `keep_best`, prefill rows), and writes
+them best first (`write_row`, an LSD radix sort).
 """
 
 from std.builtin.sort import sort
