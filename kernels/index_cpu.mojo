@@ -227,9 +227,7 @@ def index_top_k_cpu(op: IndexTopK):
             var rows = rows_of(chunk)
             var kept = List[UInt64](unsafe_uninit_length=CPU_ROW_CHUNK * k)
             var sizes = List[Int](length=CPU_ROW_CHUNK, fill=0)
-            var sizes_at = sizes.unsafe_ptr().unsafe_origin_cast[
-                MutAnyOrigin
-            ]()
+            var sizes_at = sizes.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
             keep_top_k(
                 op, rows[0], rows[1], rows[2], 0, 1, scratch(kept), sizes_at
             )
@@ -246,7 +244,9 @@ def index_top_k_cpu(op: IndexTopK):
             sync_parallelize(keep_and_write, chunks)
         return
 
-    var kept = List[UInt64](unsafe_uninit_length=chunks * parts * CPU_ROW_CHUNK * k)
+    var kept = List[UInt64](
+        unsafe_uninit_length=chunks * parts * CPU_ROW_CHUNK * k
+    )
     var sizes = List[Int](length=chunks * parts * CPU_ROW_CHUNK, fill=0)
     var kept_at = scratch(kept)
     var sizes_at = sizes.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()

@@ -187,7 +187,7 @@ def pack_pairs[
     comptime pairs = depth // 2
     comptime full = pairs // PACK_WIDTH
     comptime for i in range(full):
-        var split = values.unsafe_load[width = 2 * PACK_WIDTH](
+        var split = values.unsafe_load[width=2 * PACK_WIDTH](
             2 * PACK_WIDTH * i
         ).deinterleave()
         var packed = bf16_pairs[PACK_WIDTH](split[0], split[1])
@@ -207,8 +207,7 @@ def pack_pairs[
 def transpose_tile_pairs[
     depth: Int
 ](keys: Ptr[DType.float32], count: Int, words: Ptr[DType.uint32]):
-    """Decoded keys `[count, depth]` to pair words `[depth / 2, PREFILL_TILE]`.
-    """
+    """Decoded keys `[count, depth]` to pair words `[depth / 2, PREFILL_TILE]`."""
     for x in range(count):
         pack_pairs[depth, PREFILL_TILE](
             keys.unsafe_offset(x * depth), words.unsafe_offset(x)
@@ -221,8 +220,7 @@ def dot_pairs(
     query: SIMD[DType.uint32, 16],
     keys: SIMD[DType.uint32, 16],
 ) -> SIMD[DType.float32, 16]:
-    """Per lane `acc + q0 * k0 + q1 * k1` over its bfloat16 pair (`vdpbf16ps`).
-    """
+    """Per lane `acc + q0 * k0 + q1 * k1` over its bfloat16 pair (`vdpbf16ps`)."""
     return llvm_intrinsic[
         "llvm.x86.avx512bf16.dpbf16ps.512", SIMD[DType.float32, 16]
     ](

@@ -98,7 +98,9 @@ def keep_top_k_prefill(
             var src = op.q.unsafe_offset((t * num_heads + h) * depth)
             comptime if pairs:
                 decode_row[depth](src, scratch(decoded))
-                pack_pairs[depth, 1](scratch(decoded), head.unsafe_bitcast[UInt32]())
+                pack_pairs[depth, 1](
+                    scratch(decoded), head.unsafe_bitcast[UInt32]()
+                )
             else:
                 decode_row[depth](src, head)
             w_at[unsafe_offset=r * padded + h] = op.qs[
