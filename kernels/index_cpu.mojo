@@ -1,4 +1,4 @@
-"""`mla_kpool.index_top_k` on the CPU: tasks over the cores, a heap per row.
+"""`mla_kpool.index_top_k` on the CPU: tasks over the cores, a top k per row.
 
 A task per (request, chunk of `CPU_ROW_CHUNK` query rows), spread over the
 cores. A chunk of a few rows (a decode) decodes its queries once

@@ -192,16 +192,16 @@ def offer_pool[
 
 
 def kth_best(pool: Ptr[DType.uint64], size: Int, k: Int) -> UInt64:
-    """The `k`-th largest of `size >= k >= 1` distinct rank keys.
+    """A bound that exactly the best `k` of `size >= k >= 1` distinct rank
+    keys are at or above (at most the `k`-th largest key; its low bytes
+    may be zero).
 
-    A most-significant-digit radix select: one counting pass per byte over
-    the keys that share the bytes chosen so far, until the byte's bucket
-    that holds the `k`-th key is taken whole. The answer is then the
-    lowest key of the `k` that are at or above the returned bound, so
-    `key >= bound` picks exactly the best `k`. Float scores spread over
-    the high bytes, so a pool of a thousand keys takes a few counting
-    passes, where the LSD sort takes a counting and a scattering pass per
-    byte.
+    A most-significant-digit radix select: per byte, one counting pass over
+    the pool that counts the keys sharing the bytes chosen so far, until
+    the byte's bucket that holds the `k`-th key is taken whole. Float
+    scores spread over the high bytes, so a pool of a thousand keys
+    usually takes a few passes (up to eight when many scores tie), where
+    the LSD sort takes a counting and a scattering pass per byte.
     """
     var need = k
     var prefix = UInt64(0)

@@ -117,7 +117,8 @@ def test_pool_with_fewer_than_k_keeps_all() raises:
 
 def test_kth_best_selects_like_sort() raises:
     # Pools with tied scores (distinct ids), NaN, both zeros and keys that
-    # share their high bytes; every k from 1 to the pool's size.
+    # share their high bytes; k from 1 to the pool's size in steps, and
+    # the pool's size itself.
     for size in [1, 7, 300, 1025]:
         var keys = List[UInt64]()
         for i in range(size):
@@ -131,7 +132,11 @@ def test_kth_best_selects_like_sort() raises:
             keys.append(rank_key(score, 70000 + i))
         var ordered = keys.copy()
         sort(Span(ordered))
+        var ks = List[Int]()
         for k in range(1, size + 1, max(1, size // 37)):
+            ks.append(k)
+        ks.append(size)
+        for k in ks:
             var want = ordered[size - k]
             var bound = kth_best(scratch(keys), size, k)
             var picked = 0
@@ -226,12 +231,17 @@ def test_pairs_hold_every_e4m3_value_exactly() raises:
 
 def test_pair_blocks_score_like_float32_blocks() raises:
     comptime depth = 38  # not a whole number of packing steps
+    comptime if use_pairs[depth]():
+        check_pair_blocks[depth]()
+    else:
+        print("no AVX-512 BF16 on this target: the pair form is not built")
+
+
+def check_pair_blocks[depth: Int]() raises:
+    """The pair blocks against the float32 blocks at `depth` (even)."""
     comptime num_heads = 20
     comptime padded = prefill_heads_of[num_heads]()
     comptime count = PREFILL_TILE - 5
-    comptime if not use_pairs[depth]():
-        print("no AVX-512 BF16 on this target: the pair form is not built")
-        return
     var queries = List[Float32](length=padded * depth, fill=0.0)
     var weights = List[Float32](length=padded, fill=0.0)
     for h in range(num_heads):

@@ -121,11 +121,12 @@ def time_calls(
     machine state (frequency, caches, a neighbour's load), so their ratio
     is steadier than back-to-back series give. After ``warmup`` rounds it
     runs at least ``min_reps`` rounds and at least ``min_seconds``.
-    ``settle`` seconds of sleep before each round (not timed) let the
-    previous round's worker threads stop spinning before the first
-    callable runs: OpenBLAS's threads wait for work for about 2^28 cycles
-    after a call (0.1 s at 2.6 GHz), which takes a core from whatever runs
-    next. The other callables follow at once, as without it.
+    ``settle`` seconds of sleep before each timed round (not timed, but
+    counted in ``min_seconds``) let the previous round's worker threads
+    stop spinning before the first callable runs: OpenBLAS's threads wait
+    for work for about 2^28 cycles after a call (0.1 s at 2.6 GHz), which
+    takes a core from whatever runs next. The other callables follow at
+    once, as without it.
     """
     for _ in range(warmup):
         for fn in fns:

@@ -125,8 +125,9 @@ INDEX_LEGEND = (
     "op ms: index_top_k's median time per call. In brackets: the fastest"
     " and slowest of the run's calls (at least 5); over several runs, the"
     " range of the runs' values (every column). The op, the twin and BLAS"
-    " take turns, each round after a 0.25 s pause that lets OpenBLAS's"
-    " threads stop spinning (about 0.1 s after a call) before the op runs.",
+    " take turns, each timed round after a 0.25 s pause that lets"
+    " OpenBLAS's threads stop spinning (about 0.1 s after a call) before"
+    " the op runs.",
     "GFLOP/s: 2 * H * D flops per visible candidate, summed over the query"
     " tokens (candidates), / op ms.",
     "numpy ms: the NumPy twin (FP8 decoded with ml_dtypes, a BLAS matmul,"
