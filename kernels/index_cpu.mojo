@@ -22,7 +22,7 @@ from .index_cpu_score import decode_candidates, scratch, score_tile
 from .index_fp8 import decode_row
 from .index_operands import IndexTopK
 from .index_plan import candidate_bound, request_span
-from .index_rank import offer_tile, sort_keys, write_row
+from .index_rank import keep_best, offer_tile, write_row
 from .ragged import Ptr, read_index
 
 
@@ -160,10 +160,8 @@ def write_chunk(
             var at = part * CPU_ROW_CHUNK + r
             for x in range(sizes[unsafe_offset=at]):
                 merged.append(kept[unsafe_offset=at * k + x])
-        var total = len(merged)
-        if total > k:
-            sort_keys(Span(merged))
-        write_row[k](Span(merged)[max(total - k, 0) :], dest)
+        var size = keep_best[k](scratch(merged), len(merged))
+        write_row[k](Span(merged)[:size], dest)
 
 
 def index_top_k_cpu(op: IndexTopK):

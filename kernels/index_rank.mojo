@@ -103,17 +103,9 @@ def sort_keys(keys: Span[mut=True, UInt64, _]):
     shares (the high bytes of small ids), so a row's 512 kept keys sort in
     a handful of branch-free passes instead of a comparison sort's
     mispredicted branches. Rank keys are distinct (distinct ids), so the
-    order is the one `sort` gives. Keys already in order (a row that
-    `write_chunk` sorted when merging parts) cost one scan.
+    order is the one `sort` gives.
     """
     var size = len(keys)
-    var ordered = True
-    for x in range(1, size):
-        if keys[x - 1] > keys[x]:
-            ordered = False
-            break
-    if ordered:
-        return
     if size < RADIX_MIN_KEYS:
         sort(keys)
         return
