@@ -123,21 +123,23 @@ def report(archs: list[str], asm_dir: Path, out=None, err=None) -> list[Row]:
         Every row, target by target.
 
     Raises:
-        OutputError: If a target's directory cannot be created.
+        OutputError: If a target's directory cannot be created (checked
+            for every target before anything compiles or prints).
         ToolError: If ``mojo`` is missing or a compile or ptxas run fails.
     """
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
-    ptxas = find_ptxas()
-    if ptxas is None and any(is_nvidia(a) for a in archs):
-        print(ptxas_hint(), file=err)
-    rows: list[Row] = []
-    for arch in archs:
-        out_dir = asm_dir / arch
+    out_dirs = [asm_dir / arch for arch in archs]
+    for out_dir in (asm_dir, *out_dirs):
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise OutputError(f"cannot create {out_dir}: {e.strerror}") from e
+    ptxas = find_ptxas()
+    if ptxas is None and any(is_nvidia(a) for a in archs):
+        print(ptxas_hint(), file=err)
+    rows: list[Row] = []
+    for arch, out_dir in zip(archs, out_dirs, strict=True):
         start = time.perf_counter()
         compile_kernels(arch, out_dir)
         arch_rows = kernel_rows(arch, out_dir, ptxas)
@@ -174,14 +176,7 @@ def run(args: argparse.Namespace) -> int:
     archs = list(dict.fromkeys(args.arch or DEFAULT_ARCHS))
     try:
         if args.asm_dir is not None:
-            asm_dir = Path(args.asm_dir)
-            try:
-                asm_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise OutputError(
-                    f"cannot create {asm_dir}: {e.strerror}"
-                ) from e
-            rows = report(archs, asm_dir)
+            rows = report(archs, Path(args.asm_dir))
         else:
             with tempfile.TemporaryDirectory() as tmp:
                 rows = report(archs, Path(tmp))
