@@ -146,15 +146,41 @@ def driver_device(device_ref: DeviceRef) -> driver.Device:
 
 
 @pytest.fixture(scope="session")
-def runners() -> Callable[[str], Runner]:
+def session_runners() -> Callable[[str], Runner]:
     """The session's one :class:`Runner` per device name, made on first use.
 
-    Returns a function ``device -> Runner``; each runner caches the models it
-    compiles, so every test on a device shares them. Tests that put the
-    device into their own parametrization call it; the rest take
-    :func:`runner`.
+    Each runner caches the models it compiles, so every test on a device
+    shares them.
     """
     return functools.cache(Runner)
+
+
+@pytest.fixture(scope="module")
+def runners(
+    request: pytest.FixtureRequest,
+    session_runners: Callable[[str], Runner],
+) -> Callable[[str], Runner]:
+    """``device -> Runner``: the session's runners, the module's models ready.
+
+    A test module that names its models in ``COMPILED_TOGETHER`` (a
+    function ``device -> [ModelKey, ...]``) has them compiled as one graph
+    (:meth:`Runner.compile_together`) the first time it asks for a host
+    device's runner: MAX's compile costs about 15 s per graph here and 1-8
+    s per op in it. A real GPU's runner compiles one graph per model as
+    before. Tests that put the device into their own parametrization call
+    this; the rest take :func:`runner`.
+    """
+    together = getattr(request.module, "COMPILED_TOGETHER", None)
+    done: set[str] = set()
+
+    def get(device: str) -> Runner:
+        runner = session_runners(device)
+        if together is not None and device != "gpu" and device not in done:
+            done.add(device)
+            runner.compile_together(together(device))
+        return runner
+
+    return get
 
 
 @pytest.fixture(params=DEVICE_NAMES)

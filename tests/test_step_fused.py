@@ -20,9 +20,9 @@ step, which a wrong ordering of close and seed inside it would break.
   into sentinel-guarded buffers; the guards must stay untouched, the inputs
   unchanged, and the outputs and rings equal.
 
-Models: the fused step models are the suite's (``STEP_CONFIGS`` and the
-spec-decoding ring of 12); the three-op models of ``STREAM_CASES`` are the
-only ones this file adds (5 on ``cpu``, 3 on ``gpu-emulated``).
+Models: both paths of every ``STREAM_CASES`` configuration, compiled as one
+graph per host device (``COMPILED_TOGETHER``): 10 ops on ``cpu``, 6 on
+``gpu-emulated``, where separate graphs cost 13 compiles.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from kpool_cases import (
 from mla_kpool._paths import compiled_kernels
 from mla_kpool.buffers import to_numpy
 from mla_kpool.calls import CallInputs
-from mla_kpool.runner import Runner, StepResult
+from mla_kpool.runner import ModelKey, Runner, StepResult, model_key
 
 
 def assert_same_step(
@@ -120,6 +120,28 @@ STREAM_CASES = [
     StreamCase(Config(F32, 1, 32), 1, emulated=False),
 ]
 assert all(c.cfg in STEP_CONFIGS for c in STREAM_CASES)
+
+
+def COMPILED_TOGETHER(device: str) -> list[ModelKey]:  # noqa: N802
+    """The models this file runs on ``device``, compiled as one graph.
+
+    Both paths of every stream case on the device; the guarded fuzz runs
+    ``MAIN`` with a ring of one pool, the first case's (see the
+    ``runners`` fixture in conftest.py).
+    """
+    return [
+        model_key(
+            kind,
+            case.cfg.kpool,
+            dtype=case.cfg.dtype,
+            head_dim=case.cfg.head_dim,
+            ring_len=case.ring_len,
+        )
+        for case in STREAM_CASES
+        if device != "gpu-emulated" or case.emulated
+        for kind in ("step", "step3")
+    ]
+
 
 #: Calls per stream, ring slots.
 CALLS = 24

@@ -108,6 +108,10 @@ _DIMS: dict[str, Callable[[ModelKey], list[Any]]] = {
 }
 
 
+#: Symbolic dim sizes of an idle call (:meth:`Op.idle_operands`).
+_IDLE_SIZES = {"tokens": 0, "slots": 0, "batch": 0, "offsets": 1}
+
+
 #: Operands that carry per-request or per-call indices; every other operand
 #: before ``kpool`` is the ring, a float operand or ``pool_ids``.
 _INDEX_OPERANDS = (
@@ -173,18 +177,50 @@ class Op:
         """Whether the first operand is the ring, updated in place."""
         return self.tensors[0] == "tail"
 
+    def operand_types(self, key: ModelKey) -> list[tuple[str, DType, list]]:
+        """``(name, dtype, dims)`` of each operand for ``key``, in order."""
+        types = [
+            (
+                name,
+                DType.float32 if name == "ape" else key.dtype,
+                _DIMS[name](key),
+            )
+            for name in self.tensors
+        ]
+        return types + [
+            (name, dtype, _DIMS[name](key))
+            for name, dtype in zip(self.indices, key.index_dtypes, strict=True)
+        ]
+
     def input_types(
-        self, key: ModelKey, device: DeviceRef
+        self, key: ModelKey, device: DeviceRef, suffix: str = ""
     ) -> list[TensorType | BufferType]:
-        """The graph's input types for ``key``, in argument order."""
-        types: list[TensorType | BufferType] = []
-        for name in self.tensors:
-            dtype = DType.float32 if name == "ape" else key.dtype
-            make = BufferType if name == "tail" else TensorType
-            types.append(make(dtype, _DIMS[name](key), device))
-        for name, dtype in zip(self.indices, key.index_dtypes, strict=True):
-            types.append(TensorType(dtype, _DIMS[name](key), device))
-        return types
+        """The graph's input types for ``key``, in argument order.
+
+        ``suffix`` goes on every symbolic dim, so that ops compiled into
+        one graph (:meth:`Runner.compile_together`) keep their dims apart.
+        """
+        return [
+            (BufferType if name == "tail" else TensorType)(
+                dtype,
+                [f"{d}{suffix}" if isinstance(d, str) else d for d in dims],
+                device,
+            )
+            for name, dtype, dims in self.operand_types(key)
+        ]
+
+    def idle_operands(self, key: ModelKey, device: driver.Device) -> list:
+        """Operands on which the op does nothing, as buffers on ``device``.
+
+        No ring slots, tokens or requests: every symbolic dim is 0 except
+        ``offsets``, which is ``[0]``; ``ape`` is zeros.
+        """
+        return [
+            Buffer.zeros(
+                [_IDLE_SIZES.get(d, d) for d in dims], dtype, device=device
+            )
+            for _, dtype, dims in self.operand_types(key)
+        ]
 
     def graph_name(self, key: ModelKey, emulate_gpu: bool) -> str:
         """The graph's name: the op and everything it is specialized on.
@@ -557,43 +593,99 @@ class Runner:
 
     # -- models ----------------------------------------------------------
 
-    def model(self, key: ModelKey) -> Model:
+    def model(self, key: ModelKey) -> Model | SharedModel:
         """The compiled model for ``key``, compiling it on first use."""
         model = self._models.get(key)
         if model is None:
-            model = self._session.load(self._build(key))
-            self._models[key] = model
+            graph, _ = self._build([key])
+            model = self._models[key] = self._session.load(graph)
         return model
 
-    def _build(self, key: ModelKey) -> Graph:
-        """The graph of one op of :data:`OPS`, specialized on ``key``.
+    def compile_together(self, keys: Sequence[ModelKey]) -> None:
+        """Compiles the models of ``keys`` not compiled yet as one graph.
 
-        A kernel package directory goes in precompiled
-        (:func:`compiled_kernels`, once per process) rather than as the
-        source directory, which MAX would precompile again for every graph
-        (about 4 s each). Without ``kernels`` the graph keeps MAX's
-        builtins.
+        MAX pays most of a compile once per graph (about 15 s on a 2-core
+        machine, against 1-8 s for each op in it), so a caller that knows
+        which configurations it will run can compile them at that price
+        once. Each key's calls then run the whole model: its own op on the
+        call's operands, every other op on idle operands
+        (:meth:`Op.idle_operands`: no ring slots, tokens or requests), which
+        do nothing. :meth:`model` returns a :class:`SharedModel` for them.
+        A single key left to compile gets a graph of its own, the same one
+        :meth:`model` would build.
         """
-        op = _op(key.kind)
+        todo = list(dict.fromkeys(k for k in keys if k not in self._models))
+        if len(todo) < 2:
+            for key in todo:
+                self.model(key)
+            return
+        graph, counts = self._build(todo)
+        model = self._session.load(graph)
+        idle = [
+            buffer
+            for key in todo
+            for buffer in _op(key.kind).idle_operands(key, self.device)
+        ]
+        inputs = outputs = 0
+        for key, count in zip(todo, counts, strict=True):
+            op = _op(key.kind)
+            shared = SharedModel(
+                model,
+                idle,
+                slice(inputs, inputs + len(op.operands)),
+                slice(outputs, outputs + count),
+            )
+            self._models[key] = shared
+            inputs += len(op.operands)
+            outputs += count
+
+    def _build(self, keys: Sequence[ModelKey]) -> tuple[Graph, list[int]]:
+        """One graph of the ops of ``keys``, each specialized on its key.
+
+        Returns the graph and each op's number of outputs.
+
+        A single key keeps the symbolic dim names of :data:`_DIMS`; several
+        get ``_0``, ``_1``, ... on theirs. A kernel package directory goes
+        in precompiled (:func:`compiled_kernels`, once per process) rather
+        than as the source directory, which MAX would precompile again for
+        every graph (about 4 s each). Without ``kernels`` the graph keeps
+        MAX's builtins.
+        """
         extensions = [] if self.kernels is None else [self.kernels]
         if self.kernels is not None and self.kernels.is_dir():
             extensions = [compiled_kernels(self.kernels)]
+        suffixes = (
+            [""] if len(keys) == 1 else [f"_{i}" for i in range(len(keys))]
+        )
+        names = [_op(k.kind).graph_name(k, self.emulate_gpu) for k in keys]
+        types = [
+            _op(key.kind).input_types(key, self._ref, suffix)
+            for key, suffix in zip(keys, suffixes, strict=True)
+        ]
         with (
             builtin_kernels_only()
             if self.kernels is None
             else contextlib.nullcontext(),
             Graph(
-                op.graph_name(key, self.emulate_gpu),
-                input_types=op.input_types(key, self._ref),
+                "__".join(names),
+                input_types=[t for group in types for t in group],
                 custom_extensions=extensions,
             ) as g,
         ):
-            values = [
-                value.buffer if name == "tail" else value.tensor
-                for name, value in zip(op.operands, g.inputs, strict=True)
-            ]
-            g.output(*op.add(values, key, self.emulate_gpu))
-        return g
+            first, outputs, counts = 0, [], []
+            for key in keys:
+                op = _op(key.kind)
+                inputs = g.inputs[first : first + len(op.operands)]
+                first += len(op.operands)
+                values = [
+                    value.buffer if name == "tail" else value.tensor
+                    for name, value in zip(op.operands, inputs, strict=True)
+                ]
+                added = op.add(values, key, self.emulate_gpu)
+                outputs += added
+                counts.append(len(added))
+            g.output(*outputs)
+        return g, counts
 
     # -- calls -----------------------------------------------------------
 
@@ -731,6 +823,41 @@ class Runner:
         kind = "step" if fused else "step3"
         outs = self.run(kind, kpool, tail=tail, ape=ape, **call.operands())
         return StepResult(*outs)
+
+
+@dataclass(frozen=True)
+class SharedModel:
+    """One op's part of a model compiled with others.
+
+    :meth:`Runner.compile_together` makes these; :meth:`execute` takes and
+    returns what a model of the op alone would.
+
+    Attributes:
+        model: The compiled model of every op.
+        idle: An idle operand for each of its inputs.
+        inputs: This op's inputs among them.
+        outputs: This op's outputs among the model's.
+    """
+
+    model: Model
+    idle: list[Buffer]
+    inputs: slice
+    outputs: slice
+
+    def execute(self, *args: Buffer) -> list[Buffer]:
+        """Runs the model with ``args`` as this op's operands.
+
+        Raises:
+            ValueError: If ``args`` are not one per operand of the op.
+        """
+        operands = list(self.idle)
+        if len(args) != self.inputs.stop - self.inputs.start:
+            raise ValueError(
+                f"expected {self.inputs.stop - self.inputs.start} operands,"
+                f" got {len(args)}"
+            )
+        operands[self.inputs] = args
+        return self.model.execute(*operands)[self.outputs]
 
 
 @dataclass(frozen=True)
