@@ -11,7 +11,9 @@ Two families, both on every device (``runner`` fixture):
 - **Corners** at ``MAIN`` on the single-op ``"ring_close"`` model: empty
   batch, bad metadata, cache lengths near 2^32, gates of magnitude 100, the
   ape ablation, the ring left bitwise unchanged, and int32/int64 index
-  tensors (two extra models, the only other ones this file compiles).
+  tensors (two extra models).
+
+All of them compile as one graph per host device (``COMPILED_TOGETHER``).
 
 Expected ``closed_pool`` values of the corner cases are written out by hand
 from the contract in docs/ops.md, so they check the oracle as much as the
@@ -38,7 +40,7 @@ from kpool_cases import (
 )
 from mla_kpool import reference as ref
 from mla_kpool.calls import CallInputs
-from mla_kpool.runner import Runner
+from mla_kpool.runner import ModelKey, Runner, model_key
 from ring_close_cases import (
     CORNERS,
     U32_TOP,
@@ -54,6 +56,37 @@ from ring_close_cases import (
     mixed_batch,
     random_ring,
 )
+
+
+def COMPILED_TOGETHER(device: str) -> list[ModelKey]:  # noqa: N802
+    """This file's models, compiled as one graph on each host device.
+
+    The step of every ``STEP_CONFIGS`` entry and the single-op ring_close
+    at ``MAIN`` with each index dtype, all on a ring of one pool (see the
+    ``runners`` fixture in conftest.py).
+    """
+    steps = [
+        model_key(
+            "step",
+            c.kpool,
+            dtype=c.dtype,
+            head_dim=c.head_dim,
+            ring_len=c.kpool,
+        )
+        for c in STEP_CONFIGS
+    ]
+    return steps + [
+        model_key(
+            "ring_close",
+            MAIN.kpool,
+            dtype=MAIN.dtype,
+            head_dim=MAIN.head_dim,
+            ring_len=MAIN.kpool,
+            index_dtypes=index_dtype,
+        )
+        for index_dtype in (np.uint32, np.int32, np.int64)
+    ]
+
 
 # --------------------------------------------------------------------------
 # Sweep: one mixed ragged batch per step configuration

@@ -66,7 +66,7 @@ from mla_kpool.calls import pools_completed
 from mla_kpool.demo.checks import PoolRecord, keep_latest
 from mla_kpool.demo.scheduling import plan, schedule
 from mla_kpool.demo.workload import Request
-from mla_kpool.runner import Runner, StepResult
+from mla_kpool.runner import ModelKey, Runner, StepResult, model_key
 
 KPOOL = 4
 #: Most drafts per verify call: 8 tokens, vLLM's kpool-4 production case.
@@ -78,6 +78,22 @@ assert DEEP == 12
 #: One step model per dtype at kpool 4 (all in STEP_CONFIGS at R = kpool).
 DTYPE_CONFIGS = [MAIN, Config(BF16, 4, 128), Config(F16, 4, 96)]
 assert all(c in STEP_CONFIGS for c in DTYPE_CONFIGS)
+
+
+def COMPILED_TOGETHER(device: str) -> list[ModelKey]:  # noqa: N802
+    """This file's step models, compiled as one graph per host device.
+
+    Each of ``DTYPE_CONFIGS`` on rings of one pool and of ``DEEP``, and
+    ``MAIN`` on the ring one pool short of ``DEEP`` (see the ``runners``
+    fixture in conftest.py).
+    """
+    rings = [(c, r) for c in DTYPE_CONFIGS for r in (KPOOL, DEEP)]
+    return [
+        model_key(
+            "step", c.kpool, dtype=c.dtype, head_dim=c.head_dim, ring_len=r
+        )
+        for c, r in [*rings, (MAIN, DEEP - KPOOL)]
+    ]
 
 
 # --------------------------------------------------------------------------

@@ -54,7 +54,7 @@ from kpool_cases import (
 from mla_kpool import reference
 from mla_kpool._paths import compiled_kernels
 from mla_kpool.calls import CallInputs, first_pool_ids
-from mla_kpool.runner import Runner, StepResult
+from mla_kpool.runner import ModelKey, Runner, StepResult, model_key
 
 #: Step models the schedules run on (all from STEP_CONFIGS): every dtype,
 #: kpool 1, 3, 4, 16, 128 and head_dim 32 and 128.
@@ -68,6 +68,25 @@ STREAM_CONFIGS = [
 ]
 assert all(c in STEP_CONFIGS for c in STREAM_CONFIGS)
 KPOOL_128 = Config(BF16, 128, 32)
+
+
+def COMPILED_TOGETHER(device: str) -> list[ModelKey]:  # noqa: N802
+    """The step models the schedules run, compiled as one graph.
+
+    Every schedule's ring holds one pool (see the ``runners`` fixture in
+    conftest.py).
+    """
+    return [
+        model_key(
+            "step",
+            cfg.kpool,
+            dtype=cfg.dtype,
+            head_dim=cfg.head_dim,
+            ring_len=cfg.kpool,
+        )
+        for cfg in STREAM_CONFIGS
+    ]
+
 
 SERVING = frozenset(
     {
