@@ -5,7 +5,9 @@
 :func:`mla_kpool.runner.model_key` gives for the same configuration (so a
 model compiled ahead, as the demo does, is the one the call uses), that graph
 names keep what a profiler trace needs, and that a wrong kind or a missing
-operand says so before anything compiles.
+operand says so before anything compiles. Models compiled together share
+one graph: each op's idle operands (an empty call) and its slice of the
+shared model's operands and outputs.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from max.driver import CPU
 from max.dtype import DType
+from max.graph import DeviceRef
 
-from mla_kpool.runner import OPS, Runner, model_key
+from mla_kpool.buffers import to_numpy
+from mla_kpool.runner import OPS, Runner, SharedModel, model_key
 
 KPOOL, HEAD_DIM, RING = 4, 16, 8
 
@@ -115,3 +120,63 @@ def test_unknown_kind_and_missing_operand() -> None:
     del operands["slot_idx"]
     with pytest.raises(TypeError, match="ring_close needs slot_idx"):
         runner.prepare("ring_close", KPOOL, **operands)
+
+
+@pytest.mark.parametrize("kind", list(OPS))
+def test_idle_operands_are_empty_calls(kind: str) -> None:
+    """An idle call has no slots, tokens or requests; offsets are ``[0]``."""
+    op = OPS[kind]
+    key = op.key(KPOOL, op.host_operands(_operands()))
+    idle = op.idle_operands(key, CPU())
+    types = op.input_types(key, DeviceRef.CPU(), suffix="_3")
+    assert len(idle) == len(types) == len(op.operands)
+    for name, buffer, t in zip(op.operands, idle, types, strict=True):
+        assert buffer.dtype == t.dtype, name
+        want = {
+            "tail": (0, 2, RING, HEAD_DIM),
+            "k": (0, HEAD_DIM),
+            "gate": (0, HEAD_DIM),
+            "ape": (KPOOL, HEAD_DIM),
+            "pool_ids": (0, 5),
+            "input_row_offsets": (1,),
+            "pool_row_offsets": (1,),
+        }.get(name, (0,))
+        assert tuple(buffer.shape) == want, name
+        assert not np.any(to_numpy(buffer)), name
+        # Every symbolic dim carries the suffix; static dims stay numbers.
+        for dim in t.shape:
+            assert str(dim).isdigit() or str(dim).endswith("_3"), (name, dim)
+
+
+class _Recorder:
+    """Stands in for a compiled model: records its operands, returns them."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def execute(self, *args):
+        self.calls.append(args)
+        return [f"out{i}" for i in range(5)]
+
+
+def test_shared_model_runs_its_op_on_its_slice() -> None:
+    model = _Recorder()
+    shared = SharedModel(model, ["a", "b", "c", "d"], slice(1, 3), slice(2, 4))
+    assert shared.execute("X", "Y") == ["out2", "out3"]
+    assert model.calls == [("a", "X", "Y", "d")]
+    with pytest.raises(ValueError, match="expected 2 operands, got 3"):
+        shared.execute("X", "Y", "Z")
+    assert len(model.calls) == 1
+
+
+def test_compile_together_leaves_one_key_its_own_graph() -> None:
+    """One key left to compile goes through ``model``, not a shared graph."""
+    runner = Runner.__new__(Runner)  # no session: nothing may compile
+    done, todo = (model_key("step", k, dtype=np.float32) for k in (2, 4))
+    runner._models = {done: "compiled"}
+    asked = []
+    runner.model = asked.append
+    runner.compile_together([done, todo, todo])
+    assert asked == [todo]
+    runner.compile_together([done])
+    assert asked == [todo]

@@ -65,7 +65,13 @@ from kpool_cases import (
 from mla_kpool._paths import compiled_kernels
 from mla_kpool.buffers import to_numpy
 from mla_kpool.calls import CallInputs
-from mla_kpool.runner import ModelKey, Runner, StepResult, model_key
+from mla_kpool.runner import (
+    ModelKey,
+    Runner,
+    SharedModel,
+    StepResult,
+    model_key,
+)
 
 
 def assert_same_step(
@@ -392,3 +398,22 @@ def test_fused_step_is_one_op_with_the_three_op_outputs() -> None:
 def test_fused_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="fused must be a bool"):
         mla_kpool.kpool_step(*([None] * 7), KPOOL, fused=1)
+
+
+def test_stream_models_share_one_graph() -> None:
+    """``compile_together`` makes one model with a slice for each op.
+
+    A runner of its own, so that no model compiled before (another file's,
+    in the same worker) is left out; the graph is the one the ``runners``
+    fixture compiled for this file, which MAX's cache holds.
+    """
+    runner = Runner("cpu")
+    keys = COMPILED_TOGETHER("cpu")
+    runner.compile_together(keys)
+    shared = [runner.model(key) for key in keys]
+    assert all(isinstance(m, SharedModel) for m in shared), shared
+    assert len({id(m.model) for m in shared}) == 1
+    spans = [(m.inputs, m.outputs) for m in shared]
+    for (i0, o0), (i1, o1) in zip(spans, spans[1:], strict=False):
+        assert i0.stop == i1.start and o0.stop == o1.start, spans
+    assert spans[0][0].start == spans[0][1].start == 0
