@@ -37,7 +37,7 @@ from kpool_cases import (
 )
 from mla_kpool import reference
 from mla_kpool.calls import CallInputs
-from mla_kpool.runner import Runner
+from mla_kpool.runner import ModelKey, Runner, model_key
 
 
 def _offsets(counts: list[int]) -> np.ndarray:
@@ -288,6 +288,35 @@ def test_seed_tail_random_batches_leave_other_entries(
 #: One step model per dtype, all already in STEP_CONFIGS.
 WRITER_CONFIGS = [MAIN, Config(BF16, 4, 128), Config(F16, 16, 32)]
 assert all(c in STEP_CONFIGS for c in WRITER_CONFIGS)
+
+
+def COMPILED_TOGETHER(device: str) -> list[ModelKey]:  # noqa: N802
+    """This file's models, compiled as one graph per host device.
+
+    compress and seed_tail at ``MAIN``, and the step of every
+    ``WRITER_CONFIGS`` entry, on rings of one pool (see the ``runners``
+    fixture in conftest.py).
+    """
+    writers = [
+        model_key(
+            op,
+            MAIN.kpool,
+            dtype=MAIN.dtype,
+            head_dim=MAIN.head_dim,
+            ring_len=ring,
+        )
+        for op, ring in (("compress", 0), ("seed_tail", MAIN.kpool))
+    ]
+    return writers + [
+        model_key(
+            "step",
+            c.kpool,
+            dtype=c.dtype,
+            head_dim=c.head_dim,
+            ring_len=c.kpool,
+        )
+        for c in WRITER_CONFIGS
+    ]
 
 
 @pytest.mark.parametrize("cfg", WRITER_CONFIGS, ids=lambda c: c.id)

@@ -46,7 +46,7 @@ from kpool_cases import max_nn_kernels, mojo_command, run_mojo_suite
 from mla_kpool import reference as ref
 from mla_kpool._paths import compiled_kernels
 from mla_kpool.buffers import to_buffer, to_max_dtype, to_numpy
-from mla_kpool.runner import Runner
+from mla_kpool.runner import ModelKey, Runner, model_key
 
 HAS_GPU = driver.accelerator_count() > 0
 I32, I64, U32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint32)
@@ -91,6 +91,24 @@ KPOOL_1 = ExpandConfig(1, 8, True, I32, I32)
 #: No tail, a kpool that is not a power of two, 64-bit ids and metadata.
 NO_TAIL = ExpandConfig(3, 5, False, I64, I64)
 CONFIGS = [PRODUCTION, KPOOL_1, NO_TAIL]
+
+
+def COMPILED_TOGETHER(device: str) -> list[ModelKey]:  # noqa: N802
+    """Every configuration's model, compiled as one graph per host device.
+
+    See the ``runners`` fixture in conftest.py.
+    """
+    return [
+        model_key(
+            "expand_topk",
+            c.kpool,
+            dtype=c.id_dtype,
+            pool_topk=c.pool_topk,
+            index_dtypes=c.index_dtype,
+            always_select_tail=c.always_select_tail,
+        )
+        for c in CONFIGS
+    ]
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ from kpool_cases import TOLERANCE, bits
 from mla_kpool import KERNELS
 from mla_kpool import reference as ref
 from mla_kpool.buffers import to_numpy
-from mla_kpool.runner import Runner
+from mla_kpool.runner import ModelKey, Runner, model_key
 
 # --------------------------------------------------------------------------
 # One call per op, checked against the oracle
@@ -301,6 +301,23 @@ RUN: dict[str, Callable[[Runner, Meta, Data], dict[str, int]]] = {
     "compress": run_compress,
     "seed_tail": run_seed_tail,
 }
+
+
+def COMPILED_TOGETHER(device: str) -> list[ModelKey]:  # noqa: N802
+    """The three writers at ``MAIN``, compiled as one graph per host device.
+
+    See the ``runners`` fixture in conftest.py.
+    """
+    return [
+        model_key(
+            op,
+            KPOOL,
+            dtype=DTYPE,
+            head_dim=HEAD_DIM,
+            ring_len=0 if op == "compress" else KPOOL,
+        )
+        for op in RUN
+    ]
 
 
 def fuzz(
