@@ -22,6 +22,7 @@ import numpy as np
 
 from mla_kpool import reference as ref
 from mla_kpool.index_cache import PagedIndexCache, quantize_pooled_keys
+from mla_kpool.index_runner import IndexKey
 
 #: Garbage key scale magnitude.
 GARBAGE_SCALE = 1.0e4
@@ -62,6 +63,21 @@ DSV32 = Shape("dsv32", 64, 128, 1, 2048, 64, "causal")
 WHOLE = Shape("whole", 4, 32, 4, 64, 16, "causal", width=32)
 SMALL = Shape("small", 2, 16, 4, 2048, 128, "null")
 SHAPES = (GLM, GLM_CAUSAL, DSV32, WHOLE, SMALL)
+
+
+def index_key(shape: Shape, device: str) -> IndexKey:
+    """The model key of ``shape`` on a host device (``cpu``, emulated)."""
+    return IndexKey(
+        num_heads=shape.heads,
+        depth=shape.depth,
+        width=shape.row_width,
+        num_layers=shape.layers,
+        page_size=shape.page_size,
+        top_k=shape.top_k,
+        kpool=shape.kpool,
+        mask=shape.mask,
+        emulate_gpu=device == "gpu-emulated",
+    )
 
 
 @dataclass(frozen=True)

@@ -23,20 +23,31 @@ from index_cases import (
     DSV32,
     GLM,
     GLM_CAUSAL,
+    SHAPES,
     SMALL,
     WHOLE,
     Call,
     Case,
     build,
+    index_key,
     scales_on_first_rows_only,
 )
 from mla_kpool import reference as ref
+from mla_kpool.index_runner import IndexKey
 
 
 @pytest.fixture(scope="module")
 def runner(runners):
     """Where the op runs: the CPU kernel here."""
     return runners("cpu")
+
+
+def COMPILED_TOGETHER(device: str) -> list[IndexKey]:  # noqa: N802
+    """Every shape's model, compiled as one graph per host device.
+
+    See the ``runners`` fixture in conftest.py.
+    """
+    return [index_key(shape, device) for shape in SHAPES]
 
 
 def run(runner, call: Call, **options) -> np.ndarray:

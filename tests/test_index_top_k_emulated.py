@@ -13,9 +13,13 @@ that the two devices' compiles go to different workers.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
+from index_cases import SHAPES, WHOLE, Case, build, index_key
+from mla_kpool.index_runner import IndexKey
 from test_index_top_k import *  # noqa: F403 (the tests, run again here)
 
 
@@ -25,15 +29,21 @@ def runner(runners):
     return runners("gpu-emulated")
 
 
+#: 128 heads are more than the tiled scorer's 64 head lanes, so this shape
+#: takes the untiled scorer (everything from global memory).
+WIDE = replace(WHOLE, name="wide-heads", heads=128, depth=16, width=16)
+
+
+def COMPILED_TOGETHER(device: str) -> list[IndexKey]:  # noqa: N802
+    """Every shape's model and the untiled one's, compiled as one graph.
+
+    See the ``runners`` fixture in conftest.py.
+    """
+    return [index_key(shape, device) for shape in (*SHAPES, WIDE)]
+
+
 def test_untiled_scorer_matches_the_oracle(runner):
-    # 128 heads are more than the tiled scorer's 64 head lanes, so this
-    # shape takes the untiled scorer (everything from global memory).
-    from dataclasses import replace
-
-    from index_cases import WHOLE, Case, build
-
-    wide = replace(WHOLE, name="wide-heads", heads=128, depth=16, width=16)
-    call = build(Case("wide-heads", wide, cached=(90, 3), new=(4, 2)))
+    call = build(Case("wide-heads", WIDE, cached=(90, 3), new=(4, 2)))
     got = runner.index_top_k(
         call.q, call.qs, call.offsets, call.cache, 1, **call.run_kwargs()
     )

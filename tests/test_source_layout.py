@@ -52,6 +52,7 @@ SCAFFOLDING = {
     "python/mla_kpool/bench": "the bench subcommand",
     "python/mla_kpool/bench_noop": "the bench's no-op floor kernels",
     "python/mla_kpool/runner.py": "compile-once runner for demo and bench",
+    "python/mla_kpool/op_table.py": "the runner's op table",
     "python/mla_kpool/index_runner.py": "index_top_k's runner for demo and"
     " bench",
     "python/mla_kpool/calls.py": "the runner's call plumbing",

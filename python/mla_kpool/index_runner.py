@@ -15,6 +15,7 @@ the op reads block ``i`` at ``i * page_stride`` past the view's end.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,33 +117,69 @@ class IndexKey:
 
 
 def build_graph(key: IndexKey, extensions: list[Any]) -> Graph:
-    """The one-op graph of ``key``.
+    """The one-op graph of ``key`` (:func:`add_to_graph`)."""
+    with Graph(
+        key.name, input_types=key.input_types(), custom_extensions=extensions
+    ) as g:
+        g.output(add_to_graph(key, g.inputs))
+    return g
+
+
+def add_to_graph(key: IndexKey, inputs: Sequence[Any]) -> Any:
+    """Adds ``key``'s op on graph ``inputs`` (of :meth:`IndexKey.input_types`).
 
     CPU graphs add ``mla_kpool.index_top_k`` from the flat operands (no
     ``max.nn`` import), its GPU path emulated with ``key.emulate_gpu``; GPU
     graphs go through :func:`mla_kpool.index_top_k`, which picks MAX's
     builtin where MAX scores the shape and ours elsewhere.
+
+    Returns:
+        The op's int32 ``[T, top_k]`` output.
     """
-    with Graph(
-        key.name, input_types=key.input_types(), custom_extensions=extensions
-    ) as g:
-        values = [
-            x.buffer if i in (3, 9) else x.tensor
-            for i, x in enumerate(g.inputs)
+    values = [
+        x.buffer if i in _ARENAS else x.tensor for i, x in enumerate(inputs)
+    ]
+    if key.gpu and key.gpu_op == "auto":
+        return _gpu_op(key, values)
+    operands = check_operands(
+        *values,
+        top_k=key.top_k,
+        quantization_granularity=key.quantization_granularity,
+        mask_str=key.mask,
+        kpool=key.kpool,
+        prefix="",
+    )
+    return add_op(operands, emulate_gpu=key.emulate_gpu)
+
+
+#: Operand positions of the key and scale arenas (buffers), and of their
+#: page strides (``-1`` is packed).
+_ARENAS = (3, 9)
+_STRIDES = (4, 10)
+
+#: Symbolic dim sizes of an idle call: no tokens, requests, blocks or pages.
+_IDLE_SIZES = {"offsets": 1}
+
+
+def idle_operands(key: IndexKey, device: driver.Device) -> list[Buffer]:
+    """Operands on which ``key``'s op does nothing, as buffers.
+
+    No tokens, requests, blocks or pages (offsets ``[0]``), packed strides,
+    layer 0 and zero maxima; device operands on ``device``, host operands
+    on the CPU.
+    """
+    cpu = driver.CPU()
+    idle = []
+    for t in key.input_types():
+        shape = [
+            int(d) if str(d).isdigit() else _IDLE_SIZES.get(str(d), 0)
+            for d in t.shape
         ]
-        if key.gpu and key.gpu_op == "auto":
-            g.output(_gpu_op(key, values))
-        else:
-            operands = check_operands(
-                *values,
-                top_k=key.top_k,
-                quantization_granularity=key.quantization_granularity,
-                mask_str=key.mask,
-                kpool=key.kpool,
-                prefix="",
-            )
-            g.output(add_op(operands, emulate_gpu=key.emulate_gpu))
-    return g
+        where = cpu if t.device == DeviceRef.CPU() else device
+        idle.append(Buffer.zeros(shape, t.dtype, device=where))
+    for i in _STRIDES:
+        idle[i] = to_buffer(np.array([-1], np.int64), cpu)
+    return idle
 
 
 def _gpu_op(key: IndexKey, values: list[Any]) -> Any:
