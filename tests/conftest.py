@@ -109,8 +109,8 @@ def one_compile_per_graph() -> Iterator[None]:
     """Workers that load the same graph at once compile it once.
 
     MAX caches compiled graphs on disk, but two workers that start the
-    same graph at the same time (the step models that several files share)
-    would both compile it. Each graph's load holds an exclusive lock named
+    same graph at the same time (a graph that several files build) would
+    both compile it. Each graph's load holds an exclusive lock named
     by the hash of the graph's text, so the second worker waits for the
     first and then loads the cached model.
     """
@@ -163,11 +163,11 @@ def runners(
     """``device -> Runner``: the session's runners, the module's models ready.
 
     A test module that names its models in ``COMPILED_TOGETHER`` (a
-    function ``device -> [ModelKey, ...]``) has them compiled as one graph
-    (:meth:`Runner.compile_together`) the first time it asks for a host
-    device's runner: MAX's compile costs about 15 s per graph here and 1-8
-    s per op in it. A real GPU's runner compiles one graph per model as
-    before. Tests that put the device into their own parametrization call
+    function ``device -> [ModelKey | IndexKey, ...]``) has them compiled
+    as one graph (:meth:`Runner.compile_together`) the first time it asks
+    for a host device's runner: MAX's compile costs about 15 s per graph
+    here and 1-8 s per op in it. A real GPU's runner compiles one graph per
+    model. Tests that put the device into their own parametrization call
     this; the rest take :func:`runner`.
     """
     together = getattr(request.module, "COMPILED_TOGETHER", None)

@@ -1,19 +1,18 @@
 """The command line: ``python -m mla_kpool demo`` runs and their counts.
 
 The demo runs in-process on small workloads with the suite's shared CPU runner,
-on two step models the suite compiles anyway (bfloat16 and float32 at kpool 4,
-head_dim 128), so it adds no compile. Its counts are checked against numbers
-derived here from the schedule and the op contracts (pools per request, pools
-ring_close must close, indexer rows that must choose), not against the demo's
-own bookkeeping. Every run also scores every query token with index_top_k on
-one indexer model (GLM-5-Next's: H 32, W 32, top 512, null mask), on the
-step's device: the gpu-emulated run scores with the op's GPU path, and its
-summary must say so. ``--inject-fault`` must make it fail on
-exactly the corrupted pool or row. ``--spec-tokens 7`` runs on
-the bfloat16 step model with the 12-entry ring that tests/test_spec_decode.py
-compiles too; its pool counts (rows written, rewritten after a rejection,
-dropped past the end) are derived from the plan's accepted counts and the
-contracts' pool rule.
+which compiles each configuration's step, expand_topk and index_top_k as one
+graph (bfloat16 and float32 at kpool 4, head_dim 128). Its counts are checked
+against numbers derived here from the schedule and the op contracts (pools per
+request, pools ring_close must close, indexer rows that must choose), not
+against the demo's own bookkeeping. Every run also scores every query token
+with index_top_k on one indexer model (GLM-5-Next's: H 32, W 32, top 512, null
+mask), on the step's device: the gpu-emulated run scores with the op's GPU
+path, and its summary must say so. ``--inject-fault`` must make it fail on
+exactly the corrupted pool or row. ``--spec-tokens 7`` runs on the bfloat16
+step model with a 12-entry ring; its pool counts (rows written, rewritten after
+a rejection, dropped past the end) are derived from the plan's accepted counts
+and the contracts' pool rule.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ or some owning request's expansion, and those rows are checked against
 Compile budget: ``kpool``, ``pool_topk``, ``always_select_tail`` and the
 dtypes are compile-time, so the cases share three configurations that
 cover them jointly (:data:`CONFIGS`: MAX's production shape with uint32
-metadata, ``kpool = 1`` with int32, no tail with int64), one compiled model
-each per device; batch and token counts are dynamic. MAX's own wrapper
+metadata, ``kpool = 1`` with int32, no tail with int64), compiled as one
+graph per device (``COMPILED_TOGETHER``); batch and token counts are
+dynamic. MAX's own wrapper
 builds the same graph as the production configuration.
 
 Also here: a seeded fuzz with guarded operands (the output is guarded in
@@ -563,8 +564,8 @@ def test_max_wrapper_runs_our_kernel_on_cpu() -> None:
     """An unchanged MAX pipeline call compiles on CPU with KERNELS loaded.
 
     MAX's builtin is GPU-only; on a CPU graph the op name resolves to this
-    package's kernel. The graph is the one the production runner compiles
-    (same name and operands), so its compile may come from the cache.
+    package's kernel, built as MAX's wrapper builds it (the runner compiles
+    the production configuration inside this file's shared graph).
     """
     cfg = PRODUCTION
     graph = _graph(

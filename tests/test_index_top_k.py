@@ -3,9 +3,9 @@
 tests/test_index_top_k_emulated.py runs every test here again on the op's GPU
 path over the emulated grid (the ``runner`` fixture is the only difference).
 
-Cases are data (:mod:`index_cases`); each of the five shapes compiles once
-per session (``Runner`` caches models; tokens, requests, blocks and pages
-are symbolic dims). Every row is checked as a set at the k-th score within
+Cases are data (:mod:`index_cases`); the five shapes compile as one graph
+per device (``COMPILED_TOGETHER``; tokens, requests, blocks and pages are
+symbolic dims). Every row is checked as a set at the k-th score within
 the oracle's float32 tolerance (``check_selection``), which also checks the
 packing (valid ids first, ``-1`` after) and that no id reaches past the
 row's bound. Expected values come from the oracle, never from the kernel.

@@ -19,7 +19,9 @@ from max.driver import CPU
 from max.dtype import DType
 from max.graph import DeviceRef
 
+from mla_kpool import KERNELS
 from mla_kpool.buffers import to_numpy
+from mla_kpool.index_runner import IndexKey, idle_operands
 from mla_kpool.runner import OPS, Runner, SharedModel, model_key
 
 KPOOL, HEAD_DIM, RING = 4, 16, 8
@@ -169,14 +171,48 @@ def test_shared_model_runs_its_op_on_its_slice() -> None:
     assert len(model.calls) == 1
 
 
-def test_compile_together_leaves_one_key_its_own_graph() -> None:
-    """One key left to compile goes through ``model``, not a shared graph."""
+def test_compile_together_compiles_alone_where_it_must() -> None:
+    """Nothing when all are ready; alone for one key, a GPU or no kernels."""
+    done, todo, other = (
+        model_key("step", k, dtype=np.float32) for k in (2, 4, 8)
+    )
     runner = Runner.__new__(Runner)  # no session: nothing may compile
-    done, todo = (model_key("step", k, dtype=np.float32) for k in (2, 4))
-    runner._models = {done: "compiled"}
+    runner._models, runner._index_models = {done: "compiled"}, {}
     asked = []
     runner.model = asked.append
-    runner.compile_together([done, todo, todo])
+    runner.compile_together([done, done])
+    assert asked == []
+    runner.compile_together([todo, todo])
     assert asked == [todo]
-    runner.compile_together([done])
-    assert asked == [todo]
+    for device, kernels in (("gpu", KERNELS), ("cpu", None)):
+        asked.clear()
+        runner.device_name, runner.kernels = device, kernels
+        runner.compile_together([done, todo, other])
+        assert asked == [done, todo, other], (device, kernels)
+
+
+def test_index_idle_operands_are_an_empty_call() -> None:
+    """No tokens, requests, blocks or pages; packed strides, layer 0."""
+    key = IndexKey(4, 32, 8, 3, 16, 64, 4, "causal")
+    idle = idle_operands(key, CPU())
+    types = key.input_types()
+    assert [b.dtype for b in idle] == [t.dtype for t in types]
+    shapes = [tuple(b.shape) for b in idle]
+    assert shapes == [
+        (0, 4, 32),
+        (0, 4),
+        (1,),
+        (0, 1, 3, 16, 1, 8),
+        (1,),
+        (0,),
+        (0, 0),
+        (1,),
+        (1,),
+        (0, 1, 3, 16, 1, 1),
+        (1,),
+        (0, 0),
+        (),
+    ]
+    values = [to_numpy(b).tolist() for b in idle]
+    assert values[2] == [0] and values[4] == values[10] == [-1]
+    assert values[7] == values[8] == [0] and values[12] == 0

@@ -185,7 +185,9 @@ class Op:
             for name, dtype, dims in self.operand_types(key)
         ]
 
-    def idle_operands(self, key: ModelKey, device: driver.Device) -> list:
+    def idle_operands(
+        self, key: ModelKey, device: driver.Device
+    ) -> list[Buffer]:
         """Operands on which the op does nothing, as buffers on ``device``.
 
         No ring slots, tokens or requests: every symbolic dim is 0 except

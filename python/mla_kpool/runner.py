@@ -125,8 +125,8 @@ class Runner:
         self._ref = DeviceRef.CPU() if on_host else DeviceRef.GPU()
         devices = [driver.CPU()] if on_host else [driver.CPU(), self.device]
         self._session = InferenceSession(devices=devices)
-        self._models: dict[ModelKey, Model] = {}
-        self._index_models: dict[IndexKey, Model] = {}
+        self._models: dict[ModelKey, Model | SharedModel] = {}
+        self._index_models: dict[IndexKey, Model | SharedModel] = {}
 
     # -- buffers ---------------------------------------------------------
 
@@ -176,36 +176,47 @@ class Runner:
         return model
 
     def compile_together(self, keys: Sequence[ModelKey | IndexKey]) -> None:
-        """Compiles the models of ``keys`` not compiled yet as one graph.
+        """Compiles the models of ``keys`` as one graph, unless all are ready.
 
-        MAX pays most of a compile once per graph (about 15 s on a 2-core
-        machine, against 1-8 s for each op in it), so a caller that knows
-        which configurations it will run can compile them at that price
-        once. Each key's calls then run the whole model: its own op on the
-        call's operands, every other op on idle operands (no ring slots,
-        tokens, requests or pages: :meth:`Op.idle_operands`,
-        :func:`mla_kpool.index_runner.idle_operands`), which do nothing.
-        :meth:`model` and :meth:`index_model` return a :class:`SharedModel`
-        for them. A single key left to compile, and every key of a runner
-        without this package's kernels (``kernels=None``), gets a graph of
-        its own, the one :meth:`model` or :meth:`index_model` would build.
+        MAX pays most of a compile once per graph, whatever its ops (about
+        15 s on a 2-core machine, against 1-8 s for each op in it), so a
+        caller that knows which configurations it will run can compile
+        them at that price once. Each key's calls then run the whole
+        model: its own op on the call's operands, every other op on idle
+        operands (no ring slots, tokens, requests or pages:
+        :meth:`Op.idle_operands`, :func:`mla_kpool.index_runner.idle_operands`),
+        which do nothing. :meth:`model` and :meth:`index_model` return a
+        :class:`SharedModel` for them.
+
+        If any key is missing, the graph holds every key given (in order,
+        repeats dropped), so the same keys always make the same graph and
+        MAX's cache serves it again. A single key, and every key of a runner
+        on a real GPU or without this package's kernels (``kernels=None``),
+        is compiled alone, as :meth:`model` or :meth:`index_model` would:
+        idle calls are checked on the host devices only.
 
         Args:
             keys: :class:`ModelKey` and :class:`IndexKey` values, mixed.
+
+        Raises:
+            ValueError: For a :class:`ModelKey` of an unknown kind, or from
+                MAX when the graph does not compile.
         """
-        todo = list(dict.fromkeys(k for k in keys if k not in self._store(k)))
-        if len(todo) < 2 or self.kernels is None:
-            for key in todo:
+        keys = list(dict.fromkeys(keys))
+        if all(k in self._store(k) for k in keys):
+            return
+        if len(keys) < 2 or self.kernels is None or self.device_name == "gpu":
+            for key in keys:
                 if isinstance(key, IndexKey):
                     self.index_model(key)
                 else:
                     self.model(key)
             return
-        graph, sizes = self._build(todo)
+        graph, sizes = self._build(keys)
         model = self._session.load(graph)
-        idle = [buffer for key in todo for buffer in self._idle(key)]
+        idle = tuple(buffer for key in keys for buffer in self._idle(key))
         inputs = outputs = 0
-        for key, (count_in, count_out) in zip(todo, sizes, strict=True):
+        for key, (count_in, count_out) in zip(keys, sizes, strict=True):
             self._store(key)[key] = SharedModel(
                 model,
                 idle,
@@ -232,7 +243,7 @@ class Runner:
 
         Returns the graph and each op's numbers of inputs and outputs.
 
-        A single key keeps the symbolic dim names of :data:`_DIMS`; several
+        A single key keeps its op's symbolic dim names; several
         get ``_0``, ``_1``, ... on theirs. A kernel package directory goes
         in precompiled (:func:`compiled_kernels`, once per process) rather
         than as the source directory, which MAX would precompile again for
@@ -291,7 +302,7 @@ class Runner:
         *,
         always_select_tail: bool = True,
         **operands: Any,
-    ) -> tuple[Model, list[Buffer]]:
+    ) -> tuple[Model | SharedModel, list[Buffer]]:
         """The compiled model for one call and its operands on the device.
 
         The benchmark times ``model.execute(*operands)`` on these directly,
@@ -420,7 +431,7 @@ class Runner:
         return StepResult(*outs)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SharedModel:
     """One op's part of a model compiled with others.
 
@@ -435,7 +446,7 @@ class SharedModel:
     """
 
     model: Model
-    idle: list[Buffer]
+    idle: tuple[Buffer, ...]
     inputs: slice
     outputs: slice
 
