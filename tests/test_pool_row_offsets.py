@@ -1,8 +1,9 @@
 """The ``pool_row_offsets`` graph helper against hand-computed offsets.
 
 The helper is built from MAX's own ops only (no custom kernel), so this runs
-without the Mojo package. One graph per (device, index dtype, kpool) is
-compiled with symbolic lengths and reused for every case.
+without the Mojo package. One graph per (device, kpool), holding the helper
+for both index dtypes, is compiled with symbolic lengths and reused for
+every case.
 """
 
 from __future__ import annotations
@@ -45,35 +46,61 @@ CASES = [
 ]
 
 
+#: The index dtypes the helper is checked with, one graph for both.
+DTYPES = (DType.uint32, DType.int64)
+
+
 @functools.cache
-def compiled(device: DeviceRef, dtype: DType, kpool: int):
+def compiled(device: DeviceRef, kpool: int):
+    """One model of the helper for each of :data:`DTYPES`.
+
+    One graph, since a graph costs a compile whatever it holds; :func:`run`
+    feeds one dtype's inputs and leaves the other an empty batch.
+    """
     session = InferenceSession(devices=[device.to_device()])
     with Graph(
-        f"pool_row_offsets_{dtype.name}_{kpool}",
+        f"pool_row_offsets_{kpool}",
         input_types=[
-            TensorType(dtype, ["offsets_len"], device=device),
-            TensorType(dtype, ["batch"], device=device),
+            TensorType(dtype, [f"{dim}_{dtype.name}"], device=device)
+            for dtype in DTYPES
+            for dim in ("offsets_len", "batch")
         ],
     ) as graph:
-        offsets, cache = (value.tensor for value in graph.inputs)
-        graph.output(mla_kpool.pool_row_offsets(offsets, cache, kpool))
+        values = [value.tensor for value in graph.inputs]
+        graph.output(
+            *(
+                mla_kpool.pool_row_offsets(offsets, cache, kpool)
+                for offsets, cache in zip(
+                    values[::2], values[1::2], strict=True
+                )
+            )
+        )
     return session.load(graph)
 
 
-@pytest.mark.parametrize("dtype", [DType.uint32, DType.int64], ids=str)
+def run(device: DeviceRef, driver_device, dtype: DType, kpool, offsets, cache):
+    """The helper's offsets for ``dtype`` inputs (the other dtype idle)."""
+    inputs = []
+    for each in DTYPES:
+        np_dtype = to_numpy_dtype(each)
+        o, c = (offsets, cache) if each == dtype else ((0,), ())
+        inputs += [
+            to_buffer(np.array(v, np_dtype), driver_device) for v in (o, c)
+        ]
+    results = compiled(device, kpool).execute(*inputs)
+    return to_numpy(results[DTYPES.index(dtype)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_pool_row_offsets(
     case: Case, dtype: DType, device_ref: DeviceRef, driver_device
 ) -> None:
     if case.signed_only and dtype == DType.uint32:
         pytest.skip("values do not fit uint32")
-    model = compiled(device_ref, dtype, case.kpool)
-    np_dtype = to_numpy_dtype(dtype)
-    (result,) = model.execute(
-        to_buffer(np.array(case.offsets, np_dtype), driver_device),
-        to_buffer(np.array(case.cache, np_dtype), driver_device),
+    got = run(
+        device_ref, driver_device, dtype, case.kpool, case.offsets, case.cache
     )
-    got = to_numpy(result)
     assert got.dtype == np.uint32
     np.testing.assert_array_equal(got, np.array(case.expected, np.uint32))
     oracle = mla_kpool.reference.pool_row_offsets(
@@ -88,9 +115,5 @@ def test_rebind_reports_bad_lengths(device_ref: DeviceRef, driver_device):
     """Offsets one entry short fail at run time, not silently."""
     if not device_ref.is_cpu():
         pytest.skip("the error path is only checked on CPU")
-    model = compiled(device_ref, DType.uint32, 4)
     with pytest.raises(Exception, match="batch"):
-        model.execute(
-            to_buffer(np.array([0, 4], np.uint32), driver_device),
-            to_buffer(np.array([0, 0], np.uint32), driver_device),
-        )
+        run(device_ref, driver_device, DType.uint32, 4, (0, 4), (0, 0))
