@@ -25,6 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from mla_kpool.reference import tolerance
+from mla_kpool.runner import ModelKey, model_key
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -109,6 +110,25 @@ STEP_CONFIGS = [
     Config(F32, 4, 1),
     Config(BF16, 2, 1088),
 ]
+
+
+def step_keys(configs: list[Config]) -> list[ModelKey]:
+    """The fused step's model key of each configuration on a one-pool ring.
+
+    uint32 index operands and ``kpool`` ring entries: what a test module
+    lists in ``COMPILED_TOGETHER`` for the steps it runs (see the
+    ``runners`` fixture in conftest.py).
+    """
+    return [
+        model_key(
+            "step",
+            c.kpool,
+            dtype=c.dtype,
+            head_dim=c.head_dim,
+            ring_len=c.kpool,
+        )
+        for c in configs
+    ]
 
 
 def random_rows(

@@ -34,6 +34,7 @@ from kpool_cases import (
     bits,
     random_ape,
     random_rows,
+    step_keys,
 )
 from mla_kpool import reference
 from mla_kpool.calls import CallInputs
@@ -307,16 +308,7 @@ def COMPILED_TOGETHER(device: str) -> list[ModelKey]:  # noqa: N802
         )
         for op, ring in (("compress", 0), ("seed_tail", MAIN.kpool))
     ]
-    return writers + [
-        model_key(
-            "step",
-            c.kpool,
-            dtype=c.dtype,
-            head_dim=c.head_dim,
-            ring_len=c.kpool,
-        )
-        for c in WRITER_CONFIGS
-    ]
+    return writers + step_keys(WRITER_CONFIGS)
 
 
 @pytest.mark.parametrize("cfg", WRITER_CONFIGS, ids=lambda c: c.id)

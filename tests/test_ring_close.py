@@ -37,6 +37,7 @@ from kpool_cases import (
     bits,
     random_ape,
     random_rows,
+    step_keys,
 )
 from mla_kpool import reference as ref
 from mla_kpool.calls import CallInputs
@@ -65,16 +66,7 @@ def COMPILED_TOGETHER(device: str) -> list[ModelKey]:  # noqa: N802
     at ``MAIN`` with each index dtype, all on a ring of one pool (see the
     ``runners`` fixture in conftest.py).
     """
-    steps = [
-        model_key(
-            "step",
-            c.kpool,
-            dtype=c.dtype,
-            head_dim=c.head_dim,
-            ring_len=c.kpool,
-        )
-        for c in STEP_CONFIGS
-    ]
+    steps = step_keys(STEP_CONFIGS)
     return steps + [
         model_key(
             "ring_close",

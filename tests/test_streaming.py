@@ -50,11 +50,12 @@ from kpool_cases import (
     Config,
     assert_pooled_close,
     bits,
+    step_keys,
 )
 from mla_kpool import reference
 from mla_kpool._paths import compiled_kernels
 from mla_kpool.calls import CallInputs, first_pool_ids
-from mla_kpool.runner import ModelKey, Runner, StepResult, model_key
+from mla_kpool.runner import ModelKey, Runner, StepResult
 
 #: Step models the schedules run on (all from STEP_CONFIGS): every dtype,
 #: kpool 1, 3, 4, 16, 128 and head_dim 32 and 128.
@@ -76,16 +77,7 @@ def COMPILED_TOGETHER(device: str) -> list[ModelKey]:  # noqa: N802
     Every schedule's ring holds one pool (see the ``runners`` fixture in
     conftest.py).
     """
-    return [
-        model_key(
-            "step",
-            cfg.kpool,
-            dtype=cfg.dtype,
-            head_dim=cfg.head_dim,
-            ring_len=cfg.kpool,
-        )
-        for cfg in STREAM_CONFIGS
-    ]
+    return step_keys(STREAM_CONFIGS)
 
 
 SERVING = frozenset(
