@@ -22,7 +22,7 @@ from max.graph import DeviceRef
 from mla_kpool import KERNELS
 from mla_kpool.buffers import to_numpy
 from mla_kpool.index_runner import IndexKey, idle_operands
-from mla_kpool.runner import OPS, Runner, SharedModel, model_key
+from mla_kpool.runner import OPS, ModelKey, Runner, SharedModel, model_key
 
 KPOOL, HEAD_DIM, RING = 4, 16, 8
 
@@ -189,6 +189,18 @@ def test_compile_together_compiles_alone_where_it_must() -> None:
         runner.device_name, runner.kernels = device, kernels
         runner.compile_together([done, todo, other])
         assert asked == [done, todo, other], (device, kernels)
+
+
+def test_compile_together_refuses_bad_keys_before_compiling() -> None:
+    runner = Runner.__new__(Runner)  # no session: nothing may compile
+    runner._models, runner._index_models = {}, {}
+    good = model_key("step", 4, dtype=np.float32)
+    with pytest.raises(TypeError, match="ModelKey or IndexKey values, got str"):
+        runner.compile_together(["ring_close"])
+    bogus = ModelKey(**{**vars(good), "kind": "bogus"})
+    with pytest.raises(ValueError, match="got 'bogus'"):
+        runner.compile_together([good, bogus])
+    assert runner._models == {}
 
 
 def test_index_idle_operands_are_an_empty_call() -> None:

@@ -199,10 +199,20 @@ class Runner:
             keys: :class:`ModelKey` and :class:`IndexKey` values, mixed.
 
         Raises:
-            ValueError: For a :class:`ModelKey` of an unknown kind, or from
-                MAX when the graph does not compile.
+            TypeError: If an entry of ``keys`` is neither key type.
+            ValueError: For a :class:`ModelKey` of an unknown kind (both
+                before anything compiles), or from MAX when the graph does
+                not compile.
         """
         keys = list(dict.fromkeys(keys))
+        for key in keys:
+            if isinstance(key, ModelKey):
+                get_op(key.kind)
+            elif not isinstance(key, IndexKey):
+                raise TypeError(
+                    "keys must hold ModelKey or IndexKey values, got"
+                    f" {type(key).__name__}"
+                )
         if all(k in self._store(k) for k in keys):
             return
         if len(keys) < 2 or self.kernels is None or self.device_name == "gpu":
