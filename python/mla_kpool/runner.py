@@ -236,6 +236,20 @@ class Runner:
             inputs += count_in
             outputs += count_out
 
+    def _extensions(self) -> list[Path]:
+        """The graphs' ``custom_extensions``: this runner's kernel package.
+
+        A package directory goes in precompiled (:func:`compiled_kernels`,
+        once per process) rather than as the source directory, which MAX
+        would precompile again for every graph (about 4 s each); none for
+        ``kernels=None``.
+        """
+        if self.kernels is None:
+            return []
+        if self.kernels.is_dir():
+            return [compiled_kernels(self.kernels)]
+        return [self.kernels]
+
     def _store(self, key: ModelKey | IndexKey) -> dict[Any, Any]:
         """Where the compiled model of ``key`` is kept."""
         return self._index_models if isinstance(key, IndexKey) else self._models
@@ -253,16 +267,10 @@ class Runner:
 
         Returns the graph and each op's numbers of inputs and outputs.
 
-        A single key keeps its op's symbolic dim names; several
-        get ``_0``, ``_1``, ... on theirs. A kernel package directory goes
-        in precompiled (:func:`compiled_kernels`, once per process) rather
-        than as the source directory, which MAX would precompile again for
-        every graph (about 4 s each). Without ``kernels`` the graph keeps
-        MAX's builtins.
+        A single key keeps its op's symbolic dim names; several get ``_0``,
+        ``_1``, ... on theirs. The kernels go in as :meth:`_extensions`
+        gives them; without ``kernels`` the graph keeps MAX's builtins.
         """
-        extensions = [] if self.kernels is None else [self.kernels]
-        if self.kernels is not None and self.kernels.is_dir():
-            extensions = [compiled_kernels(self.kernels)]
         suffixes = (
             [""] if len(keys) == 1 else [f"_{i}" for i in range(len(keys))]
         )
@@ -282,7 +290,7 @@ class Runner:
             Graph(
                 "__".join(names),
                 input_types=[t for group in types for t in group],
-                custom_extensions=extensions,
+                custom_extensions=self._extensions(),
             ) as g,
         ):
             first, outputs, sizes = 0, [], []
@@ -367,10 +375,7 @@ class Runner:
         """The compiled index_top_k model for ``key``, compiled on first use."""
         model = self._index_models.get(key)
         if model is None:
-            extensions = [] if self.kernels is None else [self.kernels]
-            if self.kernels is not None and self.kernels.is_dir():
-                extensions = [compiled_kernels(self.kernels)]
-            graph = index_runner.build_graph(key, extensions)
+            graph = index_runner.build_graph(key, self._extensions())
             model = self._session.load(graph)
             self._index_models[key] = model
         return model
