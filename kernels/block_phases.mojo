@@ -328,7 +328,7 @@ def gpu_phased_kernel[
             `Int` is not a kernel argument type).
     """
     var words = stack_allocation[
-        shared_words, UInt32, address_space=AddressSpace.SHARED
+        shared_words, UInt32, alignment=128, address_space=AddressSpace.SHARED
     ]()
     var generic = words.unsafe_address_space_cast[
         AddressSpace.GENERIC

@@ -38,6 +38,13 @@ from std.math import ceildiv, max, min
 
 from .block_phases import Shared, launch_phased
 from .index_gpu_score import index_score_phase, index_score_thread
+from .index_wgmma import (
+    WGMMA_THREADS,
+    index_wgmma_phase,
+    wgmma_phases,
+    wgmma_tiles,
+    wgmma_words,
+)
 from .index_gpu_shape import (
     SCORE_THREADS,
     score_threads,
@@ -95,7 +102,7 @@ def window_rows(candidates: Int, total_tokens: Int) -> Int:
 
 
 def index_top_k_gpu[
-    emulate: Bool
+    emulate: Bool, wgmma: Bool = False
 ](
     op_in: IndexTopK,
     plan: Ptr[DType.int64],
@@ -104,6 +111,11 @@ def index_top_k_gpu[
     ctx: DeviceContext,
 ) raises:
     """Runs the three launches over every window of rows.
+
+    Parameters:
+        emulate: Run every launch over the emulated grid on the CPU.
+        wgmma: Score with the tensor-core scorer (`index_wgmma`) instead
+            of the FP32 one.
 
     Args:
         op_in: The call (its workspace fields are set here).
@@ -133,6 +145,9 @@ def index_top_k_gpu[
     def tile_body(p: Int, block: Int, thread: Int, s: Shared, o: type_of(op)):
         index_score_phase(p, block, thread, s, o)
 
+    def wgmma_body(p: Int, block: Int, thread: Int, s: Shared, o: type_of(op)):
+        index_wgmma_phase(p, block, thread, s, o)
+
     comptime tiled = tiled_scorer[op.num_heads, op.depth]()
 
     launch["mla_kpool_index_plan_kernel", plan_body, emulate](
@@ -142,7 +157,19 @@ def index_top_k_gpu[
     while first < op.total_tokens:
         var rows = min(window, op.total_tokens - first)
         op.first_row = first
-        comptime if tiled:
+        comptime if wgmma:
+            launch_phased[
+                "mla_kpool_index_wgmma_score_kernel",
+                wgmma_words[op.num_heads, op.depth](),
+                wgmma_body,
+                emulate,
+            ](
+                op,
+                (rows * wgmma_tiles(op), WGMMA_THREADS),
+                wgmma_phases[op.num_heads](),
+                ctx,
+            )
+        elif tiled:
             launch_phased[
                 "mla_kpool_index_score_kernel",
                 tile_words[op.num_heads, op.depth](),

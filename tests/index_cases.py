@@ -65,7 +65,7 @@ SMALL = Shape("small", 2, 16, 4, 2048, 128, "null")
 SHAPES = (GLM, GLM_CAUSAL, DSV32, WHOLE, SMALL)
 
 
-def index_key(shape: Shape, device: str) -> IndexKey:
+def index_key(shape: Shape, device: str, scorer: str = "auto") -> IndexKey:
     """The model key of ``shape`` on a host device (``cpu``, emulated)."""
     return IndexKey(
         num_heads=shape.heads,
@@ -77,6 +77,7 @@ def index_key(shape: Shape, device: str) -> IndexKey:
         kpool=shape.kpool,
         mask=shape.mask,
         emulate_gpu=device == "gpu-emulated",
+        scorer=scorer,
     )
 
 
@@ -153,10 +154,13 @@ class Call:
         args, kwargs = self.oracle_args()
         return ref.index_top_k(*args, **kwargs)
 
-    def check(self, got: np.ndarray) -> ref.SelectionReport:
-        """:func:`mla_kpool.reference.check_selection` on ``got``."""
+    def check(
+        self, got: np.ndarray, scorer: str = "simt"
+    ) -> ref.SelectionReport:
+        """:func:`mla_kpool.reference.check_selection` on ``got``, within
+        ``scorer``'s error bound."""
         args, kwargs = self.oracle_args()
-        return ref.check_selection(got, *args, **kwargs)
+        return ref.check_selection(got, *args, **kwargs, scorer=scorer)
 
     def run_kwargs(self) -> dict:
         """Keyword arguments of ``Runner.index_top_k`` for this call."""

@@ -278,17 +278,78 @@ def check_operands(
     return IndexOperands(values, parameters, device)
 
 
-def add_op(operands: IndexOperands, emulate_gpu: bool = False) -> TensorValue:
+#: The GPU path's scorers: ``"auto"`` (tensor cores where this package
+#: has a scorer for the GPU, else FP32 FMAs), ``"simt"`` (FP32 FMAs on
+#: every GPU) and ``"wgmma"`` (Hopper's FP8 tensor cores, sm_90).
+SCORERS = ("auto", "simt", "wgmma")
+
+
+def check_scorer(scorer: object, device: DeviceRef, emulate_gpu: bool) -> str:
+    """``scorer`` checked against where the op runs.
+
+    ``"wgmma"`` runs on an sm_90 GPU, or on the host with ``emulate_gpu``
+    (the emulated grid runs its tile code). A GPU graph built where no
+    accelerator answers (virtual-device compiles) is not checked here:
+    the op checks its target when it is compiled.
+
+    Raises:
+        TypeError: If ``scorer`` is not a string.
+        ValueError: For a name not in :data:`SCORERS` (listing them), or
+            ``"wgmma"`` where it cannot run (naming the device).
+    """
+    if not isinstance(scorer, str):
+        raise TypeError(f"scorer must be a str, got {type(scorer).__name__}")
+    if scorer not in SCORERS:
+        raise ValueError(
+            f"scorer must be one of {', '.join(SCORERS)}, got {scorer!r}"
+        )
+    if scorer != "wgmma":
+        return scorer
+    if device.is_cpu():
+        if not emulate_gpu:
+            raise ValueError(
+                "scorer 'wgmma' runs on an sm_90 GPU, or on the host with"
+                " emulate_gpu=True; q is on the CPU without emulate_gpu"
+            )
+        return scorer
+    arch = accelerator_arch()
+    if arch is not None and not arch.startswith("sm_90"):
+        raise ValueError(
+            f"scorer 'wgmma' needs an sm_90 GPU (Hopper); this GPU is {arch}"
+        )
+    return scorer
+
+
+def accelerator_arch() -> str | None:
+    """The accelerator's architecture name, or None where none answers.
+
+    ``sm_90a``, ``gfx942``, ...: ``max.driver``'s name (in virtual-device
+    mode, the virtual target).
+    """
+    from max import driver
+
+    try:
+        return driver.accelerator_architecture_name()
+    except ValueError:  # no accelerator: "not implemented for device: cpu"
+        return None
+
+
+def add_op(
+    operands: IndexOperands, emulate_gpu: bool = False, scorer: str = "auto"
+) -> TensorValue:
     """Adds this package's ``mla_kpool.index_top_k`` on checked operands.
 
     On the CPU it runs the CPU kernel, or with ``emulate_gpu`` the GPU path
-    over an emulated grid (CPU operands only); on a GPU, the GPU path.
+    over an emulated grid (CPU operands only); on a GPU, the GPU path, its
+    scores from ``scorer`` (:data:`SCORERS`).
 
     Returns:
         int32 ``[T, top_k]``.
 
     Raises:
-        ValueError: If ``emulate_gpu`` is asked of GPU operands.
+        TypeError: If ``scorer`` is not a string.
+        ValueError: If ``emulate_gpu`` is asked of GPU operands, or from
+            :func:`check_scorer`.
     """
     ensure_kernels("index_top_k")
     q = operands.values[0]
@@ -297,12 +358,15 @@ def add_op(operands: IndexOperands, emulate_gpu: bool = False) -> TensorValue:
             "emulate_gpu runs the GPU path on the host: q must be on the CPU,"
             f" got {operands.device}"
         )
+    scorer = check_scorer(scorer, operands.device, emulate_gpu)
     out = TensorType(
         DType.int32, [q.shape[0], operands.parameters["k"]], device=q.device
     )
     parameters = dict(operands.parameters)
     if emulate_gpu:
         parameters["emulate_gpu"] = True
+    if scorer != "auto":  # the default graph stays the one MAX has cached
+        parameters["scorer"] = scorer
     return ops.inplace_custom(
         OP_NAME,
         device=q.device,

@@ -26,7 +26,13 @@ from max.driver import Buffer
 from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
-from ._index_op import MAX_TOP_K, add_op, check_int, check_operands
+from ._index_op import (
+    MAX_TOP_K,
+    add_op,
+    check_int,
+    check_operands,
+    check_scorer,
+)
 from .buffers import to_buffer
 from .index_cache import PagedIndexCache
 from .reference.indexer import mask_name
@@ -53,6 +59,9 @@ class IndexKey:
         gpu_op: On a GPU, ``"auto"`` (the wrapper picks MAX's op where MAX
             scores the shape, else this package's) or ``"ours"`` (this
             package's GPU path whatever the GPU, for tests and benches).
+        scorer: The GPU path's scorer (``mla_kpool._index_op.SCORERS``):
+            ``"auto"``, ``"simt"`` or ``"wgmma"``; on a GPU, a scorer other
+            than ``"auto"`` always runs this package's op.
     """
 
     num_heads: int
@@ -67,6 +76,7 @@ class IndexKey:
     gpu: bool = False
     emulate_gpu: bool = False
     gpu_op: str = "auto"
+    scorer: str = "auto"
 
     @property
     def name(self) -> str:
@@ -78,6 +88,7 @@ class IndexKey:
             + ("_gpu" if self.gpu else "")
             + ("_emulated" if self.emulate_gpu else "")
             + ("_ours" if self.gpu and self.gpu_op == "ours" else "")
+            + ("" if self.scorer == "auto" else f"_{self.scorer}")
         )
 
     def input_types(
@@ -139,7 +150,7 @@ def add_to_graph(key: IndexKey, inputs: Sequence[Any]) -> Any:
     values = [
         x.buffer if i in _ARENAS else x.tensor for i, x in enumerate(inputs)
     ]
-    if key.gpu and key.gpu_op == "auto":
+    if key.gpu and key.gpu_op == "auto" and key.scorer == "auto":
         return _gpu_op(key, values)
     operands = check_operands(
         *values,
@@ -149,7 +160,7 @@ def add_to_graph(key: IndexKey, inputs: Sequence[Any]) -> Any:
         kpool=key.kpool,
         prefix="",
     )
-    return add_op(operands, emulate_gpu=key.emulate_gpu)
+    return add_op(operands, emulate_gpu=key.emulate_gpu, scorer=key.scorer)
 
 
 #: Operand positions of the key and scale arenas (buffers), and of their
@@ -266,6 +277,7 @@ def prepare(
     key_arena: tuple[np.ndarray, int] | None = None,
     scale_arena: tuple[np.ndarray, int] | None = None,
     gpu_op: str = "auto",
+    scorer: str = "auto",
 ) -> tuple[Any, list[Buffer], tuple[Buffer, Buffer]]:
     """The compiled model and device operands of one call.
 
@@ -290,6 +302,8 @@ def prepare(
         scale_arena: See ``key_arena``.
         gpu_op: ``"auto"`` or ``"ours"`` (:class:`IndexKey`); only a
             ``"gpu"`` runner reads it.
+        scorer: The GPU path's scorer (:class:`IndexKey`); the CPU
+            runner takes only ``"auto"`` and ``"simt"``.
 
     Returns:
         ``(model, operands, (key_buffer, scale_buffer))``, the last two the
@@ -300,8 +314,8 @@ def prepare(
             ``layer_idx``, ``top_k`` or ``kpool`` that is not an int, or
             ``input_row_offsets`` of a non-integer dtype.
         ValueError: For a ``gpu_op`` other than ``"auto"`` or ``"ours"`` (on
-            every runner), a ``q`` that is not ``[T, H, D]`` uint8 or
-            float8_e4m3fn, a ``qs`` that is not float32 ``[T, H]``,
+            every runner), a ``scorer`` this runner cannot run, a ``q``
+            that is not ``[T, H, D]`` uint8 or float8_e4m3fn, a ``qs`` that is not float32 ``[T, H]``,
             ``input_row_offsets`` that is not rank 1 ``[B + 1]`` (``B`` the
             cache's batch), a ``layer_idx`` outside uint32, ``top_k``
             outside 1..2048, ``kpool < 1``, another mask, and from the graph
@@ -310,6 +324,11 @@ def prepare(
     gpu = runner.device_name == "gpu"
     if gpu_op not in ("auto", "ours"):
         raise ValueError(f"gpu_op must be 'auto' or 'ours', got {gpu_op!r}")
+    scorer = check_scorer(
+        scorer,
+        DeviceRef.GPU() if gpu else DeviceRef.CPU(),
+        runner.device_name == "gpu-emulated",
+    )
     if not isinstance(cache, PagedIndexCache):
         raise TypeError(
             "cache must be a mla_kpool.index_cache.PagedIndexCache, got"
@@ -341,6 +360,7 @@ def prepare(
         gpu=gpu,
         emulate_gpu=runner.device_name == "gpu-emulated",
         gpu_op=gpu_op if gpu else "auto",
+        scorer=scorer,
     )
     offsets = np.asarray(input_row_offsets).astype(np.int64)
     lengths = cache.cache_lengths.astype(np.int64)

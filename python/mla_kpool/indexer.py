@@ -20,7 +20,7 @@ from max.graph import TensorValue
 from max.nn.attention.mask_config import MHAMaskVariant
 from max.nn.kv_cache import PagedCacheValues
 
-from ._index_op import add_op, check_operands
+from ._index_op import accelerator_arch, add_op, check_operands
 from .reference.indexer import mask_name
 
 #: MAX's variant of each mask the op takes.
@@ -73,11 +73,8 @@ def max_scores(kpool: int) -> bool:
     """
     if kpool == 1:
         return True
-    from max import driver
-
-    try:
-        arch = driver.accelerator_architecture_name()
-    except ValueError:  # no accelerator: "not implemented for device: cpu"
+    arch = accelerator_arch()
+    if arch is None:
         return False
     return arch.startswith("sm_10") or arch.startswith("gfx950")
 
@@ -92,6 +89,8 @@ def index_top_k(
     quantization_granularity: int,
     mask_variant: MHAMaskVariant = MHAMaskVariant.CAUSAL_MASK,
     kpool: int = 1,
+    *,
+    scorer: str = "auto",
 ) -> TensorValue:
     """Top-k pooled key ids per query token, scored on the paged FP8 cache.
 
@@ -123,6 +122,12 @@ def index_top_k(
             tokens up to itself) or ``NULL_MASK`` (every new token); the
             strings ``"causal"`` and ``"null"`` are taken too.
         kpool: Tokens per cached key; ids are pool ids when ``> 1``.
+        scorer: How this package's GPU path scores (keyword only, not in
+            MAX's signature): ``"auto"`` (its tensor-core scorer where it
+            has one for the GPU, Hopper's ``wgmma``; else FP32 FMAs),
+            ``"simt"`` (FP32 FMAs) or ``"wgmma"`` (sm_90 only). Any value
+            but ``"auto"`` runs this package's op even where MAX's scores
+            the shape. docs/ops.md gives each scorer's error bound.
 
     Returns:
         int32 ``[T, top_k]`` ids, ``-1`` after each row's valid ones.
@@ -130,11 +135,13 @@ def index_top_k(
     Raises:
         TypeError: If an operand is not a graph value of the right kind,
             ``k_collection`` is not a ``PagedCacheValues``, or ``top_k`` /
-            ``kpool`` / ``quantization_granularity`` is not an int.
+            ``kpool`` / ``quantization_granularity`` is not an int, or
+            ``scorer`` is not a str.
         ValueError: On a wrong dtype, rank, static dim or device, ``top_k``
             outside 1..2048, ``kpool < 1``, a mask other than NULL/CAUSAL, a
             row width that is neither layout, a spread page size not a
-            multiple of ``kpool``, missing ``kv_scales`` or per-layer buffers.
+            multiple of ``kpool``, missing ``kv_scales`` or per-layer buffers,
+            or a ``scorer`` that is unknown or cannot run on the device.
     """
     mask = mask_name(mask_variant, "mask_variant")
     operands = check_operands(
@@ -148,8 +155,8 @@ def index_top_k(
         mask_str=mask,
         kpool=kpool,
     )
-    if operands.device.is_cpu() or not max_scores(kpool):
-        return add_op(operands)
+    if operands.device.is_cpu() or scorer != "auto" or not max_scores(kpool):
+        return add_op(operands, scorer=scorer)
     # MAX's own op where it scores this shape: nobody gets slower.
     from max.nn.kernels import mla_fp8_index_top_k
 

@@ -38,6 +38,11 @@ from kernels.index_select_layout import (
     SELECT_WORDS,
     select_phases,
 )
+from kernels.index_wgmma import (
+    WGMMA_THREADS,
+    index_wgmma_phase,
+    wgmma_words,
+)
 from kernels.parallel import gpu_block_width, gpu_kernel
 from kernels.ring_close import RingCloseOperands, ring_close_thread
 from kernels.seed_tail import SeedTailOperands, seed_tail_thread
@@ -118,6 +123,12 @@ def _score_tiled[
     H: Int, D: Int, K: Int, P: Int, S: Bool
 ](p: Int, block: Int, thread: Int, s: Shared, op: Index[H, D, K, P, S]):
     index_score_phase(p, block, thread, s, op)
+
+
+def _score_wgmma[
+    H: Int, D: Int, K: Int, P: Int, S: Bool
+](p: Int, block: Int, thread: Int, s: Shared, op: Index[H, D, K, P, S]):
+    index_wgmma_phase(p, block, thread, s, op)
 
 
 def _select[
@@ -315,6 +326,23 @@ def _index[
         SCORE_THREADS,
         size_of[Op](),
     )
+    comptime if ARCH == "sm_90a":
+        m.emit[
+            gpu_phased_kernel[
+                "mla_kpool_index_wgmma_score_kernel",
+                Op,
+                wgmma_words[H, D](),
+                _score_wgmma[H, D, K, P, S],
+            ]
+        ](
+            "index_top_k",
+            "score_wgmma",
+            config,
+            params,
+            "mla_kpool_index_wgmma_score_kernel",
+            WGMMA_THREADS,
+            phased,
+        )
     m.emit[
         gpu_phased_kernel[
             "mla_kpool_index_select_kernel",

@@ -31,6 +31,18 @@ roundings of unit ``2^-24``, each bounded by the magnitude ``mag_j = |scale_j|
 in any summation order. Four more units cover second-order terms (``(D + H)
 * 2^-24 < 2^-11``) and the float64 oracle's own rounding, so ``tol_j = (D + H
 + 4) * 2^-24 * mag_j``, plus ``(H + 4) * 2^-126`` for float32 underflow.
+
+The tensor-core scorer (``scorer="wgmma"``) sums each head's dot on
+Hopper's FP8 ``wgmma``, 32 products per instruction, whose adder keeps 13
+fraction bits and truncates (DeepSeek-V3 technical report; the bit-level
+model of microsoft/MMA-Sim, arXiv 2511.10909). Model: each of an
+instruction's at most 33 addends (32 products and the accumulator) loses
+less than ``2^-13`` of the largest addend, which is at most the head's
+``sum_d |q_hd k_jd|``. Over ``ceil(D / 32)`` instructions a head's dot is
+off by less than ``33 * ceil(D / 32) * 2^-13`` of that sum, and weighting
+and summing the heads and scaling keep the bound in units of ``mag_j``: the
+float32 tolerance plus ``33 * ceil(D / 32) * 2^-13 * mag_j``
+(:data:`TENSOR_CORE_UNIT`).
 """
 
 from __future__ import annotations
@@ -45,6 +57,12 @@ from ._checks import _check_kpool, _index_values, _offsets_ok
 
 #: Float32 unit roundoff, the kernel's accumulation precision.
 UNIT = 2.0**-24
+#: Relative error per addend of one FP8 ``wgmma`` (13 fraction bits kept).
+TENSOR_CORE_UNIT = 2.0**-13
+#: Addends of one FP8 ``wgmma`` per output: 32 products and the accumulator.
+TENSOR_CORE_ADDENDS = 33
+#: Scorers with their own error model (:func:`index_tolerance`).
+SCORERS = ("simt", "wgmma")
 #: Smallest normal float32: an absolute floor for underflow.
 TINY = 2.0**-126
 #: MAX's largest supported ``top_k``.
@@ -99,9 +117,29 @@ def is_causal(mask: object) -> bool:
     return mask_name(mask) == "causal"
 
 
-def index_tolerance(mag: np.ndarray, num_heads: int, depth: int) -> np.ndarray:
-    """Largest float32 error of a score of magnitude ``mag`` (module docs)."""
-    return (depth + num_heads + 4) * UNIT * mag + (num_heads + 4) * TINY
+def index_tolerance(
+    mag: np.ndarray, num_heads: int, depth: int, scorer: str = "simt"
+) -> np.ndarray:
+    """Largest error of a score of magnitude ``mag`` (module docs).
+
+    Args:
+        mag: The scores' error magnitudes ``mag_j``.
+        num_heads: ``H``.
+        depth: ``D``.
+        scorer: ``"simt"`` (float32 FMAs) or ``"wgmma"`` (FP8 tensor
+            cores, :data:`TENSOR_CORE_UNIT`); ``"auto"`` counts as the
+            looser ``"wgmma"``.
+
+    Raises:
+        ValueError: For another scorer name.
+    """
+    if scorer not in (*SCORERS, "auto"):
+        raise ValueError(f"scorer must be one of {SCORERS}, got {scorer!r}")
+    tol = (depth + num_heads + 4) * UNIT * mag + (num_heads + 4) * TINY
+    if scorer == "simt":
+        return tol
+    steps = -(-depth // 32)
+    return tol + TENSOR_CORE_ADDENDS * steps * TENSOR_CORE_UNIT * mag
 
 
 @dataclass(frozen=True)
@@ -151,6 +189,7 @@ class _Inputs:
         k_lookup_table, k_scales, k_scales_lookup_table, layer_idx,
         top_k, kpool, mask,
     ) -> None:  # fmt: skip
+        self.scorer = "simt"  # the error model (index_tolerance)
         self.q = decode_fp8(q)
         if self.q.ndim != 3:
             raise ValueError(f"q must be [T, H, D], got {self.q.shape}")
@@ -317,7 +356,7 @@ def _row(
     inp: _Inputs, b: int, bound: int, score: np.ndarray, mag: np.ndarray
 ) -> RowScores:
     """One row's :class:`RowScores` from its (possibly wider) score row."""
-    tol = index_tolerance(mag[:bound], inp.heads, inp.depth)
+    tol = index_tolerance(mag[:bound], inp.heads, inp.depth, inp.scorer)
     return RowScores(b, bound, score[:bound], mag[:bound], tol)
 
 
@@ -342,6 +381,7 @@ def index_scores(  # noqa: D417 (the operands are index_top_k's)
     top_k: int,
     kpool: int = 1,
     mask: object = "causal",
+    scorer: str = "simt",
 ) -> list[RowScores | None]:
     """Every token row's candidate scores and error magnitudes.
 
@@ -349,6 +389,8 @@ def index_scores(  # noqa: D417 (the operands are index_top_k's)
         q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
         k_scales, k_scales_lookup_table, layer_idx, top_k, kpool, mask: As
             for :func:`index_top_k`.
+        scorer: The error model of the scorer that ran
+            (:func:`index_tolerance`).
 
     Returns:
         Per token row, its :class:`RowScores`, or ``None`` for a row that
@@ -358,6 +400,7 @@ def index_scores(  # noqa: D417 (the operands are index_top_k's)
         q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
         k_scales, k_scales_lookup_table, layer_idx, top_k, kpool, mask,
     )  # fmt: skip
+    inp.scorer = scorer
     plans = inp.plans()
     scored = _row_scores(inp, plans)
     rows: list[RowScores | None] = []
@@ -550,6 +593,7 @@ def check_selection(  # noqa: D417 (the operands are index_top_k's)
     top_k: int,
     kpool: int = 1,
     mask: object = "causal",
+    scorer: str = "simt",
 ) -> SelectionReport:
     """Checks an op output row by row: sets at the k-th score, with tolerance.
 
@@ -565,6 +609,8 @@ def check_selection(  # noqa: D417 (the operands are index_top_k's)
         q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
         k_scales, k_scales_lookup_table, layer_idx, top_k, kpool, mask: As
             for :func:`index_top_k`.
+        scorer: The error model of the scorer that ran
+            (:func:`index_tolerance`).
 
     Returns:
         A :class:`SelectionReport`.
@@ -577,6 +623,7 @@ def check_selection(  # noqa: D417 (the operands are index_top_k's)
         q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
         k_scales, k_scales_lookup_table, layer_idx, top_k, kpool, mask,
     )  # fmt: skip
+    inp.scorer = scorer
     got = np.asarray(got)
     if got.shape != (inp.tokens, inp.top_k):
         raise AssertionError(
@@ -589,7 +636,7 @@ def check_selection(  # noqa: D417 (the operands are index_top_k's)
     for b, part, score, mag in _scored_chunks(inp, plans):
         rows = np.array([t for t, _ in part])
         bounds = np.array([bd for _, bd in part], dtype=np.int64)
-        tol = index_tolerance(mag, inp.heads, inp.depth)
+        tol = index_tolerance(mag, inp.heads, inp.depth, inp.scorer)
         nan = np.isnan(score)
         hi = np.where(nan, -np.inf, score + tol)
         lo = np.where(nan, -np.inf, score - tol)
