@@ -315,7 +315,8 @@ def prepare(
             ``input_row_offsets`` of a non-integer dtype.
         ValueError: For a ``gpu_op`` other than ``"auto"`` or ``"ours"`` (on
             every runner), a ``scorer`` this runner cannot run, a ``q``
-            that is not ``[T, H, D]`` uint8 or float8_e4m3fn, a ``qs`` that is not float32 ``[T, H]``,
+            that is not ``[T, H, D]`` uint8 or float8_e4m3fn, a ``qs``
+            that is not float32 ``[T, H]``,
             ``input_row_offsets`` that is not rank 1 ``[B + 1]`` (``B`` the
             cache's batch), a ``layer_idx`` outside uint32, ``top_k``
             outside 1..2048, ``kpool < 1``, another mask, and from the graph
