@@ -2,11 +2,14 @@
 
 Skipped without an accelerator. Every test of tests/test_index_top_k.py runs
 again on the GPU with this package's GPU path forced (``gpu_op="ours"``,
-whatever the GPU), against the same float64 oracle. Then, for each case of
-a shape MAX's own op scores on this GPU (``kpool == 1`` everywhere, pooled
+whatever the GPU), against the same float64 oracle, within the bound of the
+scorer ``"auto"`` picks. Each scorer the GPU has (FP32 everywhere, the
+``wgmma`` tensor-core one on sm_90) runs every case again, twice, against the
+oracle within its own bound and bitwise equal run to run. Then, for each case
+of a shape MAX's own op scores on this GPU (``kpool == 1`` everywhere, pooled
 keys on Blackwell and MI355), MAX's op and ours both pass the oracle's check
-and select the same set up to ids whose scores lie within the float32
-tolerance of the row's k-th score.
+and select the same set up to ids whose scores lie within the float32 tolerance
+of the row's k-th score.
 """
 
 from __future__ import annotations
@@ -38,13 +41,38 @@ def runner(runners):
 
 @pytest.fixture(autouse=True)
 def _our_gpu_path(monkeypatch):
-    """Every call of a case goes to this package's GPU path."""
+    """Every call of a case goes to this package's GPU path, whose
+    ``"auto"`` scorer may be a tensor-core one: checks take that bound."""
     plain = index_cases.Call.run_kwargs
+    plain_check = index_cases.Call.check
 
     def ours(self):
         return {**plain(self), "gpu_op": "ours"}
 
+    def check(self, got, scorer="auto"):
+        return plain_check(self, got, scorer=scorer)
+
     monkeypatch.setattr(index_cases.Call, "run_kwargs", ours)
+    monkeypatch.setattr(index_cases.Call, "check", check)
+
+
+def _scorers() -> list[str]:
+    """The scorers this GPU runs: FP32 everywhere, wgmma on sm_90."""
+    from mla_kpool._index_op import accelerator_arch
+
+    arch = accelerator_arch() or ""
+    return ["simt"] + (["wgmma"] if arch.startswith("sm_90") else [])
+
+
+@pytest.mark.parametrize("scorer", ["simt", "wgmma"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_each_scorer_matches_the_oracle(runner, case, scorer):
+    if scorer not in _scorers():
+        pytest.skip(f"this GPU has no {scorer} scorer")
+    call = build(case)
+    got = run(runner, call, scorer=scorer)
+    assert call.check(got, scorer=scorer).rows == len(call.q)
+    np.testing.assert_array_equal(run(runner, call, scorer=scorer), got)
 
 
 def _same_set_up_to_ties(call, a: np.ndarray, b: np.ndarray) -> None:
