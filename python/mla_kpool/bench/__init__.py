@@ -171,11 +171,13 @@ def model_call(
     return call
 
 
-def index_call(runner: Runner, w: index.IndexWorkload) -> Callable[[], None]:
+def index_call(
+    runner: Runner, w: index.IndexWorkload, scorer: str = ""
+) -> Callable[[], None]:
     """index_top_k as ``runner`` compiles it, its operands bound once.
 
-    On a GPU this package's GPU path (``gpu_op="ours"``), synchronized
-    after each call.
+    On a GPU this package's GPU path (``gpu_op="ours"``) with the case's
+    scorer (``"auto"`` when it names none), synchronized after each call.
     """
     gpu = runner.device_name == "gpu"
     model, args, _ = index_runner.prepare(
@@ -189,6 +191,7 @@ def index_call(runner: Runner, w: index.IndexWorkload) -> Callable[[], None]:
         kpool=w.shape.kpool,
         mask=w.mask,
         gpu_op="ours",
+        scorer=scorer or "auto",
     )
 
     def call() -> None:
@@ -305,7 +308,10 @@ def measure_index(
     flops = index.score_flops(offsets, lengths, w.shape)
     blas_call, blas_flops = index.blas_matmul(offsets, lengths, w.shape)
     op_us, numpy_us, blas_us = time_calls(
-        index_call(runner, w), index.numpy_twin(w), blas_call, **timing
+        index_call(runner, w, case.scorer),
+        index.numpy_twin(w),
+        blas_call,
+        **timing,
     )
     median = float(np.median(op_us))
     p10, p90 = np.percentile(op_us, [10, 90])
@@ -440,9 +446,11 @@ def index_cases(device: str) -> list[Case]:
     """index_top_k's configurations (one per phase), whatever the grid says.
 
     GLM-5-Next's indexer (:data:`.index.GLM5_NEXT`) on each phase of
-    :data:`.index.INDEX_PHASES`; ``batch`` is the phase's requests.
+    :data:`.index.INDEX_PHASES`; ``batch`` is the phase's requests. On a
+    GPU, a row per scorer it has (:func:`gpu_scorers`).
     """
     shape = index.GLM5_NEXT
+    scorers = gpu_scorers() if device == "gpu" else [""]
     return [
         Case(
             INDEX_OP,
@@ -452,17 +460,29 @@ def index_cases(device: str) -> list[Case]:
             shape.depth,
             device,
             phase,
+            scorer,
         )
         for phase, (requests, _, _) in index.INDEX_PHASES.items()
+        for scorer in scorers
     ]
+
+
+def gpu_scorers() -> list[str]:
+    """The index scorers of this machine's GPU: FP32, and wgmma on sm_90."""
+    from .._index_op import accelerator_arch
+
+    arch = accelerator_arch() or ""
+    return ["simt"] + (["wgmma"] if arch.startswith("sm_90") else [])
 
 
 def graphs_to_compile(todo: list[Case]) -> int:
     """Graphs a run of ``todo`` compiles: per op instance, one per runner.
 
-    index_top_k has no floor: one graph serves all its phases.
+    index_top_k has no floor: one graph per scorer serves all its phases.
     """
-    models = {(c.op, c.dtype, c.kpool, c.head_dim, c.device) for c in todo}
+    models = {
+        (c.op, c.dtype, c.kpool, c.head_dim, c.scorer, c.device) for c in todo
+    }
     return sum(
         1 if op == INDEX_OP else 2 + (dev == "gpu" and op in BUILTIN_OPS)
         for op, *_, dev in models

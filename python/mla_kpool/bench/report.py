@@ -33,7 +33,9 @@ INDEX_TABLE_FIELDS = tuple(
 )
 
 #: What makes two records the same configuration (across runs).
-CONFIG = ("op", "dtype", "batch", "kpool", "head_dim", "device", "phase")
+CONFIG = (
+    "op", "dtype", "batch", "kpool", "head_dim", "device", "phase", "scorer",
+)  # fmt: skip
 
 
 def is_index(record: Record) -> bool:
@@ -283,7 +285,7 @@ def index_call_legend(records: list[Record]) -> str:
 
 
 def format_index_table(runs: list[list[Record]]) -> str:
-    """index_top_k's table: one row per phase, then its legend.
+    """index_top_k's table: one row per phase (and GPU scorer), then its legend.
 
     As :func:`format_op_table`: each value computed within its run, the
     median over runs with their range; a single run's ``op ms`` shows the
@@ -299,7 +301,8 @@ def format_index_table(runs: list[list[Record]]) -> str:
     body = []
     for rs in _by_config(runs).values():
         r = rs[0]
-        row = [r["phase"], str(r["batch"]), str(r["tokens"])]
+        phase = r["phase"] + (f" ({r['scorer']})" if r.get("scorer") else "")
+        row = [phase, str(r["batch"]), str(r["tokens"])]
         row += [str(r["candidates"])] + [str(len(rs))] * several
         for name, value in columns:
             values = [v for v in map(value, rs) if v is not None]

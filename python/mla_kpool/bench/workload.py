@@ -54,6 +54,7 @@ class Case:
     head_dim: int
     device: str
     phase: str = ""
+    scorer: str = ""
 
 
 @dataclass
