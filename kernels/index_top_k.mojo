@@ -69,7 +69,9 @@ comptime SCORERS = "auto, simt, wgmma"
 def hopper_target() -> Bool:
     """Whether the graph's accelerator is an sm_90 (Hopper) GPU."""
     comptime arch = _accelerator_arch()
-    return arch == "nvidia:90a" or arch == "nvidia:90"
+    return (
+        arch == "nvidia:sm_90a" or arch == "nvidia:90a" or arch == "nvidia:90"
+    )
 
 
 def resolve_scorer[
