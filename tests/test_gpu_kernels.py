@@ -100,3 +100,69 @@ def test_index_select_planted_faults_fail(mutant, tmp_path: Path):
     )
     assert status != 0, output
     assert re.search(match, output), output
+
+
+@pytest.mark.skipif(
+    mojo_command() is None, reason="the mojo command is not found"
+)
+def test_wgmma_model_against_the_isa_tables():
+    run_mojo_suite("tests/mojo/test_wgmma_model.mojo", min_tests=6)
+
+
+@pytest.mark.skipif(
+    mojo_command() is None, reason="the mojo command is not found"
+)
+def test_wgmma_scorer_on_the_phased_emulation():
+    run_mojo_suite("tests/mojo/test_index_wgmma.mojo", min_tests=1)
+
+
+#: Planted faults in the tensor-core scorer: (id, exact source text, its
+#: faulty replacement, what the failing run must say).
+WGMMA_MUTANTS = [
+    (
+        # A thread adds its second register row's heads to the first row.
+        "register_row_swapped",
+        "lane // 4 + 8 * r",
+        "lane // 4 + 8 * (1 - r)",
+        r"row \d+ id \d+",
+    ),
+    (
+        # The descriptor's leading byte offset (between core matrices
+        # along K) two core matrices instead of one.
+        "leading_offset_doubled",
+        "comptime leading = CORE_BYTES\n",
+        "comptime leading = 2 * CORE_BYTES\n",
+        # Wrong bytes, or bytes past the staged tile.
+        r"row \d+ id \d+|before any thread wrote it",
+    ),
+    (
+        # The product issued in the phase that stages its tiles: no
+        # barrier between the stores and the instruction's reads.
+        "product_without_barrier",
+        "        fence_async_view_proxy()\n",
+        "        fence_async_view_proxy()\n"
+        "    if chunk == 0:\n"
+        "        multiply_chunk[0](s, thread, op, t)\n",
+        "before any thread wrote it|missing barrier",
+    ),
+]
+
+
+@pytest.mark.skipif(
+    mojo_command() is None, reason="the mojo command is not found"
+)
+@pytest.mark.parametrize(
+    "mutant", WGMMA_MUTANTS, ids=[m[0] for m in WGMMA_MUTANTS]
+)
+def test_wgmma_scorer_planted_faults_fail(mutant, tmp_path: Path):
+    _, good, bad, match = mutant
+    shutil.copytree(ROOT / "kernels", tmp_path / "kernels")
+    (tmp_path / "tests").mkdir()
+    shutil.copytree(ROOT / "tests/mojo", tmp_path / "tests/mojo")
+    path = tmp_path / "kernels/index_wgmma.mojo"
+    source = path.read_text()
+    assert source.count(good) == 1, "the planted line moved; update it"
+    path.write_text(source.replace(good, bad))
+    status, output = run_mojo_file("tests/mojo/test_index_wgmma.mojo", tmp_path)
+    assert status != 0, output
+    assert re.search(match, output), output
