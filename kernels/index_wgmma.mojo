@@ -194,7 +194,7 @@ def stage_unit[
         if first + 16 <= depth and is_aligned[16](at):
             bytes = at.unsafe_load[width=16, alignment=16](0)
         else:
-            for i in range(16):
+            comptime for i in range(16):  # unrolled: no local memory
                 if first + i < depth:
                     bytes[i] = at[unsafe_offset=i]
     store_words4(

@@ -36,6 +36,8 @@ OPS = {"ring_close", "compress", "seed_tail", "step", "expand_topk"}
 OPS |= {"index_top_k"}
 INDEX_CONFIGS = {"glm5next-k512", "glm5next-k2048", "dsv32-k2048"}
 INDEX_KERNELS = {"plan", "score_tiled", "score_untiled", "select"}
+#: Kernels built only for the GPUs that run them: Hopper's wgmma scorer.
+ARCH_KERNELS = {"sm_90a": {"score_wgmma"}}
 #: Writers' kernels: one per op, and the step's scan.
 WRITER_KERNELS = 6
 PTXAS = tools.find_ptxas()
@@ -93,7 +95,8 @@ def test_every_kernel_of_every_op_is_reported(report: Report, arch: str):
     index = {
         (r["kernel"], r["config"]) for r in rows if r["op"] == "index_top_k"
     }
-    assert index == {(k, c) for k in INDEX_KERNELS for c in INDEX_CONFIGS}
+    kernels = INDEX_KERNELS | ARCH_KERNELS.get(arch, set())
+    assert index == {(k, c) for k in kernels for c in INDEX_CONFIGS}
     assert len(rows) == WRITER_KERNELS + len(index)
     for row in rows:
         code = report.code(row)
@@ -191,6 +194,7 @@ def test_parameter_blocks_are_the_hosts_operand_bytes(report: Report):
         ("index_top_k", "plan"): 192,
         ("index_top_k", "score_untiled"): 192,
         ("index_top_k", "score_tiled"): 192 + 8,
+        ("index_top_k", "score_wgmma"): 192 + 8,
         ("index_top_k", "select"): 192 + 8,
     }
     for row in report.rows:
@@ -210,10 +214,40 @@ def test_every_kernel_keeps_a_quarter_of_the_gpu_busy(report: Report, gpu: str):
 
 def test_tiled_scorer_ptx_has_no_local_memory(report: Report):
     for row in report.arch_rows("sm_90a"):
-        if row["kernel"] == "score_tiled":
+        if row["kernel"] in ("score_tiled", "score_wgmma"):
             facts = ptx_facts(report.code(row), row["entry"])
             assert facts["local"] == {}, _name(row)
             assert facts["global_loads"], _name(row)
+
+
+#: The wgmma scorer's instructions per 64-candidate tile: D = 128 in four
+#: k32 steps, all heads in one product (32 or 64 of them as N).
+WGMMA_PER_TILE = {
+    "glm5next-k512": (
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3",
+        4,
+    ),
+    "dsv32-k2048": ("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", 4),
+}
+
+
+def test_wgmma_scorer_issues_fp8_wgmma_and_keeps_off_local_memory(
+    report: Report,
+):
+    seen = set()
+    for row in report.arch_rows("sm_90a"):
+        if (
+            row["kernel"] != "score_wgmma"
+            or row["config"] not in WGMMA_PER_TILE
+        ):
+            continue
+        seen.add(row["config"])
+        facts = ptx_facts(report.code(row), row["entry"])
+        instruction, count = WGMMA_PER_TILE[row["config"]]
+        assert facts["tensor"] == {instruction: count}, _name(row)
+        assert facts["local"] == {}, _name(row)
+        assert row["spill_store_bytes"] == row["spill_load_bytes"] == 0, row
+    assert seen == set(WGMMA_PER_TILE)
 
 
 def _row(**fields) -> dict:

@@ -100,6 +100,7 @@ def ptx_shared_bytes(ptx: str, entry: str) -> int:
 _LOCAL = re.compile(r"\b((?:ld|st)\.local[\w.]*)")
 _CVT = re.compile(r"\b(cvt(?:\.[\w]+)+)")
 _LD_GLOBAL = re.compile(r"\b(ld\.global(?:\.[\w]+)+)")
+_TENSOR = re.compile(r"\b((?:wgmma\.mma_async|mma\.sync)(?:\.[\w]+)+)")
 
 
 def ptx_facts(ptx: str, entry: str) -> dict[str, dict[str, int]]:
@@ -110,13 +111,15 @@ def ptx_facts(ptx: str, entry: str) -> dict[str, dict[str, int]]:
         entry: An ``.entry`` symbol of it.
 
     Returns:
-        ``{"local": ..., "cvt": ..., "global_loads": ...}``, each a dict of
+        ``{"local": ..., "cvt": ..., "global_loads": ..., "tensor": ...}``,
+        each a dict of
         instruction (with its type suffixes, e.g. ``ld.global.nc.v2.u32``
         or ``cvt.rn.f16x2.e4m3x2``) -> occurrences in the entry's text:
         local-memory loads and stores (spills or stack arrays), conversions
         (a hardware FP8 decode is a ``cvt`` from ``e4m3x2``), and global
         loads, whose suffix gives the width (``.u8`` is a byte at a time,
-        ``.v2.u32`` / ``.u64`` eight bytes).
+        ``.v2.u32`` / ``.u64`` eight bytes), and tensor-core instructions
+        (``wgmma.mma_async...`` with its shape and types, ``mma.sync...``).
 
     Raises:
         KeyError: If there is no such entry.
@@ -126,6 +129,7 @@ def ptx_facts(ptx: str, entry: str) -> dict[str, dict[str, int]]:
         "local": dict(Counter(_LOCAL.findall(text))),
         "cvt": dict(Counter(_CVT.findall(text))),
         "global_loads": dict(Counter(_LD_GLOBAL.findall(text))),
+        "tensor": dict(Counter(_TENSOR.findall(text))),
     }
 
 
