@@ -124,6 +124,20 @@ def wgmma_fits[depth: Int]() -> Bool:
     return depth <= WGMMA_MAX_DEPTH
 
 
+@always_inline
+def wgmma_instructions[num_heads: Int, depth: Int]() -> Int:
+    """`wgmma`s per tile of `WGMMA_TILE` candidates (and one query row)."""
+    return wgmma_chunks[num_heads]() * (wgmma_depth[depth]() // WGMMA_FP8_K)
+
+
+def wgmma_tile_flops[num_heads: Int, depth: Int]() -> Int:
+    """Flops the tensor cores do per tile, padding included (2 per MAC)."""
+    var n = 0
+    comptime for c in range(wgmma_chunks[num_heads]()):
+        n += chunk_n[num_heads, c]()
+    return 2 * WGMMA_TILE * n * wgmma_depth[depth]()
+
+
 def wgmma_tiles(op: IndexTopK) -> Int:
     """Blocks per row: tiles of `WGMMA_TILE` candidates."""
     return ceildiv(op.candidates, WGMMA_TILE)

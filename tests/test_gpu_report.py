@@ -558,3 +558,22 @@ def test_a_failed_compile_prints_no_table(monkeypatch, capsys, tmp_path):
     assert captured.err.strip().splitlines()[-1] == (
         "gpu-report: compiling the kernels for sm_90a failed: x"
     )
+
+
+def test_wgmma_scorer_bound_is_near_the_fp8_roofline_on_hopper(report: Report):
+    # From the compiled kernels' own counts (the manifest's params): the
+    # FP32 scorer is bound by its fmas at the FP32 peak, the wgmma scorer
+    # by memory (decode) or by its padded tiles at the FP8 peak (prefill).
+    rows = {
+        (r["workload"], r["gpu"]): r
+        for r in report.doc["rooflines"]
+        if r.get("scorers")
+    }
+    for workload in ("glm5-next-decode", "glm5-next-prefill"):
+        for gpu in ("H100", "H200"):
+            r = rows[workload, gpu]
+            bound = {x["scorer"]: x["bound_s"] for x in r["scorers"]}
+            assert bound["simt"] == pytest.approx(r["bound_s_fp32"]), r
+            assert r["bound_s_fp8"] <= bound["wgmma"] <= 1.5 * r["bound_s_fp8"]
+    decode = rows["glm5-next-decode", "H200"]["scorers"]
+    assert [x["binding"] for x in decode] == ["issue", "memory"]

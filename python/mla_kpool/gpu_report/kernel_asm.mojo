@@ -31,7 +31,12 @@ from kernels.index_gpu import (
     index_select_phase,
 )
 from kernels.index_gpu_score import index_score_phase, index_score_thread
-from kernels.index_gpu_shape import SCORE_THREADS, score_threads, tile_words
+from kernels.index_gpu_shape import (
+    SCORE_THREADS,
+    padded_heads_pow2,
+    score_threads,
+    tile_words,
+)
 from kernels.index_operands import IndexOperands
 from kernels.index_select_layout import (
     SELECT_THREADS,
@@ -40,7 +45,10 @@ from kernels.index_select_layout import (
 )
 from kernels.index_wgmma import (
     WGMMA_THREADS,
+    WGMMA_TILE,
     index_wgmma_phase,
+    wgmma_instructions,
+    wgmma_tile_flops,
     wgmma_words,
 )
 from kernels.parallel import gpu_block_width, gpu_kernel
@@ -286,6 +294,18 @@ def _index[
         SELECT_WORDS,
         ', "select_phases": ',
         select_phases(K),
+        # What each scorer computes per candidate, for the rooflines'
+        # issue bounds: the tiled FP32 scorer's fmas (heads padded to a
+        # power of two), the wgmma scorer's instructions and flops per
+        # tile of candidates.
+        ', "simt_fma_per_candidate": ',
+        padded_heads_pow2[H]() * D,
+        ', "wgmma_tile": ',
+        WGMMA_TILE,
+        ', "wgmma_per_tile": ',
+        wgmma_instructions[H, D](),
+        ', "wgmma_flops_per_tile": ',
+        wgmma_tile_flops[H, D](),
         "}",
     )
     m.emit[gpu_kernel["mla_kpool_index_plan_kernel", Op, _plan[H, D, K, P, S]]](

@@ -63,6 +63,7 @@ __all__ = [
     "index_workload",
     "residency_source",
     "rooflines",
+    "scorer_bounds",
     "score_threads",
     "step_flops",
     "step_workload",
@@ -187,6 +188,9 @@ def index_workload(
         ),
         "heads": shape.heads,
         "depth": shape.depth,
+        "row_bounds": bench_index.bounds(
+            offsets, lengths, shape.kpool, shape.causal
+        ),
     }
 
 
@@ -412,7 +416,8 @@ def rooflines(kernels: list[dict[str, Any]]) -> list[dict[str, Any]]:
         the FP32 one, the kernels' precision), and ``kernels``: per
         launch, ``kernel``, ``grid`` (blocks of its largest launch),
         ``launches``, ``block_threads``, ``resident_blocks`` (per SM or
-        CU), ``resident_from`` and ``fill``.
+        CU), ``resident_from`` and ``fill``; for the indexer's workloads,
+        ``scorers`` (:func:`scorer_bounds`).
     """
     out = []
     for w in WORKLOADS.values():
@@ -435,11 +440,73 @@ def rooflines(kernels: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "memory" if bound == memory_s else "compute"
                 )
             result["binding"] = result["binding_fp32"]
+            if w["op"] == "index_top_k":
+                result["scorers"] = scorer_bounds(w, spec, memory_s, kernels)
             result["kernels"] = [
                 _kernel_fill(w, kernel, shared, gpu, kernels)
                 for kernel, shared in _kernels(w)
             ]
             out.append(result)
+    return out
+
+
+def scorer_bounds(
+    w: dict[str, Any], spec: Any, memory_s: float, rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each scorer's bound on one index workload: memory or instruction issue.
+
+    The issue bound counts what the scorer's compiled kernel computes per
+    candidate, read from its kernel row's ``params`` (the manifest of
+    ``kernel_asm.mojo``, which takes them from the kernels' own shape
+    functions): the FP32 scorer's ``simt_fma_per_candidate`` fmas (its
+    padded heads times the depth) at the GPU's FP32 peak; the wgmma
+    scorer's ``wgmma_flops_per_tile`` for every tile of ``wgmma_tile``
+    candidates a row sees (the last one padded), at the dense FP8 peak.
+    A scorer whose kernel has no row for the GPU's target (not compiled
+    for it, or not its GPU) gets none. The bound of a scorer is
+    ``max(memory, issue)``; it leaves the plan and select launches out.
+
+    Returns:
+        ``[{"scorer", "kernel", "bound_s", "issue_s", "binding"}]``.
+    """
+    out = []
+    seen = np.asarray(w["row_bounds"], np.int64)
+    peak = spec.peak
+    for scorer, kernels in (
+        ("simt", ("score_tiled", "score_untiled")),
+        ("wgmma", ("score_wgmma",)),
+    ):
+        row = next(
+            (
+                r
+                for k in kernels
+                if (r := _row_for(rows, w, k, spec.arch)) is not None
+                and isinstance(r.get("params"), dict)
+            ),
+            None,
+        )
+        if row is None:
+            continue
+        params = row["params"]
+        if scorer == "simt":
+            if "simt_fma_per_candidate" not in params:
+                continue
+            flops = 2 * params["simt_fma_per_candidate"] * int(seen.sum())
+            issue_s = flops / (peak.fp32_tflops * 1e12)
+        else:
+            tile = params["wgmma_tile"]
+            tiles = int((-(-seen // tile)).sum())
+            flops = tiles * params["wgmma_flops_per_tile"]
+            issue_s = flops / (peak.fp8_tflops * 1e12)
+        out.append(
+            {
+                "scorer": scorer,
+                "kernel": row["kernel"],
+                "bound_s": max(memory_s, issue_s),
+                "issue_s": issue_s,
+                "binding": "memory" if memory_s >= issue_s else "issue",
+            }
+        )
     return out
 
 
@@ -479,18 +546,26 @@ def format_rooflines(results: list[dict[str, Any]]) -> str:
     """
     head = (
         "| workload | GPU | MB | GFLOP | FP32 bound us | FP8 bound us |"
-        " kernels: grid (fill) | resident blocks from |"
+        " scorer bounds us | kernels: grid (fill) | resident blocks from |"
     )
-    lines = [head, "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    lines = [
+        head,
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- |",
+    ]
     for r in results:
         kernels = ", ".join(
             f"{k['kernel']} {k['grid']} ({100 * k['fill']:.0f}%)"
             for k in r["kernels"]
         )
+        scorers = ", ".join(
+            f"{x['scorer']} {_us(x['bound_s'])} {x['binding']}"
+            for x in r.get("scorers", [])
+        )
         lines.append(
             f"| {r['workload']} | {r['gpu']} | {r['bytes'] / 1e6:.3g} |"
             f" {r['flops'] / 1e9:.3g} | {_us(r['bound_s_fp32'])}"
             f" {r['binding_fp32']} | {_us(r['bound_s_fp8'])}"
-            f" {r['binding_fp8']} | {kernels} | {residency_source(r)} |"
+            f" {r['binding_fp8']} | {scorers or '-'} | {kernels} |"
+            f" {residency_source(r)} |"
         )
     return "\n".join(lines)
