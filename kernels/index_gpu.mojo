@@ -38,6 +38,13 @@ from std.math import ceildiv, max, min
 
 from .block_phases import Shared, launch_phased
 from .index_gpu_score import index_score_phase, index_score_thread
+from .index_mfma import (
+    MFMA_THREADS,
+    index_mfma_phase,
+    mfma_phases,
+    mfma_tiles,
+    mfma_words,
+)
 from .index_wgmma import (
     WGMMA_THREADS,
     index_wgmma_phase,
@@ -102,7 +109,7 @@ def window_rows(candidates: Int, total_tokens: Int) -> Int:
 
 
 def index_top_k_gpu[
-    emulate: Bool, wgmma: Bool = False
+    emulate: Bool, scorer: StaticString = "simt"
 ](
     op_in: IndexTopK,
     plan: Ptr[DType.int64],
@@ -114,8 +121,9 @@ def index_top_k_gpu[
 
     Parameters:
         emulate: Run every launch over the emulated grid on the CPU.
-        wgmma: Score with the tensor-core scorer (`index_wgmma`) instead
-            of the FP32 one.
+        scorer: `"simt"` (FP32, `index_gpu_score`), `"wgmma"`
+            (`index_wgmma`) or `"mfma"` (`index_mfma`), as
+            `index_scorers.scorer_kernel` chose it.
 
     Args:
         op_in: The call (its workspace fields are set here).
@@ -148,6 +156,9 @@ def index_top_k_gpu[
     def wgmma_body(p: Int, block: Int, thread: Int, s: Shared, o: type_of(op)):
         index_wgmma_phase(p, block, thread, s, o)
 
+    def mfma_body(p: Int, block: Int, thread: Int, s: Shared, o: type_of(op)):
+        index_mfma_phase(p, block, thread, s, o)
+
     comptime tiled = tiled_scorer[op.num_heads, op.depth]()
 
     launch["mla_kpool_index_plan_kernel", plan_body, emulate](
@@ -157,7 +168,19 @@ def index_top_k_gpu[
     while first < op.total_tokens:
         var rows = min(window, op.total_tokens - first)
         op.first_row = first
-        comptime if wgmma:
+        comptime if scorer == "mfma":
+            launch_phased[
+                "mla_kpool_index_mfma_score_kernel",
+                mfma_words[op.num_heads, op.depth](),
+                mfma_body,
+                emulate,
+            ](
+                op,
+                (rows * mfma_tiles(op), MFMA_THREADS),
+                mfma_phases[op.num_heads](),
+                ctx,
+            )
+        elif scorer == "wgmma":
             launch_phased[
                 "mla_kpool_index_wgmma_score_kernel",
                 wgmma_words[op.num_heads, op.depth](),

@@ -48,77 +48,18 @@ from extensibility import InputTensor, OutputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 from std.math import max, min
-from std.sys.info import _accelerator_arch
 from std.utils.index import IndexList
 
 from .index_cpu import index_top_k_cpu, scratch
 from .index_gpu import index_top_k_gpu, window_rows
 from .index_operands import IndexOperands
 from .index_plan import scored_prefix
-from .index_wgmma import WGMMA_MAX_DEPTH, wgmma_fits
+from .index_scorers import check_scorer, scorer_kernel
 from .operands import ANY, dims, expect_shape, expect_target
 
 
 comptime TOP_K_LIMIT = 2048
 """Largest `k` the op accepts (MAX's limit for this op)."""
-
-comptime SCORERS = "auto, simt, wgmma"
-"""The `scorer` names the op accepts."""
-
-
-def hopper_target() -> Bool:
-    """Whether the graph's accelerator is an sm_90 (Hopper) GPU."""
-    comptime arch = _accelerator_arch()
-    return (
-        arch == "nvidia:sm_90a" or arch == "nvidia:90a" or arch == "nvidia:90"
-    )
-
-
-def resolve_scorer[
-    scorer: StaticString,
-    target: StaticString,
-    emulate_gpu: Bool,
-    depth: Int,
-](op_name: StaticString) raises -> Bool:
-    """Whether the GPU path scores on tensor cores (`wgmma`), from `scorer`.
-
-    `"auto"` takes `wgmma` on an sm_90 GPU for the depths it serves, else
-    the FP32 scorer; `"simt"` always the FP32 scorer; `"wgmma"` the
-    tensor-core scorer, on an sm_90 GPU or the emulated grid.
-
-    Raises:
-        Error: For an unknown name (listing the valid ones), or `"wgmma"`
-            on a target that cannot run it (naming the target) or with a
-            depth it does not take.
-    """
-    comptime if scorer != "auto" and scorer != "simt" and scorer != "wgmma":
-        raise Error(
-            op_name, ": scorer must be one of ", SCORERS, ", got '", scorer, "'"
-        )
-    comptime gpu = target != "cpu"
-    comptime if scorer == "auto":
-        return gpu and hopper_target() and wgmma_fits[depth]()
-    elif scorer == "wgmma":
-        comptime if not emulate_gpu and not (gpu and hopper_target()):
-            raise Error(
-                op_name,
-                ": scorer 'wgmma' needs an sm_90 GPU (or emulate_gpu on the",
-                " CPU); this target is ",
-                target,
-                " (",
-                _accelerator_arch() if gpu else "host",
-                ")",
-            )
-        comptime if not wgmma_fits[depth]():
-            raise Error(
-                op_name,
-                ": scorer 'wgmma' takes depth up to ",
-                WGMMA_MAX_DEPTH,
-                ", got ",
-                depth,
-            )
-        return True
-    return False
 
 
 def block_stride_of(
@@ -191,10 +132,10 @@ struct MLAKPoolIndexTopK:
             target: `"cpu"` or a GPU, filled in by the graph compiler.
             emulate_gpu: On a CPU target, run the GPU path (`index_gpu`)
                 over an emulated grid instead of the CPU kernel.
-            scorer: The GPU path's scorer: `"auto"` (tensor cores where
-                the GPU has a scorer for them, else FP32), `"simt"`
-                (FP32 FMAs) or `"wgmma"` (sm_90 tensor cores; on the CPU
-                with `emulate_gpu`, over the emulated grid).
+            scorer: The GPU path's scorer (`index_scorers.mojo`):
+                `"auto"`, `"simt"` (FP32 FMAs), `"wgmma"` (sm_90 tensor
+                cores) or `"mfma"` (gfx942 matrix cores); the tensor ones
+                also over the emulated grid with `emulate_gpu`.
 
         Args:
             output_indices: Output `[T, k]` int32 candidate ids, best
@@ -231,9 +172,8 @@ struct MLAKPoolIndexTopK:
         """
         comptime OP = "mla_kpool.index_top_k"
         expect_target[emulate_gpu, target](OP)
-        var tensor_cores = resolve_scorer[scorer, target, emulate_gpu, depth](
-            OP
-        )
+        check_scorer[scorer, target, emulate_gpu, depth](OP)
+        comptime kernel = scorer_kernel[scorer, target, emulate_gpu, depth]()
         comptime assert (
             q.dtype == DType.uint8 or q.dtype == DType.float8_e4m3fn
         ), "mla_kpool.index_top_k: q and k_blocks must be uint8 or e4m3fn"
@@ -425,14 +365,9 @@ struct MLAKPoolIndexTopK:
             elif emulate_gpu:
                 var plan = List[Int64](length=2 * total_tokens, fill=0)
                 var work = List[Float32](length=window * candidates, fill=0.0)
-                if tensor_cores:
-                    index_top_k_gpu[True, True](
-                        op, scratch(plan), scratch(work), window, ctx
-                    )
-                else:
-                    index_top_k_gpu[True](
-                        op, scratch(plan), scratch(work), window, ctx
-                    )
+                index_top_k_gpu[True, kernel](
+                    op, scratch(plan), scratch(work), window, ctx
+                )
                 _ = plan^  # the launches used them through pointers
                 _ = work^
             else:
@@ -448,18 +383,9 @@ struct MLAKPoolIndexTopK:
                 var work_ptr = work.unsafe_ptr().unsafe_origin_cast[
                     MutAnyOrigin
                 ]()
-                # The wgmma kernel is built only for the GPUs that run it.
-                comptime if hopper_target() and wgmma_fits[depth]():
-                    if tensor_cores:
-                        index_top_k_gpu[False, True](
-                            op, plan_ptr, work_ptr, window, ctx
-                        )
-                    else:
-                        index_top_k_gpu[False](
-                            op, plan_ptr, work_ptr, window, ctx
-                        )
-                else:
-                    index_top_k_gpu[False](op, plan_ptr, work_ptr, window, ctx)
+                index_top_k_gpu[False, kernel](
+                    op, plan_ptr, work_ptr, window, ctx
+                )
                 _ = plan^  # freed in stream order, after the launches
                 _ = work^
 

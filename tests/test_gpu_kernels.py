@@ -166,3 +166,77 @@ def test_wgmma_scorer_planted_faults_fail(mutant, tmp_path: Path):
     status, output = run_mojo_file("tests/mojo/test_index_wgmma.mojo", tmp_path)
     assert status != 0, output
     assert re.search(match, output), output
+
+
+@pytest.mark.skipif(
+    mojo_command() is None, reason="the mojo command is not found"
+)
+def test_mfma_model_against_the_isa_tables():
+    run_mojo_suite("tests/mojo/test_mfma_model.mojo", min_tests=8)
+
+
+@pytest.mark.skipif(
+    mojo_command() is None, reason="the mojo command is not found"
+)
+def test_mfma_scorer_on_the_phased_emulation():
+    run_mojo_suite("tests/mojo/test_index_mfma.mojo", min_tests=2)
+
+
+#: Planted faults in the MI300 scorer, as WGMMA_MUTANTS.
+MFMA_MUTANTS = [
+    # The e4m3fnuz halving not undone: every dot half its value.
+    (
+        "fnuz_scale_halved",
+        "var v = acc[r] * 4",
+        "var v = acc[r] * 2",
+        r"row \d+ id \d+",
+    ),
+    (
+        # e4m3fn's -0 (0x80) fed as is: e4m3fnuz's NaN.
+        "negative_zero_kept",
+        "    return x & (((x & 0x7F7F7F7F) + 0x7F7F7F7F) | 0x7F7F7F7F)\n",
+        "    return x\n",
+        r"row \d+ id \d+",
+    ),
+    (
+        # A register's head taken from the wrong row of D.
+        "accumulator_head_swapped",
+        "MFMA_ACC * (lane // MFMA_N) + r\n",
+        "MFMA_ACC * r + lane // MFMA_N\n",
+        r"row \d+ id \d+",
+    ),
+    (
+        # Each lane's partial sum filed under its neighbour's candidate.
+        "candidate_lane_shifted",
+        "    var j = j0 + MFMA_N * wave + lane % MFMA_N\n",
+        "    var j = j0 + MFMA_N * wave + (lane + 1) % MFMA_N\n",
+        r"row \d+ id \d+",
+    ),
+    (
+        # The final sum in the products' phase: no barrier between them.
+        "sum_without_barrier",
+        "multiply_tile(s, thread, op, t, b, j0, bound)\n        return\n",
+        "multiply_tile(s, thread, op, t, b, j0, bound)\n",
+        "missing barrier",
+    ),
+]
+
+
+@pytest.mark.skipif(
+    mojo_command() is None, reason="the mojo command is not found"
+)
+@pytest.mark.parametrize(
+    "mutant", MFMA_MUTANTS, ids=[m[0] for m in MFMA_MUTANTS]
+)
+def test_mfma_scorer_planted_faults_fail(mutant, tmp_path: Path):
+    _, good, bad, match = mutant
+    shutil.copytree(ROOT / "kernels", tmp_path / "kernels")
+    (tmp_path / "tests").mkdir()
+    shutil.copytree(ROOT / "tests/mojo", tmp_path / "tests/mojo")
+    path = tmp_path / "kernels/index_mfma.mojo"
+    source = path.read_text()
+    assert source.count(good) == 1, "the planted line moved; update it"
+    path.write_text(source.replace(good, bad))
+    status, output = run_mojo_file("tests/mojo/test_index_mfma.mojo", tmp_path)
+    assert status != 0, output
+    assert re.search(match, output), output

@@ -36,8 +36,8 @@ OPS = {"ring_close", "compress", "seed_tail", "step", "expand_topk"}
 OPS |= {"index_top_k"}
 INDEX_CONFIGS = {"glm5next-k512", "glm5next-k2048", "dsv32-k2048"}
 INDEX_KERNELS = {"plan", "score_tiled", "score_untiled", "select"}
-#: Kernels built only for the GPUs that run them: Hopper's wgmma scorer.
-ARCH_KERNELS = {"sm_90a": {"score_wgmma"}}
+#: Kernels built only for the GPUs that run them: the tensor scorers.
+ARCH_KERNELS = {"sm_90a": {"score_wgmma"}, "gfx942": {"score_mfma"}}
 #: Writers' kernels: one per op, and the step's scan.
 WRITER_KERNELS = 6
 PTXAS = tools.find_ptxas()
@@ -195,6 +195,7 @@ def test_parameter_blocks_are_the_hosts_operand_bytes(report: Report):
         ("index_top_k", "score_untiled"): 192,
         ("index_top_k", "score_tiled"): 192 + 8,
         ("index_top_k", "score_wgmma"): 192 + 8,
+        ("index_top_k", "score_mfma"): 192 + 8,
         ("index_top_k", "select"): 192 + 8,
     }
     for row in report.rows:
@@ -558,6 +559,17 @@ def test_a_failed_compile_prints_no_table(monkeypatch, capsys, tmp_path):
     assert captured.err.strip().splitlines()[-1] == (
         "gpu-report: compiling the kernels for sm_90a failed: x"
     )
+
+
+def test_mfma_scorer_issues_fp8_mfma_without_scratch(report: Report):
+    rows = [
+        r for r in report.arch_rows("gfx942") if r["kernel"] == "score_mfma"
+    ]
+    assert {r["config"] for r in rows} == INDEX_CONFIGS
+    for row in rows:
+        code = report.code(row)
+        assert "v_mfma_f32_16x16x32_fp8_fp8" in code, _name(row)
+        assert row["spill_store_bytes"] == row["spill_load_bytes"] == 0, row
 
 
 def test_wgmma_scorer_bound_is_near_the_fp8_roofline_on_hopper(report: Report):

@@ -3,13 +3,13 @@
 Skipped without an accelerator. Every test of tests/test_index_top_k.py runs
 again on the GPU with this package's GPU path forced (``gpu_op="ours"``,
 whatever the GPU), against the same float64 oracle, within the bound of the
-scorer ``"auto"`` picks. Each scorer the GPU has (FP32 everywhere, the
-``wgmma`` tensor-core one on sm_90) runs every case again, twice, against the
-oracle within its own bound and bitwise equal run to run. Then, for each case
-of a shape MAX's own op scores on this GPU (``kpool == 1`` everywhere, pooled
-keys on Blackwell and MI355), MAX's op and ours both pass the oracle's check
-and select the same set up to ids whose scores lie within the float32 tolerance
-of the row's k-th score.
+scorer ``"auto"`` picks. Each scorer the GPU has (FP32 everywhere, the tensor
+one of its architecture: ``wgmma`` on sm_90, ``mfma`` on gfx942) runs every
+case again, twice, against the oracle within its own bound and bitwise equal
+run to run. Then, for each case of a shape MAX's own op scores on this GPU
+(``kpool == 1`` everywhere, pooled keys on Blackwell and MI355), MAX's op and
+ours both pass the oracle's check and select the same set up to ids whose
+scores lie within the float32 tolerance of the row's k-th score.
 """
 
 from __future__ import annotations
@@ -56,18 +56,12 @@ def _our_gpu_path(monkeypatch):
     monkeypatch.setattr(index_cases.Call, "check", check)
 
 
-def _scorers() -> list[str]:
-    """The scorers this GPU runs: FP32 everywhere, wgmma on sm_90."""
-    from mla_kpool._index_op import accelerator_arch
-
-    arch = accelerator_arch() or ""
-    return ["simt"] + (["wgmma"] if arch.startswith("sm_90") else [])
-
-
-@pytest.mark.parametrize("scorer", ["simt", "wgmma"])
+@pytest.mark.parametrize("scorer", ["simt", "wgmma", "mfma"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_each_scorer_matches_the_oracle(runner, case, scorer):
-    if scorer not in _scorers():
+    from mla_kpool._index_op import gpu_scorers
+
+    if scorer not in gpu_scorers():
         pytest.skip(f"this GPU has no {scorer} scorer")
     call = build(case)
     got = run(runner, call, scorer=scorer)

@@ -278,24 +278,33 @@ def check_operands(
     return IndexOperands(values, parameters, device)
 
 
-#: The GPU path's scorers: ``"auto"`` (tensor cores where this package
-#: has a scorer for the GPU, else FP32 FMAs), ``"simt"`` (FP32 FMAs on
-#: every GPU) and ``"wgmma"`` (Hopper's FP8 tensor cores, sm_90).
-SCORERS = ("auto", "simt", "wgmma")
+#: The GPU path's scorers: ``"auto"`` (Hopper's tensor cores on sm_90,
+#: else FP32 FMAs), ``"simt"`` (FP32 FMAs on every GPU), ``"wgmma"``
+#: (Hopper's FP8 tensor cores, sm_90) and ``"mfma"`` (MI300's FP8 matrix
+#: cores, gfx942).
+SCORERS = ("auto", "simt", "wgmma", "mfma")
+
+#: The tensor scorers and the architecture names (``max.driver``'s) of
+#: the GPUs that run them.
+_TENSOR_ARCH = {
+    "wgmma": ("sm_90", "sm_90 GPU (Hopper)"),
+    "mfma": ("gfx942", "gfx942 GPU (MI300)"),
+}
 
 
 def check_scorer(scorer: object, device: DeviceRef, emulate_gpu: bool) -> str:
     """``scorer`` checked against where the op runs.
 
-    ``"wgmma"`` runs on an sm_90 GPU, or on the host with ``emulate_gpu``
-    (the emulated grid runs its tile code). A GPU graph built where no
+    ``"wgmma"`` runs on an sm_90 GPU and ``"mfma"`` on a gfx942 one, each
+    also on the host with ``emulate_gpu`` (the emulated grid runs its tile
+    code). A GPU graph built where no
     accelerator answers (virtual-device compiles) is not checked here:
     the op checks its target when it is compiled.
 
     Raises:
         TypeError: If ``scorer`` is not a string.
         ValueError: For a name not in :data:`SCORERS` (listing them), or
-            ``"wgmma"`` where it cannot run (naming the device).
+            a tensor scorer where it cannot run (naming the device).
     """
     if not isinstance(scorer, str):
         raise TypeError(f"scorer must be a str, got {type(scorer).__name__}")
@@ -303,21 +312,37 @@ def check_scorer(scorer: object, device: DeviceRef, emulate_gpu: bool) -> str:
         raise ValueError(
             f"scorer must be one of {', '.join(SCORERS)}, got {scorer!r}"
         )
-    if scorer != "wgmma":
+    if scorer not in _TENSOR_ARCH:
         return scorer
+    prefix, gpu = _TENSOR_ARCH[scorer]
     if device.is_cpu():
         if not emulate_gpu:
             raise ValueError(
-                "scorer 'wgmma' runs on an sm_90 GPU, or on the host with"
+                f"scorer {scorer!r} runs on an {gpu}, or on the host with"
                 " emulate_gpu=True; q is on the CPU without emulate_gpu"
             )
         return scorer
     arch = accelerator_arch()
-    if arch is not None and not arch.startswith("sm_90"):
+    if arch is not None and not arch.startswith(prefix):
         raise ValueError(
-            f"scorer 'wgmma' needs an sm_90 GPU (Hopper); this GPU is {arch}"
+            f"scorer {scorer!r} needs an {gpu}; this GPU is {arch}"
         )
     return scorer
+
+
+def gpu_scorers() -> list[str]:
+    """The scorers this machine's GPU runs (:data:`SCORERS`).
+
+    ``"simt"`` and the tensor scorer of its architecture; ``[]`` without
+    a GPU.
+    """
+    arch = accelerator_arch()
+    if arch is None:
+        return []
+    tensor = [
+        s for s, (prefix, _) in _TENSOR_ARCH.items() if arch.startswith(prefix)
+    ]
+    return ["simt", *tensor]
 
 
 def accelerator_arch() -> str | None:

@@ -56,6 +56,7 @@ from tqdm import tqdm
 from .. import index_runner
 from .. import runner as kpool_runner
 from .._argtypes import int_at_least, non_negative_float, output_file
+from .._index_op import gpu_scorers
 from .._paths import NOOP_KERNELS
 from .._sysinfo import run_info
 from ..runner import Runner
@@ -447,10 +448,10 @@ def index_cases(device: str) -> list[Case]:
 
     GLM-5-Next's indexer (:data:`.index.GLM5_NEXT`) on each phase of
     :data:`.index.INDEX_PHASES`; ``batch`` is the phase's requests. On a
-    GPU, a row per scorer it has (:func:`gpu_scorers`).
+    GPU, a row per scorer it has (:func:`mla_kpool._index_op.gpu_scorers`).
     """
     shape = index.GLM5_NEXT
-    scorers = gpu_scorers() if device == "gpu" else [""]
+    scorers = (gpu_scorers() or [""]) if device == "gpu" else [""]
     return [
         Case(
             INDEX_OP,
@@ -465,14 +466,6 @@ def index_cases(device: str) -> list[Case]:
         for phase, (requests, _, _) in index.INDEX_PHASES.items()
         for scorer in scorers
     ]
-
-
-def gpu_scorers() -> list[str]:
-    """The index scorers of this machine's GPU: FP32, and wgmma on sm_90."""
-    from .._index_op import accelerator_arch
-
-    arch = accelerator_arch() or ""
-    return ["simt"] + (["wgmma"] if arch.startswith("sm_90") else [])
 
 
 def graphs_to_compile(todo: list[Case]) -> int:

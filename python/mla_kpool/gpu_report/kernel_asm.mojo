@@ -43,6 +43,14 @@ from kernels.index_select_layout import (
     SELECT_WORDS,
     select_phases,
 )
+from kernels.index_mfma import (
+    MFMA_THREADS,
+    MFMA_TILE,
+    index_mfma_phase,
+    mfma_instructions,
+    mfma_tile_flops,
+    mfma_words,
+)
 from kernels.index_wgmma import (
     WGMMA_THREADS,
     WGMMA_TILE,
@@ -137,6 +145,12 @@ def _score_wgmma[
     H: Int, D: Int, K: Int, P: Int, S: Bool
 ](p: Int, block: Int, thread: Int, s: Shared, op: Index[H, D, K, P, S]):
     index_wgmma_phase(p, block, thread, s, op)
+
+
+def _score_mfma[
+    H: Int, D: Int, K: Int, P: Int, S: Bool
+](p: Int, block: Int, thread: Int, s: Shared, op: Index[H, D, K, P, S]):
+    index_mfma_phase(p, block, thread, s, op)
 
 
 def _select[
@@ -306,6 +320,12 @@ def _index[
         wgmma_instructions[H, D](),
         ', "wgmma_flops_per_tile": ',
         wgmma_tile_flops[H, D](),
+        ', "mfma_tile": ',
+        MFMA_TILE,
+        ', "mfma_per_tile": ',
+        mfma_instructions[H, D](),
+        ', "mfma_flops_per_tile": ',
+        mfma_tile_flops[H, D](),
         "}",
     )
     m.emit[gpu_kernel["mla_kpool_index_plan_kernel", Op, _plan[H, D, K, P, S]]](
@@ -361,6 +381,23 @@ def _index[
             params,
             "mla_kpool_index_wgmma_score_kernel",
             WGMMA_THREADS,
+            phased,
+        )
+    comptime if ARCH == "gfx942" or ARCH == "mi300x":
+        m.emit[
+            gpu_phased_kernel[
+                "mla_kpool_index_mfma_score_kernel",
+                Op,
+                mfma_words[H, D](),
+                _score_mfma[H, D, K, P, S],
+            ]
+        ](
+            "index_top_k",
+            "score_mfma",
+            config,
+            params,
+            "mla_kpool_index_mfma_score_kernel",
+            MFMA_THREADS,
             phased,
         )
     m.emit[

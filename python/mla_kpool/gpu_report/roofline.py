@@ -459,9 +459,10 @@ def scorer_bounds(
     candidate, read from its kernel row's ``params`` (the manifest of
     ``kernel_asm.mojo``, which takes them from the kernels' own shape
     functions): the FP32 scorer's ``simt_fma_per_candidate`` fmas (its
-    padded heads times the depth) at the GPU's FP32 peak; the wgmma
-    scorer's ``wgmma_flops_per_tile`` for every tile of ``wgmma_tile``
-    candidates a row sees (the last one padded), at the dense FP8 peak.
+    padded heads times the depth) at the GPU's FP32 peak; a tensor
+    scorer's ``<scorer>_flops_per_tile`` (``wgmma``, ``mfma``) for every
+    tile of ``<scorer>_tile`` candidates a row sees (the last one padded),
+    at the dense FP8 peak.
     A scorer whose kernel has no row for the GPU's target (not compiled
     for it, or not its GPU) gets none. The bound of a scorer is
     ``max(memory, issue)``; it leaves the plan and select launches out.
@@ -475,6 +476,7 @@ def scorer_bounds(
     for scorer, kernels in (
         ("simt", ("score_tiled", "score_untiled")),
         ("wgmma", ("score_wgmma",)),
+        ("mfma", ("score_mfma",)),
     ):
         row = next(
             (
@@ -494,9 +496,9 @@ def scorer_bounds(
             flops = 2 * params["simt_fma_per_candidate"] * int(seen.sum())
             issue_s = flops / (peak.fp32_tflops * 1e12)
         else:
-            tile = params["wgmma_tile"]
+            tile = params[f"{scorer}_tile"]
             tiles = int((-(-seen // tile)).sum())
-            flops = tiles * params["wgmma_flops_per_tile"]
+            flops = tiles * params[f"{scorer}_flops_per_tile"]
             issue_s = flops / (peak.fp8_tflops * 1e12)
         out.append(
             {

@@ -42,7 +42,11 @@ less than ``2^-13`` of the largest addend, which is at most the head's
 off by less than ``33 * ceil(D / 32) * 2^-13`` of that sum, and weighting
 and summing the heads and scaling keep the bound in units of ``mag_j``: the
 float32 tolerance plus ``33 * ceil(D / 32) * 2^-13 * mag_j``
-(:data:`TENSOR_CORE_UNIT`).
+(:data:`TENSOR_CORE_MODELS`). The MI300 scorer (``scorer="mfma"``) feeds
+CDNA3's FP8 MFMA, which sums each instruction's products in two groups of
+16, rounds each group down to float32 and adds it to the accumulator
+(MMA-Sim's model): 3 roundings of at most ``2^-23`` per instruction, so
+``3 * ceil(D / 32) * 2^-23 * mag_j`` more.
 """
 
 from __future__ import annotations
@@ -57,12 +61,19 @@ from ._checks import _check_kpool, _index_values, _offsets_ok
 
 #: Float32 unit roundoff, the kernel's accumulation precision.
 UNIT = 2.0**-24
-#: Relative error per addend of one FP8 ``wgmma`` (13 fraction bits kept).
-TENSOR_CORE_UNIT = 2.0**-13
-#: Addends of one FP8 ``wgmma`` per output: 32 products and the accumulator.
-TENSOR_CORE_ADDENDS = 33
+#: Per tensor scorer, ``(roundings, unit)`` of one 32-deep instruction:
+#: each of that many roundings errs by less than ``unit`` of the head's
+#: ``sum_d |q k|`` (module docs).
+TENSOR_CORE_MODELS = {
+    # Hopper FP8 wgmma: 32 products and the accumulator aligned to the
+    # largest and truncated to 13 fraction bits.
+    "wgmma": (33, 2.0**-13),
+    # CDNA3 FP8 MFMA: two groups of 16 products summed, each rounded down
+    # to float32, then added to the accumulator.
+    "mfma": (3, 2.0**-23),
+}
 #: Scorers with their own error model (:func:`index_tolerance`).
-SCORERS = ("simt", "wgmma")
+SCORERS = ("simt", *TENSOR_CORE_MODELS)
 #: Smallest normal float32: an absolute floor for underflow.
 TINY = 2.0**-126
 #: MAX's largest supported ``top_k``.
@@ -126,9 +137,9 @@ def index_tolerance(
         mag: The scores' error magnitudes ``mag_j``.
         num_heads: ``H``.
         depth: ``D``.
-        scorer: ``"simt"`` (float32 FMAs) or ``"wgmma"`` (FP8 tensor
-            cores, :data:`TENSOR_CORE_UNIT`); ``"auto"`` counts as the
-            looser ``"wgmma"``.
+        scorer: ``"simt"`` (float32 FMAs), ``"wgmma"`` or ``"mfma"``
+            (FP8 tensor cores, :data:`TENSOR_CORE_MODELS`); ``"auto"``
+            counts as the loosest, ``"wgmma"``.
 
     Raises:
         ValueError: For another scorer name.
@@ -138,8 +149,11 @@ def index_tolerance(
     tol = (depth + num_heads + 4) * UNIT * mag + (num_heads + 4) * TINY
     if scorer == "simt":
         return tol
+    roundings, unit = TENSOR_CORE_MODELS[
+        "wgmma" if scorer == "auto" else scorer
+    ]
     steps = -(-depth // 32)
-    return tol + TENSOR_CORE_ADDENDS * steps * TENSOR_CORE_UNIT * mag
+    return tol + roundings * steps * unit * mag
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
-"""The tensor-core (``wgmma``) scorer's tile code on the emulated grid.
+"""The tensor scorers' tile code on the emulated grid: Hopper's and MI300's.
 
-``scorer="wgmma"`` with ``emulate_gpu`` runs the Hopper scorer's own phases
-on the host: the tiles it stages in shared memory, the descriptors it
-builds, the accumulator registers it reads, with the instruction itself
-computed by ``kernels/wgmma_model.mojo`` (written from the PTX ISA, checked
-against its tables in tests/mojo/test_wgmma_model.mojo). Each case is
-checked against the float64 oracle within the tensor-core error bound
+``scorer="wgmma"`` (or ``"mfma"``) with ``emulate_gpu`` runs that scorer's
+own phases on the host: the tiles and fragments it loads, the descriptors
+it builds, the accumulator registers it reads, with the instruction itself
+computed by a host model written from the ISA's tables
+(``kernels/wgmma_model.mojo`` from the PTX ISA, ``kernels/mfma_model.mojo``
+from AMD's CDNA3 tables; checked against them in tests/mojo). Each case is
+checked against the float64 oracle within that scorer's error bound
 (``mla_kpool.reference.index_tolerance``), and ties must still go to the
 lowest ids. The corpus is the index cases whose emulation stays small
 (every shape but the 262,144-pool and 4,096-row ones), plus rows shorter
@@ -30,6 +31,8 @@ ODD = replace(WHOLE, name="odd-pad", heads=5, depth=40, width=40, kpool=1)
 #: More heads than one product takes (two chunks: 64 and 16).
 WIDE = replace(DSV32, name="wide-80", heads=80, depth=64, width=64, top_k=64)
 SHAPES = (GLM, GLM_CAUSAL, DSV32, WHOLE, ODD, WIDE)
+#: The tensor scorers; each runs every case.
+SCORERS = ("wgmma", "mfma")
 
 #: Cases too large to emulate per thread (hundreds of millions of modelled
 #: products); the GPU tests run them.
@@ -39,14 +42,18 @@ EXTRA = [
     Case("odd-pad-short-rows", ODD, cached=(3, 70, 0), new=(2, 1, 4)),
     Case("wide-heads-two-chunks", WIDE, cached=(130, 1), new=(2, 3)),
 ]
-WGMMA_CASES = [c for c in CASES if c.name not in _SLOW] + EXTRA
+CASES_SMALL = [c for c in CASES if c.name not in _SLOW] + EXTRA
 
 
 def COMPILED_TOGETHER(device: str) -> list[IndexKey]:  # noqa: N802
-    """Every shape's wgmma model, compiled as one graph per host device."""
+    """Every shape's model per tensor scorer, compiled as one graph."""
     if device != "gpu-emulated":
         return []
-    return [index_key(shape, device, scorer="wgmma") for shape in SHAPES]
+    return [
+        index_key(shape, device, scorer=scorer)
+        for scorer in SCORERS
+        for shape in SHAPES
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -55,30 +62,33 @@ def runner(runners):
     return runners("gpu-emulated")
 
 
-@pytest.mark.parametrize("case", WGMMA_CASES, ids=lambda c: c.name)
-def test_wgmma_scorer_matches_the_oracle(runner, case):
+@pytest.mark.parametrize("scorer", SCORERS)
+@pytest.mark.parametrize("case", CASES_SMALL, ids=lambda c: c.name)
+def test_tensor_scorer_matches_the_oracle(runner, case, scorer):
     call = build(case)
-    got = run(runner, call, scorer="wgmma")
+    got = run(runner, call, scorer=scorer)
     assert got.shape == (len(call.q), case.shape.top_k)
-    report = call.check(got, scorer="wgmma")
+    report = call.check(got, scorer=scorer)
     assert report.rows == len(call.q)
 
 
-def test_wgmma_ties_go_to_the_lowest_ids(runner):
+@pytest.mark.parametrize("scorer", SCORERS)
+def test_ties_go_to_the_lowest_ids(runner, scorer):
     # From id 100 on every key is the same: identical bytes and scales
     # score identically in any arithmetic, so the ids past 100 that make
     # the cut are exactly the lowest ones, in ascending order.
     call = build(Case("ties", DSV32, cached=(6500,), new=(2,), tie_from=100))
-    got = run(runner, call, scorer="wgmma")
-    call.check(got, scorer="wgmma")
+    got = run(runner, call, scorer=scorer)
+    call.check(got, scorer=scorer)
     for row in got:
         tied = row[row >= 100]
         assert len(tied) > 0
         np.testing.assert_array_equal(tied, np.arange(100, 100 + len(tied)))
 
 
-def test_wgmma_same_output_on_every_run(runner):
-    call = build(WGMMA_CASES[0])
-    first = run(runner, call, scorer="wgmma")
+@pytest.mark.parametrize("scorer", SCORERS)
+def test_same_output_on_every_run(runner, scorer):
+    call = build(CASES_SMALL[0])
+    first = run(runner, call, scorer=scorer)
     for _ in range(2):
-        np.testing.assert_array_equal(run(runner, call, scorer="wgmma"), first)
+        np.testing.assert_array_equal(run(runner, call, scorer=scorer), first)

@@ -1,0 +1,129 @@
+"""Which scorer `index_top_k`'s GPU path builds and runs: the `scorer` parameter.
+
+| `scorer` | runs on | kernel |
+| --- | --- | --- |
+| `"auto"` | every target | `"wgmma"` on an sm_90 GPU for the depths it takes, else `"simt"` |
+| `"simt"` | every GPU, the emulated grid | FP32 FMAs (`index_gpu_score.mojo`) |
+| `"wgmma"` | sm_90 GPUs, the emulated grid | Hopper FP8 tensor cores (`index_wgmma.mojo`) |
+| `"mfma"` | gfx942 GPUs, the emulated grid | CDNA3 FP8 matrix cores (`index_mfma.mojo`) |
+
+The choice is made when the op is compiled, from its target
+(`_accelerator_arch()`: MAX names an H100 / H200 `nvidia:sm_90a` and an
+MI300X `amdgpu:gfx942`), so a GPU builds only the scorer it runs. `"mfma"`
+is not `"auto"`'s choice on gfx942: it has run only on the emulated grid,
+and it reads e4m3fn's NaN bytes as +-240 (docs/ops.md).
+"""
+
+from std.sys.info import _accelerator_arch
+
+from .index_mfma import MFMA_MAX_DEPTH, mfma_fits
+from .index_wgmma import WGMMA_MAX_DEPTH, wgmma_fits
+
+
+comptime SCORERS = "auto, simt, wgmma, mfma"
+"""The `scorer` names the op accepts."""
+
+
+def hopper_target() -> Bool:
+    """Whether the graph's accelerator is an sm_90 (Hopper) GPU."""
+    comptime arch = _accelerator_arch()
+    return (
+        arch == "nvidia:sm_90a" or arch == "nvidia:90a" or arch == "nvidia:90"
+    )
+
+
+def cdna3_target() -> Bool:
+    """Whether the graph's accelerator is a gfx942 (MI300) GPU."""
+    comptime arch = _accelerator_arch()
+    return arch == "amdgpu:gfx942" or arch == "amdgpu:94"
+
+
+def scorer_kernel[
+    scorer: StaticString, target: StaticString, emulate_gpu: Bool, depth: Int
+]() -> StaticString:
+    """The scorer the GPU path builds: `"simt"`, `"wgmma"` or `"mfma"`.
+
+    A tensor scorer only where it can run (an sm_90 / gfx942 target, or
+    the emulated grid) and for the depths it takes; `"simt"` otherwise,
+    so a refused name never builds a kernel its target lacks
+    (`check_scorer` raises for it before anything launches).
+    """
+    comptime gpu = target != "cpu"
+    comptime if scorer == "auto":
+        comptime if gpu and hopper_target() and wgmma_fits[depth]():
+            return "wgmma"
+        return "simt"
+    elif scorer == "wgmma":
+        comptime if (emulate_gpu or (gpu and hopper_target())) and wgmma_fits[
+            depth
+        ]():
+            return "wgmma"
+        return "simt"
+    elif scorer == "mfma":
+        comptime if (emulate_gpu or (gpu and cdna3_target())) and mfma_fits[
+            depth
+        ]():
+            return "mfma"
+        return "simt"
+    return "simt"
+
+
+def check_scorer[
+    scorer: StaticString, target: StaticString, emulate_gpu: Bool, depth: Int
+](op_name: StaticString) raises:
+    """Raises unless `scorer` names a scorer this call can run.
+
+    Raises:
+        Error: For an unknown name (listing the valid ones), or a tensor
+            scorer on a target that cannot run it (naming the target) or
+            with a depth it does not take.
+    """
+    comptime if (
+        scorer != "auto"
+        and scorer != "simt"
+        and scorer != "wgmma"
+        and scorer != "mfma"
+    ):
+        raise Error(
+            op_name, ": scorer must be one of ", SCORERS, ", got '", scorer, "'"
+        )
+    comptime gpu = target != "cpu"
+    comptime arch = _accelerator_arch() if gpu else "host"
+    comptime if scorer == "wgmma":
+        comptime if not emulate_gpu and not (gpu and hopper_target()):
+            raise Error(
+                op_name,
+                ": scorer 'wgmma' needs an sm_90 GPU (or emulate_gpu on the",
+                " CPU); this target is ",
+                target,
+                " (",
+                arch,
+                ")",
+            )
+        comptime if not wgmma_fits[depth]():
+            raise Error(
+                op_name,
+                ": scorer 'wgmma' takes depth up to ",
+                WGMMA_MAX_DEPTH,
+                ", got ",
+                depth,
+            )
+    elif scorer == "mfma":
+        comptime if not emulate_gpu and not (gpu and cdna3_target()):
+            raise Error(
+                op_name,
+                ": scorer 'mfma' needs a gfx942 GPU (or emulate_gpu on the",
+                " CPU); this target is ",
+                target,
+                " (",
+                arch,
+                ")",
+            )
+        comptime if not mfma_fits[depth]():
+            raise Error(
+                op_name,
+                ": scorer 'mfma' takes depth up to ",
+                MFMA_MAX_DEPTH,
+                ", got ",
+                depth,
+            )
