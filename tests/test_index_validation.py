@@ -366,3 +366,49 @@ def test_gpu_graph_takes_our_op_where_max_has_no_pooled_scorer(
     text = str(_graph(gpu=True, kpool=4))
     assert "mla_kpool.index_top_k" in text
     assert "mo.mla.indexer.ragged.float8.paged" not in text
+
+
+@pytest.mark.parametrize(
+    "scorer, error, match",
+    [
+        (
+            "tensor",
+            ValueError,
+            r"scorer must be one of auto, simt, wgmma, mfma",
+        ),
+        (3, TypeError, r"scorer must be a str, got int"),
+        ("wgmma", ValueError, r"scorer 'wgmma' runs on an sm_90 GPU"),
+        ("mfma", ValueError, r"scorer 'mfma' runs on a gfx942 GPU"),
+    ],
+)
+def test_a_scorer_the_cpu_cannot_run_fails_at_graph_build(scorer, error, match):
+    with pytest.raises(error, match=match):
+        _graph(scorer=scorer)
+
+
+@pytest.mark.parametrize(
+    "arch, scorer, ok",
+    [
+        ("sm_90a", "wgmma", True),
+        ("sm_100a", "wgmma", False),
+        ("gfx942", "mfma", True),
+        ("sm_90a", "mfma", False),
+        ("gfx950", "simt", True),
+        (None, "wgmma", True),  # no GPU answers: the op checks its target
+    ],
+)
+def test_a_gpu_scorer_is_checked_against_the_gpu(monkeypatch, arch, scorer, ok):
+    _arch(monkeypatch, arch)
+    if not ok:
+        with pytest.raises(ValueError, match=f"this GPU is {arch}"):
+            _graph(gpu=True, scorer=scorer)
+        return
+    text = str(_graph(gpu=True, scorer=scorer))
+    # A named scorer runs this package's op, the scorer among its parameters.
+    assert "mla_kpool.index_top_k" in text
+    assert f'scorer = "{scorer}"' in text
+
+
+def test_the_default_scorer_leaves_the_graph_as_before(monkeypatch):
+    _arch(monkeypatch, "sm_90a")
+    assert "scorer" not in str(_graph(gpu=True))

@@ -287,8 +287,8 @@ SCORERS = ("auto", "simt", "wgmma", "mfma")
 #: The tensor scorers and the architecture names (``max.driver``'s) of
 #: the GPUs that run them.
 _TENSOR_ARCH = {
-    "wgmma": ("sm_90", "sm_90 GPU (Hopper)"),
-    "mfma": ("gfx942", "gfx942 GPU (MI300)"),
+    "wgmma": ("sm_90", "an sm_90 GPU (Hopper)"),
+    "mfma": ("gfx942", "a gfx942 GPU (MI300)"),
 }
 
 
@@ -318,15 +318,13 @@ def check_scorer(scorer: object, device: DeviceRef, emulate_gpu: bool) -> str:
     if device.is_cpu():
         if not emulate_gpu:
             raise ValueError(
-                f"scorer {scorer!r} runs on an {gpu}, or on the host with"
+                f"scorer {scorer!r} runs on {gpu}, or on the host with"
                 " emulate_gpu=True; q is on the CPU without emulate_gpu"
             )
         return scorer
     arch = accelerator_arch()
     if arch is not None and not arch.startswith(prefix):
-        raise ValueError(
-            f"scorer {scorer!r} needs an {gpu}; this GPU is {arch}"
-        )
+        raise ValueError(f"scorer {scorer!r} needs {gpu}; this GPU is {arch}")
     return scorer
 
 
