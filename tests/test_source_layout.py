@@ -24,8 +24,9 @@ PACKAGE = ROOT / "python" / "mla_kpool"
 MAX_SCAFFOLDING_RATIO = 0.75
 #: No Python file under python/, tests/ or examples/ is longer.
 MAX_PYTHON_LINES = 800
-#: No Mojo file under kernels/ is longer.
-MAX_KERNEL_LINES = 400
+#: No Mojo file under kernels/ is longer: room for one algorithm with its
+#: docs (a scorer, a select), not for two.
+MAX_KERNEL_LINES = 700
 
 #: Product code, paths relative to the repository root (a folder: every
 #: .py and .mojo file under it), each with why it is product.
