@@ -589,3 +589,51 @@ def test_wgmma_scorer_bound_is_near_the_fp8_roofline_on_hopper(report: Report):
             assert r["bound_s_fp8"] <= bound["wgmma"] <= 1.5 * r["bound_s_fp8"]
     decode = rows["glm5-next-decode", "H200"]["scorers"]
     assert [x["binding"] for x in decode] == ["issue", "memory"]
+
+
+NVDISASM = tools.find_nvdisasm()
+
+
+@pytest.mark.skipif(
+    PTXAS is None or NVDISASM is None, reason="needs ptxas and nvdisasm"
+)
+def test_tensor_scorers_machine_code_counts_match_the_manifest(report: Report):
+    # The SASS holds the wgmma scorer's QGMMA, as many per tile as the
+    # manifest's count that the rooflines use, and no FP32 FMA chain; the
+    # gfx942 code one MFMA per k-step (the head chunks are a loop).
+    for row in report.rows:
+        if row["kernel"] not in ("score_wgmma", "score_mfma"):
+            continue
+        ops = row["machine_ops"]
+        params = row["params"]
+        if row["kernel"] == "score_wgmma":
+            assert ops["matrix"] == {"QGMMA": params["wgmma_per_tile"]}, row
+        else:
+            steps = -(-params["depth"] // 32)
+            assert ops["matrix"] == {"v_mfma_f32_16x16x32_fp8_fp8": steps}
+    tiled = [
+        r for r in report.arch_rows("sm_90a") if r["kernel"] == "score_tiled"
+    ]
+    assert all(r["machine_ops"]["matrix"] == {} for r in tiled)
+    assert all(r["machine_ops"]["fma"].get("FFMA", 0) > 0 for r in tiled)
+
+
+def test_no_tool_is_made_executable_inside_site_packages(tmp_path, monkeypatch):
+    # A wheel unpacked without modes: the tool is copied, not chmodded.
+    tool = tmp_path / "nvidia" / "cu13" / "bin" / "nvdisasm"
+    tool.parent.mkdir(parents=True)
+    tool.write_bytes(b"#!/bin/sh\necho ok\n")
+    tool.chmod(0o644)
+    monkeypatch.setattr(
+        tools.importlib.util,
+        "find_spec",
+        lambda name: type(
+            "S", (), {"submodule_search_locations": [str(tmp_path / "nvidia")]}
+        ),
+    )
+    found = tools.find_nvdisasm()
+    assert found is not None and found != str(tool)
+    assert tool.stat().st_mode & 0o777 == 0o644
+    assert (
+        subprocess.run([found], capture_output=True, text=True).stdout == "ok\n"
+    )

@@ -41,7 +41,13 @@ from .report import (
     param_mismatches,
     table_line,
 )
-from .tools import ToolError, compile_kernels, find_ptxas, ptxas_hint
+from .tools import (
+    ToolError,
+    compile_kernels,
+    find_nvdisasm,
+    find_ptxas,
+    ptxas_hint,
+)
 
 __all__ = [
     "ARCHS",
@@ -136,13 +142,14 @@ def report(archs: list[str], asm_dir: Path, out=None, err=None) -> list[Row]:
         except OSError as e:
             raise OutputError(f"cannot create {out_dir}: {e.strerror}") from e
     ptxas = find_ptxas()
+    nvdisasm = find_nvdisasm()
     if ptxas is None and any(is_nvidia(a) for a in archs):
         print(ptxas_hint(), file=err)
     rows: list[Row] = []
     for arch, out_dir in zip(archs, out_dirs, strict=True):
         start = time.perf_counter()
         compile_kernels(arch, out_dir)
-        arch_rows = kernel_rows(arch, out_dir, ptxas)
+        arch_rows = kernel_rows(arch, out_dir, ptxas, nvdisasm)
         if not rows:
             # The header once the first target compiled, so that a failed
             # compile prints one line and no table.

@@ -258,3 +258,31 @@ def amd_kernels(asm: str) -> dict[str, dict[str, int]]:
             "param_bytes": kernarg if explicit is None else explicit,
         }
     return out
+
+
+#: Matrix (tensor-core) instructions, by their SASS and AMDGPU mnemonics:
+#: Hopper's warpgroup FP8 and half MMAs, warp-level half MMAs, FP8 warp
+#: MMAs (sm_89, sm_120), and AMD's MFMAs.
+_MATRIX = re.compile(r"\b(QGMMA|HGMMA|HMMA|QMMA|v_mfma_\w+)\b")
+#: Scalar FP32 fused multiply-adds: SASS ``FFMA``, AMD ``v_fma_f32`` /
+#: ``v_fmac_f32`` (and their packed ``v_pk_fma_f32``).
+_FMA = re.compile(r"\b(FFMA|v_fmac?_f32|v_pk_fma_f32)\b")
+
+
+def machine_ops(code: str) -> dict[str, dict[str, int]]:
+    """Static counts of matrix instructions and FP32 FMAs in machine code.
+
+    Args:
+        code: SASS (``nvdisasm``'s listing of one kernel's cubin) or AMDGPU
+            assembly (one kernel's ``.s``).
+
+    Returns:
+        ``{"matrix": {mnemonic: count}, "fma": {mnemonic: count}}``: each
+        instruction as often as it appears in the code (a loop body
+        counts once), e.g. ``{"QGMMA": 4}`` or
+        ``{"v_mfma_f32_16x16x32_fp8_fp8": 4}``.
+    """
+    return {
+        "matrix": dict(Counter(_MATRIX.findall(code))),
+        "fma": dict(Counter(_FMA.findall(code))),
+    }

@@ -15,12 +15,13 @@ from typing import Any
 
 from .asm import (
     amd_kernels,
+    machine_ops,
     parse_ptxas,
     ptx_entries,
     ptx_param_bytes,
     ptx_shared_bytes,
 )
-from .tools import ToolError, run_ptxas
+from .tools import ToolError, run_nvdisasm, run_ptxas
 
 Row = dict[str, Any]
 
@@ -53,19 +54,29 @@ def _entry(symbols: list[str], prefix: str, asm: str) -> str:
     return found[0]
 
 
-def _nvidia_facts(arch: str, path: Path, prefix: str, ptxas: str | None) -> Row:
+def _nvidia_facts(
+    arch: str,
+    path: Path,
+    prefix: str,
+    ptxas: str | None,
+    nvdisasm: str | None = None,
+) -> Row:
     ptx = path.read_text()
     entry = _entry(ptx_entries(ptx), prefix, path.name)
     row: Row = {
         "entry": entry,
         "param_bytes": ptx_param_bytes(ptx, entry),
         "shared_bytes": ptx_shared_bytes(ptx, entry),
+        "machine_ops": None,
     }
     row.update(dict.fromkeys(PTXAS_FIELDS))
     if ptxas is not None:
-        facts = parse_ptxas(run_ptxas(ptxas, arch, path))[entry]
+        cubin = path.with_suffix(".cubin") if nvdisasm else None
+        facts = parse_ptxas(run_ptxas(ptxas, arch, path, cubin))[entry]
         row.update({k: facts[k] for k in PTXAS_FIELDS})
         row["shared_bytes"] = facts["shared_bytes"]
+        if cubin is not None and nvdisasm is not None:
+            row["machine_ops"] = machine_ops(run_nvdisasm(nvdisasm, cubin))
     return row
 
 
@@ -87,6 +98,7 @@ def _amd_facts(path: Path, prefix: str) -> Row:
         "spill_load_bytes": facts["private_bytes"],
         "stack_bytes": facts["private_bytes"],
         "barriers": None,
+        "machine_ops": machine_ops(path.read_text()),
     }
 
 
@@ -109,7 +121,9 @@ def add_occupancy(row: Row) -> None:
         row["resident_blocks"][gpu] = occ["resident_blocks"]
 
 
-def kernel_rows(arch: str, out_dir: Path, ptxas: str | None) -> list[Row]:
+def kernel_rows(
+    arch: str, out_dir: Path, ptxas: str | None, nvdisasm: str | None = None
+) -> list[Row]:
     """The rows of one target, from the driver's output in ``out_dir``.
 
     Args:
@@ -118,19 +132,24 @@ def kernel_rows(arch: str, out_dir: Path, ptxas: str | None) -> list[Row]:
             ``asm`` is ``<arch>/<file>``).
         ptxas: The assembler for NVIDIA targets, or ``None`` (registers,
             spills, stack, barriers and occupancy are then unknown).
+        nvdisasm: NVIDIA's disassembler, or ``None`` (an NVIDIA row's
+            ``machine_ops`` are then unknown; they need ptxas too).
 
     Returns:
         One dict per kernel: the manifest's fields, ``arch``, ``entry``,
-        the code's facts (module docs) and the occupancy per GPU.
+        the code's facts (module docs), ``machine_ops``
+        (:func:`.asm.machine_ops` of its SASS or AMDGPU assembly, or
+        ``None``) and the occupancy per GPU.
 
     Raises:
-        ToolError: If a kernel's symbol is not found once, or ptxas fails.
+        ToolError: If a kernel's symbol is not found once, or ptxas or
+            nvdisasm fails.
     """
     rows = []
     for kernel in read_manifest(out_dir):
         path = out_dir / kernel["asm"]
         if is_nvidia(arch):
-            facts = _nvidia_facts(arch, path, kernel["entry"], ptxas)
+            facts = _nvidia_facts(arch, path, kernel["entry"], ptxas, nvdisasm)
         else:
             facts = _amd_facts(path, kernel["entry"])
         row = {**kernel, "arch": arch, **facts}
@@ -169,15 +188,35 @@ def _occupancy_cell(row: Row) -> str:
 
 HEADER = (
     f"{'arch':8} {'op':12} {'kernel':13} {'config':24} {'regs':>4} "
-    f"{'spill':>7} {'smem':>6} {'thr':>4} {'param/host':>10}  occupancy"
+    f"{'spill':>7} {'smem':>6} {'thr':>4} {'param/host':>10} {'matrix':>9}"
+    "  occupancy"
 )
+
+
+def _matrix_cell(row: Row) -> str:
+    """The kernel's matrix instructions, as the table shows them.
+
+    ``QGMMA 4`` (mnemonic and static count), ``mfma 4`` for AMD's, ``-``
+    for none, ``?`` when unknown (no disassembler).
+    """
+    ops = row.get("machine_ops")
+    if ops is None:
+        return "?"
+    matrix = ops["matrix"]
+    if not matrix:
+        return "-"
+    return ", ".join(
+        f"{'mfma' if name.startswith('v_mfma') else name} {n}"
+        for name, n in matrix.items()
+    )
 
 
 def table_line(row: Row) -> str:
     """A row of the table.
 
     Columns: registers, spill bytes (stores/loads), shared bytes, threads
-    per block, parameter and host bytes, occupancy per GPU.
+    per block, parameter and host bytes, matrix instructions in the code
+    (:func:`_matrix_cell`), occupancy per GPU.
     """
     spill = (
         f"{_cell(row['spill_store_bytes'])}/{_cell(row['spill_load_bytes'])}"
@@ -186,6 +225,6 @@ def table_line(row: Row) -> str:
     return (
         f"{row['arch']:8} {row['op']:12} {row['kernel']:13} "
         f"{row['config']:24} {_cell(row['registers']):>4} {spill:>7} "
-        f"{row['shared_bytes']:>6} {row['block_threads']:>4} {params:>10}  "
-        f"{_occupancy_cell(row)}"
+        f"{row['shared_bytes']:>6} {row['block_threads']:>4} {params:>10} "
+        f"{_matrix_cell(row):>9}  {_occupancy_cell(row)}"
     )

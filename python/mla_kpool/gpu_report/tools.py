@@ -1,4 +1,4 @@
-"""The programs the report runs: ``mojo`` (the kernel driver) and ``ptxas``."""
+"""The programs the report runs: ``mojo``, ``ptxas`` and ``nvdisasm``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from .._paths import KERNELS
@@ -58,9 +59,29 @@ def mojo_command() -> str | None:
 def find_ptxas() -> str | None:
     """NVIDIA's PTX assembler, or ``None`` if it is not installed.
 
-    Looks in the ``nvidia-cuda-nvcc`` wheel (``nvidia/cu13/bin/ptxas``, or
-    ``cu12``), then on ``PATH``. A wheel unpacked without file modes leaves
-    it not executable; it is made executable here.
+    The ``nvidia-cuda-nvcc`` wheel's (:func:`find_nvidia_tool`), else
+    ``PATH``'s.
+    """
+    return find_nvidia_tool("ptxas")
+
+
+def find_nvdisasm() -> str | None:
+    """NVIDIA's cubin disassembler (SASS), or ``None`` if not installed.
+
+    The ``nvidia-cuda-nvdisasm`` wheel's (:func:`find_nvidia_tool`), else
+    ``PATH``'s.
+    """
+    return find_nvidia_tool("nvdisasm")
+
+
+def find_nvidia_tool(name: str) -> str | None:
+    """A CUDA tool from NVIDIA's PyPI wheels, else from ``PATH``.
+
+    Looks for ``nvidia/cu13/bin/<name>`` (or ``cu12``) in the installed
+    ``nvidia`` namespace package. A wheel unpacked without file modes
+    leaves the tool not executable: then an executable copy is made in a
+    per-user folder of the temporary directory (nothing inside
+    site-packages is changed), and that copy is returned.
     """
     try:
         spec = importlib.util.find_spec("nvidia")
@@ -69,12 +90,24 @@ def find_ptxas() -> str | None:
     roots = list(spec.submodule_search_locations or []) if spec else []
     for root in roots:
         for cuda in ("cu13", "cu12"):
-            path = Path(root) / cuda / "bin" / "ptxas"
+            path = Path(root) / cuda / "bin" / name
             if path.is_file():
-                if not os.access(path, os.X_OK):
-                    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-                return str(path)
-    return shutil.which("ptxas")
+                return _executable(path)
+    return shutil.which(name)
+
+
+def _executable(path: Path) -> str:
+    """``path``, or an executable copy of it when it is not executable."""
+    if os.access(path, os.X_OK):
+        return str(path)
+    folder = Path(tempfile.gettempdir()) / f"mla-kpool-tools-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    copy = folder / f"{path.parent.parent.name}-{path.name}"
+    size = path.stat().st_size
+    if not copy.is_file() or copy.stat().st_size != size:
+        shutil.copyfile(path, copy)
+        copy.chmod(stat.S_IRWXU)
+    return str(copy)
 
 
 def compile_kernels(arch: str, out_dir: Path, timeout: float = 900) -> None:
@@ -135,14 +168,23 @@ def compile_error(stderr: str, returncode: int) -> str:
     return message
 
 
-def run_ptxas(ptxas: str, arch: str, ptx_file: Path) -> str:
+def run_ptxas(
+    ptxas: str, arch: str, ptx_file: Path, cubin: Path | None = None
+) -> str:
     """``ptxas -arch=<arch> -v`` of one PTX file: its info output.
+
+    Args:
+        ptxas: The assembler.
+        arch: Its ``-arch``.
+        ptx_file: The PTX.
+        cubin: Where the machine code goes (discarded when ``None``).
 
     Raises:
         ToolError: If ptxas refuses the file.
     """
+    out = os.devnull if cubin is None else str(cubin)
     proc = subprocess.run(
-        [ptxas, f"-arch={arch}", "-v", str(ptx_file), "-o", os.devnull],
+        [ptxas, f"-arch={arch}", "-v", str(ptx_file), "-o", out],
         capture_output=True,
         text=True,
     )
@@ -150,3 +192,18 @@ def run_ptxas(ptxas: str, arch: str, ptx_file: Path) -> str:
         first = (proc.stderr.strip().splitlines() or ["?"])[0]
         raise ToolError(f"ptxas failed on {ptx_file.name}: {first}")
     return proc.stdout + proc.stderr
+
+
+def run_nvdisasm(nvdisasm: str, cubin: Path) -> str:
+    """The SASS of a cubin (``nvdisasm``'s listing).
+
+    Raises:
+        ToolError: If nvdisasm refuses the file.
+    """
+    proc = subprocess.run(
+        [nvdisasm, str(cubin)], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        first = (proc.stderr.strip().splitlines() or ["?"])[0]
+        raise ToolError(f"nvdisasm failed on {cubin.name}: {first}")
+    return proc.stdout
