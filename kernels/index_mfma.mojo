@@ -28,8 +28,10 @@ the query row once per wave, from the cache.
 every byte but `0x80`, `0x7F`, `0xFF`, the e4m3fnuz value is the e4m3fn
 value halved (bias 8 instead of 7). The fragment loader clears `0x80`
 (e4m3fn's -0, e4m3fnuz's NaN) to `0x00`, and each dot product is
-multiplied by 4 (exact). `0x7F` / `0xFF` (NaN in e4m3fn) read as +-240,
-so a NaN in the inputs does not reach the score here, unlike the FP32
+multiplied by 4 (exact). `0x7F` / `0xFF` (NaN in e4m3fn) read as +-240
+in e4m3fnuz, so each lane also looks for them in its key and query bytes:
+a NaN key byte makes that candidate's score NaN, a NaN query byte the
+whole row's (through a flag per thread in shared memory), as in the FP32
 scorers.
 
 Phases (`block_phases.launch_phased`):
@@ -40,7 +42,8 @@ Phases (`block_phases.launch_phased`):
   ascending), then stores the partial in shared word `4 m + l / 16` of its
   candidate `m = 16 w + l % 16`.
 - `1`: a thread per candidate adds its 4 partial sums in a fixed order and
-  multiplies by the key's scale (once, after the head sum).
+  multiplies by the key's scale (once, after the head sum); NaN if wave
+  0's lanes saw a NaN query byte.
 
 Numerics: products of e4m3 values are exact; the MFMA adds them with its
 own adder (CDNA3 FP8 MFMA: fewer bits than a float32 FMA chain), the head
@@ -121,9 +124,28 @@ def mfma_phases[num_heads: Int]() -> Int:
 
 @always_inline
 def mfma_words[num_heads: Int, depth: Int]() -> Int:
-    """Shared `UInt32` words of the scorer: 4 partial sums per candidate
-    (1 KiB), whatever the shape."""
-    return MFMA_GROUPS * MFMA_TILE
+    """Shared `UInt32` words of the scorer, whatever the shape (2 KiB): 4
+    partial sums per candidate, then a NaN flag per thread (`nan_word`)."""
+    return MFMA_GROUPS * MFMA_TILE + MFMA_THREADS
+
+
+@always_inline
+def nan_word(thread: Int) -> Int:
+    """The shared word where `thread` says whether its query bytes hold a
+    NaN."""
+    return MFMA_GROUPS * MFMA_TILE + thread
+
+
+@always_inline
+def has_nan_byte[width: Int](words: SIMD[DType.uint64, width]) -> Bool:
+    """Whether any byte is an e4m3fn NaN (`0x7F` or `0xFF`).
+
+    Per byte, `(b & 0x7F) + 1` sets bit 7 only when the low 7 bits are all
+    ones, and never carries into the next byte.
+    """
+    var x = bitcast[DType.uint32, 2 * width](words)
+    var hit = ((x & 0x7F7F7F7F) + 0x01010101) & 0x80808080
+    return hit.reduce_or() != 0
 
 
 @always_inline
@@ -327,10 +349,15 @@ def multiply_tile(
     var lane = thread % MFMA_LANES
     var weights = op.qs.unsafe_offset(t * heads)
     var partial = Float32(0)
+    # e4m3fnuz has no NaN where e4m3fn has 0x7F / 0xFF: the lanes note
+    # them, and the score becomes NaN as the FP32 scorers' would.
+    var key = key_fragment(op, b, j0, bound, wave, lane)
+    var key_nan = has_nan_byte(key)
+    var query_nan = False
     comptime if is_amd_gpu():
-        var key = key_fragment(op, b, j0, bound, wave, lane)
         for c in range(chunks):
             var query = query_fragment(op, t, c, lane)
+            query_nan = query_nan or has_nan_byte(query)
             var acc = SIMD[DType.float32, MFMA_ACC](0)
             comptime for step in range(steps):
                 var d = SIMD[DType.float32, MFMA_ACC](0)
@@ -347,6 +374,9 @@ def multiply_tile(
         # every lane's registers (the loaders the GPU lanes run, which read
         # only the op's inputs) and let the ISA model pick the elements.
         for c in range(chunks):
+            query_nan = query_nan or has_nan_byte(
+                query_fragment(op, t, c, lane)
+            )
             var acc = SIMD[DType.float32, MFMA_ACC](0)
             comptime for step in range(steps):
                 var a = SIMD[DType.uint64, MFMA_LANES](0)
@@ -356,8 +386,11 @@ def multiply_tile(
                     k[l] = key_fragment(op, b, j0, bound, wave, l)[step]
                 acc = mfma_f32_16x16x32_fp8_model(a, k, lane, acc)
             partial = add_heads[heads](acc, c, lane, weights, partial)
+    if key_nan:
+        partial = Float32(FloatLiteral.nan)
     var m = MFMA_N * wave + lane % MFMA_N
     s.store_f32(MFMA_GROUPS * m + lane // MFMA_N, partial)
+    s.store(nan_word(thread), UInt32(1) if query_nan else UInt32(0))
 
 
 def index_mfma_phase(
@@ -399,6 +432,12 @@ def index_mfma_phase(
     var total = (s.load_f32(word) + s.load_f32(word + 1)) + (
         s.load_f32(word + 2) + s.load_f32(word + 3)
     )
+    # Every wave loads the whole query row: wave 0's lanes hold all of it.
+    var row_nan = UInt32(0)
+    for lane in range(MFMA_LANES):
+        row_nan |= s.load(nan_word(lane))
+    if row_nan != 0:
+        total = Float32(FloatLiteral.nan)
     op.scores[unsafe_offset=row * op.candidates + j] = (
         total * op.k_scales[unsafe_offset=candidate_at(op, b, j)[1]]
     )

@@ -2,16 +2,14 @@
 
 | `scorer` | runs on | kernel |
 | --- | --- | --- |
-| `"auto"` | every target | `"wgmma"` on an sm_90 GPU for the depths it takes, else `"simt"` |
+| `"auto"` | every target | `"wgmma"` on an sm_90 GPU, `"mfma"` on a gfx942 one (for the depths they take), else `"simt"` |
 | `"simt"` | every GPU, the emulated grid | FP32 FMAs (`index_gpu_score.mojo`) |
 | `"wgmma"` | sm_90 GPUs, the emulated grid | Hopper FP8 tensor cores (`index_wgmma.mojo`) |
 | `"mfma"` | gfx942 GPUs, the emulated grid | CDNA3 FP8 matrix cores (`index_mfma.mojo`) |
 
 The choice is made when the op is compiled, from its target
 (`_accelerator_arch()`: MAX names an H100 / H200 `nvidia:sm_90a` and an
-MI300X `amdgpu:gfx942`), so a GPU builds only the scorer it runs. `"mfma"`
-is not `"auto"`'s choice on gfx942: it has run only on the emulated grid,
-and it reads e4m3fn's NaN bytes as +-240 (docs/ops.md).
+MI300X `amdgpu:gfx942`), so a GPU builds only the scorer it runs.
 """
 
 from std.sys.info import _accelerator_arch
@@ -52,6 +50,8 @@ def scorer_kernel[
     comptime if scorer == "auto":
         comptime if gpu and hopper_target() and wgmma_fits[depth]():
             return "wgmma"
+        comptime if gpu and cdna3_target() and mfma_fits[depth]():
+            return "mfma"
         return "simt"
     elif scorer == "wgmma":
         comptime if (emulate_gpu or (gpu and hopper_target())) and wgmma_fits[

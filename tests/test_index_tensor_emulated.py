@@ -24,7 +24,7 @@ import pytest
 
 from index_cases import DSV32, GLM, GLM_CAUSAL, WHOLE, Case, build, index_key
 from mla_kpool.index_runner import IndexKey
-from test_index_top_k import CASES, run
+from test_index_top_k import CASES, _nan_keys, run
 
 #: Heads not a multiple of 8, depth not a multiple of 32: padded tiles.
 ODD = replace(WHOLE, name="odd-pad", heads=5, depth=40, width=40, kpool=1)
@@ -92,3 +92,29 @@ def test_same_output_on_every_run(runner, scorer):
     first = run(runner, call, scorer=scorer)
     for _ in range(2):
         np.testing.assert_array_equal(run(runner, call, scorer=scorer), first)
+
+
+def _nan_query(call) -> None:
+    """Tweak: a NaN byte in one head of row 1's query (request 0)."""
+    call.q[1, 2, 7] = 0xFF
+
+
+@pytest.mark.parametrize("scorer", SCORERS)
+def test_nan_bytes_make_nan_scores(runner, scorer):
+    # e4m3fn's NaN bytes (0x7F, 0xFF) are numbers to MI300's e4m3fnuz
+    # instruction: both scorers must still score them NaN, as the oracle
+    # does. Row 1's query has one: its whole row scores NaN, so its ids are
+    # in ascending order (all tied); row 0's NaN keys rank last.
+    call = build(
+        Case(
+            "nan-both",
+            WHOLE,
+            cached=(25, 7),
+            new=(2, 1),
+            tweaks=(_nan_keys(1), _nan_query),
+        )
+    )
+    got = run(runner, call, scorer=scorer)
+    call.check(got, scorer=scorer)
+    row = got[1][got[1] >= 0]
+    np.testing.assert_array_equal(row, np.arange(len(row)))

@@ -278,8 +278,8 @@ def check_operands(
     return IndexOperands(values, parameters, device)
 
 
-#: The GPU path's scorers: ``"auto"`` (Hopper's tensor cores on sm_90,
-#: else FP32 FMAs), ``"simt"`` (FP32 FMAs on every GPU), ``"wgmma"``
+#: The GPU path's scorers: ``"auto"`` (the tensor scorer of an sm_90 or
+#: gfx942 GPU, else FP32 FMAs), ``"simt"`` (FP32 FMAs on every GPU), ``"wgmma"``
 #: (Hopper's FP8 tensor cores, sm_90) and ``"mfma"`` (MI300's FP8 matrix
 #: cores, gfx942).
 SCORERS = ("auto", "simt", "wgmma", "mfma")

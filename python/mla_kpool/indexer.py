@@ -124,8 +124,9 @@ def index_top_k(
         kpool: Tokens per cached key; ids are pool ids when ``> 1``.
         scorer: How this package's GPU path scores (keyword only, not in
             MAX's signature): ``"auto"`` (its tensor-core scorer where it
-            has one for the GPU, Hopper's ``wgmma``; else FP32 FMAs),
-            ``"simt"`` (FP32 FMAs) or ``"wgmma"`` (sm_90 only). Any value
+            has one for the GPU: ``wgmma`` on sm_90, ``mfma`` on gfx942;
+            else FP32 FMAs), ``"simt"`` (FP32 FMAs), ``"wgmma"`` (sm_90
+            only) or ``"mfma"`` (gfx942 only). Any value
             but ``"auto"`` runs this package's op even where MAX's scores
             the shape. docs/ops.md gives each scorer's error bound.
 

@@ -243,7 +243,7 @@ def _field(asm: String, name: StaticString) raises -> Int:
 
 
 def _check_gfx942[H: Int, D: Int](asm: String) raises:
-    """MFMA present, no scratch, 1 KiB of LDS; prints the resources.
+    """MFMA present, no scratch, `mfma_words` of LDS; prints the resources.
 
     The head chunks are a runtime loop (unrolled or not, at the compiler's
     choice): the code holds `S` MFMAs per loop body, `chunks * S` per wave
