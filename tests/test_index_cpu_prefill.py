@@ -18,4 +18,4 @@ from kpool_cases import mojo_command, run_mojo_suite
     mojo_command() is None, reason="the mojo command is not found"
 )
 def test_prefill_scorer_parts() -> None:
-    run_mojo_suite("tests/mojo/test_index_cpu_prefill.mojo", min_tests=7)
+    run_mojo_suite("tests/mojo/test_index_cpu_prefill.mojo")

@@ -17,4 +17,4 @@ from kpool_cases import mojo_command, run_mojo_suite
     mojo_command() is None, reason="the mojo command is not found"
 )
 def test_decode_and_rank_key() -> None:
-    run_mojo_suite("tests/mojo/test_index_top_k.mojo", min_tests=3)
+    run_mojo_suite("tests/mojo/test_index_top_k.mojo")

@@ -40,7 +40,7 @@ F32 = np.float32
     mojo_command() is None, reason="the mojo command is not found"
 )
 def test_message_format_in_mojo() -> None:
-    run_mojo_suite("tests/mojo/test_operands.mojo", min_tests=6)
+    run_mojo_suite("tests/mojo/test_operands.mojo")
 
 
 @pytest.fixture(scope="module")
