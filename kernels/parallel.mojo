@@ -4,9 +4,10 @@ Each op gathers one call's operands into a struct (`RingCloseOperands`,
 ...), built once and passed whole to its CPU driver and to its GPU thread
 body, a plain function of `(block, thread, operands)` that does one
 thread's work. `launch` runs a thread body over a grid: on a GPU as
-`gpu_kernel`, the one kernel of this package (instantiated per op and
+`gpu_kernel`, the kernel of every thread body (instantiated per op and
 named after it, so a profile says which op ran), which calls the body with
-`block_idx.x` and `thread_idx.x`; emulated, through `emulate_grid`, which
+`block_idx.x` and `thread_idx.x`; kernels whose threads share a block's
+memory go through the other launcher, `block_phases.launch_phased`; emulated, through `emulate_grid`, which
 calls the same body on the CPU for every block and thread of the launch.
 Emulation therefore tests each thread's indexing and arithmetic, but not
 how the operands reach a GPU (a by-value copy of the struct's bytes into
