@@ -535,17 +535,38 @@ def test_an_asm_dir_that_cannot_be_created_fails_before_compiling(
     )
 
 
-def test_a_json_path_that_cannot_be_written_is_one_line(
+def test_a_json_path_that_cannot_be_written_fails_before_compiling(
     monkeypatch, capsys, tmp_path
 ):
+    # Paths the option check lets through: a folder, and a file under a
+    # folder that only looks writable. Both fail in one line, before the
+    # report compiles anything.
+    def no_report(archs, d):
+        raise AssertionError("the report ran")
+
     monkeypatch.setattr(gpu_report, "output_file", str)
+    monkeypatch.setattr(gpu_report, "report", no_report)
+    for path, why in (
+        (tmp_path, "it is a folder"),
+        (tmp_path / "missing" / "r.json", "No such file or directory"),
+    ):
+        assert main(["gpu-report", "--json", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"gpu-report: argument --json: cannot write {path}: {why}"
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_a_written_json_says_where(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(gpu_report, "report", lambda archs, d: [_row()])
-    argv = ["gpu-report", "--asm-dir", str(tmp_path), "--json", str(tmp_path)]
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == (
-        f"gpu-report: argument --json: cannot write {tmp_path}: Is a directory"
+    monkeypatch.setattr(
+        gpu_report, "_write_json", lambda p, r: p.write_text("{}")
     )
+    path = tmp_path / "r.json"
+    assert (
+        main(["gpu-report", "--asm-dir", str(tmp_path), "--json", str(path)])
+        == 0
+    )
+    assert capsys.readouterr().err.strip().endswith(f"gpu-report: wrote {path}")
 
 
 def test_a_failed_compile_prints_no_table(monkeypatch, capsys, tmp_path):

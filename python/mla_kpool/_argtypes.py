@@ -59,8 +59,12 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"must be a file in an existing folder, got {text!r}"
         )
-    if not os.access(folder, os.W_OK) or os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: a folder")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text!r}: its folder is not writable"
+        )
     return text
 
 

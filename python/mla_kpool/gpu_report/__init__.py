@@ -162,6 +162,27 @@ def report(archs: list[str], asm_dir: Path, out=None, err=None) -> list[Row]:
     return rows
 
 
+def _unwritable(path: Path) -> str | None:
+    """Why ``path`` cannot be written, or ``None`` if it can.
+
+    Tried by opening it for appending before anything compiles (a file
+    that did not exist is removed again), so that a path the option check
+    lets through (a folder under ``/proc``) fails in a second, not after
+    the whole report.
+    """
+    existed = path.exists()
+    if path.is_dir():
+        return "it is a folder"
+    try:
+        with path.open("a"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    if not existed:
+        path.unlink()
+    return None
+
+
 def _write_json(path: Path, rows: list[Row]) -> None:
     from .roofline import rooflines
 
@@ -181,6 +202,14 @@ def run(args: argparse.Namespace) -> int:
     ``host_bytes``.
     """
     archs = list(dict.fromkeys(args.arch or DEFAULT_ARCHS))
+    if args.json is not None:
+        why = _unwritable(Path(args.json))
+        if why is not None:
+            print(
+                f"gpu-report: argument --json: cannot write {args.json}: {why}",
+                file=sys.stderr,
+            )
+            return 2
     try:
         if args.asm_dir is not None:
             rows = report(archs, Path(args.asm_dir))
@@ -203,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+        print(f"gpu-report: wrote {Path(args.json).resolve()}", file=sys.stderr)
     mismatches = param_mismatches(rows)
     for line in mismatches:
         print(f"gpu-report: parameter block mismatch: {line}", file=sys.stderr)
