@@ -160,9 +160,12 @@ def test_amd_rows_are_what_the_code_says(report: Report):
             return int(re.search(rf"\.amdhsa_{name}\s+(\d+)", desc)[1])
 
         assert row["registers"] == field("next_free_vgpr"), _name(row)
-        private = field("private_segment_fixed_size")
-        assert row["spill_store_bytes"] == private, _name(row)
-        assert row["spill_load_bytes"] == private, _name(row)
+        # One kernel per file: its metadata entry's fields follow its name.
+        meta = code[code.index(f".name:           {row['entry']}") :]
+        vgpr_spills = int(re.search(r"\.vgpr_spill_count:\s+(\d+)", meta)[1])
+        assert row["spill_store_bytes"] == 4 * vgpr_spills, _name(row)
+        assert row["spill_load_bytes"] == 4 * vgpr_spills, _name(row)
+        assert row["stack_bytes"] == field("private_segment_fixed_size")
         assert row["shared_bytes"] == field("group_segment_fixed_size")
 
 
@@ -381,7 +384,9 @@ amdhsa.kernels:
         .value_kind:     hidden_block_count_x
     .name:           k_1
     .sgpr_count:     26
+    .sgpr_spill_count: 3
     .vgpr_count:     37
+    .vgpr_spill_count: 2
 ...
 \t.end_amdgpu_metadata
 """
@@ -396,6 +401,8 @@ def test_amd_reader_counts_only_explicit_arguments():
         "sgprs": 26,
         "shared_bytes": 512,
         "private_bytes": 16,
+        "vgpr_spills": 2,
+        "sgpr_spills": 3,
         "kernarg_bytes": 272,
         "param_bytes": 208,
     }

@@ -234,7 +234,10 @@ def amd_kernels(asm: str) -> dict[str, dict[str, int]]:
         (metadata ``.sgpr_count``, else ``.amdhsa_next_free_sgpr``),
         ``shared_bytes`` (``.amdhsa_group_segment_fixed_size``, LDS),
         ``private_bytes`` (``.amdhsa_private_segment_fixed_size``, scratch
-        per lane: spills and stack), ``kernarg_bytes``
+        per lane: spills and stack), ``vgpr_spills`` and ``sgpr_spills``
+        (the metadata's ``.vgpr_spill_count`` and ``.sgpr_spill_count``:
+        registers spilled, 0 when the metadata has no such field),
+        ``kernarg_bytes``
         (``.amdhsa_kernarg_size``, hidden arguments included) and
         ``param_bytes`` (the explicit arguments only: the end of the last
         metadata ``.args`` entry whose kind is not ``hidden_*``).
@@ -254,6 +257,8 @@ def amd_kernels(asm: str) -> dict[str, dict[str, int]]:
             "sgprs": _meta_int(m, "sgpr_count") or f.get("next_free_sgpr", 0),
             "shared_bytes": f.get("group_segment_fixed_size", 0),
             "private_bytes": f.get("private_segment_fixed_size", 0),
+            "vgpr_spills": _meta_int(m, "vgpr_spill_count") or 0,
+            "sgpr_spills": _meta_int(m, "sgpr_spill_count") or 0,
             "kernarg_bytes": kernarg,
             "param_bytes": kernarg if explicit is None else explicit,
         }

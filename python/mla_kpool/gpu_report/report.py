@@ -93,9 +93,13 @@ def _amd_facts(path: Path, prefix: str) -> Row:
         "vgpr_count": facts["vgpr_count"],
         "agprs": facts["agprs"],
         "sgprs": facts["sgprs"],
-        # Scratch per lane holds spills and stack alike.
-        "spill_store_bytes": facts["private_bytes"],
-        "spill_load_bytes": facts["private_bytes"],
+        # The metadata's own spill counts: a spilled VGPR takes 4 bytes of
+        # scratch per lane (stored and loaded back); SGPRs spill into VGPR
+        # lanes, counted apart. Scratch also holds the stack.
+        "spill_store_bytes": 4 * facts["vgpr_spills"],
+        "spill_load_bytes": 4 * facts["vgpr_spills"],
+        "vgpr_spills": facts["vgpr_spills"],
+        "sgpr_spills": facts["sgpr_spills"],
         "stack_bytes": facts["private_bytes"],
         "barriers": None,
         "machine_ops": machine_ops(path.read_text()),
