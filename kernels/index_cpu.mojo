@@ -37,8 +37,10 @@ comptime CPU_MIN_PART_CANDIDATES = 4 * CPU_TILE
 """Fewest candidates worth a core of their own when one row chunk's
 candidates are split between cores."""
 
-comptime CPU_MIN_PARALLEL_WORK = 1 << 20
-"""Score multiply-adds below which one core finishes before others wake."""
+comptime CPU_MIN_PARALLEL_MACS = 1 << 20
+"""Score multiply-adds below which one core finishes before others wake
+(the writers' threshold, `parallel.CPU_MIN_PARALLEL_MEMBERS`, counts pooled
+element-members instead)."""
 
 
 @always_inline
@@ -199,7 +201,7 @@ def index_top_k_cpu(op: IndexTopK):
             widest = max(widest, bound)
     work *= op.num_heads * op.depth
     var chunks = len(task_request)
-    var serial = chunks == 0 or work < CPU_MIN_PARALLEL_WORK
+    var serial = chunks == 0 or work < CPU_MIN_PARALLEL_MACS
     var parts = 1
     if not serial and chunks < num_physical_cores():
         parts = max(

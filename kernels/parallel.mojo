@@ -30,7 +30,7 @@ comptime GPU_MAX_BLOCK = 1024
 comptime GPU_MAX_GRID = (1 << 31) - 1
 """Largest x-dimension grid a GPU launch accepts (CUDA's and HIP's limit)."""
 
-comptime CPU_MIN_PARALLEL_WORK = 1 << 17
+comptime CPU_MIN_PARALLEL_MEMBERS = 1 << 17
 """Element-members below which one core finishes before others could wake.
 
 Inside a MAX graph, waking the runtime's worker threads costs about as
@@ -62,7 +62,7 @@ def cpu_for_each_range[
         body: Called with each half-open item range.
     """
     var workers = min(num_physical_cores(), count)
-    if workers <= 1 or work < CPU_MIN_PARALLEL_WORK:
+    if workers <= 1 or work < CPU_MIN_PARALLEL_MEMBERS:
         body(0, count)
         return
     var per_worker = ceildiv(count, workers)
