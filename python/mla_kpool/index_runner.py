@@ -194,7 +194,6 @@ def idle_operands(key: IndexKey, device: driver.Device) -> list[Buffer]:
 
 
 def _gpu_op(key: IndexKey, values: list[Any]) -> Any:
-    from max.nn.attention.mask_config import MHAMaskVariant
     from max.nn.kv_cache import PagedCacheValues
 
     from .indexer import index_top_k
@@ -212,14 +211,10 @@ def _gpu_op(key: IndexKey, values: list[Any]) -> Any:
         scales_page_stride=sstride,
         scales_lookup_table=stable,
     )
-    mask = (
-        MHAMaskVariant.CAUSAL_MASK
-        if key.mask == "causal"
-        else MHAMaskVariant.NULL_MASK
-    )
+    # The wrapper takes the mask's name as MAX's variant (mask_name).
     return index_top_k(
         q, qs, offsets, cache, layer, key.top_k,
-        key.quantization_granularity, mask, key.kpool,
+        key.quantization_granularity, key.mask, key.kpool,
     )  # fmt: skip
 
 
