@@ -17,7 +17,9 @@ Three launches, with the same answer as the CPU path (`index_top_k_cpu`):
    ReLU, the head weights and the key's scale applied there, into a
    float32 workspace row (`index_score_thread`, untiled, for shapes whose
    query does not fit the block's shared memory). The launch's shape is
-   `index_gpu_shape.mojo`'s.
+   `index_gpu_shape.mojo`'s. That is the `"simt"` scorer; the tensor
+   scorers (`index_wgmma.mojo` on sm_90, `index_mfma.mojo` on gfx942)
+   fill the same workspace row, as `index_scorers.mojo` picks.
 3. **Select** (`index_select.select_row_phase`, a block per row): the top
    `k` ids of the workspace row in the contract's order.
 
@@ -31,7 +33,7 @@ overflow a grid dimension.
 
 A decode reads each visible key once per query row (once per request); a
 prefill reads a request's keys once per row, from the L2 cache after the
-first. Never run on a real GPU.
+first. It has run on an NVIDIA H200 (docs/performance.md).
 """
 from max.gpu.host import DeviceContext
 from std.math import ceildiv, max, min

@@ -187,7 +187,7 @@ def fn_to_fnuz_words[
     byte keeps its meaning up to a factor of 2 (module docs). Per byte,
     `(b & 0x7F) + 0x7F` has bit 7 set unless the magnitude is 0 (and never
     carries into the next byte), so the mask keeps the sign bit of every
-    byte with a nonzero magnitude. Notes section 16 (MOJO_MAX_NOTES.md).
+    byte with a nonzero magnitude.
 
     Parameters:
         width: Words.

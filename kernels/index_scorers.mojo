@@ -89,6 +89,15 @@ def check_scorer[
         )
     comptime gpu = target != "cpu"
     comptime arch = _accelerator_arch() if gpu else "host"
+    # On a GPU a tensor scorer the target lacks fails the build: a graph
+    # names its scorer for the GPU it is compiled for (and an arch name
+    # this file does not know would otherwise quietly build "simt").
+    comptime assert (
+        not gpu or scorer != "wgmma" or hopper_target()
+    ), "mla_kpool.index_top_k: scorer 'wgmma' needs an sm_90 GPU target"
+    comptime assert (
+        not gpu or scorer != "mfma" or cdna3_target()
+    ), "mla_kpool.index_top_k: scorer 'mfma' needs a gfx942 GPU target"
     comptime if scorer == "wgmma":
         comptime if not emulate_gpu and not (gpu and hopper_target()):
             raise Error(

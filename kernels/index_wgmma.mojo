@@ -120,8 +120,8 @@ def wgmma_words[num_heads: Int, depth: Int]() -> Int:
 
 @always_inline
 def wgmma_fits[depth: Int]() -> Bool:
-    """Whether the scorer takes this depth."""
-    return depth <= WGMMA_MAX_DEPTH
+    """Whether the scorer takes this depth (`1 ..= WGMMA_MAX_DEPTH`)."""
+    return 0 < depth <= WGMMA_MAX_DEPTH
 
 
 @always_inline
@@ -239,9 +239,14 @@ def multiply_chunk[chunk: Int](s: Shared, thread: Int, op: IndexTopK, t: Int):
     var keys = base
     var query = base + 4 * query_word[op.depth]()
     var acc = SIMD[DType.float32, width](0)
+    # The same descriptors for the hardware and for the model: only the
+    # instruction differs between the GPU and the emulated grid.
     comptime if is_nvidia_gpu():
         wgmma_fence_aligned()
-        comptime for step in range(kp // WGMMA_FP8_K):
+    comptime for step in range(kp // WGMMA_FP8_K):
+        var a = descriptor(keys + 2 * CORE_BYTES * step, leading, stride)
+        var b = descriptor(query + 2 * CORE_BYTES * step, leading, stride)
+        comptime if is_nvidia_gpu():
             acc = wgmma_async[
                 WGMMA_TILE,
                 n,
@@ -251,25 +256,15 @@ def multiply_chunk[chunk: Int](s: Shared, thread: Int, op: IndexTopK, t: Int):
                 a_type=DType.float8_e4m3fn,
                 b_type=DType.float8_e4m3fn,
             ](
-                WGMMADescriptor[DType.float8_e4m3fn](
-                    descriptor(keys + 2 * CORE_BYTES * step, leading, stride)
-                ),
-                WGMMADescriptor[DType.float8_e4m3fn](
-                    descriptor(query + 2 * CORE_BYTES * step, leading, stride)
-                ),
+                WGMMADescriptor[DType.float8_e4m3fn](a),
+                WGMMADescriptor[DType.float8_e4m3fn](b),
                 acc,
             )
+        else:
+            acc = wgmma_e4m3_model[n, width](s, thread, a, b, acc)
+    comptime if is_nvidia_gpu():
         wgmma_commit_group_sync()
         wgmma_wait_group_sync[0]()
-    else:
-        comptime for step in range(kp // WGMMA_FP8_K):
-            acc = wgmma_e4m3_model[n, width](
-                s,
-                thread,
-                descriptor(keys + 2 * CORE_BYTES * step, leading, stride),
-                descriptor(query + 2 * CORE_BYTES * step, leading, stride),
-                acc,
-            )
     # Register i holds row 16w + g + 8 ((i / 2) % 2), column
     # 8 (i / 4) + 2q + i % 2 (PTX ISA's m64nNk32 accumulator fragment).
     var lane = thread % 32

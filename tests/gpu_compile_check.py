@@ -81,7 +81,12 @@ def _index_inputs(device, suffix: str = "") -> list:
     return IndexKey(**GLM_INDEX).input_types(device, suffix)
 
 
-def _index_op(values: list):
+#: The tensor scorer each target runs, named in the graph as well as
+#: ``"auto"``: a name the kernels do not match to the target fails the build.
+TENSOR_SCORER = {"sm_90a": "wgmma", "gfx942": "mfma"}
+
+
+def _index_op(values: list, scorer: str = "auto"):
     """This package's index_top_k op on the 13 graph values."""
     from mla_kpool._index_op import add_op, check_operands
 
@@ -97,15 +102,18 @@ def _index_op(values: list):
             mask_str=key["mask"],
             kpool=key["kpool"],
             prefix="",
-        )
+        ),
+        scorer=scorer,
     )
 
 
-def _whole_op_graph(kernels: Path):
+def _whole_op_graph(kernels: Path, arch: str = ""):
     """The default graph: every op and dtype above, on ``DeviceRef.GPU()``.
 
     Args:
         kernels: The Mojo kernel package to load the ops from.
+        arch: The target: index_top_k is added a second time with its
+            tensor scorer named (:data:`TENSOR_SCORER`), where it has one.
 
     Returns:
         The :class:`max.graph.Graph`.
@@ -161,8 +169,11 @@ def _whole_op_graph(kernels: Path):
         wide_step = mla_kpool.kpool_step(x[7], *x[8:11], *x[4:7], 128)
         half = mla_kpool.compress(*x[11:17], 16)
         positions = mla_kpool.expand_topk(x[17], x[4], x[5], 4)
-        ids = _index_op(list(graph.inputs[18:31]))
-        graph.output(*step, *step3, *wide, *wide_step, half, positions, ids)
+        ids = [_index_op(list(graph.inputs[18:31]))]
+        if arch in TENSOR_SCORER:
+            scorer = TENSOR_SCORER[arch]
+            ids.append(_index_op(list(graph.inputs[18:31]), scorer))
+        graph.output(*step, *step3, *wide, *wide_step, half, positions, *ids)
     return graph
 
 
@@ -240,7 +251,7 @@ def main(argv: list[str]) -> int:
 
     kernels = args.kernels_dir or mla_kpool.KERNELS
     if args.devices == 1:
-        graph = _whole_op_graph(kernels)
+        graph = _whole_op_graph(kernels, args.arch)
         accelerators = [driver.Accelerator()]
         suffix = ""
     else:

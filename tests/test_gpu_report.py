@@ -25,6 +25,7 @@ from mla_kpool.gpu_report import tools
 from mla_kpool.gpu_report.asm import (
     amd_kernels,
     ptx_entries,
+    ptx_entry_text,
     ptx_facts,
     ptx_param_bytes,
     ptx_shared_bytes,
@@ -249,6 +250,17 @@ def test_wgmma_scorer_issues_fp8_wgmma_and_keeps_off_local_memory(
         facts = ptx_facts(report.code(row), row["entry"])
         instruction, count = WGMMA_PER_TILE[row["config"]]
         assert facts["tensor"] == {instruction: count}, _name(row)
+        # What the emulation cannot see: the stores made visible to the
+        # async proxy, the register fence before the chain, and the wait
+        # for it before the registers are read (once each).
+        code = ptx_entry_text(report.code(row), row["entry"])
+        for sync in (
+            "fence.proxy.async.shared::cta",
+            "wgmma.fence.sync.aligned",
+            "wgmma.commit_group.sync.aligned",
+            "wgmma.wait_group.sync.aligned 0",
+        ):
+            assert code.count(sync) == 1, (sync, _name(row))
         assert facts["local"] == {}, _name(row)
         assert row["spill_store_bytes"] == row["spill_load_bytes"] == 0, row
     assert seen == set(WGMMA_PER_TILE)
@@ -647,7 +659,9 @@ def test_tensor_scorers_machine_code_counts_match_the_manifest(report: Report):
 
 
 def test_no_tool_is_made_executable_inside_site_packages(tmp_path, monkeypatch):
-    # A wheel unpacked without modes: the tool is copied, not chmodded.
+    # A wheel unpacked without modes: the tool is copied into this user's
+    # cache, not chmodded where it is.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     tool = tmp_path / "nvidia" / "cu13" / "bin" / "nvdisasm"
     tool.parent.mkdir(parents=True)
     tool.write_bytes(b"#!/bin/sh\necho ok\n")
@@ -665,3 +679,16 @@ def test_no_tool_is_made_executable_inside_site_packages(tmp_path, monkeypatch):
     assert (
         subprocess.run([found], capture_output=True, text=True).stdout == "ok\n"
     )
+
+
+def test_a_tool_cache_others_can_write_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = tmp_path / "mla-kpool" / "tools"
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)
+    tool = tmp_path / "nvidia" / "cu13" / "bin" / "ptxas"
+    tool.parent.mkdir(parents=True)
+    tool.write_bytes(b"#!/bin/sh\n")
+    tool.chmod(0o644)
+    with pytest.raises(tools.ToolError, match="only you can write"):
+        tools._executable(tool)

@@ -318,8 +318,9 @@ def check_scorer(scorer: object, device: DeviceRef, emulate_gpu: bool) -> str:
     if device.is_cpu():
         if not emulate_gpu:
             raise ValueError(
-                f"scorer {scorer!r} runs on {gpu}, or on the host with"
-                " emulate_gpu=True; q is on the CPU without emulate_gpu"
+                f"scorer {scorer!r} runs on {gpu}, or on the host's emulated"
+                " grid (Runner('gpu-emulated'), or emulate_gpu=True on the"
+                " op); q is on the CPU without it"
             )
         return scorer
     arch = accelerator_arch()

@@ -60,8 +60,8 @@ class IndexKey:
             scores the shape, else this package's) or ``"ours"`` (this
             package's GPU path whatever the GPU, for tests and benches).
         scorer: The GPU path's scorer (``mla_kpool._index_op.SCORERS``):
-            ``"auto"``, ``"simt"`` or ``"wgmma"``; on a GPU, a scorer other
-            than ``"auto"`` always runs this package's op.
+            ``"auto"``, ``"simt"``, ``"wgmma"`` or ``"mfma"``; on a GPU, a
+            scorer other than ``"auto"`` always runs this package's op.
     """
 
     num_heads: int

@@ -126,9 +126,10 @@ def index_top_k(
             MAX's signature): ``"auto"`` (its tensor-core scorer where it
             has one for the GPU: ``wgmma`` on sm_90, ``mfma`` on gfx942;
             else FP32 FMAs), ``"simt"`` (FP32 FMAs), ``"wgmma"`` (sm_90
-            only) or ``"mfma"`` (gfx942 only). Any value
-            but ``"auto"`` runs this package's op even where MAX's scores
-            the shape. docs/ops.md gives each scorer's error bound.
+            only) or ``"mfma"`` (gfx942 only). With ``"auto"``, a shape
+            MAX's op scores (``kpool == 1``, or pooled keys on sm_10x and
+            gfx950) runs MAX's op; any other value runs this package's op
+            even there. docs/ops.md gives each scorer's error bound.
 
     Returns:
         int32 ``[T, top_k]`` ids, ``-1`` after each row's valid ones.

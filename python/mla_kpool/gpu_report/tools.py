@@ -8,7 +8,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from .._paths import KERNELS
@@ -79,9 +78,10 @@ def find_nvidia_tool(name: str) -> str | None:
 
     Looks for ``nvidia/cu13/bin/<name>`` (or ``cu12``) in the installed
     ``nvidia`` namespace package. A wheel unpacked without file modes
-    leaves the tool not executable: then an executable copy is made in a
-    per-user folder of the temporary directory (nothing inside
-    site-packages is changed), and that copy is returned.
+    leaves the tool not executable: then an executable copy is made in
+    this user's cache (``$XDG_CACHE_HOME`` or ``~/.cache``,
+    ``mla-kpool/tools``; nothing inside site-packages is changed), and that
+    copy is returned.
     """
     try:
         spec = importlib.util.find_spec("nvidia")
@@ -97,15 +97,34 @@ def find_nvidia_tool(name: str) -> str | None:
 
 
 def _executable(path: Path) -> str:
-    """``path``, or an executable copy of it when it is not executable."""
+    """``path``, or an executable copy of it when it is not executable.
+
+    The copy lives in a folder only this user can write, and is made again
+    whenever its size or modification time differs from the original's.
+
+    Raises:
+        ToolError: If that folder is a link, or not this user's alone.
+    """
     if os.access(path, os.X_OK):
         return str(path)
-    folder = Path(tempfile.gettempdir()) / f"mla-kpool-tools-{os.getuid()}"
-    folder.mkdir(mode=0o700, exist_ok=True)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    folder = cache / "mla-kpool" / "tools"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.lstat()
+    if (
+        stat.S_ISLNK(info.st_mode)
+        or info.st_uid != os.getuid()
+        or info.st_mode & 0o077
+    ):
+        raise ToolError(f"{folder} must be a folder only you can write")
     copy = folder / f"{path.parent.parent.name}-{path.name}"
-    size = path.stat().st_size
-    if not copy.is_file() or copy.stat().st_size != size:
-        shutil.copyfile(path, copy)
+    source = path.stat()
+    if (
+        not copy.is_file()
+        or copy.stat().st_size != source.st_size
+        or copy.stat().st_mtime != source.st_mtime
+    ):
+        shutil.copy2(path, copy)
         copy.chmod(stat.S_IRWXU)
     return str(copy)
 

@@ -45,8 +45,11 @@ float32 tolerance plus ``33 * ceil(D / 32) * 2^-13 * mag_j``
 (:data:`TENSOR_CORE_MODELS`). The MI300 scorer (``scorer="mfma"``) feeds
 CDNA3's FP8 MFMA, which sums each instruction's products in two groups of
 16, rounds each group down to float32 and adds it to the accumulator
-(MMA-Sim's model): 3 roundings of at most ``2^-23`` per instruction, so
-``3 * ceil(D / 32) * 2^-23 * mag_j`` more.
+(MMA-Sim's model): 3 roundings of at most ``2^-23`` per instruction (the
+two group sums, then their sum with the accumulator; should the groups be
+added to the accumulator one after the other, the fourth rounding is
+within the float32 term's margin), so ``3 * ceil(D / 32) * 2^-23 * mag_j``
+more.
 """
 
 from __future__ import annotations
@@ -72,8 +75,8 @@ TENSOR_CORE_MODELS = {
     # to float32, then added to the accumulator.
     "mfma": (3, 2.0**-23),
 }
-#: Scorers with their own error model (:func:`index_tolerance`).
-SCORERS = ("simt", *TENSOR_CORE_MODELS)
+#: The error models :func:`index_tolerance` knows, by scorer.
+ERROR_MODELS = ("simt", *TENSOR_CORE_MODELS)
 #: Smallest normal float32: an absolute floor for underflow.
 TINY = 2.0**-126
 #: MAX's largest supported ``top_k``.
@@ -138,20 +141,20 @@ def index_tolerance(
         num_heads: ``H``.
         depth: ``D``.
         scorer: ``"simt"`` (float32 FMAs), ``"wgmma"`` or ``"mfma"``
-            (FP8 tensor cores, :data:`TENSOR_CORE_MODELS`); ``"auto"``
-            counts as the loosest, ``"wgmma"``.
+            (FP8 tensor cores, :data:`TENSOR_CORE_MODELS`): the scorer
+            that ran (``"auto"`` is a choice, not a model).
 
     Raises:
         ValueError: For another scorer name.
     """
-    if scorer not in (*SCORERS, "auto"):
-        raise ValueError(f"scorer must be one of {SCORERS}, got {scorer!r}")
+    if scorer not in ERROR_MODELS:
+        raise ValueError(
+            f"scorer must be one of {', '.join(ERROR_MODELS)}, got {scorer!r}"
+        )
     tol = (depth + num_heads + 4) * UNIT * mag + (num_heads + 4) * TINY
     if scorer == "simt":
         return tol
-    roundings, unit = TENSOR_CORE_MODELS[
-        "wgmma" if scorer == "auto" else scorer
-    ]
+    roundings, unit = TENSOR_CORE_MODELS[scorer]
     steps = -(-depth // 32)
     return tol + roundings * steps * unit * mag
 
