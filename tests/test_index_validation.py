@@ -409,6 +409,25 @@ def test_a_gpu_scorer_is_checked_against_the_gpu(monkeypatch, arch, scorer, ok):
     assert f'scorer = "{scorer}"' in text
 
 
+def test_a_tensor_scorer_refuses_a_depth_past_its_tiles(monkeypatch):
+    _arch(monkeypatch, "sm_90a")
+    key = IndexKey(32, 512, 128, 2, 128, 512, 4, "null", gpu=True)
+    with Graph("deep", input_types=key.input_types()) as g:
+        v = [
+            x.buffer if isinstance(x.type, BufferType) else x.tensor
+            for x in g.inputs
+        ]
+        from mla_kpool._index_op import add_op, check_operands
+
+        operands = check_operands(
+            *v, top_k=512, quantization_granularity=128, mask_str="null",
+            kpool=4, prefix="",
+        )  # fmt: skip
+        with pytest.raises(ValueError, match="takes depth up to 256, got 512"):
+            add_op(operands, scorer="wgmma")
+        add_op(operands, scorer="simt")  # the FP32 scorer takes any depth
+
+
 def test_the_default_scorer_leaves_the_graph_as_before(monkeypatch):
     _arch(monkeypatch, "sm_90a")
     assert "scorer" not in str(_graph(gpu=True))

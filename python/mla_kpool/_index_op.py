@@ -284,6 +284,11 @@ def check_operands(
 #: cores, gfx942).
 SCORERS = ("auto", "simt", "wgmma", "mfma")
 
+#: Largest depth the tensor scorers take: their tiles of keys and query
+#: heads must fit a block's static shared memory (WGMMA_MAX_DEPTH and
+#: MFMA_MAX_DEPTH in the kernels; the op refuses a larger one too).
+TENSOR_MAX_DEPTH = 256
+
 #: The tensor scorers and the architecture names (``max.driver``'s) of
 #: the GPUs that run them.
 _TENSOR_ARCH = {
@@ -292,8 +297,13 @@ _TENSOR_ARCH = {
 }
 
 
-def check_scorer(scorer: object, device: DeviceRef, emulate_gpu: bool) -> str:
-    """``scorer`` checked against where the op runs.
+def check_scorer(
+    scorer: object,
+    device: DeviceRef,
+    emulate_gpu: bool,
+    depth: int | None = None,
+) -> str:
+    """``scorer`` checked against where the op runs and the call's depth.
 
     ``"wgmma"`` runs on an sm_90 GPU and ``"mfma"`` on a gfx942 one, each
     also on the host with ``emulate_gpu`` (the emulated grid runs its tile
@@ -304,7 +314,8 @@ def check_scorer(scorer: object, device: DeviceRef, emulate_gpu: bool) -> str:
     Raises:
         TypeError: If ``scorer`` is not a string.
         ValueError: For a name not in :data:`SCORERS` (listing them), or
-            a tensor scorer where it cannot run (naming the device).
+            a tensor scorer where it cannot run (naming the device) or for
+            a ``depth`` past :data:`TENSOR_MAX_DEPTH`.
     """
     if not isinstance(scorer, str):
         raise TypeError(f"scorer must be a str, got {type(scorer).__name__}")
@@ -314,6 +325,11 @@ def check_scorer(scorer: object, device: DeviceRef, emulate_gpu: bool) -> str:
         )
     if scorer not in _TENSOR_ARCH:
         return scorer
+    if depth is not None and depth > TENSOR_MAX_DEPTH:
+        raise ValueError(
+            f"scorer {scorer!r} takes depth up to {TENSOR_MAX_DEPTH}, got"
+            f" {depth}; 'simt' (or 'auto') takes any"
+        )
     prefix, gpu = _TENSOR_ARCH[scorer]
     if device.is_cpu():
         if not emulate_gpu:
@@ -382,7 +398,9 @@ def add_op(
             "emulate_gpu runs the GPU path on the host: q must be on the CPU,"
             f" got {operands.device}"
         )
-    scorer = check_scorer(scorer, operands.device, emulate_gpu)
+    scorer = check_scorer(
+        scorer, operands.device, emulate_gpu, int(operands.parameters["depth"])
+    )
     out = TensorType(
         DType.int32, [q.shape[0], operands.parameters["k"]], device=q.device
     )

@@ -324,6 +324,7 @@ def prepare(
         scorer,
         DeviceRef.GPU() if gpu else DeviceRef.CPU(),
         runner.device_name == "gpu-emulated",
+        np.shape(q)[-1] if np.ndim(q) == 3 else None,
     )
     if not isinstance(cache, PagedIndexCache):
         raise TypeError(
