@@ -11,6 +11,8 @@ global memory. Both apply the NaN-keeping ReLU, the head weights and the
 key's scale, and write a float32 workspace row.
 """
 
+from std.math import ceildiv
+
 from .block_phases import Shared
 from .index_fp8 import decode_e4m3_gpu
 from .index_gpu_shape import (
@@ -40,6 +42,41 @@ def candidate_at(op: IndexTopK, b: Int, j: Int) -> Tuple[Int, Int]:
     var slot = j * rows % op.page_size
     var at = page_bases(op, b, page)
     return (at[0] + slot * op.width, at[1] + slot)
+
+
+@fieldwise_init
+struct CandidateTile(Copyable, TrivialRegisterPassable):
+    """One block of a tensor scorer: a window row and a tile of candidates."""
+
+    var row: Int
+    """Window row (the workspace row the scores go to)."""
+    var t: Int
+    """Query row."""
+    var request: Int
+    """The row's request (`-1`: the row is all `-1`, nothing to score)."""
+    var bound: Int
+    """Candidates the row sees."""
+    var first: Int
+    """The tile's first candidate."""
+
+    def idle(self) -> Bool:
+        """Whether the tile holds nothing to score (the same for every
+        thread of the block, so a block returns as a whole)."""
+        return self.request < 0 or self.first >= self.bound
+
+
+@always_inline
+def candidate_tile(op: IndexTopK, block: Int, tile: Int) -> CandidateTile:
+    """Block `block` of a launch of `ceil(candidates / tile)` blocks per
+    window row: its row, request and bound (`op.plan`), first candidate."""
+    var tiles = ceildiv(op.candidates, tile)
+    var row = block // tiles
+    var t = op.first_row + row
+    var request = Int(op.plan[unsafe_offset=2 * t])
+    var bound = 0
+    if request >= 0:
+        bound = Int(op.plan[unsafe_offset=2 * t + 1])
+    return CandidateTile(row, t, request, bound, (block % tiles) * tile)
 
 
 @always_inline

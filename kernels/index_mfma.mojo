@@ -61,7 +61,7 @@ from std.memory import bitcast
 from std.sys.info import is_amd_gpu
 
 from .block_phases import Shared
-from .index_gpu_score import candidate_at, is_aligned
+from .index_gpu_score import candidate_at, candidate_tile, is_aligned
 from .index_operands import IndexTopK
 from .mfma_model import (
     MFMA_ACC,
@@ -412,16 +412,11 @@ def index_mfma_phase(
         op: The call (q `[T, H, D]` and keys e4m3fn bytes, qs `[T, H]`
             and key scales float32).
     """
-    var tiles = mfma_tiles(op)
-    var row = block // tiles
-    var j0 = (block % tiles) * MFMA_TILE
-    var t = op.first_row + row
-    var b = Int(op.plan[unsafe_offset=2 * t])
-    if b < 0:
+    var tile = candidate_tile(op, block, MFMA_TILE)
+    if tile.idle():
         return
-    var bound = Int(op.plan[unsafe_offset=2 * t + 1])
-    if j0 >= bound:
-        return
+    var row, t, b = tile.row, tile.t, tile.request
+    var bound, j0 = tile.bound, tile.first
     if phase == 0:
         multiply_tile(s, thread, op, t, b, j0, bound)
         return

@@ -50,7 +50,7 @@ from std.memory import bitcast
 from std.sys.info import is_nvidia_gpu
 
 from .block_phases import Shared
-from .index_gpu_score import candidate_at, is_aligned
+from .index_gpu_score import candidate_at, candidate_tile, is_aligned
 from .index_operands import IndexTopK
 from .ragged import Ptr
 from .wgmma_model import WGMMA_FP8_K, wgmma_e4m3_model
@@ -298,16 +298,11 @@ def index_wgmma_phase(
     comptime units = kp // 16
     comptime chunks = wgmma_chunks[heads]()
     comptime nb = chunk_n[heads, 0]()
-    var tiles = wgmma_tiles(op)
-    var row = block // tiles
-    var j0 = (block % tiles) * WGMMA_TILE
-    var t = op.first_row + row
-    var b = Int(op.plan[unsafe_offset=2 * t])
-    if b < 0:
+    var tile = candidate_tile(op, block, WGMMA_TILE)
+    if tile.idle():
         return
-    var bound = Int(op.plan[unsafe_offset=2 * t + 1])
-    if j0 >= bound:
-        return
+    var row, t, b = tile.row, tile.t, tile.request
+    var bound, j0 = tile.bound, tile.first
     if phase == 2 * chunks:
         var j = j0 + thread
         if thread >= WGMMA_TILE or j >= bound:

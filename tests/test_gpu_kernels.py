@@ -46,6 +46,25 @@ def test_index_select_on_the_phased_emulation():
     run_mojo_suite("tests/mojo/test_index_select.mojo")
 
 
+def _planted_fault_fails(
+    mutant: tuple, kernel: str, test_file: str, tmp_path: Path
+) -> None:
+    """Plants ``mutant`` (id, source text, its faulty replacement, what the
+    failing run must say) in a copy of ``kernels/<kernel>`` and requires
+    ``test_file``, run on that copy, to fail saying so."""
+    _, good, bad, match = mutant
+    shutil.copytree(ROOT / "kernels", tmp_path / "kernels")
+    (tmp_path / "tests").mkdir()
+    shutil.copytree(ROOT / "tests/mojo", tmp_path / "tests/mojo")
+    path = tmp_path / "kernels" / kernel
+    source = path.read_text()
+    assert source.count(good) == 1, "the planted line moved; update it"
+    path.write_text(source.replace(good, bad))
+    status, output = run_mojo_file(test_file, tmp_path)
+    assert status != 0, output
+    assert re.search(match, output), output
+
+
 #: Planted select faults: (id, exact source text, its faulty replacement,
 #: what the failing run must say).
 SELECT_MUTANTS = [
@@ -87,19 +106,12 @@ SELECT_MUTANTS = [
     "mutant", SELECT_MUTANTS, ids=[m[0] for m in SELECT_MUTANTS]
 )
 def test_index_select_planted_faults_fail(mutant, tmp_path: Path):
-    _, good, bad, match = mutant
-    shutil.copytree(ROOT / "kernels", tmp_path / "kernels")
-    (tmp_path / "tests").mkdir()
-    shutil.copytree(ROOT / "tests/mojo", tmp_path / "tests/mojo")
-    path = tmp_path / "kernels/index_select.mojo"
-    source = path.read_text()
-    assert source.count(good) == 1, "the planted line moved; update it"
-    path.write_text(source.replace(good, bad))
-    status, output = run_mojo_file(
-        "tests/mojo/test_index_select.mojo", tmp_path
+    _planted_fault_fails(
+        mutant,
+        "index_select.mojo",
+        "tests/mojo/test_index_select.mojo",
+        tmp_path,
     )
-    assert status != 0, output
-    assert re.search(match, output), output
 
 
 @pytest.mark.skipif(
@@ -155,17 +167,9 @@ WGMMA_MUTANTS = [
     "mutant", WGMMA_MUTANTS, ids=[m[0] for m in WGMMA_MUTANTS]
 )
 def test_wgmma_scorer_planted_faults_fail(mutant, tmp_path: Path):
-    _, good, bad, match = mutant
-    shutil.copytree(ROOT / "kernels", tmp_path / "kernels")
-    (tmp_path / "tests").mkdir()
-    shutil.copytree(ROOT / "tests/mojo", tmp_path / "tests/mojo")
-    path = tmp_path / "kernels/index_wgmma.mojo"
-    source = path.read_text()
-    assert source.count(good) == 1, "the planted line moved; update it"
-    path.write_text(source.replace(good, bad))
-    status, output = run_mojo_file("tests/mojo/test_index_wgmma.mojo", tmp_path)
-    assert status != 0, output
-    assert re.search(match, output), output
+    _planted_fault_fails(
+        mutant, "index_wgmma.mojo", "tests/mojo/test_index_wgmma.mojo", tmp_path
+    )
 
 
 @pytest.mark.skipif(
@@ -229,14 +233,6 @@ MFMA_MUTANTS = [
     "mutant", MFMA_MUTANTS, ids=[m[0] for m in MFMA_MUTANTS]
 )
 def test_mfma_scorer_planted_faults_fail(mutant, tmp_path: Path):
-    _, good, bad, match = mutant
-    shutil.copytree(ROOT / "kernels", tmp_path / "kernels")
-    (tmp_path / "tests").mkdir()
-    shutil.copytree(ROOT / "tests/mojo", tmp_path / "tests/mojo")
-    path = tmp_path / "kernels/index_mfma.mojo"
-    source = path.read_text()
-    assert source.count(good) == 1, "the planted line moved; update it"
-    path.write_text(source.replace(good, bad))
-    status, output = run_mojo_file("tests/mojo/test_index_mfma.mojo", tmp_path)
-    assert status != 0, output
-    assert re.search(match, output), output
+    _planted_fault_fails(
+        mutant, "index_mfma.mojo", "tests/mojo/test_index_mfma.mojo", tmp_path
+    )

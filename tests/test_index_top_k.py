@@ -174,8 +174,23 @@ def test_a_page_stride_smaller_than_a_block_raises(runner):
 def test_a_layer_past_the_cache_raises(runner):
     call = build(Case("glm-layer2", GLM, cached=(30,), new=(1,)))
     call.case = replace(call.case, layer=2)
-    with pytest.raises(ValueError, match="layer_idx"):
+    with pytest.raises(ValueError, match="below the cache's 2 layers, got 2"):
         run(runner, call)
+
+
+def test_the_op_itself_refuses_a_layer_past_the_cache(runner):
+    # A graph built another way reaches the op's own check.
+    from mla_kpool import index_runner
+    from mla_kpool.buffers import to_buffer
+
+    call = build(Case("glm-layer2-op", GLM, cached=(30,), new=(1,)))
+    model, args, _ = index_runner.prepare(
+        runner, call.q, call.qs, call.offsets, call.cache, 0,
+        **call.run_kwargs(),
+    )  # fmt: skip
+    args[-1] = to_buffer(np.uint32(2))
+    with pytest.raises(ValueError, match="layer_idx=2 is past the cache's"):
+        model.execute(*args)
 
 
 def _rows_all_minus_one(got, rows):

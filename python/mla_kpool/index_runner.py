@@ -313,7 +313,8 @@ def prepare(
             that is not ``[T, H, D]`` uint8 or float8_e4m3fn, a ``qs``
             that is not float32 ``[T, H]``,
             ``input_row_offsets`` that is not rank 1 ``[B + 1]`` (``B`` the
-            cache's batch), a ``layer_idx`` outside uint32, ``top_k``
+            cache's batch), a ``layer_idx`` outside uint32 or past the
+            cache's layers, ``top_k``
             outside 1..2048, ``kpool < 1``, another mask, and from the graph
             checks. All before anything is compiled or copied.
     """
@@ -341,6 +342,12 @@ def prepare(
     batch = len(cache.cache_lengths)
     input_row_offsets = _offsets(input_row_offsets, batch)
     layer_idx = check_int("layer_idx", layer_idx, 0, 2**32 - 1)
+    if layer_idx >= cache.num_layers:
+        # The op raises too, but only once the graph runs, after a compile.
+        raise ValueError(
+            f"layer_idx must be below the cache's {cache.num_layers} layers,"
+            f" got {layer_idx}"
+        )
     top_k = check_int("top_k", top_k, 1, MAX_TOP_K)
     kpool = check_int("kpool", kpool, 1)
     mask = mask_name(mask)

@@ -145,11 +145,23 @@ def index_tolerance(
             that ran (``"auto"`` is a choice, not a model).
 
     Raises:
-        ValueError: For another scorer name.
+        TypeError: If ``scorer`` is not a string.
+        ValueError: For another scorer name (``"auto"`` included: name
+            the scorer it chose, ``"simt"`` on the CPU and the emulated
+            grid, the tensor scorer of an sm_90 or gfx942 GPU).
     """
+    if not isinstance(scorer, str):
+        raise TypeError(f"scorer must be a str, got {type(scorer).__name__}")
     if scorer not in ERROR_MODELS:
+        hint = (
+            "; name the scorer 'auto' chose: 'simt' on the CPU and the"
+            " emulated grid, 'wgmma' on sm_90, 'mfma' on gfx942"
+            if scorer == "auto"
+            else ""
+        )
         raise ValueError(
-            f"scorer must be one of {', '.join(ERROR_MODELS)}, got {scorer!r}"
+            f"scorer must be one of {', '.join(ERROR_MODELS)}, got"
+            f" {scorer!r}{hint}"
         )
     tol = (depth + num_heads + 4) * UNIT * mag + (num_heads + 4) * TINY
     if scorer == "simt":
