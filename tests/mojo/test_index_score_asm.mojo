@@ -14,6 +14,8 @@ from max.gpu.host import get_gpu_target
 from max.gpu.host.compile import _compile_code
 from std.testing import TestSuite, assert_equal, assert_false, assert_true
 
+from asm_fields import amdhsa_field
+
 from kernels.block_phases import Shared, gpu_phased_kernel
 from kernels.index_fp8 import decode_e4m3
 from kernels.index_gpu_score import index_score_phase, index_score_thread
@@ -134,28 +136,18 @@ def test_scorers_ptx_sm_100a() raises:
     _check_ptx_all["sm_100a"]()
 
 
-def _field(asm: String, name: StaticString) raises -> Int:
-    """The value of the `.amdhsa_<name>` line."""
-    var key = String(".amdhsa_", name, " ")
-    var at = asm.find(key)
-    assert_true(at >= 0, String("no ", key))
-    var rest = asm[byte = at + key.byte_length() :]
-    var end = rest.find("\n")
-    return Int(rest[byte=0:end].strip())
-
-
 def test_scorers_gfx942_no_scratch_and_lds() raises:
     var asm = _scorers["gfx942"]()
     for i in range(len(asm)):
         assert_equal(
-            _field(asm[i], "private_segment_fixed_size"),
+            amdhsa_field(asm[i], "private_segment_fixed_size"),
             0,
             String("scorer ", i, " spills to scratch on gfx942"),
         )
     # The tiled scorers' LDS is the float32 query alone: 16 and 32 KiB,
     # with 4 and 8 waves per block (half of MI300X's 32 wave slots).
-    assert_equal(_field(asm[0], "group_segment_fixed_size"), 16384)
-    assert_equal(_field(asm[1], "group_segment_fixed_size"), 32768)
+    assert_equal(amdhsa_field(asm[0], "group_segment_fixed_size"), 16384)
+    assert_equal(amdhsa_field(asm[1], "group_segment_fixed_size"), 32768)
 
 
 def test_score_block_threads() raises:

@@ -29,6 +29,8 @@ from std.sys import has_accelerator
 from std.sys.info import is_amd_gpu
 from std.testing import TestSuite, assert_equal, assert_true
 
+from asm_fields import amdhsa_field
+
 from kernels.block_phases import Shared, gpu_phased_kernel
 from kernels.index_fp8 import decode_e4m3
 from kernels.index_mfma import (
@@ -232,16 +234,6 @@ def _dsv(p: Int, block: Int, thread: Int, s: Shared, op: Dsv):
     index_mfma_phase(p, block, thread, s, op)
 
 
-def _field(asm: String, name: StaticString) raises -> Int:
-    """The value of the `.amdhsa_<name>` line."""
-    var key = String(".amdhsa_", name, " ")
-    var at = asm.find(key)
-    assert_true(at >= 0, String("no ", key))
-    var rest = asm[byte = at + key.byte_length() :]
-    var end = rest.find("\n")
-    return Int(rest[byte=0:end].strip())
-
-
 def _check_gfx942[H: Int, D: Int](asm: String) raises:
     """MFMA present, no scratch, `mfma_words` of LDS; prints the resources.
 
@@ -262,23 +254,25 @@ def _check_gfx942[H: Int, D: Int](asm: String) raises:
         ", per 64-candidate tile",
         4 * chunks * steps,
         ") VGPRs",
-        _field(asm, "next_free_vgpr"),
+        amdhsa_field(asm, "next_free_vgpr"),
         "SGPRs",
-        _field(asm, "next_free_sgpr"),
+        amdhsa_field(asm, "next_free_sgpr"),
         "scratch",
-        _field(asm, "private_segment_fixed_size"),
+        amdhsa_field(asm, "private_segment_fixed_size"),
         "LDS",
-        _field(asm, "group_segment_fixed_size"),
+        amdhsa_field(asm, "group_segment_fixed_size"),
     )
     assert_true(
         count == steps or count == chunks * steps,
         String(what, ": ", count, " v_mfma_f32_16x16x32_fp8_fp8"),
     )
     assert_equal(
-        _field(asm, "private_segment_fixed_size"), 0, String(what, ": scratch")
+        amdhsa_field(asm, "private_segment_fixed_size"),
+        0,
+        String(what, ": scratch"),
     )
     assert_equal(
-        _field(asm, "group_segment_fixed_size"), 4 * mfma_words[H, D]()
+        amdhsa_field(asm, "group_segment_fixed_size"), 4 * mfma_words[H, D]()
     )
 
 

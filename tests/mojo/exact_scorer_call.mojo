@@ -1,0 +1,135 @@
+"""One exactly-scorable index_top_k call, for the tensor scorers' emulated tests.
+
+Two query rows of one request see 70 and 40 of the page's candidates (the
+last 64-candidate tile partly empty). Queries and keys are small integers
+in e4m3fn, drawn from `codes`; head weights are +-1, 2, 4 and key scales 1
+or 1/2, so every score is exact in float32 whatever the order of its sums,
+and `check` requires each workspace score to equal the host's product
+exactly, and every score past a row's bound to stay unwritten.
+"""
+
+from std.testing import assert_equal
+
+from kernels.index_fp8 import decode_e4m3
+from kernels.index_operands import IndexOperands
+
+comptime ROWS = 2
+"""Query rows of the call."""
+comptime PAGE = 256
+"""Cache rows (one page, one key per row)."""
+comptime CANDIDATES = 70
+"""Workspace row: the most candidates a row sees."""
+comptime U32 = DType.uint32
+
+comptime ExactOp[H: Int, D: Int] = IndexOperands[
+    U32, U32, U32, U32, H, D, 16, 1, True, False, MutAnyOrigin
+]
+"""The call's operand struct: `H` heads of depth `D`, kpool 1, top 16."""
+
+
+def _byte(codes: SIMD[DType.uint8, 8], i: Int, salt: Int) -> UInt8:
+    return codes[(i * 5 + salt * 3 + i // 7) % 8]
+
+
+def _value(b: UInt8) -> Float32:
+    return decode_e4m3[1](SIMD[DType.uint8, 1](b))[0]
+
+
+struct ExactCall[H: Int, D: Int](Movable):
+    """The call's tensors, owned here, and the check of its scores.
+
+    Parameters:
+        H: Query heads.
+        D: Depth.
+    """
+
+    var q: List[UInt8]
+    var qs: List[Float32]
+    var keys: List[UInt8]
+    var scales: List[Float32]
+    var offsets: List[UInt32]
+    var lengths: List[UInt32]
+    var table: List[UInt32]
+    var output: List[Int32]
+    var plan: List[Int64]
+    var scores: List[Float32]
+
+    def __init__(out self, codes: SIMD[DType.uint8, 8]):
+        """Fills the call from `codes`, eight e4m3fn bytes."""
+        self.q = List[UInt8](length=ROWS * Self.H * Self.D, fill=0)
+        for i in range(len(self.q)):
+            self.q[i] = _byte(codes, i, 1)
+        self.qs = List[Float32](length=ROWS * Self.H, fill=0.0)
+        for i in range(len(self.qs)):
+            self.qs[i] = Float32(1 << (i % 3)) * Float32(1 if i % 5 else -1)
+        self.keys = List[UInt8](length=PAGE * Self.D, fill=0)
+        for i in range(len(self.keys)):
+            self.keys[i] = _byte(codes, i, 2)
+        self.scales = List[Float32](length=PAGE, fill=0.0)
+        for j in range(PAGE):
+            self.scales[j] = 0.5 if j % 2 else 1.0
+        self.offsets = [0, UInt32(ROWS)]
+        self.lengths = [UInt32(CANDIDATES - 1)]
+        self.table = [0]
+        self.output = List[Int32](length=ROWS * 16, fill=-1)
+        self.plan = [0, CANDIDATES, 0, 40]
+        self.scores = List[Float32](length=ROWS * CANDIDATES, fill=-1.0)
+
+    def op(mut self) -> ExactOp[Self.H, Self.D]:
+        """The operand struct over this call's tensors (valid while it is)."""
+        return ExactOp[Self.H, Self.D](
+            self.output.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            self.q.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            self.qs.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            self.offsets.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            self.keys.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            self.lengths.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            self.table.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            self.scales.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            self.table.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            ROWS,
+            1,
+            PAGE,
+            1,
+            1,
+            1,
+            1,
+            PAGE * Self.D,
+            PAGE,
+            0,
+            0,
+            self.plan.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            self.scores.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            CANDIDATES,
+            0,
+        )
+
+    def check(self, label: String) raises:
+        """Every score the exact one, none past a row's bound written.
+
+        Raises:
+            Error: Naming `label`, the row and the candidate.
+        """
+        for t in range(ROWS):
+            var bound = Int(self.plan[2 * t + 1])
+            for j in range(CANDIDATES):
+                var got = self.scores[t * CANDIDATES + j]
+                if j >= bound:
+                    assert_equal(
+                        got, -1.0, "a score past the bound was written"
+                    )
+                    continue
+                var want = Float32(0)
+                for h in range(Self.H):
+                    var dot = Float32(0)
+                    for d in range(Self.D):
+                        dot += _value(
+                            self.q[(t * Self.H + h) * Self.D + d]
+                        ) * _value(self.keys[j * Self.D + d])
+                    var relu = Float32(0) if dot < 0 else dot
+                    want += relu * self.qs[t * Self.H + h]
+                assert_equal(
+                    got,
+                    want * self.scales[j],
+                    String(label, "row ", t, " id ", j),
+                )
