@@ -27,17 +27,20 @@ package's own) is the indexer that consumes the pooled keys: MAX 26.7's
 CPU, where MAX has none. It scores each query token against a paged FP8 key
 cache and keeps the ids of its best `k` keys or pools. Its CPU path
 (`index_cpu.mojo`, scoring in `index_cpu_score.mojo`) and its GPU path
-(`index_gpu.mojo`: the plan and score launches, `index_gpu_score.mojo`,
-`index_gpu_shape.mojo`, and the select in `index_select.mojo`,
-`index_select_layout.mojo`, `index_select_sort.mojo`) share the operand
-struct (`index_operands.mojo`), the rows scored and their bounds
+(`index_gpu.mojo`: the plan, score and select launches; the scorers in
+`index_gpu_score.mojo` with `index_gpu_shape.mojo`, `index_wgmma.mojo` and
+`index_mfma.mojo`, picked in `index_scorers.mojo`; the select in
+`index_select.mojo`) share the operand struct (`index_operands.mojo`), the rows scored and their bounds
 (`index_plan.mojo`), the FP8 decode (`index_fp8.mojo`) and the candidate
 order (`index_rank.mojo`).
 
-`parallel.mojo` launches the writers' GPU kernels, whose threads never
-communicate, or runs them over an emulated grid on the CPU;
-`block_phases.mojo` does the same for kernels whose threads share a
-block's memory, written as phases separated by barriers, with an emulation
-that refuses a missing barrier: `index_top_k`'s GPU scorer and select
-(`index_gpu_score.mojo`, `index_select.mojo`).
+Every GPU kernel is declared once, next to its body, as a
+`gpu_kernel.GpuKernel` (name, operands, threads, shared words, phases,
+grid rule), and launched by `gpu_kernel.launch_kernel`: as
+`parallel.gpu_kernel` when its threads never communicate (the writers,
+the plan), as `block_phases.gpu_phased_kernel` when they share a block's
+memory (phases separated by barriers: the scorers and the select); on the
+CPU both run over an emulated grid, the phased one with an emulation that
+refuses a missing barrier. `gpu-report` and the compile tests compile the
+same declarations.
 """

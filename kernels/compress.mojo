@@ -30,7 +30,9 @@ from .operands import (
     expect_shape,
     expect_target,
 )
-from .parallel import cpu_for_each_range, gpu_block_width, launch
+from .block_phases import Shared
+from .gpu_kernel import GpuKernel, launch_kernel
+from .parallel import cpu_for_each_range, gpu_block_width
 from .pooling import PoolMembers, cpu_pool_row, pool_channels, zero_row
 from .ragged import Field, full_pools, last_span_at, read_index, token_span
 
@@ -195,10 +197,24 @@ def compress_thread(block: Int, thread: Int, op: Compress):
             )
 
 
-@always_inline
-def compress_launch[head_dim: Int](out_rows: Int) -> Tuple[Int, Int]:
-    """`(grid, block)` of compress's launch: a block per output row."""
-    return (out_rows, gpu_block_width[head_dim]())
+struct CompressKernel[Op: type_of(Compress)](GpuKernel):
+    """The compress launch: a block per output row, a thread per channel (at
+    most 1024)."""
+
+    comptime Operands = Self.Op
+    comptime name = "kpool_compress_kernel"
+    comptime block_threads = gpu_block_width[Self.Op.head_dim]()
+    comptime grid_rows = "out_rows"
+
+    @staticmethod
+    def rows(op: Self.Operands) -> Int:
+        """Output rows."""
+        return op.out_rows
+
+    @staticmethod
+    def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
+        """`compress_thread`."""
+        compress_thread(block, thread, op)
 
 
 @extensibility.register("mo.mla.kpool.compress")
@@ -291,9 +307,4 @@ struct MLAKPoolCompress:
             compress_cpu(op)
         else:
 
-            def body(block: Int, thread: Int, op: type_of(op)):
-                compress_thread(block, thread, op)
-
-            launch["kpool_compress_kernel", body, emulate_gpu](
-                op, compress_launch[head_dim](op.out_rows), ctx
-            )
+            launch_kernel[CompressKernel[type_of(op)], emulate_gpu](op, ctx)

@@ -49,7 +49,9 @@ from .operands import (
     expect_shape,
     expect_target,
 )
-from .parallel import cpu_for_each_range, launch
+from .block_phases import Shared
+from .gpu_kernel import GpuKernel, launch_kernel
+from .parallel import cpu_for_each_range
 from .ragged import Field, Ptr, last_span_at, read_index, token_span
 
 comptime POSITION_LIMIT = 1 << 31
@@ -270,16 +272,24 @@ def expand_topk_thread(block: Int, thread: Int, op: ExpandTopK):
         col += stride
 
 
-@always_inline
-def expand_topk_launch[width: Int](total_tokens: Int) -> Tuple[Int, Int]:
-    """`(grid, block)` of expand_topk's launch: a block per token row.
+struct ExpandTopKKernel[Op: type_of(ExpandTopK)](GpuKernel):
+    """The expand_topk launch: a block per token row, a warp (fewer threads
+    for narrow rows); rows of no columns launch nothing."""
 
-    No blocks for rows of no columns: there is nothing to write.
+    comptime Operands = Self.Op
+    comptime name = "kpool_expand_topk_kernel"
+    comptime block_threads = gpu_expand_width[Self.Op.width]()
+    comptime grid_rows = "tokens"
 
-    Parameters:
-        width: Output columns per token row (`row_width`).
-    """
-    return (total_tokens if width > 0 else 0, gpu_expand_width[width]())
+    @staticmethod
+    def rows(op: Self.Operands) -> Int:
+        """Token rows (none when rows have no columns)."""
+        return op.total_tokens if Self.Op.width > 0 else 0
+
+    @staticmethod
+    def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
+        """`expand_topk_thread`."""
+        expand_topk_thread(block, thread, op)
 
 
 @extensibility.register("mo.mla.kpool.expand_topk")
@@ -383,9 +393,4 @@ struct MLAKPoolExpandTopK:
             expand_topk_cpu(op)
         else:
 
-            def body(block: Int, thread: Int, op: type_of(op)):
-                expand_topk_thread(block, thread, op)
-
-            launch["kpool_expand_topk_kernel", body, emulate_gpu](
-                op, expand_topk_launch[width](total_tokens), ctx
-            )
+            launch_kernel[ExpandTopKKernel[type_of(op)], emulate_gpu](op, ctx)

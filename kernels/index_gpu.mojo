@@ -2,6 +2,10 @@
 
 Three launches, with the same answer as the CPU path (`index_top_k_cpu`):
 
+Each launch is a kernel declaration (`gpu_kernel.GpuKernel`): `PlanKernel`,
+the scorer's (`index_scorers.ScoreKernel`: `SimtScore`, `WgmmaScore`,
+`MfmaScore`) and `SelectKernel`.
+
 1. **Plan** (`index_plan_thread`, a thread per query row, through
    `index_plan.row_plan`): the row's request and bound, or `-1` when the
    contract makes the row all `-1` (offsets malformed before it, a
@@ -17,7 +21,7 @@ Three launches, with the same answer as the CPU path (`index_top_k_cpu`):
    ReLU, the head weights and the key's scale applied there, into a
    float32 workspace row (`index_score_thread`, untiled, for shapes whose
    query does not fit the block's shared memory). The launch's shape is
-   `index_gpu_shape.mojo`'s. That is the `"simt"` scorer; the tensor
+   `index_gpu_shape.mojo`'s. That is the `"simt"` scorer (`SimtScore`); the tensor
    scorers (`index_wgmma.mojo` on sm_90, `index_mfma.mojo` on gfx942)
    fill the same workspace row, as `index_scorers.mojo` picks.
 3. **Select** (`index_select.select_row_phase`, a block per row): the top
@@ -38,34 +42,17 @@ first. It has run on an NVIDIA H200 (docs/performance.md).
 from max.gpu.host import DeviceContext
 from std.math import ceildiv, max, min
 
-from .block_phases import Shared, launch_phased
-from .index_gpu_score import index_score_phase, index_score_thread
-from .index_mfma import (
-    MFMA_THREADS,
-    index_mfma_phase,
-    mfma_phases,
-    mfma_tiles,
-    mfma_words,
-)
-from .index_wgmma import (
-    WGMMA_THREADS,
-    index_wgmma_phase,
-    wgmma_phases,
-    wgmma_tiles,
-    wgmma_words,
-)
-from .index_gpu_shape import (
-    SCORE_THREADS,
-    score_threads,
-    score_tiles,
-    tile_words,
-    tiled_scorer,
-)
+from .block_phases import Shared
+from .gpu_kernel import GpuKernel, launch_kernel
 from .index_operands import IndexTopK
 from .index_plan import row_plan
-from .index_select import select_row_phase
-from .index_select_layout import SELECT_THREADS, SELECT_WORDS, select_phases
-from .parallel import launch
+from .index_scorers import ScoreKernel
+from .index_select import (
+    SELECT_THREADS,
+    SELECT_WORDS,
+    select_phases,
+    select_row_phase,
+)
 from .ragged import Ptr
 
 
@@ -82,26 +69,68 @@ def index_plan_thread(block: Int, thread: Int, op: IndexTopK):
     if t >= op.total_tokens:
         return
     var plan = row_plan(op, t)
-    op.plan[unsafe_offset=2 * t] = Int64(plan[0])
-    op.plan[unsafe_offset=2 * t + 1] = Int64(plan[1])
+    op.work.plan[unsafe_offset=2 * t] = Int64(plan[0])
+    op.work.plan[unsafe_offset=2 * t + 1] = Int64(plan[1])
 
 
 def index_select_phase(
     phase: Int, block: Int, thread: Int, s: Shared, op: IndexTopK
 ):
     """One phase of window row `block`'s select into the output."""
-    var t = op.first_row + block
-    var b = Int(op.plan[unsafe_offset=2 * t])
-    var bound = Int(op.plan[unsafe_offset=2 * t + 1]) if b >= 0 else 0
+    var t = op.work.first_row + block
+    var b = Int(op.work.plan[unsafe_offset=2 * t])
+    var bound = Int(op.work.plan[unsafe_offset=2 * t + 1]) if b >= 0 else 0
     select_row_phase(
         phase,
         thread,
         s,
-        op.scores.unsafe_offset(block * op.candidates),
+        op.work.scores.unsafe_offset(block * op.work.candidates),
         bound,
         op.k,
         op.output.unsafe_offset(t * op.k),
     )
+
+
+struct PlanKernel[Op: type_of(IndexTopK)](GpuKernel):
+    """Launch 1: a thread per query row writes its plan (`index_plan_thread`)."""
+
+    comptime Operands = Self.Op
+    comptime name = "mla_kpool_index_plan_kernel"
+    comptime block_threads = PLAN_THREADS
+    comptime grid_rows = "tokens"
+    comptime rows_per_block = PLAN_THREADS
+
+    @staticmethod
+    def rows(op: Self.Operands) -> Int:
+        """Query rows `T`."""
+        return op.total_tokens
+
+    @staticmethod
+    def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
+        """`index_plan_thread`."""
+        index_plan_thread(block, thread, op)
+
+
+struct SelectKernel[Op: type_of(IndexTopK)](GpuKernel):
+    """Launch 3: a block per window row selects its top `k`
+    (`index_select.select_row_phase`)."""
+
+    comptime Operands = Self.Op
+    comptime name = "mla_kpool_index_select_kernel"
+    comptime block_threads = SELECT_THREADS
+    comptime shared_words = SELECT_WORDS
+    comptime phases = select_phases(Self.Op.k)
+    comptime grid_rows = "window_rows"
+
+    @staticmethod
+    def rows(op: Self.Operands) -> Int:
+        """Rows of the window."""
+        return op.work.rows
+
+    @staticmethod
+    def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
+        """`index_select_phase`."""
+        index_select_phase(phase, block, thread, s, op)
 
 
 def window_rows(candidates: Int, total_tokens: Int) -> Int:
@@ -116,6 +145,7 @@ def index_top_k_gpu[
     op_in: IndexTopK,
     plan: Ptr[DType.int64],
     scores: Ptr[DType.float32],
+    candidates: Int,
     window: Int,
     ctx: DeviceContext,
 ) raises:
@@ -123,14 +153,15 @@ def index_top_k_gpu[
 
     Parameters:
         emulate: Run every launch over the emulated grid on the CPU.
-        scorer: `"simt"` (FP32, `index_gpu_score`), `"wgmma"`
-            (`index_wgmma`) or `"mfma"` (`index_mfma`), as
-            `index_scorers.scorer_kernel` chose it.
+        scorer: `"simt"`, `"wgmma"` or `"mfma"`, as
+            `index_scorers.scorer_kernel` chose it (`ScoreKernel` maps it
+            to its kernel).
 
     Args:
-        op_in: The call (its workspace fields are set here).
+        op_in: The call (its workspace is set here).
         plan: `[2 * T]` int64 device workspace.
         scores: `[window * candidates]` float32 device workspace.
+        candidates: The most candidates a row can see (a workspace row).
         window: Rows per window (`window_rows`).
         ctx: Device context (unused when emulated).
 
@@ -139,78 +170,16 @@ def index_top_k_gpu[
             broken phase model).
     """
     var op = op_in
-    op.plan = plan
-    op.scores = scores
-    var tiles = score_tiles(op)
-
-    def plan_body(block: Int, thread: Int, o: type_of(op)):
-        index_plan_thread(block, thread, o)
-
-    def score_body(block: Int, thread: Int, o: type_of(op)):
-        index_score_thread(block, thread, o)
-
-    def select_body(p: Int, block: Int, thread: Int, s: Shared, o: type_of(op)):
-        index_select_phase(p, block, thread, s, o)
-
-    def tile_body(p: Int, block: Int, thread: Int, s: Shared, o: type_of(op)):
-        index_score_phase(p, block, thread, s, o)
-
-    def wgmma_body(p: Int, block: Int, thread: Int, s: Shared, o: type_of(op)):
-        index_wgmma_phase(p, block, thread, s, o)
-
-    def mfma_body(p: Int, block: Int, thread: Int, s: Shared, o: type_of(op)):
-        index_mfma_phase(p, block, thread, s, o)
-
-    comptime tiled = tiled_scorer[op.num_heads, op.depth]()
-
-    launch["mla_kpool_index_plan_kernel", plan_body, emulate](
-        op, (ceildiv(op.total_tokens, PLAN_THREADS), PLAN_THREADS), ctx
-    )
+    op.work.plan = plan
+    op.work.scores = scores
+    op.work.candidates = candidates
+    comptime Op = type_of(op)
+    launch_kernel[PlanKernel[Op], emulate](op, ctx)
     var first = 0
     while first < op.total_tokens:
-        var rows = min(window, op.total_tokens - first)
-        op.first_row = first
-        comptime if scorer == "mfma":
-            launch_phased[
-                "mla_kpool_index_mfma_score_kernel",
-                mfma_words[op.num_heads, op.depth](),
-                mfma_body,
-                emulate,
-            ](
-                op,
-                (rows * mfma_tiles(op), MFMA_THREADS),
-                mfma_phases[op.num_heads](),
-                ctx,
-            )
-        elif scorer == "wgmma":
-            launch_phased[
-                "mla_kpool_index_wgmma_score_kernel",
-                wgmma_words[op.num_heads, op.depth](),
-                wgmma_body,
-                emulate,
-            ](
-                op,
-                (rows * wgmma_tiles(op), WGMMA_THREADS),
-                wgmma_phases[op.num_heads](),
-                ctx,
-            )
-        elif tiled:
-            launch_phased[
-                "mla_kpool_index_score_kernel",
-                tile_words[op.num_heads, op.depth](),
-                tile_body,
-                emulate,
-            ](
-                op,
-                (rows * tiles, score_threads[op.num_heads, op.depth]()),
-                2,
-                ctx,
-            )
-        else:
-            launch["mla_kpool_index_score_kernel", score_body, emulate](
-                op, (rows * tiles, SCORE_THREADS), ctx
-            )
-        launch_phased[
-            "mla_kpool_index_select_kernel", SELECT_WORDS, select_body, emulate
-        ](op, (rows, SELECT_THREADS), select_phases(op.k), ctx)
-        first += rows
+        op.work.first_row = first
+        op.work.rows = min(window, op.total_tokens - first)
+        comptime Score = ScoreKernel[scorer, Op]
+        launch_kernel[Score, emulate](rebind[Score.Operands](op), ctx)
+        launch_kernel[SelectKernel[Op], emulate](op, ctx)
+        first += op.work.rows

@@ -14,6 +14,7 @@ key's scale, and write a float32 workspace row.
 from std.math import ceildiv
 
 from .block_phases import Shared
+from .gpu_kernel import GpuKernel
 from .index_fp8 import decode_e4m3_gpu
 from .index_gpu_shape import (
     key_chunk,
@@ -22,6 +23,8 @@ from .index_gpu_shape import (
     score_passes,
     score_threads,
     score_tiles,
+    tile_words,
+    tiled_scorer,
 )
 from .index_operands import IndexTopK
 from .index_plan import page_bases
@@ -68,14 +71,14 @@ struct CandidateTile(Copyable, TrivialRegisterPassable):
 @always_inline
 def candidate_tile(op: IndexTopK, block: Int, tile: Int) -> CandidateTile:
     """Block `block` of a launch of `ceil(candidates / tile)` blocks per
-    window row: its row, request and bound (`op.plan`), first candidate."""
-    var tiles = ceildiv(op.candidates, tile)
+    window row: its row, request and bound (`op.work.plan`), first candidate."""
+    var tiles = ceildiv(op.work.candidates, tile)
     var row = block // tiles
-    var t = op.first_row + row
-    var request = Int(op.plan[unsafe_offset=2 * t])
+    var t = op.work.first_row + row
+    var request = Int(op.work.plan[unsafe_offset=2 * t])
     var bound = 0
     if request >= 0:
-        bound = Int(op.plan[unsafe_offset=2 * t + 1])
+        bound = Int(op.work.plan[unsafe_offset=2 * t + 1])
     return CandidateTile(row, t, request, bound, (block % tiles) * tile)
 
 
@@ -170,14 +173,14 @@ def index_score_thread(block: Int, thread: Int, op: IndexTopK):
     comptime threads = score_threads[op.num_heads, op.depth]()
     var row = block // score_tiles(op)
     var j = (block % score_tiles(op)) * threads + thread
-    var t = op.first_row + row
-    var b = Int(op.plan[unsafe_offset=2 * t])
-    var bound = Int(op.plan[unsafe_offset=2 * t + 1])
+    var t = op.work.first_row + row
+    var b = Int(op.work.plan[unsafe_offset=2 * t])
+    var bound = Int(op.work.plan[unsafe_offset=2 * t + 1])
     if b < 0 or j >= bound:
         return
-    op.scores[unsafe_offset=row * op.candidates + j] = score_candidate(
-        op, b, t, j
-    )
+    op.work.scores[
+        unsafe_offset=row * op.work.candidates + j
+    ] = score_candidate(op, b, t, j)
 
 
 @always_inline
@@ -300,8 +303,8 @@ def index_score_phase(
     comptime threads = score_threads[heads, depth]()
     comptime chunk = key_chunk[depth]()
     var row = block // score_tiles(op)
-    var t = op.first_row + row
-    var b = Int(op.plan[unsafe_offset=2 * t])
+    var t = op.work.first_row + row
+    var b = Int(op.work.plan[unsafe_offset=2 * t])
     if b < 0:
         return
     if phase == 0:
@@ -318,7 +321,7 @@ def index_score_phase(
             s.store_f32((d * passes + h % passes) * group + h // passes, value)
         return
     var j = (block % score_tiles(op)) * threads + thread
-    if j >= Int(op.plan[unsafe_offset=2 * t + 1]):
+    if j >= Int(op.work.plan[unsafe_offset=2 * t + 1]):
         return
     var at = candidate_at(op, b, j)
     var key = op.k_blocks.unsafe_offset(at[0])
@@ -336,6 +339,49 @@ def index_score_phase(
             if p == i:
                 sums[i] = sum
     var total = halving_sum[passes](sums)
-    op.scores[unsafe_offset=row * op.candidates + j] = (
+    op.work.scores[unsafe_offset=row * op.work.candidates + j] = (
         total * op.k_scales[unsafe_offset=at[1]]
     )
+
+
+struct SimtScore[Op: type_of(IndexTopK)](GpuKernel):
+    """The `"simt"` scorer's launch: tiled (`index_score_phase`) where the
+    row's float32 query fits shared memory (`tiled_scorer`), else untiled
+    (`index_score_thread`); a thread per candidate, a block per (window
+    row, tile of `score_threads` candidates)."""
+
+    comptime Operands = Self.Op
+    comptime name = "mla_kpool_index_score_kernel"
+    comptime tiled = tiled_scorer[Self.Op.num_heads, Self.Op.depth]()
+    """Whether the tiled scorer serves this shape."""
+    comptime block_threads = score_threads[Self.Op.num_heads, Self.Op.depth]()
+    comptime shared_words = (
+        tile_words[Self.Op.num_heads, Self.Op.depth]() if Self.tiled else 0
+    )
+    comptime phases = 2 if Self.tiled else 1
+    comptime grid_rows = "window_rows"
+    comptime rows_per_block = 1
+    comptime grid_columns = "candidates"
+    comptime columns_per_block = Self.block_threads
+    comptime column_flops = (
+        2 * padded_heads_pow2[Self.Op.num_heads]() * Self.Op.depth
+    )
+    comptime flops_peak = "fp32"
+
+    @staticmethod
+    def rows(op: Self.Operands) -> Int:
+        """Rows of the window."""
+        return op.work.rows
+
+    @staticmethod
+    def columns(op: Self.Operands) -> Int:
+        """A workspace row's candidates."""
+        return op.work.candidates
+
+    @staticmethod
+    def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
+        """`index_score_phase`, or `index_score_thread` untiled."""
+        comptime if Self.tiled:
+            index_score_phase(phase, block, thread, s, op)
+        else:
+            index_score_thread(block, thread, op)

@@ -21,7 +21,7 @@ tiled scorer's blocks are `score_threads` wide."""
 
 def score_tiles(op: IndexTopK) -> Int:
     """Score blocks per row: tiles of `score_threads` candidates."""
-    return ceildiv(op.candidates, score_threads[op.num_heads, op.depth]())
+    return ceildiv(op.work.candidates, score_threads[op.num_heads, op.depth]())
 
 
 @always_inline

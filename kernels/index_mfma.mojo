@@ -61,6 +61,7 @@ from std.memory import bitcast
 from std.sys.info import is_amd_gpu
 
 from .block_phases import Shared
+from .gpu_kernel import GpuKernel
 from .index_gpu_score import candidate_at, candidate_tile, is_aligned
 from .index_operands import IndexTopK
 from .mfma_model import (
@@ -174,7 +175,7 @@ def mfma_tile_flops[num_heads: Int, depth: Int]() -> Int:
 
 def mfma_tiles(op: IndexTopK) -> Int:
     """Blocks per window row: tiles of `MFMA_TILE` candidates."""
-    return ceildiv(op.candidates, MFMA_TILE)
+    return ceildiv(op.work.candidates, MFMA_TILE)
 
 
 @always_inline
@@ -401,8 +402,8 @@ def index_mfma_phase(
     Block `block` scores window row `block / mfma_tiles(op)` against
     candidates `64 * (block % tiles) ..< + 64`, with `MFMA_THREADS`
     threads, `mfma_phases` phases and `mfma_words` shared words; it writes
-    `op.scores[row * candidates + j]` (float32) for the candidates below
-    the row's bound (`op.plan`).
+    `op.work.scores[row * candidates + j]` (float32) for the candidates below
+    the row's bound (`op.work.plan`).
 
     Args:
         phase: 0 (products) or 1 (sum and scale).
@@ -433,6 +434,41 @@ def index_mfma_phase(
         row_nan |= s.load(nan_word(lane))
     if row_nan != 0:
         total = Float32(FloatLiteral.nan)
-    op.scores[unsafe_offset=row * op.candidates + j] = (
+    op.work.scores[unsafe_offset=row * op.work.candidates + j] = (
         total * op.k_scales[unsafe_offset=candidate_at(op, b, j)[1]]
     )
+
+
+struct MfmaScore[Op: type_of(IndexTopK)](GpuKernel):
+    """The `"mfma"` scorer's launch (gfx942): `MFMA_WAVES` waves per (window
+    row, tile of `MFMA_TILE` candidates), `index_mfma_phase`."""
+
+    comptime Operands = Self.Op
+    comptime name = "mla_kpool_index_mfma_score_kernel"
+    comptime block_threads = MFMA_THREADS
+    comptime shared_words = mfma_words[Self.Op.num_heads, Self.Op.depth]()
+    comptime phases = mfma_phases[Self.Op.num_heads]()
+    comptime grid_rows = "window_rows"
+    comptime rows_per_block = 1
+    comptime grid_columns = "candidates"
+    comptime columns_per_block = MFMA_TILE
+    comptime column_flops = (
+        mfma_tile_flops[Self.Op.num_heads, Self.Op.depth]() // MFMA_TILE
+    )
+    comptime pads_columns = True
+    comptime flops_peak = "fp8"
+
+    @staticmethod
+    def rows(op: Self.Operands) -> Int:
+        """Rows of the window."""
+        return op.work.rows
+
+    @staticmethod
+    def columns(op: Self.Operands) -> Int:
+        """A workspace row's candidates."""
+        return op.work.candidates
+
+    @staticmethod
+    def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
+        """`index_mfma_phase`."""
+        index_mfma_phase(phase, block, thread, s, op)

@@ -10,7 +10,7 @@ from std.math import ceildiv
 from std.sys import simd_width_of
 
 from .operands import KernelOperands
-from .ragged import Field
+from .ragged import Field, Ptr
 
 
 comptime F32_WIDTH = simd_width_of[DType.float32]()
@@ -28,6 +28,38 @@ def padded_heads_of[num_heads: Int]() -> Int:
     """Heads rounded up to whole registers: the decoded queries' row width,
     shared by the tasks that lay them out and the kernel that reads them."""
     return head_vectors_of[num_heads]() * F32_WIDTH
+
+
+@fieldwise_init
+struct IndexWorkspace[origin: MutOrigin](Copyable, TrivialRegisterPassable):
+    """The GPU path's workspace and window: not operands of the call.
+
+    Parameters:
+        origin: Origin of the pointers (`MutAnyOrigin` in kernels).
+    """
+
+    var plan: Field[DType.int64, Self.origin]
+    """`[2 * T]` each row's request and bound (`index_gpu`)."""
+    var scores: Field[DType.float32, Self.origin]
+    """`[window, candidates]` score workspace."""
+    var candidates: Int
+    """The most candidates a row can see: a workspace row."""
+    var first_row: Int
+    """The window's first row."""
+    var rows: Int
+    """Rows in the window."""
+
+
+def no_workspace() -> IndexWorkspace[MutAnyOrigin]:
+    """No workspace (null pointers, never read; no rows): the CPU path's."""
+    var none = 0
+    return IndexWorkspace[MutAnyOrigin](
+        Ptr[DType.int64](unsafe_from_address=none),
+        Ptr[DType.float32](unsafe_from_address=none),
+        0,
+        0,
+        0,
+    )
 
 
 @fieldwise_init
@@ -100,14 +132,9 @@ struct IndexOperands[
     """Elements from a key block's start to `layer_idx`'s slot 0."""
     var scale_layer_offset: Int
     """Elements from a scale block's start to `layer_idx`'s slot 0."""
-    var plan: Field[DType.int64, Self.origin]
-    """GPU path: `[2 * T]` each row's request and bound (`index_gpu`)."""
-    var scores: Field[DType.float32, Self.origin]
-    """GPU path: `[window, candidates]` score workspace."""
-    var candidates: Int
-    """GPU path: the most candidates a row can see (a workspace row)."""
-    var first_row: Int
-    """GPU path: the window's first row."""
+    var work: IndexWorkspace[Self.origin]
+    """GPU path: its device workspace and the window of rows being run
+    (`no_workspace()` on the CPU)."""
 
     comptime width = Self.depth // Self.kpool if Self.spread else Self.depth
     """Bytes per cache row, `W`."""

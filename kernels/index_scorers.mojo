@@ -14,26 +14,67 @@ MI300X `amdgpu:gfx942`), so a GPU builds only the scorer it runs.
 
 from std.sys.info import _accelerator_arch
 
-from .index_mfma import MFMA_MAX_DEPTH, mfma_fits
-from .index_wgmma import WGMMA_MAX_DEPTH, wgmma_fits
+from .index_gpu_score import SimtScore
+from .index_mfma import MFMA_MAX_DEPTH, MfmaScore, mfma_fits
+from .index_operands import IndexTopK
+from .index_wgmma import WGMMA_MAX_DEPTH, WgmmaScore, wgmma_fits
 
 
 comptime SCORERS = "auto, simt, wgmma, mfma"
 """The `scorer` names the op accepts."""
 
+comptime GPU_SCORERS = ("simt", "wgmma", "mfma")
+"""The scorers with a kernel, in the order reports list them."""
+
+comptime ScoreKernel[scorer: StaticString, Op: type_of(IndexTopK)] = (
+    WgmmaScore[Op] if scorer
+    == "wgmma" else (MfmaScore[Op] if scorer == "mfma" else SimtScore[Op])
+)
+"""The score launch's kernel (`gpu_kernel.GpuKernel`) of each scorer: the
+one place a scorer's name meets its kernel."""
+
+
+def is_hopper(arch: StaticString) -> Bool:
+    """Whether `arch` names an sm_90 GPU, as MAX (`nvidia:sm_90a`) or
+    Mojo's targets (`sm_90a`) spell it."""
+    return (
+        arch == "nvidia:sm_90a"
+        or arch == "nvidia:90a"
+        or arch == "nvidia:90"
+        or arch == "sm_90a"
+        or arch == "sm_90"
+    )
+
+
+def is_cdna3(arch: StaticString) -> Bool:
+    """Whether `arch` names a gfx942 (MI300) GPU (`amdgpu:gfx942`,
+    `gfx942`, `mi300x`)."""
+    return (
+        arch == "amdgpu:gfx942"
+        or arch == "amdgpu:94"
+        or arch == "gfx942"
+        or arch == "mi300x"
+    )
+
+
+def scorer_targets[scorer: StaticString](arch: StaticString) -> Bool:
+    """Whether `scorer`'s kernel is built for the GPU `arch` (`"simt"`
+    for every one)."""
+    comptime if scorer == "wgmma":
+        return is_hopper(arch)
+    elif scorer == "mfma":
+        return is_cdna3(arch)
+    return True
+
 
 def hopper_target() -> Bool:
     """Whether the graph's accelerator is an sm_90 (Hopper) GPU."""
-    comptime arch = _accelerator_arch()
-    return (
-        arch == "nvidia:sm_90a" or arch == "nvidia:90a" or arch == "nvidia:90"
-    )
+    return is_hopper(_accelerator_arch())
 
 
 def cdna3_target() -> Bool:
     """Whether the graph's accelerator is a gfx942 (MI300) GPU."""
-    comptime arch = _accelerator_arch()
-    return arch == "amdgpu:gfx942" or arch == "amdgpu:94"
+    return is_cdna3(_accelerator_arch())
 
 
 def scorer_kernel[

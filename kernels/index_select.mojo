@@ -41,47 +41,170 @@ histograms is the race-free form of the histogram step of Merrill and
 Grimshaw's radix sort ("High performance and scalable radix sorting",
 2011).
 
-The shared words' layout and the phase counts are in
-`index_select_layout.mojo`; the collect's placement and the sort in
-`index_select_sort.mojo`.
+**Shared memory**: the histogram (15 x 512 words), whose area later
+holds the pairs (2 x 2048 words) and the collect's counts; 15 bucket
+totals and 4 words of state: `SELECT_WORDS` in all (30,796 bytes). Words
+are laid out so that a warp's accesses fall in distinct banks (the
+counters of a digit row are thread-indexed; the collect's counts are
+padded by a word per 32).
+
+**Occupancy** (theoretical; limits: NVIDIA CUDA C++ Programming Guide,
+"Compute Capabilities", table of technical specifications for compute
+capability 9.0, and "Shared Memory" (1 KB reserved per block); AMD
+"AMD Instinct MI300 ISA" and ROCm "GPU hardware specifications" for
+MI300X: 64 KiB LDS per CU, 4 SIMDs of 8 wave64 slots, 512 VGPRs per SIMD
+lane): a 512-thread block is 16 warps on an H200 (228 KB shared per SM:
+7 blocks by shared memory, 4 by the 64 warps of an SM, fewer if a thread
+takes more than 32 registers: 3 up to 40, 2 up to 64) and 8 wave64 on
+an MI300X (2 workgroups by the 64 KiB of LDS: 16 of 32 wave slots, 50%,
+with up to 128 VGPRs).
+
+The file reads top down: the layout and phase counts, the radix select,
+then the collect's placement and the sort.
 """
 
-from std.math import min
+from std.bit import log2_floor, next_power_of_two
+from std.math import max, min
 
 from .block_phases import Shared
 from .index_rank import score_order
-from .index_select_layout import (
-    DIGIT_BITS,
-    RADIX_BUCKETS,
-    SELECT_THREADS,
-    _ABOVE,
-    _COLLECT_PHASES,
-    _COUNTED,
-    _HIST,
-    _HIST_WORDS,
-    _LANES,
-    _PASSES,
-    _PASS_PHASES,
-    _SELECT_PHASES,
-    _STATE,
-    _TIES,
-    _TOTALS,
-    _WARPS,
-    _GROUP_TIES,
-    _padded,
-    _run,
-    _shift,
-    _sort_steps,
-    sort_width,
-)
-from .index_select_sort import (
-    _bitonic_step,
-    _prefix_group,
-    _scatter_run,
-    _selected,
-    _write_ids,
-)
 from .ragged import Ptr
+
+
+comptime SELECT_THREADS = 512
+"""Threads per row block: 16 warps, 8 wave64."""
+
+comptime _LANES = 32
+"""Threads of an NVIDIA warp, and banks of shared memory (both targets)."""
+
+comptime DIGIT_BITS = 4
+"""Bits of the key fixed per radix pass."""
+
+comptime RADIX_BUCKETS = 1 << DIGIT_BITS
+"""Buckets of one digit."""
+
+comptime _COUNTED = RADIX_BUCKETS - 1
+"""Digits counted per pass: `1 ..< RADIX_BUCKETS` (never 0)."""
+
+comptime _PASSES = 32 // DIGIT_BITS
+"""Radix passes over a 32-bit key."""
+
+comptime SELECT_MAX_K = 2048
+"""Largest `k` (MAX's largest `top_k`); the pair area holds this many."""
+
+comptime _HIST = 0
+"""Word of digit `d`'s counter of thread `t`: `_HIST + (d - 1) * T + t`."""
+
+comptime _HIST_WORDS = _COUNTED * SELECT_THREADS
+"""The histogram area, reused for the pairs and the collect's counts."""
+
+comptime _PAIR_KEYS = _HIST
+"""Keys of the pairs (the histogram area's first `SELECT_MAX_K` words)."""
+
+comptime _PAIR_IDS = _HIST + SELECT_MAX_K
+"""Ids of the pairs."""
+
+comptime _PADDED = SELECT_THREADS + SELECT_THREADS // _LANES
+"""Words of one padded per-thread count array (`_padded`)."""
+
+comptime _ABOVE = _PAIR_IDS + SELECT_MAX_K
+"""Per-thread counts of keys above `K`, then their exclusive prefixes."""
+
+comptime _TIES = _ABOVE + _PADDED
+"""Per-thread counts of keys at `K`, then their exclusive prefixes."""
+
+comptime _WARPS = SELECT_THREADS // _LANES
+"""Groups of 32 threads: the collect's prefix runs per group."""
+
+comptime _GROUP_ABOVE = _TIES + _PADDED
+"""Keys above `K` per group of 32 threads."""
+
+comptime _GROUP_TIES = _GROUP_ABOVE + _WARPS
+"""Keys at `K` per group of 32 threads."""
+
+comptime _TOTALS = _HIST + _HIST_WORDS
+"""The 15 bucket totals of a pass (digit `d` at `_TOTALS + d - 1`)."""
+
+comptime _STATE = _TOTALS + _COUNTED
+"""Two slots of (prefix, need): pass `p` records its state in slot
+`p % 2`; the collect's (`K`, need) is slot 0."""
+
+comptime SELECT_WORDS = _STATE + 4
+"""Shared words per block."""
+
+comptime _PASS_PHASES = 3
+comptime _SELECT_PHASES = _PASSES * _PASS_PHASES
+"""Count, column sums and totals per digit."""
+
+comptime _COLLECT_PHASES = 3
+
+
+@always_inline
+def sort_width(k: Int) -> Int:
+    """The pairs' area: the smallest power of two at least `k`.
+
+    Args:
+        k: Ids per output row.
+    """
+    return next_power_of_two(k)
+
+
+def _sort_steps(k: Int) -> Int:
+    """Compare-exchange phases of the bitonic sort of `sort_width(k)` pairs.
+
+    Args:
+        k: Ids per output row.
+    """
+    var n = log2_floor(sort_width(k))
+    return n * (n + 1) // 2
+
+
+def select_phases(k: Int) -> Int:
+    """Phases of the select body for `k`: select, collect, sort (and write).
+
+    The last sort phase writes the output; `k = 1` has no sort phase and
+    writes in a phase of its own.
+
+    Args:
+        k: Ids per output row, `1 ..= SELECT_MAX_K`.
+    """
+    return _SELECT_PHASES + _COLLECT_PHASES + max(_sort_steps(k), 1)
+
+
+@always_inline
+def _run(thread: Int, bound: Int) -> Tuple[Int, Int]:
+    """Thread `thread`'s contiguous run of ids `[lo, hi)` in the collect.
+
+    Args:
+        thread: The thread.
+        bound: Candidates of the row.
+    """
+    var per = (bound + SELECT_THREADS - 1) // SELECT_THREADS
+    var lo = min(thread * per, bound)
+    return (lo, min(lo + per, bound))
+
+
+@always_inline
+def _padded(thread: Int) -> Int:
+    """Thread `thread`'s word in a padded count array: a word skipped per 32.
+
+    The collect's prefix thread `g` reads words `33 g + i`, in bank
+    `(g + i) % 32`: the 16 prefix threads never share a bank.
+
+    Args:
+        thread: The thread.
+    """
+    return thread + thread // _LANES
+
+
+@always_inline
+def _shift(p: Int) -> Int:
+    """The lowest bit of pass `p`'s digit.
+
+    Args:
+        p: The pass, `0 ..< _PASSES`.
+    """
+    return 32 - DIGIT_BITS * (p + 1)
 
 
 def select_row_phase(
@@ -297,3 +420,204 @@ def _count_run(
             ties += 1
     s.store(_ABOVE + _padded(thread), above)
     s.store(_TIES + _padded(thread), ties)
+
+
+# The collect and the sort: once `_count_run` has fixed the k-th key `K`
+# and counted each thread's keys above and at it, `_prefix_group` turns a
+# group's counts into exclusive prefixes and `_scatter_run` writes each
+# thread's selected (key, id) pairs to their places, ties in id order;
+# the bitonic sort (`_bitonic_step`) then orders the pairs, its last step
+# writing the ids to the output (`_write_ids` when `k = 1` needs no sort).
+
+
+@always_inline
+def _selected(key: UInt32, threshold: UInt32, take_all: Bool) -> Int:
+    """2 above the k-th key (or any key when all are taken), 1 at it, 0.
+
+    Args:
+        key: A candidate's key.
+        threshold: The k-th key `K`.
+        take_all: Whether every candidate is taken.
+    """
+    if take_all or key > threshold:
+        return 2
+    return 1 if key == threshold else 0
+
+
+def _prefix_group(group: Int, s: Shared):
+    """Exclusive prefixes of a group of 32 threads' counts, and its sums.
+
+    Args:
+        group: The group, `0 ..< SELECT_THREADS / 32`.
+        s: The block's shared words.
+    """
+    var above: UInt32 = 0
+    var ties: UInt32 = 0
+    for i in range(_LANES):
+        var at = _padded(group * _LANES + i)
+        var a = s.load(_ABOVE + at)
+        var e = s.load(_TIES + at)
+        s.store(_ABOVE + at, above)
+        s.store(_TIES + at, ties)
+        above += a
+        ties += e
+    s.store(_GROUP_ABOVE + group, above)
+    s.store(_GROUP_TIES + group, ties)
+
+
+def _scatter_run(
+    thread: Int,
+    s: Shared,
+    scores: Ptr[DType.float32],
+    bound: Int,
+    m: Int,
+    take_all: Bool,
+    width: Int,
+):
+    """Writes this thread's selected pairs, and pads the pair area.
+
+    The keys above `K` come first, in id order; the `need` lowest ids at
+    `K` follow them.
+
+    Args:
+        thread: The thread.
+        s: The block's shared words.
+        scores: The row's scores.
+        bound: Candidates of the row.
+        m: `min(k, bound)`.
+        take_all: Whether every candidate is taken.
+        width: `sort_width(k)`.
+    """
+    var threshold: UInt32 = 0
+    var need = 0
+    if not take_all:
+        threshold = s.load(_STATE)
+        need = Int(s.load(_STATE + 1))
+    var at = Int(s.load(_ABOVE + _padded(thread)))
+    var tie = Int(s.load(_TIES + _padded(thread)))
+    var above_total = 0
+    var group = thread // _LANES
+    for g in range(_WARPS):
+        var a = Int(s.load(_GROUP_ABOVE + g))
+        above_total += a
+        if g < group:
+            at += a
+            tie += Int(s.load(_GROUP_TIES + g))
+    var run = _run(thread, bound)
+    for j in range(run[0], run[1]):
+        var key = score_order(scores[unsafe_offset=j])
+        var kind = _selected(key, threshold, take_all)
+        var slot = -1
+        if kind == 2:
+            slot = at
+            at += 1
+        elif kind == 1:
+            if tie < need:
+                slot = above_total + tie
+            tie += 1
+        if slot >= 0:
+            s.store(_PAIR_KEYS + slot, key)
+            s.store(_PAIR_IDS + slot, UInt32(j))
+    # Padding ranks after every pair: key 0 (no score), the largest id.
+    for i in range(m + thread, width, SELECT_THREADS):
+        s.store(_PAIR_KEYS + i, 0)
+        s.store(_PAIR_IDS + i, 0xFFFFFFFF)
+
+
+@always_inline
+def _after(key_a: UInt32, id_a: UInt32, key_b: UInt32, id_b: UInt32) -> Bool:
+    """Whether pair a ranks after pair b (lower key, or equal and higher id).
+
+    Args:
+        key_a: Pair a's key.
+        id_a: Pair a's id.
+        key_b: Pair b's key.
+        id_b: Pair b's id.
+    """
+    return key_a < key_b or (key_a == key_b and id_a > id_b)
+
+
+@always_inline
+def _write_id(ids: Ptr[DType.int32], i: Int, id: UInt32, k: Int, m: Int):
+    """Output slot `i` (if below `k`): `id` for the first `m`, then -1.
+
+    Args:
+        ids: The row's `k` output ids.
+        i: The slot (pair) index.
+        id: The id the sorted pairs hold at `i`.
+        k: Ids per output row.
+        m: `min(k, bound)`.
+    """
+    if i < k:
+        ids[unsafe_offset=i] = Int32(id) if i < m else Int32(-1)
+
+
+def _write_ids(thread: Int, s: Shared, k: Int, m: Int, ids: Ptr[DType.int32]):
+    """Writes the (sorted) pairs' ids, then -1: the phase after no sort.
+
+    Args:
+        thread: The thread.
+        s: The block's shared words.
+        k: Ids per output row.
+        m: `min(k, bound)`.
+        ids: The row's `k` output ids.
+    """
+    for i in range(thread, k, SELECT_THREADS):
+        var id: UInt32 = 0
+        if i < m:
+            id = s.load(_PAIR_IDS + i)
+        _write_id(ids, i, id, k, m)
+
+
+def _bitonic_step(
+    thread: Int,
+    s: Shared,
+    step: Int,
+    width: Int,
+    last: Bool,
+    k: Int,
+    m: Int,
+    ids: Ptr[DType.int32],
+):
+    """Compare-exchange step `step` of the bitonic sort of `width` pairs.
+
+    Steps run stage by stage (`size` = 2, 4, .., `width`), each stage from
+    `stride = size / 2` down to 1; the pairs end in rank order (best
+    first). A thread takes compared pairs `c = thread, thread + 512, ..`
+    of the `width / 2`: `c` with a 0 bit inserted at `stride` is the lower
+    index. The last step writes the ids to the output.
+
+    Args:
+        thread: The thread.
+        s: The block's shared words.
+        step: The step, `0 ..< _sort_steps(k)`.
+        width: `sort_width(k)`.
+        last: Whether this is the last step.
+        k: Ids per output row.
+        m: `min(k, bound)`.
+        ids: The row's `k` output ids.
+    """
+    var size = 2
+    var left = step
+    while left >= log2_floor(size):
+        left -= log2_floor(size)
+        size *= 2
+    var stride = size >> (left + 1)
+    for c in range(thread, width // 2, SELECT_THREADS):
+        var i = ((c & ~(stride - 1)) << 1) | (c & (stride - 1))
+        var j = i + stride
+        var ka = s.load(_PAIR_KEYS + i)
+        var ia = s.load(_PAIR_IDS + i)
+        var kb = s.load(_PAIR_KEYS + j)
+        var ib = s.load(_PAIR_IDS + j)
+        # Best first within blocks of `size` whose bit `size` is 0, worst
+        # first in the others; the last stage sorts the whole area.
+        var swap = _after(ka, ia, kb, ib) == ((i & size) == 0)
+        if last:
+            _write_id(ids, i, ib if swap else ia, k, m)
+            _write_id(ids, j, ia if swap else ib, k, m)
+        elif swap:
+            s.store(_PAIR_KEYS + i, kb)
+            s.store(_PAIR_IDS + i, ib)
+            s.store(_PAIR_KEYS + j, ka)
+            s.store(_PAIR_IDS + j, ia)

@@ -52,7 +52,7 @@ from std.utils.index import IndexList
 
 from .index_cpu import index_top_k_cpu, scratch
 from .index_gpu import index_top_k_gpu, window_rows
-from .index_operands import IndexOperands
+from .index_operands import IndexOperands, no_workspace
 from .index_plan import scored_prefix
 from .index_scorers import check_scorer, scorer_kernel
 from .operands import ANY, dims, expect_shape, expect_target
@@ -335,30 +335,27 @@ struct MLAKPoolIndexTopK:
                 spread,
                 MutAnyOrigin,
             ](
-                output_indices.unsafe_ptr(),
-                q.unsafe_ptr().unsafe_bitcast[UInt8](),
-                qs.unsafe_ptr(),
-                offsets,
-                k_blocks.unsafe_ptr().unsafe_bitcast[UInt8](),
-                k_cache_lengths.unsafe_ptr(),
-                k_lookup_table.unsafe_ptr(),
-                k_scales.unsafe_ptr(),
-                k_scales_lookup_table.unsafe_ptr(),
-                total_tokens,
-                scored,
-                page_size,
-                k_lookup_table.dim_size(1),
-                k_scales_lookup_table.dim_size(1),
-                k_blocks.dim_size(0),
-                k_scales.dim_size(0),
-                block_stride,
-                scale_block_stride,
-                layer * layer_elems,
-                layer * page_size,
-                output_indices.unsafe_ptr().unsafe_bitcast[Int64](),
-                k_scales.unsafe_ptr(),
-                candidates,
-                0,
+                output=output_indices.unsafe_ptr(),
+                q=q.unsafe_ptr().unsafe_bitcast[UInt8](),
+                qs=qs.unsafe_ptr(),
+                input_row_offsets=offsets,
+                k_blocks=k_blocks.unsafe_ptr().unsafe_bitcast[UInt8](),
+                k_cache_lengths=k_cache_lengths.unsafe_ptr(),
+                k_lookup_table=k_lookup_table.unsafe_ptr(),
+                k_scales=k_scales.unsafe_ptr(),
+                k_scales_lookup_table=k_scales_lookup_table.unsafe_ptr(),
+                total_tokens=total_tokens,
+                scored_requests=scored,
+                page_size=page_size,
+                key_pages=k_lookup_table.dim_size(1),
+                scale_pages=k_scales_lookup_table.dim_size(1),
+                key_blocks=k_blocks.dim_size(0),
+                scale_blocks=k_scales.dim_size(0),
+                block_stride=block_stride,
+                scale_block_stride=scale_block_stride,
+                layer_offset=layer * layer_elems,
+                scale_layer_offset=layer * page_size,
+                work=no_workspace(),
             )
             comptime if on_cpu:
                 index_top_k_cpu(op)
@@ -366,7 +363,7 @@ struct MLAKPoolIndexTopK:
                 var plan = List[Int64](length=2 * total_tokens, fill=0)
                 var work = List[Float32](length=window * candidates, fill=0.0)
                 index_top_k_gpu[True, kernel](
-                    op, scratch(plan), scratch(work), window, ctx
+                    op, scratch(plan), scratch(work), candidates, window, ctx
                 )
                 _ = plan^  # the launches used them through pointers
                 _ = work^
@@ -384,7 +381,7 @@ struct MLAKPoolIndexTopK:
                     MutAnyOrigin
                 ]()
                 index_top_k_gpu[False, kernel](
-                    op, plan_ptr, work_ptr, window, ctx
+                    op, plan_ptr, work_ptr, candidates, window, ctx
                 )
                 _ = plan^  # freed in stream order, after the launches
                 _ = work^

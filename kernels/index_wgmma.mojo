@@ -50,6 +50,7 @@ from std.memory import bitcast
 from std.sys.info import is_nvidia_gpu
 
 from .block_phases import Shared
+from .gpu_kernel import GpuKernel
 from .index_gpu_score import candidate_at, candidate_tile, is_aligned
 from .index_operands import IndexTopK
 from .ragged import Ptr
@@ -140,7 +141,7 @@ def wgmma_tile_flops[num_heads: Int, depth: Int]() -> Int:
 
 def wgmma_tiles(op: IndexTopK) -> Int:
     """Blocks per row: tiles of `WGMMA_TILE` candidates."""
-    return ceildiv(op.candidates, WGMMA_TILE)
+    return ceildiv(op.work.candidates, WGMMA_TILE)
 
 
 @always_inline
@@ -311,7 +312,7 @@ def index_wgmma_phase(
         var total = (s.load_f32(word) + s.load_f32(word + 1)) + (
             s.load_f32(word + 2) + s.load_f32(word + 3)
         )
-        op.scores[unsafe_offset=row * op.candidates + j] = (
+        op.work.scores[unsafe_offset=row * op.work.candidates + j] = (
             total * op.k_scales[unsafe_offset=candidate_at(op, b, j)[1]]
         )
         return
@@ -342,3 +343,38 @@ def index_wgmma_phase(
         # The tiles were written through the generic proxy; wgmma reads
         # them through the async proxy.
         fence_async_view_proxy()
+
+
+struct WgmmaScore[Op: type_of(IndexTopK)](GpuKernel):
+    """The `"wgmma"` scorer's launch (sm_90): a warpgroup per (window row,
+    tile of `WGMMA_TILE` candidates), `index_wgmma_phase`."""
+
+    comptime Operands = Self.Op
+    comptime name = "mla_kpool_index_wgmma_score_kernel"
+    comptime block_threads = WGMMA_THREADS
+    comptime shared_words = wgmma_words[Self.Op.num_heads, Self.Op.depth]()
+    comptime phases = wgmma_phases[Self.Op.num_heads]()
+    comptime grid_rows = "window_rows"
+    comptime rows_per_block = 1
+    comptime grid_columns = "candidates"
+    comptime columns_per_block = WGMMA_TILE
+    comptime column_flops = (
+        wgmma_tile_flops[Self.Op.num_heads, Self.Op.depth]() // WGMMA_TILE
+    )
+    comptime pads_columns = True
+    comptime flops_peak = "fp8"
+
+    @staticmethod
+    def rows(op: Self.Operands) -> Int:
+        """Rows of the window."""
+        return op.work.rows
+
+    @staticmethod
+    def columns(op: Self.Operands) -> Int:
+        """A workspace row's candidates."""
+        return op.work.candidates
+
+    @staticmethod
+    def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
+        """`index_wgmma_phase`."""
+        index_wgmma_phase(phase, block, thread, s, op)

@@ -6,9 +6,11 @@ body, a plain function of `(block, thread, operands)` that does one
 thread's work. `launch` runs a thread body over a grid: on a GPU as
 `gpu_kernel`, the kernel of every thread body (instantiated per op and
 named after it, so a profile says which op ran), which calls the body with
-`block_idx.x` and `thread_idx.x`; kernels whose threads share a block's
-memory go through the other launcher, `block_phases.launch_phased`; emulated, through `emulate_grid`, which
+`block_idx.x` and `thread_idx.x`; emulated, through `emulate_grid`, which
 calls the same body on the CPU for every block and thread of the launch.
+Kernels whose threads share a block's memory run through
+`block_phases.launch_phased` instead; an op launches either through its
+kernel's declaration (`gpu_kernel.launch_kernel`).
 Emulation therefore tests each thread's indexing and arithmetic, but not
 how the operands reach a GPU (a by-value copy of the struct's bytes into
 the kernel's argument buffer, which `KernelOperands` constrains at compile
@@ -120,7 +122,7 @@ def emulate_grid[
 
     Args:
         kernel: Name of the kernel, for launch-shape errors.
-        grid: Blocks, as the op's `*_launch` helper computed them.
+        grid: Blocks, as the kernel's grid rule gives them.
         block: Threads per block, likewise.
         body: One thread's work, `body(block, thread)`.
 
@@ -183,7 +185,8 @@ def launch[
     Args:
         op: The call's operands.
         shape: `(grid, block)`: blocks (at least 0) and threads per block,
-            both x dimension, as the op's `*_launch` helper computes them.
+            both x dimension (`gpu_kernel.grid_blocks`, the declared
+            `block_threads`).
         ctx: Device context.
 
     Raises:

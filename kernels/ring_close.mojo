@@ -30,7 +30,9 @@ from .operands import (
     expect_shape,
     expect_target,
 )
-from .parallel import cpu_for_each_range, gpu_block_width, launch
+from .block_phases import Shared
+from .gpu_kernel import GpuKernel, launch_kernel
+from .parallel import cpu_for_each_range, gpu_block_width
 from .pooling import (
     PoolMembers,
     PoolSegments,
@@ -288,10 +290,24 @@ def ring_close_thread(block: Int, thread: Int, op: RingClose):
             )
 
 
-@always_inline
-def ring_close_launch[head_dim: Int](batch: Int) -> Tuple[Int, Int]:
-    """`(grid, block)` of ring_close's launch: a block per request."""
-    return (batch, gpu_block_width[head_dim]())
+struct RingCloseKernel[Op: type_of(RingClose)](GpuKernel):
+    """The ring_close launch: a block per request, a thread per channel (at
+    most 1024, striding over wider heads)."""
+
+    comptime Operands = Self.Op
+    comptime name = "kpool_ring_close_kernel"
+    comptime block_threads = gpu_block_width[Self.Op.head_dim]()
+    comptime grid_rows = "batch"
+
+    @staticmethod
+    def rows(op: Self.Operands) -> Int:
+        """Requests."""
+        return op.batch
+
+    @staticmethod
+    def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
+        """`ring_close_thread`."""
+        ring_close_thread(block, thread, op)
 
 
 @extensibility.register("mo.mla.kpool.ring_close")
@@ -367,9 +383,4 @@ struct MLAKPoolRingClose:
             ring_close_cpu(op)
         else:
 
-            def body(block: Int, thread: Int, op: type_of(op)):
-                ring_close_thread(block, thread, op)
-
-            launch["kpool_ring_close_kernel", body, emulate_gpu](
-                op, ring_close_launch[head_dim](op.batch), ctx
-            )
+            launch_kernel[RingCloseKernel[type_of(op)], emulate_gpu](op, ctx)

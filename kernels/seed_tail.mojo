@@ -30,7 +30,9 @@ from .operands import (
     expect_shape,
     expect_target,
 )
-from .parallel import cpu_for_each_range, gpu_block_width, launch
+from .block_phases import Shared
+from .gpu_kernel import GpuKernel, launch_kernel
+from .parallel import cpu_for_each_range, gpu_block_width
 from .ragged import Field, Ptr, read_index, slot_ok, token_span
 
 
@@ -190,10 +192,24 @@ def seed_tail_thread(block: Int, thread: Int, op: SeedTail):
             ]
 
 
-@always_inline
-def seed_tail_launch[head_dim: Int](batch: Int) -> Tuple[Int, Int]:
-    """`(grid, block)` of seed_tail's launch: a block per request."""
-    return (batch, gpu_block_width[head_dim]())
+struct SeedTailKernel[Op: type_of(SeedTail)](GpuKernel):
+    """The seed_tail launch: a block per request, a thread per channel (at
+    most 1024)."""
+
+    comptime Operands = Self.Op
+    comptime name = "kpool_seed_tail_kernel"
+    comptime block_threads = gpu_block_width[Self.Op.head_dim]()
+    comptime grid_rows = "batch"
+
+    @staticmethod
+    def rows(op: Self.Operands) -> Int:
+        """Requests."""
+        return op.batch
+
+    @staticmethod
+    def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
+        """`seed_tail_thread`."""
+        seed_tail_thread(block, thread, op)
 
 
 @extensibility.register("mo.mla.kpool.seed_tail")
@@ -275,9 +291,4 @@ struct MLAKPoolSeedTail:
             seed_tail_cpu(op)
         else:
 
-            def body(block: Int, thread: Int, op: type_of(op)):
-                seed_tail_thread(block, thread, op)
-
-            launch["kpool_seed_tail_kernel", body, emulate_gpu](
-                op, seed_tail_launch[head_dim](op.batch), ctx
-            )
+            launch_kernel[SeedTailKernel[type_of(op)], emulate_gpu](op, ctx)

@@ -64,7 +64,9 @@ from .operands import (
     expect_shape,
     expect_target,
 )
-from .parallel import cpu_for_each_range, gpu_block_width, launch
+from .block_phases import Shared
+from .gpu_kernel import GpuKernel, launch_kernel
+from .parallel import cpu_for_each_range, gpu_block_width
 from .ragged import Field, full_pools, read_index
 from .ring_close import (
     RingCloseOperands,
@@ -277,16 +279,43 @@ def step_thread(block: Int, thread: Int, op: Step):
         compress_thread(block - batch, thread, compress_of(op))
 
 
-@always_inline
-def step_scan_launch() -> Tuple[Int, Int]:
-    """`(grid, block)` of launch 1 (`kpool_step_scan_kernel`): one thread."""
-    return (1, 1)
+struct StepScanKernel[Op: type_of(Step)](GpuKernel):
+    """The step's launch 1: one thread scans the batch."""
+
+    comptime Operands = Self.Op
+    comptime name = "kpool_step_scan_kernel"
+    comptime block_threads = 1
+    comptime grid_rows = "1"
+
+    @staticmethod
+    def rows(op: Self.Operands) -> Int:
+        """One."""
+        return 1
+
+    @staticmethod
+    def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
+        """`step_scan_thread`."""
+        step_scan_thread(block, thread, op)
 
 
-@always_inline
-def step_launch[head_dim: Int](batch: Int, out_rows: Int) -> Tuple[Int, Int]:
-    """`(grid, block)` of launch 2: a block per request and output row."""
-    return (batch + out_rows, gpu_block_width[head_dim]())
+struct StepKernel[Op: type_of(Step)](GpuKernel):
+    """The step's launch 2: a block per request and output row, a thread per
+    channel (at most 1024)."""
+
+    comptime Operands = Self.Op
+    comptime name = "kpool_step_kernel"
+    comptime block_threads = gpu_block_width[Self.Op.head_dim]()
+    comptime grid_rows = "batch + out_rows"
+
+    @staticmethod
+    def rows(op: Self.Operands) -> Int:
+        """Requests plus output rows."""
+        return op.close.batch + op.out_rows
+
+    @staticmethod
+    def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
+        """`step_thread`."""
+        step_thread(block, thread, op)
 
 
 @extensibility.register("mla_kpool.step")
@@ -386,15 +415,5 @@ struct MLAKPoolStep:
             step_cpu(op)
         else:
 
-            def scan(block: Int, thread: Int, op: type_of(op)):
-                step_scan_thread(block, thread, op)
-
-            def body(block: Int, thread: Int, op: type_of(op)):
-                step_thread(block, thread, op)
-
-            launch["kpool_step_scan_kernel", scan, emulate_gpu](
-                op, step_scan_launch(), ctx
-            )
-            launch["kpool_step_kernel", body, emulate_gpu](
-                op, step_launch[head_dim](batch, op.out_rows), ctx
-            )
+            launch_kernel[StepScanKernel[type_of(op)], emulate_gpu](op, ctx)
+            launch_kernel[StepKernel[type_of(op)], emulate_gpu](op, ctx)

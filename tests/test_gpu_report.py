@@ -35,8 +35,10 @@ from mla_kpool.gpu_report.report import param_mismatches
 ARCHS = ["sm_90a", "sm_100a", "gfx942"]
 OPS = {"ring_close", "compress", "seed_tail", "step", "expand_topk"}
 OPS |= {"index_top_k"}
-INDEX_CONFIGS = {"glm5next-k512", "glm5next-k2048", "dsv32-k2048"}
-INDEX_KERNELS = {"plan", "score_tiled", "score_untiled", "select"}
+INDEX_CONFIGS = {"glm5next-k512", "glm5next-k2048", "dsv32-k2048", "h128-k2048"}
+INDEX_KERNELS = {"plan", "score_simt", "select"}
+#: The config whose query is too large for the tiled FP32 scorer.
+UNTILED = "h128-k2048"
 #: Kernels built only for the GPUs that run them: the tensor scorers.
 ARCH_KERNELS = {"sm_90a": {"score_wgmma"}, "gfx942": {"score_mfma"}}
 #: Writers' kernels: one per op, and the step's scan.
@@ -195,15 +197,17 @@ def test_parameter_blocks_are_the_hosts_operand_bytes(report: Report):
         ("step", "scan"): 136,
         ("step", "main"): 136,
         ("expand_topk", "main"): 48,
-        ("index_top_k", "plan"): 192,
-        ("index_top_k", "score_untiled"): 192,
-        ("index_top_k", "score_tiled"): 192 + 8,
-        ("index_top_k", "score_wgmma"): 192 + 8,
-        ("index_top_k", "score_mfma"): 192 + 8,
-        ("index_top_k", "select"): 192 + 8,
+        ("index_top_k", "plan"): 200,
+        ("index_top_k", "score_simt"): 200 + 8,
+        ("index_top_k", "score_wgmma"): 200 + 8,
+        ("index_top_k", "score_mfma"): 200 + 8,
+        ("index_top_k", "select"): 200 + 8,
     }
     for row in report.rows:
-        assert row["host_bytes"] == sizes[row["op"], row["kernel"]], _name(row)
+        want = sizes[row["op"], row["kernel"]]
+        if (row["kernel"], row["config"]) == ("score_simt", UNTILED):
+            want = 200  # the untiled scorer: no phases
+        assert row["host_bytes"] == want, _name(row)
 
 
 @pytest.mark.parametrize("gpu", ["H200", "MI300X"])
@@ -219,7 +223,7 @@ def test_every_kernel_keeps_a_quarter_of_the_gpu_busy(report: Report, gpu: str):
 
 def test_tiled_scorer_ptx_has_no_local_memory(report: Report):
     for row in report.arch_rows("sm_90a"):
-        if row["kernel"] in ("score_tiled", "score_wgmma"):
+        if row["kernel"] in ("score_simt", "score_wgmma"):
             facts = ptx_facts(report.code(row), row["entry"])
             assert facts["local"] == {}, _name(row)
             assert facts["global_loads"], _name(row)
@@ -631,6 +635,38 @@ def test_wgmma_scorer_bound_is_near_the_fp8_roofline_on_hopper(report: Report):
     assert [x["binding"] for x in decode] == ["issue", "memory"]
 
 
+def test_rooflines_grids_come_from_the_kernels_declarations(report: Report):
+    # The manifest's grid rules, evaluated on the workloads' counts, give
+    # the launches the kernels' docs describe. GLM-5-Next decode (16 rows
+    # of 8,192 candidates): a plan block of 256 rows; simt tiles of 256
+    # candidates (its 32 x 128 query: 4 waves of 64); wgmma tiles of 64;
+    # a select block per row. The step at batch 4096: one scan thread,
+    # then a block per request and per output row (2 per request).
+    rows = {
+        (r["workload"], r["gpu"]): r["kernels"] for r in report.doc["rooflines"]
+    }
+    decode = rows["glm5-next-decode", "H200"]
+    assert [(k["kernel"], k["grid"], k["block_threads"]) for k in decode] == [
+        ("plan", 1, 256),
+        ("score_simt", 16 * 8192 // 256, 256),
+        ("score_wgmma", 16 * 8192 // 64, 128),
+        ("select", 16, 512),
+    ]
+    # DeepSeek-V3.2's 64 x 128 query: 8 waves, 512 threads.
+    ds = rows["deepseek-v3.2-decode", "MI300X"]
+    assert [(k["kernel"], k["grid"], k["block_threads"]) for k in ds] == [
+        ("plan", 1, 256),
+        ("score_simt", 16 * 32768 // 512, 512),
+        ("score_mfma", 16 * 32768 // 64, 256),
+        ("select", 16, 512),
+    ]
+    step = rows["step-b4096", "B200"]
+    assert [(k["kernel"], k["grid"]) for k in step] == [
+        ("scan", 1),
+        ("main", 3 * 4096),
+    ]
+
+
 NVDISASM = tools.find_nvdisasm()
 
 
@@ -646,13 +682,17 @@ def test_tensor_scorers_machine_code_counts_match_the_manifest(report: Report):
             continue
         ops = row["machine_ops"]
         params = row["params"]
+        steps = -(-params["depth"] // 32)
         if row["kernel"] == "score_wgmma":
-            assert ops["matrix"] == {"QGMMA": params["wgmma_per_tile"]}, row
+            # A k32 step per 32 dims for each chunk of up to 64 heads.
+            chunks = -(-params["num_heads"] // 64)
+            assert ops["matrix"] == {"QGMMA": chunks * steps}, row
         else:
-            steps = -(-params["depth"] // 32)
             assert ops["matrix"] == {"v_mfma_f32_16x16x32_fp8_fp8": steps}
     tiled = [
-        r for r in report.arch_rows("sm_90a") if r["kernel"] == "score_tiled"
+        r
+        for r in report.arch_rows("sm_90a")
+        if r["kernel"] == "score_simt" and r["config"] != UNTILED
     ]
     assert all(r["machine_ops"]["matrix"] == {} for r in tiled)
     assert all(r["machine_ops"]["fma"].get("FFMA", 0) > 0 for r in tiled)

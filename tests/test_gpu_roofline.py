@@ -2,7 +2,7 @@
 
 import pytest
 
-from mla_kpool.bench import index
+from mla_kpool.bench import bounds, index
 from mla_kpool.gpu_report import roofline
 
 
@@ -18,7 +18,7 @@ def test_glm5_next_decode_by_hand():
     # 4-byte scale) = 17,301,504; queries: 16 rows * 32 heads * (128 + 4)
     # = 67,584; output: 16 * 512 * 4 = 32,768. Flops: 2 * 32 * 128 per
     # (row, pool): 8,192 * 16,384 = 134,217,728 per row, x16.
-    w = roofline.WORKLOADS["glm5-next-decode"]
+    w = bounds.WORKLOADS["glm5-next-decode"]
     assert w["bytes"] == 17_301_504 + 67_584 + 32_768
     assert w["flops"] == 16 * 2 * 32 * 128 * 8192
     assert w["candidates"] == 8192
@@ -35,7 +35,7 @@ def test_glm5_next_decode_by_hand():
 def test_deepseek_v32_decode_by_hand():
     # H 64, D 128, kpool 1, k 2048: each row sees 32,768 keys. Keys: 16 *
     # 32,768 * 132; queries 16 * 64 * 132; output 16 * 2,048 * 4.
-    w = roofline.WORKLOADS["deepseek-v3.2-decode"]
+    w = bounds.WORKLOADS["deepseek-v3.2-decode"]
     assert w["bytes"] == 16 * 32768 * 132 + 16 * 64 * 132 + 16 * 2048 * 4
     assert w["flops"] == 16 * 2 * 64 * 128 * 32768
     mi = _row(roofline.rooflines([]), "deepseek-v3.2-decode", "MI300X")
@@ -51,7 +51,7 @@ def test_step_b64_by_hand():
     # (key + gate) read, and writes its 8 // 4 = 2 output rows (the second
     # zeroed): 2,560 B. seed_tail stashes 2 rows x (key + gate), read and
     # written: 2,048 B.
-    w = roofline.WORKLOADS["step-b64"]
+    w = bounds.WORKLOADS["step-b64"]
     assert w["bytes"] == 64 * (2308 + 2560 + 2048) + 2048
     # 2 pools per request (1 closed, 1 built) x 128 channels x (6 x 4
     # members + 1 division).
@@ -61,92 +61,146 @@ def test_step_b64_by_hand():
     assert b200["bound_s_fp32"] == pytest.approx(w["bytes"] / 7.7e12)
 
 
-def test_grids_mirror_the_launches():
-    results = roofline.rooflines([])
-    # Decode: 16 rows; plan 1 block of 256; score 16 x 8,192 / 256 tiles
-    # (32 heads x 128 dims = 4,096 query words: 4 waves of 64 threads);
-    # select a block of 512 per row.
+#: A manifest's launch facts for GLM-5-Next's indexer on sm_90a, written
+#: here by hand from the kernels' documented launches (a plan thread per
+#: row, 256 per block; a simt score block of 256 candidates per window
+#: row; a wgmma tile of 64; a select block per window row).
+def _glm_rows(registers: int | None = None) -> list[dict]:
+    params = {"num_heads": 32, "depth": 128, "k": 512, "kpool": 4}
+
+    def row(kernel, threads, rows, per_row, columns, per_column, **extra):
+        r = {
+            "op": "index_top_k",
+            "kernel": kernel,
+            "arch": "sm_90a",
+            "params": params,
+            "block_threads": threads,
+            "shared_words": 0,
+            "grid": {
+                "rows": rows,
+                "rows_per_block": per_row,
+                "columns": columns,
+                "columns_per_block": per_column,
+            },
+            **extra,
+        }
+        if registers is not None:
+            r["registers"] = registers
+        return r
+
+    return [
+        row("plan", 256, "tokens", 256, "1", 1),
+        row(
+            "score_simt",
+            256,
+            "window_rows",
+            1,
+            "candidates",
+            256,
+            column_flops=2 * 32 * 128,
+            pads_columns=False,
+            flops_peak="fp32",
+        ),
+        row(
+            "score_wgmma",
+            128,
+            "window_rows",
+            1,
+            "candidates",
+            64,
+            column_flops=2 * 32 * 128,
+            pads_columns=True,
+            flops_peak="fp8",
+        ),
+        row("select", 512, "window_rows", 1, "1", 1),
+    ]
+
+
+def test_grids_follow_the_rows_rules():
+    results = roofline.rooflines(_glm_rows())
+    # Decode: 16 rows; plan 1 block of 256; score 16 x 8,192 / 256 tiles;
+    # wgmma 16 x 8,192 / 64; select a block per row.
     decode = _row(results, "glm5-next-decode", "H200")["kernels"]
-    assert [(k["kernel"], k["grid"], k["block_threads"]) for k in decode] == [
-        ("plan", 1, 256),
-        ("score_tiled", 512, 256),
-        ("select", 16, 512),
+    assert [(k["kernel"], k["grid"], k["launches"]) for k in decode] == [
+        ("plan", 1, 1),
+        ("score_simt", 512, 1),
+        ("score_wgmma", 2048, 1),
+        ("select", 16, 1),
     ]
     # Prefill: 4,096 rows over 1,024 candidates (4 tiles of 256), one
     # window.
     prefill = _row(results, "glm5-next-prefill", "H100")["kernels"]
-    assert [k["grid"] for k in prefill] == [16, 16384, 4096]
-    # Step at batch 4096: a block per request and per output row (2 per
-    # request), 128 threads.
-    step = _row(results, "step-b4096", "MI300X")["kernels"]
-    assert [(k["kernel"], k["grid"]) for k in step] == [
-        ("scan", 1),
-        ("main", 3 * 4096),
-    ]
+    assert [k["grid"] for k in prefill] == [16, 16384, 65536, 4096]
+    # The rows are for sm_90a: the B200 (sm_100a) has none, and DeepSeek's
+    # shape (64 heads) does not take the GLM rows' params.
+    assert _row(results, "glm5-next-decode", "B200")["kernels"] == []
+    assert _row(results, "deepseek-v3.2-decode", "H200")["kernels"] == []
 
 
-def test_fill_takes_the_rows_block_size_and_residency():
-    # A select at 64 threads resident 4 per SM on H200: 16 blocks /
-    # (132 x 4) = 3.0%; a score row of 256 threads halves the tiles.
-    rows = [
-        {
-            "op": "index_top_k",
-            "kernel": "select",
-            "config": "glm5next-k512",
-            "arch": "sm_90a",
-            "block_threads": 64,
-            "resident_blocks": {"H100": 4, "H200": 4},
-        },
-        {
-            "op": "index_top_k",
-            "kernel": "score_tiled",
-            "config": "glm5next-k512",
-            "params": {"num_heads": 32, "depth": 128, "k": 512, "kpool": 4},
-            "arch": "sm_90a",
-            "block_threads": 256,
-            "resident_blocks": {"H100": 8, "H200": 8},
-        },
-    ]
+def test_grid_rule_counts_and_windows():
+    counts = {"batch": 5, "out_rows": 12, "tokens": 700, "candidates": 65}
+    rule = {"rows": "batch + out_rows", "rows_per_block": 1}
+    assert (
+        roofline.grid_blocks(
+            {**rule, "columns": "1", "columns_per_block": 1}, counts
+        )
+        == 17
+    )
+    tiles = {
+        "rows": "tokens",
+        "rows_per_block": 256,
+        "columns": "candidates",
+        "columns_per_block": 64,
+    }
+    assert roofline.grid_blocks(tiles, counts) == 3 * 2
+    with pytest.raises(KeyError):
+        roofline.grid_blocks({**tiles, "rows": "requests"}, counts)
+    # A workload of several windows launches a window kernel once per
+    # window, the largest window's grid reported.
+    w = bounds.index_workload("long", 1, 0, 1 << 20, index.GLM5_NEXT)
+    assert w["counts"]["windows"] == -(-(1 << 20) // w["counts"]["window_rows"])
+    assert w["counts"]["windows"] > 1
+    fill = roofline._kernel_fill(w, _glm_rows()[3], "H200")
+    assert (fill["grid"], fill["launches"]) == (
+        w["counts"]["window_rows"],
+        w["counts"]["windows"],
+    )
+
+
+def test_fill_takes_the_rows_residency():
+    rows = _glm_rows()
+    rows[3]["resident_blocks"] = {"H100": 4, "H200": 4}
     decode = _row(roofline.rooflines(rows), "glm5-next-decode", "H200")
-    select = decode["kernels"][2]
-    assert (select["block_threads"], select["resident_blocks"]) == (64, 4)
+    select = decode["kernels"][3]
+    assert (select["block_threads"], select["resident_blocks"]) == (512, 4)
     assert select["fill"] == pytest.approx(16 / (132 * 4))
     assert select["resident_from"] == "kernel row"
-    score = decode["kernels"][1]
-    assert score["grid"] == 16 * 8192 // 256
-    assert score["fill"] == pytest.approx(512 / (132 * 8))
-    # The rows are for sm_90a: B200 keeps today's sizes.
-    b200 = _row(roofline.rooflines(rows), "glm5-next-decode", "B200")
-    assert b200["kernels"][2]["block_threads"] == 512
-    # DeepSeek's scorer (64 heads) does not take the GLM row's params: its
-    # 64 x 128 query words make 8 waves of 64 threads.
-    ds = _row(roofline.rooflines(rows), "deepseek-v3.2-decode", "H200")
-    assert ds["kernels"][1]["block_threads"] == 512
+    # Without resident blocks and registers: the model, no register limit.
+    assert decode["kernels"][0]["resident_from"] == "model, no regs"
 
 
-@pytest.mark.parametrize(
-    "heads, depth, threads",
-    [
-        (32, 128, 256),  # 4,096 query words: 4 waves
-        (64, 128, 512),  # 8,192 words: 8 waves
-        (8, 64, 128),  # 512 words: one wave, at least 128
-        (3, 100, 128),  # 4 padded heads x 100 = 400 words
-        (16, 640, 1024),  # 10,240 words: 10 waves, the next power 1,024
-        (128, 128, 128),  # past 64 heads: the untiled scorer's 128
-        (64, 256, 128),  # 16,384 words > 12,288: untiled
-    ],
-)
-def test_score_threads_follow_the_query(heads: int, depth: int, threads: int):
-    assert roofline.score_threads(heads, depth) == threads
+def test_scorer_bounds_read_the_rows():
+    decode = _row(roofline.rooflines(_glm_rows()), "glm5-next-decode", "H200")
+    got = {s["scorer"]: s for s in decode["scorers"]}
+    w = bounds.WORKLOADS["glm5-next-decode"]
+    # simt: the candidates seen, 2 * 32 * 128 flops each, at 67 TFLOPS.
+    seen = 16 * 8192
+    assert got["simt"]["issue_s"] == pytest.approx(seen * 8192 / 67e12)
+    assert got["simt"]["binding"] == "issue"
+    # wgmma: whole tiles of 64 (8,192 is a multiple), at 1,979 TFLOPS:
+    # 0.54 us, below the 3.63 us of memory.
+    assert got["wgmma"]["issue_s"] == pytest.approx(seen * 8192 / 1979e12)
+    assert got["wgmma"]["bound_s"] == pytest.approx(w["bytes"] / 4.8e12)
+    assert got["wgmma"]["binding"] == "memory"
 
 
 def test_bound_seconds_for_names_and_gpus():
-    w = roofline.WORKLOADS["glm5-next-prefill"]
-    got = roofline.bound_seconds("glm5-next-prefill", "NVIDIA H100 80GB HBM3")
+    w = bounds.WORKLOADS["glm5-next-prefill"]
+    got = bounds.bound_seconds("glm5-next-prefill", "NVIDIA H100 80GB HBM3")
     assert got == pytest.approx(w["flops"] / 67e12)
-    assert roofline.bound_seconds("glm5-next-prefill", "Some GPU") is None
+    assert bounds.bound_seconds("glm5-next-prefill", "Some GPU") is None
     with pytest.raises(KeyError):
-        roofline.bound_seconds("no such workload", "H200")
+        bounds.bound_seconds("no such workload", "H200")
 
 
 def test_bench_case_workloads_match_the_named_ones():
@@ -154,20 +208,20 @@ def test_bench_case_workloads_match_the_named_ones():
     assert case["decode"] == (16, 32 * 1024 - 1, 1)
     from mla_kpool.bench.workload import Case
 
-    decode = roofline.workload_for_case(
+    decode = bounds.workload_for_case(
         Case("index_top_k", "float8_e4m3fn", 16, 4, 128, "gpu", "decode")
     )
-    named = roofline.WORKLOADS["glm5-next-decode"]
+    named = bounds.WORKLOADS["glm5-next-decode"]
     assert (decode["bytes"], decode["flops"]) == (
         named["bytes"],
         named["flops"],
     )
-    step = roofline.workload_for_case(
+    step = bounds.workload_for_case(
         Case("step3", "bfloat16", 64, 4, 128, "gpu")
     )
-    assert step["bytes"] == roofline.WORKLOADS["step-b64"]["bytes"]
+    assert step["bytes"] == bounds.WORKLOADS["step-b64"]["bytes"]
     assert (
-        roofline.workload_for_case(
+        bounds.workload_for_case(
             Case("expand_topk", "int32", 64, 4, 128, "gpu")
         )
         is None
@@ -179,39 +233,31 @@ def test_format_rooflines_has_a_row_per_result():
     table = roofline.format_rooflines(results).splitlines()
     assert len(table) == 2 + len(results) == 2 + 5 * 4
     assert table[2].startswith("| step-b64 | H200 |")
-    # No kernel rows: every fill is the model's.
+    # No kernel rows: no fills, and the table says so.
     assert table[0].endswith("| resident blocks from |")
-    assert all(line.endswith("| model |") for line in table[2:])
+    assert all(line.endswith("| - | no kernel rows |") for line in table[2:])
 
 
 def test_the_table_says_which_fills_come_from_compiled_kernels():
-    # Rows for the select and the tiled scorer on sm_90a, with registers.
-    rows = [
-        {
-            "op": "index_top_k",
-            "kernel": kernel,
-            "arch": "sm_90a",
-            "block_threads": threads,
-            "registers": 32,
-            "shared_bytes": 0,
-            "resident_blocks": {"H100": 4, "H200": 4},
-        }
-        for kernel, threads in (("select", 512), ("score_tiled", 256))
-    ]
+    # The GLM rows on sm_90a with registers, all but the plan resident as
+    # compiled.
+    rows = _glm_rows(registers=32)
+    for r in rows[1:]:
+        r["resident_blocks"] = {"H100": 4, "H200": 4}
     results = roofline.rooflines(rows)
     source = {
         (r["workload"], r["gpu"]): roofline.residency_source(r) for r in results
     }
-    # The plan has no row: its fill is the model's.
     assert source["glm5-next-decode", "H200"] == "compiled sm_90a; model: plan"
     # B200 is sm_100a, MI300X gfx942: no rows of theirs.
-    assert source["glm5-next-decode", "B200"] == "model"
-    assert source["glm5-next-decode", "MI300X"] == "model"
-    rows.append({**rows[0], "kernel": "plan", "block_threads": 256})
-    h100 = _row(roofline.rooflines(rows), "deepseek-v3.2-decode", "H100")
+    assert source["glm5-next-decode", "B200"] == "no kernel rows"
+    assert source["glm5-next-decode", "MI300X"] == "no kernel rows"
+    rows[0]["resident_blocks"] = {"H100": 8, "H200": 8}
+    h100 = _row(roofline.rooflines(rows), "glm5-next-decode", "H100")
     assert roofline.residency_source(h100) == "compiled sm_90a"
     line = roofline.format_rooflines([h100]).splitlines()[2]
-    assert line.startswith("| deepseek-v3.2-decode | H100 |")
+    assert line.startswith("| glm5-next-decode | H100 |")
+    assert "| plan 1 (" in line and "score_wgmma 2048 (" in line
     assert line.endswith("| compiled sm_90a |")
 
 

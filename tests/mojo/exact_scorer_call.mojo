@@ -11,7 +11,11 @@ exactly, and every score past a row's bound to stay unwritten.
 from std.testing import assert_equal
 
 from kernels.index_fp8 import decode_e4m3
-from kernels.index_operands import IndexOperands
+from max.gpu.host import DeviceContext
+
+from kernels.gpu_kernel import launch_kernel
+from kernels.index_operands import IndexOperands, IndexWorkspace
+from kernels.index_scorers import ScoreKernel
 
 comptime ROWS = 2
 """Query rows of the call."""
@@ -78,30 +82,53 @@ struct ExactCall[H: Int, D: Int](Movable):
     def op(mut self) -> ExactOp[Self.H, Self.D]:
         """The operand struct over this call's tensors (valid while it is)."""
         return ExactOp[Self.H, Self.D](
-            self.output.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
-            self.q.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
-            self.qs.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
-            self.offsets.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
-            self.keys.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
-            self.lengths.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
-            self.table.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
-            self.scales.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
-            self.table.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
-            ROWS,
-            1,
-            PAGE,
-            1,
-            1,
-            1,
-            1,
-            PAGE * Self.D,
-            PAGE,
-            0,
-            0,
-            self.plan.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
-            self.scores.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
-            CANDIDATES,
-            0,
+            output=self.output.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            q=self.q.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            qs=self.qs.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            input_row_offsets=self.offsets.unsafe_ptr().unsafe_origin_cast[
+                MutAnyOrigin
+            ](),
+            k_blocks=self.keys.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            k_cache_lengths=self.lengths.unsafe_ptr().unsafe_origin_cast[
+                MutAnyOrigin
+            ](),
+            k_lookup_table=self.table.unsafe_ptr().unsafe_origin_cast[
+                MutAnyOrigin
+            ](),
+            k_scales=self.scales.unsafe_ptr().unsafe_origin_cast[
+                MutAnyOrigin
+            ](),
+            k_scales_lookup_table=self.table.unsafe_ptr().unsafe_origin_cast[
+                MutAnyOrigin
+            ](),
+            total_tokens=ROWS,
+            scored_requests=1,
+            page_size=PAGE,
+            key_pages=1,
+            scale_pages=1,
+            key_blocks=1,
+            scale_blocks=1,
+            block_stride=PAGE * Self.D,
+            scale_block_stride=PAGE,
+            layer_offset=0,
+            scale_layer_offset=0,
+            work=IndexWorkspace[MutAnyOrigin](
+                plan=self.plan.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+                scores=self.scores.unsafe_ptr().unsafe_origin_cast[
+                    MutAnyOrigin
+                ](),
+                candidates=CANDIDATES,
+                first_row=0,
+                rows=ROWS,
+            ),
+        )
+
+    def score[scorer: StaticString](mut self) raises:
+        """Runs `scorer`'s score launch (its declaration, `ScoreKernel`)
+        over the emulated grid: both rows in one window."""
+        comptime K = ScoreKernel[scorer, ExactOp[Self.H, Self.D]]
+        launch_kernel[K, True](
+            rebind[K.Operands](self.op()), DeviceContext(api="cpu")
         )
 
     def check(self, label: String) raises:

@@ -19,13 +19,12 @@ from max.gpu.host import DeviceContext
 from std.testing import TestSuite, assert_equal, assert_true
 
 from kernels.expand_topk import (
+    ExpandTopKKernel,
     ExpandTopKOperands,
     expand_topk_cpu,
-    expand_topk_launch,
-    expand_topk_thread,
     row_width,
 )
-from kernels.parallel import launch
+from kernels.gpu_kernel import launch_kernel
 from kernels.ragged import Ptr
 
 comptime SENTINEL = Int32(0x5A5A5A5A)
@@ -128,10 +127,7 @@ def _fuzz[
             )
         )
 
-        def body(block: Int, thread: Int, op: Op):
-            expand_topk_thread(block, thread, op)
-
-        launch["kpool_expand_topk_kernel", body, True](
+        launch_kernel[ExpandTopKKernel[Op], True](
             Op(
                 _ptr(gpu).unsafe_offset(GUARD),
                 _ptr(ids),
@@ -140,7 +136,6 @@ def _fuzz[
                 batch,
                 total_tokens,
             ),
-            expand_topk_launch[width](total_tokens),
             ctx,
         )
         for i in range(GUARD):

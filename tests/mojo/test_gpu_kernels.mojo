@@ -9,46 +9,29 @@ per output row; expand_topk launches a block per token row of one warp
 (fewer threads for rows narrower than 32 columns).
 """
 
-from max.gpu.host import get_gpu_target
-from max.gpu.host.compile import _compile_code
+from max.gpu.host import DeviceContext
 from std.testing import TestSuite, assert_equal, assert_true
 
-from kernels.compress import (
-    CompressOperands,
-    compress_launch,
-    compress_thread,
+from kernels.block_phases import Shared
+from kernels.compress import CompressKernel, CompressOperands
+from kernels.expand_topk import ExpandTopKKernel, ExpandTopKOperands, row_width
+from kernels.gpu_kernel import (
+    GpuKernel,
+    grid_blocks,
+    kernel_code,
+    launch_kernel,
 )
-from kernels.expand_topk import (
-    ExpandTopKOperands,
-    expand_topk_launch,
-    expand_topk_thread,
-    row_width,
-)
-from kernels.parallel import check_launch, emulate_grid, gpu_kernel
-from kernels.ring_close import (
-    RingCloseOperands,
-    ring_close_launch,
-    ring_close_thread,
-)
-from kernels.seed_tail import (
-    SeedTailOperands,
-    seed_tail_launch,
-    seed_tail_thread,
-)
-from kernels.step import (
-    StepOperands,
-    step_launch,
-    step_scan_launch,
-    step_scan_thread,
-    step_thread,
-)
+from kernels.operands import KernelOperands
+from kernels.parallel import check_launch, emulate_grid
+from kernels.ring_close import RingCloseKernel, RingCloseOperands
+from kernels.seed_tail import SeedTailKernel, SeedTailOperands
+from kernels.step import StepKernel, StepOperands, StepScanKernel
 
 comptime U32 = DType.uint32
 comptime BF16 = DType.bfloat16
 comptime Any = MutAnyOrigin
 
-# The instances compiled below, and thread bodies of their exact types (what
-# each op's `execute` passes to `launch`).
+# The instances compiled below: each op's own declaration at these types.
 comptime RingClose = RingCloseOperands[BF16, U32, U32, U32, 4, 128, Any]
 comptime Compress = CompressOperands[BF16, U32, U32, U32, 128, 1088, Any]
 comptime SeedTail = SeedTailOperands[DType.float16, U32, U32, U32, 16, 64, Any]
@@ -57,32 +40,8 @@ comptime WideStep = StepOperands[BF16, U32, U32, U32, 4, 1088, Any]
 comptime Expand = ExpandTopKOperands[DType.int32, U32, U32, 4, 512, True, Any]
 
 
-def _ring_close(block: Int, thread: Int, op: RingClose):
-    ring_close_thread(block, thread, op)
-
-
-def _compress(block: Int, thread: Int, op: Compress):
-    compress_thread(block, thread, op)
-
-
-def _seed_tail(block: Int, thread: Int, op: SeedTail):
-    seed_tail_thread(block, thread, op)
-
-
-def _step_scan(block: Int, thread: Int, op: Step):
-    step_scan_thread(block, thread, op)
-
-
-def _step(block: Int, thread: Int, op: WideStep):
-    step_thread(block, thread, op)
-
-
-def _expand(block: Int, thread: Int, op: Expand):
-    expand_topk_thread(block, thread, op)
-
-
 def _check_asm(asm: String, target: StaticString, name: StaticString) raises:
-    # Entry names are the kernel name `launch` was given and a hash of the
+    # Entry names are the declaration's kernel name and a hash of the
     # instance: `kpool_ring_close_kernel_<hash>`.
     assert_true(
         String(".entry ", name) in asm,
@@ -92,54 +51,12 @@ def _check_asm(asm: String, target: StaticString, name: StaticString) raises:
 
 def _compile_all[arch: StaticString]() raises -> List[String]:
     var out = List[String]()
-    out.append(
-        String(
-            _compile_code[
-                gpu_kernel["kpool_ring_close_kernel", RingClose, _ring_close],
-                target=get_gpu_target[arch](),
-            ]()
-        )
-    )
-    out.append(
-        String(
-            _compile_code[
-                gpu_kernel["kpool_compress_kernel", Compress, _compress],
-                target=get_gpu_target[arch](),
-            ]()
-        )
-    )
-    out.append(
-        String(
-            _compile_code[
-                gpu_kernel["kpool_seed_tail_kernel", SeedTail, _seed_tail],
-                target=get_gpu_target[arch](),
-            ]()
-        )
-    )
-    out.append(
-        String(
-            _compile_code[
-                gpu_kernel["kpool_step_scan_kernel", Step, _step_scan],
-                target=get_gpu_target[arch](),
-            ]()
-        )
-    )
-    out.append(
-        String(
-            _compile_code[
-                gpu_kernel["kpool_step_kernel", WideStep, _step],
-                target=get_gpu_target[arch](),
-            ]()
-        )
-    )
-    out.append(
-        String(
-            _compile_code[
-                gpu_kernel["kpool_expand_topk_kernel", Expand, _expand],
-                target=get_gpu_target[arch](),
-            ]()
-        )
-    )
+    out.append(kernel_code[RingCloseKernel[RingClose], arch]())
+    out.append(kernel_code[CompressKernel[Compress], arch]())
+    out.append(kernel_code[SeedTailKernel[SeedTail], arch]())
+    out.append(kernel_code[StepScanKernel[Step], arch]())
+    out.append(kernel_code[StepKernel[WideStep], arch]())
+    out.append(kernel_code[ExpandTopKKernel[Expand], arch]())
     return out^
 
 
@@ -173,36 +90,96 @@ def test_amdgcn_gfx942() raises:
         assert_true("gfx942" in a, "not gfx942 code")
 
 
-def test_launch_shapes() raises:
-    # One block per request / output row; one thread per channel up to 1024.
-    var rc = ring_close_launch[128](4096)
-    assert_equal(rc[0], 4096)
-    assert_equal(rc[1], 128)
-    var wide = ring_close_launch[1088](3)
-    assert_equal(wide[0], 3)
-    assert_equal(wide[1], 1024)
-    var narrow = seed_tail_launch[1](7)
-    assert_equal(narrow[0], 7)
-    assert_equal(narrow[1], 1)
-    var comp = compress_launch[96](250)
-    assert_equal(comp[0], 250)
-    assert_equal(comp[1], 96)
+def test_block_threads() raises:
+    # A thread per channel up to 1024 (wider heads stride).
+    assert_equal(RingCloseKernel[RingClose].block_threads, 128)
+    assert_equal(
+        RingCloseKernel[
+            RingCloseOperands[BF16, U32, U32, U32, 4, 1088, Any]
+        ].block_threads,
+        1024,
+    )
+    assert_equal(
+        SeedTailKernel[
+            SeedTailOperands[BF16, U32, U32, U32, 1, 1, Any]
+        ].block_threads,
+        1,
+    )
+    assert_equal(
+        CompressKernel[
+            CompressOperands[BF16, U32, U32, U32, 4, 96, Any]
+        ].block_threads,
+        96,
+    )
     # The fused step: one thread scans, then a block per request and row.
-    assert_equal(step_scan_launch()[0], 1)
-    assert_equal(step_scan_launch()[1], 1)
-    var step = step_launch[1088](5, 12)
-    assert_equal(step[0], 17)
-    assert_equal(step[1], 1024)
-    # expand_topk: a block per token row, one warp (MAX's width 2051).
-    var expand = expand_topk_launch[row_width[4, 512, True]()](300)
-    assert_equal(expand[0], 300)
-    assert_equal(expand[1], 32)
-    var short = expand_topk_launch[row_width[1, 8, True]()](5)
-    assert_equal(short[0], 5)
-    assert_equal(short[1], 8)
-    # No token rows, or rows of no columns: an empty grid, never launched.
-    assert_equal(expand_topk_launch[row_width[4, 512, True]()](0)[0], 0)
-    assert_equal(expand_topk_launch[row_width[1, 0, True]()](7)[0], 0)
+    assert_equal(StepScanKernel[Step].block_threads, 1)
+    assert_equal(StepKernel[WideStep].block_threads, 1024)
+    # expand_topk: one warp per token row (MAX's width 2051), fewer threads
+    # for rows narrower than a warp.
+    assert_equal(row_width[4, 512, True](), 2051)
+    assert_equal(ExpandTopKKernel[Expand].block_threads, 32)
+    assert_equal(
+        ExpandTopKKernel[
+            ExpandTopKOperands[DType.int32, U32, U32, 1, 8, True, Any]
+        ].block_threads,
+        8,
+    )
+
+
+@fieldwise_init
+struct _Counts[origin: MutOrigin](KernelOperands):
+    """A test kernel's operands: a counter per (block, thread)."""
+
+    var hits: Pointer[Int, Self.origin]
+    var rows: Int
+    var columns: Int
+
+
+struct _Tiled(GpuKernel):
+    """A kernel of 4 threads over `ceil(rows / 3) * ceil(columns / 2)`
+    blocks, counting each thread's runs."""
+
+    comptime Operands = _Counts[MutAnyOrigin]
+    comptime name = "test_tiled_kernel"
+    comptime block_threads = 4
+    comptime grid_rows = "rows"
+    comptime rows_per_block = 3
+    comptime grid_columns = "columns"
+    comptime columns_per_block = 2
+
+    @staticmethod
+    def rows(op: Self.Operands) -> Int:
+        return op.rows
+
+    @staticmethod
+    def columns(op: Self.Operands) -> Int:
+        return op.columns
+
+    @staticmethod
+    def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
+        op.hits[unsafe_offset=block * 4 + thread] += 1
+
+
+def _run_tiled(rows: Int, columns: Int, want_blocks: Int) raises:
+    var hits = List[Int](length=64, fill=0)
+    var op = _Counts[MutAnyOrigin](
+        hits.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](), rows, columns
+    )
+    assert_equal(grid_blocks[_Tiled](op), want_blocks)
+    launch_kernel[_Tiled, True](op, DeviceContext(api="cpu"))
+    for i in range(64):
+        assert_equal(hits[i], 1 if i < 4 * want_blocks else 0, String(i))
+
+
+def test_grid_rule() raises:
+    # ceil(rows / rows_per_block) * ceil(columns / columns_per_block).
+    _run_tiled(7, 3, 6)
+    _run_tiled(3, 2, 1)
+    _run_tiled(1, 5, 3)
+    # An empty batch (no rows, or no columns) launches nothing: a GPU
+    # refuses an empty grid.
+    _run_tiled(0, 5, 0)
+    _run_tiled(4, 0, 0)
 
 
 def test_emulator_runs_every_thread_once_in_descending_order() raises:
@@ -245,14 +222,6 @@ def test_emulator_refuses_what_a_gpu_launch_refuses() raises:
     _refused(1 << 31, 1, "exceeds 2^31 - 1")
     # The largest legal shapes pass the check (nothing is run for them).
     check_launch("test_kernel", (1 << 31) - 1, 1024)
-
-
-def test_empty_batches_launch_empty_grids() raises:
-    # What `launch` skips instead of handing to the GPU.
-    assert_equal(ring_close_launch[128](0)[0], 0)
-    assert_equal(seed_tail_launch[128](0)[0], 0)
-    assert_equal(compress_launch[128](0)[0], 0)
-    assert_equal(step_launch[128](0, 0)[0], 0)
 
 
 def main() raises:

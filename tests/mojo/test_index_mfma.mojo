@@ -16,14 +16,6 @@ byte mapping (halved values, times 4, `0x80` cleared) included.
 from std.testing import TestSuite
 
 from exact_scorer_call import ROWS, ExactCall
-from kernels.block_phases import Shared, emulate_phases
-from kernels.index_mfma import (
-    MFMA_THREADS,
-    index_mfma_phase,
-    mfma_phases,
-    mfma_tiles,
-    mfma_words,
-)
 
 
 def _scores_are_exact[H: Int, D: Int]() raises:
@@ -31,19 +23,7 @@ def _scores_are_exact[H: Int, D: Int]() raises:
     var call = ExactCall[H, D](
         SIMD[DType.uint8, 8](0x00, 0x38, 0x40, 0x44, 0x48, 0xB8, 0xC0, 0x80)
     )
-    var op = call.op()
-
-    def body(p: Int, b: Int, t: Int, s: Shared) {imm}:
-        index_mfma_phase(p, b, t, s, op)
-
-    emulate_phases(
-        "test_mfma",
-        ROWS * mfma_tiles(op),
-        MFMA_THREADS,
-        mfma_phases[H](),
-        mfma_words[H, D](),
-        body,
-    )
+    call.score["mfma"]()
     call.check(String("H ", H, " D ", D, " "))
 
 

@@ -1,28 +1,27 @@
 """The indexer's GPU scorers in machine code: what the tuning relies on.
 
-Compiles the tiled scorer (`index_score_phase`) and the untiled one
-(`index_score_thread`) for sm_90a and sm_100a (PTX) and gfx942 (AMDGCN) at
-GLM-5-Next's shape (32 heads x 128 dims, kpool 4 spread over rows of 32
-bytes) and DeepSeek-V3.2's (64 heads x 128 dims, kpool 1), no GPU needed,
+Compiles the FP32 scorer's declaration (`index_gpu_score.SimtScore`) for
+sm_90a and sm_100a (PTX) and gfx942 (AMDGCN) at GLM-5-Next's shape (32
+heads x 128 dims, kpool 4 spread over rows of 32 bytes) and
+DeepSeek-V3.2's (64 heads x 128 dims, kpool 1), both tiled, and at 128
+heads x 128 dims, whose query is too large for shared memory (untiled),
+no GPU needed,
 and checks the PTX: no local memory (spills or a stack array), FP8 keys
 decoded by the hardware's `cvt.rn.f16x2.e4m3x2`, keys read 16 bytes per
 load; and the gfx942 code: no scratch. Register counts and occupancy need
 ptxas (`mla_kpool gpu-report`). Run: `mojo run -I . <this file>`.
 """
 
-from max.gpu.host import get_gpu_target
-from max.gpu.host.compile import _compile_code
+from std.memory import bitcast
 from std.testing import TestSuite, assert_equal, assert_false, assert_true
 
 from asm_fields import amdhsa_field
 
-from kernels.block_phases import Shared, gpu_phased_kernel
+from kernels.gpu_kernel import kernel_code
 from kernels.index_fp8 import decode_e4m3
-from kernels.index_gpu_score import index_score_phase, index_score_thread
+from kernels.index_gpu_score import SimtScore
 from kernels.index_gpu_shape import SCORE_THREADS, score_threads, tile_words
 from kernels.index_operands import IndexOperands
-from std.memory import bitcast
-from kernels.parallel import gpu_kernel
 
 comptime U32 = DType.uint32
 comptime Glm = IndexOperands[
@@ -31,69 +30,17 @@ comptime Glm = IndexOperands[
 comptime Dsv = IndexOperands[
     U32, U32, U32, U32, 64, 128, 2048, 1, True, False, MutAnyOrigin
 ]
-
-
-def _glm_tiled(p: Int, block: Int, thread: Int, s: Shared, op: Glm):
-    index_score_phase(p, block, thread, s, op)
-
-
-def _dsv_tiled(p: Int, block: Int, thread: Int, s: Shared, op: Dsv):
-    index_score_phase(p, block, thread, s, op)
-
-
-def _glm_untiled(block: Int, thread: Int, op: Glm):
-    index_score_thread(block, thread, op)
-
-
-def _dsv_untiled(block: Int, thread: Int, op: Dsv):
-    index_score_thread(block, thread, op)
+comptime Wide = IndexOperands[
+    U32, U32, U32, U32, 128, 128, 2048, 1, True, False, MutAnyOrigin
+]
 
 
 def _scorers[arch: StaticString]() raises -> List[String]:
-    """Tiled GLM, tiled DSV, untiled GLM, untiled DSV code for `arch`."""
+    """Tiled GLM, tiled DSV, untiled 128-head code for `arch`."""
     var out = List[String]()
-    out.append(
-        String(
-            _compile_code[
-                gpu_phased_kernel[
-                    "mla_kpool_index_score_kernel",
-                    Glm,
-                    tile_words[32, 128](),
-                    _glm_tiled,
-                ],
-                target=get_gpu_target[arch](),
-            ]()
-        )
-    )
-    out.append(
-        String(
-            _compile_code[
-                gpu_phased_kernel[
-                    "mla_kpool_index_score_kernel",
-                    Dsv,
-                    tile_words[64, 128](),
-                    _dsv_tiled,
-                ],
-                target=get_gpu_target[arch](),
-            ]()
-        )
-    )
-    out.append(
-        String(
-            _compile_code[
-                gpu_kernel["mla_kpool_index_score_kernel", Glm, _glm_untiled],
-                target=get_gpu_target[arch](),
-            ]()
-        )
-    )
-    out.append(
-        String(
-            _compile_code[
-                gpu_kernel["mla_kpool_index_score_kernel", Dsv, _dsv_untiled],
-                target=get_gpu_target[arch](),
-            ]()
-        )
-    )
+    out.append(kernel_code[SimtScore[Glm], arch]())
+    out.append(kernel_code[SimtScore[Dsv], arch]())
+    out.append(kernel_code[SimtScore[Wide], arch]())
     return out^
 
 
@@ -124,8 +71,7 @@ def _check_ptx_all[arch: StaticString]() raises:
     var asm = _scorers[arch]()
     _check_ptx(asm[0], arch, "tiled 32x128")
     _check_ptx(asm[1], arch, "tiled 64x128")
-    _check_ptx(asm[2], arch, "untiled 32x128")
-    _check_ptx(asm[3], arch, "untiled 64x128")
+    _check_ptx(asm[2], arch, "untiled 128x128")
 
 
 def test_scorers_ptx_sm_90a() raises:
@@ -151,6 +97,13 @@ def test_scorers_gfx942_no_scratch_and_lds() raises:
 
 
 def test_score_block_threads() raises:
+    # The declarations: tiled where the query fits, with its shared words.
+    assert_true(SimtScore[Glm].tiled and SimtScore[Dsv].tiled)
+    assert_false(SimtScore[Wide].tiled)
+    assert_equal(SimtScore[Glm].block_threads, 256)
+    assert_equal(SimtScore[Glm].shared_words, 32 * 128)
+    assert_equal(SimtScore[Wide].block_threads, SCORE_THREADS)
+    assert_equal(SimtScore[Wide].shared_words, 0)
     # A wave of 64 threads per 4 KiB of query; the untiled scorer's 128.
     assert_equal(score_threads[32, 128](), 256)
     assert_equal(score_threads[64, 128](), 512)

@@ -22,11 +22,11 @@ from std.testing import TestSuite, assert_equal, assert_true
 
 from kernels.block_phases import Shared, emulate_phases, gpu_phased_kernel
 from kernels.index_rank import rank_key
-from kernels.index_select import select_row_phase
-from kernels.index_select_layout import (
+from kernels.index_select import (
     SELECT_THREADS,
     SELECT_WORDS,
     select_phases,
+    select_row_phase,
 )
 from kernels.operands import KernelOperands
 from kernels.ragged import Field, Ptr

@@ -14,14 +14,6 @@ requires this file to fail.
 from std.testing import TestSuite
 
 from exact_scorer_call import ROWS, ExactCall
-from kernels.block_phases import Shared, emulate_phases
-from kernels.index_wgmma import (
-    WGMMA_THREADS,
-    index_wgmma_phase,
-    wgmma_phases,
-    wgmma_tiles,
-    wgmma_words,
-)
 
 comptime H = 72
 comptime D = 48
@@ -32,19 +24,7 @@ def test_scores_are_exact() raises:
     var call = ExactCall[H, D](
         SIMD[DType.uint8, 8](0x00, 0x38, 0x40, 0x44, 0x48, 0xB8, 0xC0, 0x38)
     )
-    var op = call.op()
-
-    def body(p: Int, b: Int, t: Int, s: Shared) {imm}:
-        index_wgmma_phase(p, b, t, s, op)
-
-    emulate_phases(
-        "test_wgmma",
-        ROWS * wgmma_tiles(op),
-        WGMMA_THREADS,
-        wgmma_phases[H](),
-        wgmma_words[H, D](),
-        body,
-    )
+    call.score["wgmma"]()
     call.check("")
 
 

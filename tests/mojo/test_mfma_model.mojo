@@ -31,12 +31,12 @@ from std.testing import TestSuite, assert_equal, assert_true
 
 from asm_fields import amdhsa_field
 
-from kernels.block_phases import Shared, gpu_phased_kernel
+from kernels.gpu_kernel import kernel_code
 from kernels.index_fp8 import decode_e4m3
 from kernels.index_mfma import (
     MFMA_THREADS,
+    MfmaScore,
     fn_to_fnuz_words,
-    index_mfma_phase,
     mfma_chunks,
     mfma_steps,
     mfma_words,
@@ -226,14 +226,6 @@ def test_model_is_the_matrix_product() raises:
             assert_equal(got[lane * 4 + r], want + c[r])
 
 
-def _glm(p: Int, block: Int, thread: Int, s: Shared, op: Glm):
-    index_mfma_phase(p, block, thread, s, op)
-
-
-def _dsv(p: Int, block: Int, thread: Int, s: Shared, op: Dsv):
-    index_mfma_phase(p, block, thread, s, op)
-
-
 def _check_gfx942[H: Int, D: Int](asm: String) raises:
     """MFMA present, no scratch, `mfma_words` of LDS; prints the resources.
 
@@ -277,26 +269,9 @@ def _check_gfx942[H: Int, D: Int](asm: String) raises:
 
 
 def test_scorer_gfx942_has_mfma_and_no_scratch() raises:
-    var glm = _compile_code[
-        gpu_phased_kernel[
-            "mla_kpool_index_mfma_score_kernel",
-            Glm,
-            mfma_words[32, 128](),
-            _glm,
-        ],
-        target=get_gpu_target["mi300x"](),
-    ]().asm
-    _check_gfx942[32, 128](glm)
-    var dsv = _compile_code[
-        gpu_phased_kernel[
-            "mla_kpool_index_mfma_score_kernel",
-            Dsv,
-            mfma_words[64, 128](),
-            _dsv,
-        ],
-        target=get_gpu_target["mi300x"](),
-    ]().asm
-    _check_gfx942[64, 128](dsv)
+    # The op's own declaration of the launch, compiled for gfx942.
+    _check_gfx942[32, 128](kernel_code[MfmaScore[Glm], "mi300x"]())
+    _check_gfx942[64, 128](kernel_code[MfmaScore[Dsv], "mi300x"]())
 
 
 def mfma_probe(

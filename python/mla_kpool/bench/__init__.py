@@ -229,8 +229,8 @@ def gpu_fractions(
 def gpu_bound(case: Case, median_us: float, model_name: str | None) -> Record:
     """The roofline lower bound of ``case`` on its GPU, beside its time.
 
-    :func:`mla_kpool.gpu_report.roofline.bound_seconds` of the case's
-    workload (:func:`~mla_kpool.gpu_report.roofline.workload_for_case`:
+    :func:`mla_kpool.bench.bounds.bound_seconds` of the case's
+    workload (:func:`~mla_kpool.bench.bounds.workload_for_case`:
     the step and index_top_k): ``max(bytes / HBM bandwidth, flops /
     peak)``, the same bytes and flops as the record's.
 
@@ -241,13 +241,13 @@ def gpu_bound(case: Case, median_us: float, model_name: str | None) -> Record:
     """
     if index.gpu_peak(model_name) is None:
         return {}
-    from ..gpu_report import roofline
+    from . import bounds
 
-    w = roofline.workload_for_case(case)
+    w = bounds.workload_for_case(case)
     if w is None:
         return {}
-    bound = roofline.bound_seconds(w, model_name)
-    fp8 = roofline.bound_seconds(w, model_name, "fp8")
+    bound = bounds.bound_seconds(w, model_name)
+    fp8 = bounds.bound_seconds(w, model_name, "fp8")
     assert bound is not None and fp8 is not None
     return {
         "bound_us": bound * 1e6,

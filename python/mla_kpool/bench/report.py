@@ -77,7 +77,7 @@ INDEX_BOUND_COLUMNS: tuple[
 #: The legend's line for the bound columns.
 BOUND_LEGEND = (
     "bound: the roofline's lower bound on this GPU, max(bytes / its HBM"
-    " bandwidth, flops / its FP32 peak) (mla_kpool.gpu_report.roofline)."
+    " bandwidth, flops / its FP32 peak) (mla_kpool.bench.bounds)."
     " x bound: the op's time over it (1: at the bound)."
 )
 

@@ -1,358 +1,99 @@
-"""Lower bounds on each documented workload's time, and how full its grids are.
+"""Each documented workload's lower bounds and how full its kernels' grids are.
 
-The bench's documented workloads (:data:`WORKLOADS`):
+The workloads, their bytes, flops and bounds are the bench's
+(:mod:`mla_kpool.bench.bounds`). This module adds what the compiled
+kernels say: ``gpu-report``'s kernel rows (its manifest, written by
+``kernel_asm.mojo`` from each kernel's own declaration in the Mojo
+package) carry each launch's threads per block, shared memory and **grid
+rule**: ``ceil(rows / rows_per_block) * ceil(columns /
+columns_per_block)`` blocks, ``rows`` and ``columns`` named counts of the
+call (``"batch"``, ``"tokens"``, ``"batch + out_rows"``, ``"window_rows"``,
+``"candidates"``, ``"1"``), which are evaluated here on the workload's
+``counts``. A kernel over ``window_rows`` runs once per window. Nothing of
+the kernels' launch arithmetic is repeated here: a workload whose op has no
+kernel row for a GPU's target (a report not compiled for it) gets no fill
+and no scorer bound for that GPU.
 
-- ``step-b64``, ``step-b4096``: the writers' fused step (``mla_kpool.step``)
-  at bfloat16, head_dim 128, kpool 4 and batch 64 or 4096, as the bench
-  times it (:mod:`mla_kpool.bench.workload`: each request brings
-  ``2 * kpool`` tokens with ``kpool // 2`` pending, closes one pool,
-  builds one and stashes ``kpool // 2`` tokens);
-- ``glm5-next-decode``: GLM-5-Next's indexer (H 32, D 128, kpool 4, top
-  512, rows of W 32, pages of 128 rows, causal), 16 requests of one new
-  token after 32,767 cached (:data:`mla_kpool.bench.index.INDEX_PHASES`);
-- ``glm5-next-prefill``: the same indexer, one request of 4,096 new
-  tokens from an empty cache;
-- ``deepseek-v3.2-decode``: DeepSeek-V3.2's indexer shape (H 64, D 128,
-  kpool 1, top 2048, whole rows of 128 bytes), on the GLM decode's calls:
-  16 requests of one token after 32,767 cached.
-
-**Model.** ``bytes`` is the compulsory HBM traffic of one call, the
-bench's own count: for the indexer each request's visible keys read once
-(``D`` FP8 bytes and a float32 scale per candidate its last row sees), the
-FP8 queries and float32 head weights, the int32 output
-(:func:`mla_kpool.bench.index.index_bytes`); for the step the ring
-members, the new ``k`` and ``gate`` rows, ``ape``, the pooled rows,
-``closed_pool`` and the ring rows seeded
-(:func:`mla_kpool.bench.workload.op_bytes`). ``flops``: the indexer's
-``2 * H * D`` per (query row, visible candidate)
-(:func:`mla_kpool.bench.index.score_flops`); the step's
-:func:`step_flops`. The bound on a GPU is the roofline's
-``max(bytes / HBM bandwidth, flops / peak)``
-(:func:`mla_kpool.gpu_specs.lower_bound_seconds`), with the FP32 peak (what
-the kernels compute in) and with the dense FP8 tensor peak (what a
-tensor-core scorer could reach); it ignores launch latency, so a call of a
-few microseconds cannot reach it.
-
-**Grids.** Each kernel's grid mirrors its op's launch formula
-(``kernels/index_gpu.mojo``, ``kernels/step.mojo``): plan
-``ceil(T / plan threads)``; score ``rows * ceil(candidates / score
-threads)`` per window of rows (a thread per candidate); select ``rows``
-per window; the step's scan ``1`` and its main kernel ``batch + T //
-kpool``. ``candidates`` is the most a row can see (the lookup tables'
-pages times their rows, per candidate) and a window holds what 256 MiB of
-float32 scores allow. ``fill = min(1, blocks / (units * resident blocks
-per unit))``: the share of the GPU's resident block slots one launch
-occupies.
+``fill = min(1, blocks / (units * resident blocks per unit))``: the share
+of the GPU's resident block slots one launch occupies, the resident blocks
+from the row's own occupancy (its registers and shared memory as
+compiled) or, for a row without registers, the occupancy model with no
+register limit.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
-from ..bench import index as bench_index
-from ..bench import workload as bench_workload
-from ..gpu_specs import GPUS, gpu_spec, lower_bound_seconds
+from ..bench.bounds import WORKLOADS
+from ..gpu_specs import GPUS, lower_bound_seconds
 from .occupancy import occupancy_by_gpu
 
 __all__ = [
-    "WORKLOADS",
-    "bound_seconds",
     "format_rooflines",
-    "index_workload",
+    "grid_blocks",
+    "kernel_rows_for",
     "residency_source",
     "rooflines",
     "scorer_bounds",
-    "score_threads",
-    "step_flops",
-    "step_workload",
-    "workload_for_case",
 ]
 
-#: Scores workspace of one index_top_k call (``GPU_WORKSPACE_BYTES``).
-WORKSPACE_BYTES = 1 << 28
-#: Threads per block of each kernel as the ops launch them today, used when
-#: no kernel row names them (``PLAN_THREADS``, ``SCORE_THREADS`` for the
-#: untiled scorer, ``SELECT_THREADS``; the step's scan is one thread; the
-#: tiled scorer's follow its query, :func:`score_threads`).
-DEFAULT_BLOCK_THREADS = {
-    "plan": 256,
-    "score_untiled": 128,
-    "select": 512,
-    "scan": 1,
-}
-#: Shared words the tiled scorer may use (``SCORE_SHARED_LIMIT``).
-SCORE_SHARED_WORDS = 12 * 1024
-#: Shared words per 64 threads of a tiled-score block (``SCORE_WAVE_WORDS``).
-SCORE_WAVE_WORDS = 1024
-#: Shared bytes of one select block (``SELECT_WORDS`` words: a counter per
-#: thread for 15 of the 16 digits of a 4-bit radix pass, the 15 totals and
-#: 4 words of state).
-SELECT_SHARED_BYTES = 4 * (15 * 512 + 15 + 4)
-#: Flops per pooled member and channel of a writer: gate + ape, minus the
-#: max, exp (counted as one), the weight sum, the weighted key (mul, add).
-POOL_FLOPS_PER_MEMBER = 6
+
+def _count(counts: dict[str, int], name: str) -> int:
+    """A named count (``"tokens"``, ``"1"``) or a sum of them."""
+    return sum(
+        1 if part == "1" else counts[part]
+        for part in (p.strip() for p in name.split("+"))
+    )
 
 
-def step_flops(batch: int, kpool: int, head_dim: int) -> int:
-    """Flops of one step call of the bench's workload.
-
-    Each pooled channel costs :data:`POOL_FLOPS_PER_MEMBER` per member and
-    one division. A request of the workload (``kpool // 2`` pending, then
-    ``2 * kpool`` new tokens) makes two pools: it closes one from its ring
-    and builds one, or, with nothing pending (kpool 1), builds two.
+def grid_blocks(grid: dict[str, Any], counts: dict[str, int]) -> int:
+    """Blocks of one launch by a kernel row's grid rule.
 
     Args:
-        batch: Requests.
-        kpool: Tokens per pool.
-        head_dim: Channels.
+        grid: The row's ``grid``: ``rows``, ``rows_per_block``,
+            ``columns``, ``columns_per_block``.
+        counts: The workload's ``counts``.
 
     Returns:
-        The flops.
-    """
-    pools = 2 * batch
-    return pools * head_dim * (POOL_FLOPS_PER_MEMBER * kpool + 1)
-
-
-def step_workload(
-    name: str, batch: int, dtype: str, kpool: int, head_dim: int
-) -> dict[str, Any]:
-    """The fused step on the bench's workload (:mod:`.bench.workload`).
-
-    Returns:
-        ``name``, ``op`` (``"step"``), ``params``, ``bytes``
-        (:func:`mla_kpool.bench.workload.op_bytes`), ``flops``
-        (:func:`step_flops`), ``batch``, ``tokens``, ``out_rows``,
-        ``head_dim``.
-    """
-    case = bench_workload.Case("step", dtype, batch, kpool, head_dim, "gpu")
-    tokens = batch * 2 * kpool
-    return {
-        "name": name,
-        "op": "step",
-        "params": {"dtype": dtype, "kpool": kpool, "head_dim": head_dim},
-        "bytes": bench_workload.op_bytes(case),
-        "flops": step_flops(batch, kpool, head_dim),
-        "batch": batch,
-        "tokens": tokens,
-        "out_rows": tokens // kpool,
-        "head_dim": head_dim,
-    }
-
-
-def index_workload(
-    name: str,
-    requests: int,
-    cached: int,
-    new: int,
-    shape: bench_index.IndexShape,
-) -> dict[str, Any]:
-    """One index_top_k call: ``requests`` of ``new`` tokens after ``cached``.
-
-    The cache holds each request's ``(cached + new) // kpool`` pools (a
-    prefill's own pools too: the step runs first), in pages of
-    ``shape.page_size`` rows, as :func:`.bench.index.make_index_workload`
-    builds it.
-
-    Returns:
-        ``name``, ``op`` (``"index_top_k"``), ``params``, ``bytes``
-        (:func:`.bench.index.index_bytes`), ``flops``
-        (:func:`.bench.index.score_flops`), ``tokens``, ``candidates`` (a
-        workspace row: the lookup tables' pages times rows per page, per
-        candidate), ``window`` (rows per window of launches), ``heads``,
-        ``depth``.
-    """
-    offsets = np.arange(requests + 1, dtype=np.int64) * new
-    lengths = np.full(requests, cached, dtype=np.int64)
-    rows_per = shape.depth // shape.width
-    pools = (cached + new) // shape.kpool
-    pages = -(-pools * rows_per // shape.page_size)
-    candidates = pages * shape.page_size // rows_per
-    tokens = requests * new
-    return {
-        "name": name,
-        "op": "index_top_k",
-        "params": {
-            "num_heads": shape.heads,
-            "depth": shape.depth,
-            "k": shape.top_k,
-            "kpool": shape.kpool,
-        },
-        "bytes": bench_index.index_bytes(offsets, lengths, shape),
-        "flops": bench_index.score_flops(offsets, lengths, shape),
-        "tokens": tokens,
-        "candidates": candidates,
-        "window": max(
-            1, min(tokens, WORKSPACE_BYTES // (max(candidates, 1) * 4))
-        ),
-        "heads": shape.heads,
-        "depth": shape.depth,
-        "row_bounds": bench_index.bounds(
-            offsets, lengths, shape.kpool, shape.causal
-        ),
-    }
-
-
-#: DeepSeek-V3.2's indexer: 64 heads of 128, no pooling, top 2048.
-DEEPSEEK_V32 = bench_index.IndexShape(
-    heads=64, depth=128, kpool=1, top_k=2048, width=128
-)
-
-
-def _workloads() -> dict[str, dict[str, Any]]:
-    decode = bench_index.INDEX_PHASES["decode"]
-    prefill = bench_index.INDEX_PHASES["prefill"]
-    glm = bench_index.GLM5_NEXT
-    named = [
-        step_workload("step-b64", 64, "bfloat16", 4, 128),
-        step_workload("step-b4096", 4096, "bfloat16", 4, 128),
-        index_workload("glm5-next-decode", *decode, glm),
-        index_workload("glm5-next-prefill", *prefill, glm),
-        index_workload("deepseek-v3.2-decode", *decode, DEEPSEEK_V32),
-    ]
-    return {w["name"]: w for w in named}
-
-
-#: The documented workloads by name (see the module docstring).
-WORKLOADS = _workloads()
-
-
-def workload_for_case(case: bench_workload.Case) -> dict[str, Any] | None:
-    """The workload a bench configuration times, if it has a bound.
-
-    The fused step (``step``, and ``step3``, the same work in three ops)
-    at the case's batch, dtype, kpool and head_dim; index_top_k's phase at
-    GLM-5-Next's shape (:data:`.bench.index.INDEX_PHASES`, read when
-    called); ``None`` for the other ops.
-    """
-    if case.op in ("step", "step3"):
-        name = f"{case.op}-b{case.batch}"
-        return step_workload(
-            name, case.batch, case.dtype, case.kpool, case.head_dim
-        )
-    if case.op == bench_workload.INDEX_OP and case.phase:
-        requests, cached, new = bench_index.INDEX_PHASES[case.phase]
-        return index_workload(
-            f"index_top_k-{case.phase}",
-            requests,
-            cached,
-            new,
-            bench_index.GLM5_NEXT,
-        )
-    return None
-
-
-def bound_seconds(
-    workload: str | dict[str, Any],
-    gpu_name: str | None,
-    precision: str = "fp32",
-) -> float | None:
-    """The roofline lower bound of one call of ``workload`` on a GPU.
-
-    Args:
-        workload: A name of :data:`WORKLOADS` or a workload dict
-            (:func:`step_workload`, :func:`index_workload`,
-            :func:`workload_for_case`).
-        gpu_name: A driver model name or :data:`mla_kpool.gpu_specs.GPUS`
-            key, matched by substring (``"NVIDIA H200"``).
-        precision: ``"fp32"`` or ``"fp8"`` (which compute peak).
-
-    Returns:
-        Seconds, or ``None`` when the GPU is not in the table.
+        ``ceil(rows / rows_per_block) * ceil(columns / columns_per_block)``.
 
     Raises:
-        KeyError: If ``workload`` names no workload of :data:`WORKLOADS`.
-        ValueError: If ``precision`` is neither.
+        KeyError: If the rule names a count the workload lacks.
     """
-    w = WORKLOADS[workload] if isinstance(workload, str) else workload
-    spec = gpu_spec(gpu_name)
-    if spec is None:
-        return None
-    return lower_bound_seconds(w["bytes"], w["flops"], spec.peak, precision)
-
-
-def _heads_pow2(heads: int) -> int:
-    return 1 << (heads - 1).bit_length()
-
-
-def _tiled(heads: int, depth: int) -> bool:
-    """Whether the tiled scorer serves ``heads`` x ``depth``.
-
-    Mirrors ``tiled_scorer`` in ``kernels/index_gpu_shape.mojo``.
-    """
-    hp = _heads_pow2(heads)
-    return hp <= 64 and hp * depth <= SCORE_SHARED_WORDS
-
-
-def score_threads(heads: int, depth: int) -> int:
-    """Threads per block of the score launch (index_gpu_shape.score_threads).
-
-    The untiled scorer's 128; the tiled scorer's a wave of 64 per
-    :data:`SCORE_WAVE_WORDS` of its float32 query, a power of two from
-    128 to 1024 (256 for 32 heads x 128 dims, 512 for 64 x 128).
-    """
-    if not _tiled(heads, depth):
-        return DEFAULT_BLOCK_THREADS["score_untiled"]
-    waves = -(-_heads_pow2(heads) * depth // SCORE_WAVE_WORDS)
-    return min(max(1 << (waves * 64 - 1).bit_length(), 128), 1024)
-
-
-def _kernels(w: dict[str, Any]) -> list[tuple[str, int]]:
-    """``(kernel, default shared bytes)`` of each launch of ``w``'s op."""
-    if w["op"] == "step":
-        return [("scan", 0), ("main", 0)]
-    if _tiled(w["heads"], w["depth"]):
-        score = ("score_tiled", _heads_pow2(w["heads"]) * w["depth"] * 4)
-    else:
-        score = ("score_untiled", 0)
-    return [("plan", 0), score, ("select", SELECT_SHARED_BYTES)]
-
-
-def _grid(w: dict[str, Any], kernel: str, threads: int) -> tuple[int, int]:
-    """``(blocks of the largest launch, launches)`` of ``kernel``."""
-    if kernel == "scan":
-        return 1, 1
-    if kernel == "main":
-        return w["batch"] + w["out_rows"], 1
-    if kernel == "plan":
-        return -(-w["tokens"] // threads), 1
-    rows = min(w["window"], w["tokens"])
-    launches = -(-w["tokens"] // w["window"])
-    if kernel == "select":
-        return rows, launches
-    return rows * -(-w["candidates"] // threads), launches
-
-
-def _default_threads(w: dict[str, Any], kernel: str) -> int:
-    if kernel == "main":
-        return min(w["head_dim"], 1024)
-    if kernel == "score_tiled":
-        return score_threads(w["heads"], w["depth"])
-    return DEFAULT_BLOCK_THREADS[kernel]
+    rows = _count(counts, grid["rows"])
+    columns = _count(counts, grid["columns"])
+    return math.ceil(rows / grid["rows_per_block"]) * math.ceil(
+        columns / grid["columns_per_block"]
+    )
 
 
 def _arch(arch: str | None) -> str | None:
     return arch + "a" if arch in ("sm_90", "sm_100") else arch
 
 
-def _row_for(
-    rows: list[dict[str, Any]], w: dict[str, Any], kernel: str, arch: str
-) -> dict[str, Any] | None:
-    """The kernel row of ``w``'s op, ``kernel`` and ``arch``, if any.
+def kernel_rows_for(
+    rows: list[dict[str, Any]], w: dict[str, Any], arch: str
+) -> list[dict[str, Any]]:
+    """The kernel rows of ``w``'s op for ``arch``, one per kernel.
 
     Rows whose ``params`` (a dict) disagree with ``w``'s on a key both
-    have are skipped; of the others, the first.
+    have are skipped; of the others, the first of each kernel, in the
+    manifest's (launch) order.
     """
-    mine = [
-        r
-        for r in rows
-        if r.get("op") == w["op"]
-        and r.get("kernel") == kernel
-        and _arch(r.get("arch")) in (None, arch)
-        and _agrees(r.get("params"), w["params"])
-    ]
-    return mine[0] if mine else None
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if (
+            r.get("op") == w["op"]
+            and _arch(r.get("arch")) == arch
+            and _agrees(r.get("params"), w["params"])
+            and "grid" in r
+        ):
+            out.setdefault(r["kernel"], r)
+    return list(out.values())
 
 
 def _agrees(params: Any, mine: dict[str, Any]) -> bool:
@@ -363,29 +104,28 @@ def _agrees(params: Any, mine: dict[str, Any]) -> bool:
 
 
 def _kernel_fill(
-    w: dict[str, Any], kernel: str, shared: int, gpu: str, rows: list
+    w: dict[str, Any], row: dict[str, Any], gpu: str
 ) -> dict[str, Any]:
     """One kernel's grid and fill on ``gpu`` (see :func:`rooflines`)."""
     spec = GPUS[gpu]
-    row = _row_for(rows, w, kernel, spec.arch)
-    threads = (row or {}).get("block_threads") or _default_threads(w, kernel)
-    resident = ((row or {}).get("resident_blocks") or {}).get(gpu)
+    threads = row["block_threads"]
+    resident = (row.get("resident_blocks") or {}).get(gpu)
     source = "kernel row"
     if resident is None:
+        shared = row.get("shared_bytes", 4 * row.get("shared_words", 0))
         occ = occupancy_by_gpu(
-            spec.arch,
-            int((row or {}).get("registers") or 0),
-            int((row or {}).get("shared_bytes", shared)),
-            threads,
+            spec.arch, int(row.get("registers") or 0), int(shared), threads
         )
         resident = occ[gpu]["resident_blocks"]
-        source = "model" if row and row.get("registers") else "model, no regs"
-    blocks, launches = _grid(w, kernel, threads)
+        source = "model" if row.get("registers") else "model, no regs"
+    counts = w["counts"]
+    blocks = grid_blocks(row["grid"], counts)
+    windowed = "window_rows" in (row["grid"]["rows"], row["grid"]["columns"])
     slots = spec.units * resident
     return {
-        "kernel": kernel,
+        "kernel": row["kernel"],
         "grid": blocks,
-        "launches": launches,
+        "launches": counts["windows"] if windowed else 1,
         "block_threads": threads,
         "resident_blocks": resident,
         "resident_from": source,
@@ -397,27 +137,25 @@ def rooflines(kernels: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each documented workload's lower bounds and grid fill, per GPU.
 
     Args:
-        kernels: Kernel rows, as ``gpu-report`` builds them: ``op``
-            (``"step"``, ``"index_top_k"``), ``kernel`` (``"scan"``,
-            ``"main"``, ``"plan"``, ``"score_tiled"``, ``"score_untiled"``,
-            ``"select"``), ``config``, ``arch``, ``block_threads`` and
-            ``resident_blocks`` (``{gpu: blocks per SM}``); ``params`` (a
-            dict) picks among configs, and ``registers`` and
-            ``shared_bytes`` serve when ``resident_blocks`` lacks a GPU.
-            A kernel with no row gets the ops' block sizes of today and
-            an occupancy with no register limit (an upper bound on its
-            residency, so a lower bound on its fill).
+        kernels: Kernel rows, as ``gpu-report`` builds them: ``op``,
+            ``kernel``, ``arch``, ``params`` (a dict: picks among
+            configs), ``block_threads``, ``grid`` (the rule, see the module
+            docstring), and ``resident_blocks`` (``{gpu: blocks per SM}``)
+            or ``registers`` and ``shared_bytes`` for the occupancy model;
+            a score kernel's also ``column_flops``, ``pads_columns``,
+            ``flops_peak`` (:func:`scorer_bounds`).
 
     Returns:
-        One dict per (workload, GPU), workloads in :data:`WORKLOADS`'
-        order: ``workload``, ``gpu``, ``arch``, ``bytes``, ``flops``,
-        ``bound_s_fp32`` and ``bound_s_fp8`` (seconds), ``binding_fp32``
-        and ``binding_fp8`` (``"memory"`` or ``"compute"``; ``binding`` is
-        the FP32 one, the kernels' precision), and ``kernels``: per
-        launch, ``kernel``, ``grid`` (blocks of its largest launch),
+        One dict per (workload, GPU), workloads in
+        :data:`mla_kpool.bench.bounds.WORKLOADS`' order: ``workload``,
+        ``gpu``, ``arch``, ``bytes``, ``flops``, ``bound_s_fp32`` and
+        ``bound_s_fp8`` (seconds), ``binding_fp32`` and ``binding_fp8``
+        (``"memory"`` or ``"compute"``; ``binding`` is the FP32 one),
+        ``kernels``: per kernel row of the workload's op on the GPU's
+        target, ``kernel``, ``grid`` (blocks of its largest launch),
         ``launches``, ``block_threads``, ``resident_blocks`` (per SM or
-        CU), ``resident_from`` and ``fill``; for the indexer's workloads,
-        ``scorers`` (:func:`scorer_bounds`).
+        CU), ``resident_from`` and ``fill`` (none without rows); for the
+        indexer's workloads, ``scorers`` (:func:`scorer_bounds`).
     """
     out = []
     for w in WORKLOADS.values():
@@ -440,12 +178,10 @@ def rooflines(kernels: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "memory" if bound == memory_s else "compute"
                 )
             result["binding"] = result["binding_fp32"]
+            mine = kernel_rows_for(kernels, w, spec.arch)
             if w["op"] == "index_top_k":
-                result["scorers"] = scorer_bounds(w, spec, memory_s, kernels)
-            result["kernels"] = [
-                _kernel_fill(w, kernel, shared, gpu, kernels)
-                for kernel, shared in _kernels(w)
-            ]
+                result["scorers"] = scorer_bounds(w, spec, memory_s, mine)
+            result["kernels"] = [_kernel_fill(w, r, gpu) for r in mine]
             out.append(result)
     return out
 
@@ -455,17 +191,20 @@ def scorer_bounds(
 ) -> list[dict[str, Any]]:
     """Each scorer's bound on one index workload: memory or instruction issue.
 
-    The issue bound counts what the scorer's compiled kernel computes per
-    candidate, read from its kernel row's ``params`` (the manifest of
-    ``kernel_asm.mojo``, which takes them from the kernels' own shape
-    functions): the FP32 scorer's ``simt_fma_per_candidate`` fmas (its
-    padded heads times the depth) at the GPU's FP32 peak; a tensor
-    scorer's ``<scorer>_flops_per_tile`` (``wgmma``, ``mfma``) for every
-    tile of ``<scorer>_tile`` candidates a row sees (the last one padded),
-    at the dense FP8 peak.
-    A scorer whose kernel has no row for the GPU's target (not compiled
-    for it, or not its GPU) gets none. The bound of a scorer is
-    ``max(memory, issue)``; it leaves the plan and select launches out.
+    A score kernel's row (``score_<scorer>``) says what it computes:
+    ``column_flops`` per candidate at the ``flops_peak`` (``"fp32"`` or
+    ``"fp8"``) of the GPU; with ``pads_columns`` a block computes all
+    ``columns_per_block`` candidates of its tile, the last one padded
+    (a tensor-core tile), else only those a row sees. The bound of a
+    scorer is ``max(memory, issue)``; it leaves the plan and select
+    launches out.
+
+    Args:
+        w: An index workload (:func:`mla_kpool.bench.bounds.index_workload`).
+        spec: The GPU's :class:`mla_kpool.gpu_specs.GpuSpec`.
+        memory_s: ``w``'s bytes over the GPU's bandwidth.
+        rows: ``w``'s kernel rows on the GPU's target
+            (:func:`kernel_rows_for`).
 
     Returns:
         ``[{"scorer", "kernel", "bound_s", "issue_s", "binding"}]``.
@@ -473,36 +212,23 @@ def scorer_bounds(
     out = []
     seen = np.asarray(w["row_bounds"], np.int64)
     peak = spec.peak
-    for scorer, kernels in (
-        ("simt", ("score_tiled", "score_untiled")),
-        ("wgmma", ("score_wgmma",)),
-        ("mfma", ("score_mfma",)),
-    ):
-        row = next(
-            (
-                r
-                for k in kernels
-                if (r := _row_for(rows, w, k, spec.arch)) is not None
-                and isinstance(r.get("params"), dict)
-            ),
-            None,
-        )
-        if row is None:
+    for row in rows:
+        if not row["kernel"].startswith("score_") or not row.get(
+            "column_flops"
+        ):
             continue
-        params = row["params"]
-        if scorer == "simt":
-            if "simt_fma_per_candidate" not in params:
-                continue
-            flops = 2 * params["simt_fma_per_candidate"] * int(seen.sum())
-            issue_s = flops / (peak.fp32_tflops * 1e12)
+        if row.get("pads_columns"):
+            tile = row["grid"]["columns_per_block"]
+            columns = int((-(-seen // tile)).sum()) * tile
         else:
-            tile = params[f"{scorer}_tile"]
-            tiles = int((-(-seen // tile)).sum())
-            flops = tiles * params[f"{scorer}_flops_per_tile"]
-            issue_s = flops / (peak.fp8_tflops * 1e12)
+            columns = int(seen.sum())
+        tflops = (
+            peak.fp8_tflops if row["flops_peak"] == "fp8" else peak.fp32_tflops
+        )
+        issue_s = row["column_flops"] * columns / (tflops * 1e12)
         out.append(
             {
-                "scorer": scorer,
+                "scorer": row["kernel"].removeprefix("score_"),
                 "kernel": row["kernel"],
                 "bound_s": max(memory_s, issue_s),
                 "issue_s": issue_s,
@@ -522,10 +248,12 @@ def residency_source(result: dict[str, Any]) -> str:
 
     ``"compiled <arch>"`` when every kernel's come from a kernel row of
     the GPU's target (its registers and shared memory as compiled),
-    ``"model"`` when none do (no row, or a row without registers: the
-    occupancy model with no register limit), else ``"compiled <arch>;
-    model: <kernels>"``.
+    ``"model"`` when none do (rows without registers: the occupancy model
+    with no register limit), ``"no kernel rows"`` without any row, else
+    ``"compiled <arch>; model: <kernels>"``.
     """
+    if not result["kernels"]:
+        return "no kernel rows"
     model = [
         k["kernel"]
         for k in result["kernels"]
@@ -567,7 +295,7 @@ def format_rooflines(results: list[dict[str, Any]]) -> str:
             f"| {r['workload']} | {r['gpu']} | {r['bytes'] / 1e6:.3g} |"
             f" {r['flops'] / 1e9:.3g} | {_us(r['bound_s_fp32'])}"
             f" {r['binding_fp32']} | {_us(r['bound_s_fp8'])}"
-            f" {r['binding_fp8']} | {scorers or '-'} | {kernels} |"
+            f" {r['binding_fp8']} | {scorers or '-'} | {kernels or '-'} |"
             f" {residency_source(r)} |"
         )
     return "\n".join(lines)
