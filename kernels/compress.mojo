@@ -34,7 +34,14 @@ from .block_phases import Shared
 from .gpu_kernel import GpuKernel, launch_kernel
 from .parallel import cpu_for_each_range, gpu_block_width
 from .pooling import PoolMembers, cpu_pool_row, pool_channels, zero_row
-from .ragged import Field, full_pools, last_span_at, read_index, token_span
+from .ragged import (
+    Field,
+    RaggedCall,
+    full_pools,
+    last_span_at,
+    read_index,
+    token_span,
+)
 
 
 @fieldwise_init
@@ -61,22 +68,14 @@ struct CompressOperands[
 
     var pooled: Field[Self.dtype, Self.origin]
     """Output `[out_rows, head_dim]`."""
-    var k: Field[Self.dtype, Self.origin]
-    """`[total_tokens, head_dim]` keys."""
-    var gate: Field[Self.dtype, Self.origin]
-    """`[total_tokens, head_dim]` gate scores."""
     var ape: Field[DType.float32, Self.origin]
     """`[kpool, head_dim]` float32."""
-    var input_row_offsets: Field[Self.offset_dtype, Self.origin]
-    """`[batch + 1]` token row offsets."""
     var pool_row_offsets: Field[Self.pool_offset_dtype, Self.origin]
     """`[batch + 1]` pool row offsets."""
-    var cache_lengths: Field[Self.length_dtype, Self.origin]
-    """`[batch]` cached-prefix lengths."""
-    var batch: Int
-    """Requests in this call."""
-    var total_tokens: Int
-    """Rows of `k` and `gate`."""
+    var call: RaggedCall[
+        Self.dtype, Self.offset_dtype, Self.length_dtype, Self.origin
+    ]
+    """The new rows and per-request metadata."""
     var out_rows: Int
     """Rows of `pooled` (at most `total_tokens // kpool`)."""
 
@@ -103,20 +102,20 @@ def pool_row_of(op: Compress, b: Int, row: Int) -> Int:
     """
     if b < 0:
         return -1
-    var span = token_span(op.input_row_offsets, b, op.total_tokens)
-    var c = read_index(op.cache_lengths, b)
+    var span = token_span(op.call.input_row_offsets, b, op.call.total_tokens)
+    var c = read_index(op.call.cache_lengths, b)
     var j = row - read_index(op.pool_row_offsets, b)
     if (
-        not span[2]
+        not span.ok
         or c < 0
         or j < 0
         or row >= read_index(op.pool_row_offsets, b + 1)
     ):
         return -1
-    var pools = full_pools[op.kpool](c, span[1])
-    if j >= pools[1]:
+    var pools = full_pools[op.kpool](c, span.n)
+    if j >= pools.count:
         return -1
-    return span[0] + (pools[0] + j) * op.kpool - c
+    return span.start + (pools.first + j) * op.kpool - c
 
 
 def compress_rows(op: Compress, lo: Int, hi: Int):
@@ -128,25 +127,26 @@ def compress_rows(op: Compress, lo: Int, hi: Int):
     comptime head_dim = op.head_dim
     if lo >= hi:
         return
-    var last = last_span_at(op.pool_row_offsets, op.batch, lo)
+    var last = last_span_at(op.pool_row_offsets, op.call.batch, lo)
     for row in range(lo, hi):
         # Rows ascend, so the span start only moves forward.
         while (
-            last < op.batch and read_index(op.pool_row_offsets, last + 1) <= row
+            last < op.call.batch
+            and read_index(op.pool_row_offsets, last + 1) <= row
         ):
             last += 1
-        var first = pool_row_of(op, owner(last, op.batch), row)
+        var first = pool_row_of(op, owner(last, op.call.batch), row)
         var dest = op.pooled.unsafe_offset(row * head_dim)
         if first < 0:
             zero_row[op.dtype, head_dim](dest)
             continue
         var member0 = first * head_dim
         cpu_pool_row[op.dtype, op.kpool, head_dim](
-            PoolMembers[op.dtype].new_rows(op.k, op.gate, member0),
+            PoolMembers[op.dtype].new_rows(op.call.k, op.call.gate, member0),
             op.ape,
             dest,
             PoolMembers[op.dtype].new_rows(
-                op.k, op.gate, member0 + op.kpool * head_dim
+                op.call.k, op.call.gate, member0 + op.kpool * head_dim
             ),
         )
 
@@ -181,12 +181,14 @@ def compress_thread(block: Int, thread: Int, op: Compress):
     var row = block
     var first = pool_row_of(
         op,
-        owner(last_span_at(op.pool_row_offsets, op.batch, row), op.batch),
+        owner(
+            last_span_at(op.pool_row_offsets, op.call.batch, row), op.call.batch
+        ),
         row,
     )
     var dest = op.pooled.unsafe_offset(row * head_dim)
     var members = PoolMembers[op.dtype].new_rows(
-        op.k, op.gate, max(first, 0) * head_dim
+        op.call.k, op.call.gate, max(first, 0) * head_dim
     )
     for ch in range(thread, head_dim, stride):
         if first < 0:
@@ -292,16 +294,18 @@ struct MLAKPoolCompress:
             head_dim,
             MutAnyOrigin,
         ](
-            pooled.unsafe_ptr(),
-            k.unsafe_ptr(),
-            gate.unsafe_ptr(),
-            ape.unsafe_ptr(),
-            input_row_offsets.unsafe_ptr(),
-            pool_row_offsets.unsafe_ptr(),
-            cache_lengths.unsafe_ptr(),
-            batch,
-            total_tokens,
-            pooled.dim_size(0),
+            pooled=pooled.unsafe_ptr(),
+            ape=ape.unsafe_ptr(),
+            pool_row_offsets=pool_row_offsets.unsafe_ptr(),
+            call={
+                k = k.unsafe_ptr(),
+                gate = gate.unsafe_ptr(),
+                input_row_offsets = input_row_offsets.unsafe_ptr(),
+                cache_lengths = cache_lengths.unsafe_ptr(),
+                batch = batch,
+                total_tokens = total_tokens,
+            },
+            out_rows=pooled.dim_size(0),
         )
         comptime if target == "cpu" and not emulate_gpu:
             compress_cpu(op)

@@ -141,13 +141,13 @@ def query_visible(op: ExpandTopK, row: Int) -> Int:
     if b < 0 or b >= op.batch:
         return 0
     var span = token_span(op.input_row_offsets, b, op.total_tokens)
-    if not span[2] or row < span[0] or row >= span[0] + span[1]:
+    if not span.ok or row < span.start or row >= span.start + span.n:
         return 0
     var c = read_index(op.cache_lengths, b)
     # Checked before the sum, so an int64 length near 2^63 cannot wrap.
     if c < 0 or c >= POSITION_LIMIT:
         return 0
-    var visible = c + (row - span[0]) + 1
+    var visible = c + (row - span.start) + 1
     return visible if visible <= POSITION_LIMIT else 0
 
 

@@ -78,11 +78,11 @@ def keep_top_k(
     for r in range(rows):
         sizes[unsafe_offset=r] = 0
     var span = request_span(op, b)
-    var start = span[0]
-    var n = span[1]
-    var c = span[2]
+    var start = span.start
+    var n = span.n
+    var c = span.cache_length
     var widest = candidate_bound[op.kpool, op.causal](c, n, last - 1)
-    if not span[3] or widest <= 0:
+    if not span.scored or widest <= 0:
         return
     var run = ceildiv(ceildiv(widest, parts), CPU_TILE) * CPU_TILE
     var lo = part * run

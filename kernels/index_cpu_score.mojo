@@ -52,8 +52,8 @@ def decode_candidates(
 
     if count > 0:
         var at = page_bases(op, b, page)
-        key_base = at[0]
-        scale_base = at[1]
+        key_base = at.key
+        scale_base = at.scale
     for x in range(count):
         comptime for r in range(rows):
             decode_row[width](
@@ -66,8 +66,8 @@ def decode_candidates(
             slot = 0
             page += 1
             var at = page_bases(op, b, page)
-            key_base = at[0]
-            scale_base = at[1]
+            key_base = at.key
+            scale_base = at.scale
 
 
 @always_inline

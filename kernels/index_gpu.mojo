@@ -69,8 +69,8 @@ def index_plan_thread(block: Int, thread: Int, op: IndexTopK):
     if t >= op.total_tokens:
         return
     var plan = row_plan(op, t)
-    op.work.plan[unsafe_offset=2 * t] = Int64(plan[0])
-    op.work.plan[unsafe_offset=2 * t + 1] = Int64(plan[1])
+    op.work.plan[unsafe_offset=2 * t] = Int64(plan.request)
+    op.work.plan[unsafe_offset=2 * t + 1] = Int64(plan.bound)
 
 
 def index_select_phase(

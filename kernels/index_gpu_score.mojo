@@ -27,24 +27,20 @@ from .index_gpu_shape import (
     tiled_scorer,
 )
 from .index_operands import IndexTopK
-from .index_plan import page_bases
+from .index_plan import CacheSlot, page_bases
 from .ragged import Ptr
 
 
 @always_inline
-def candidate_at(op: IndexTopK, b: Int, j: Int) -> Tuple[Int, Int]:
-    """Where request `b`'s candidate `j` lies, for `layer_idx`.
-
-    Returns:
-        `(key element, scale element)`: the key's first byte (its `D` bytes
-        follow, since a candidate's `kpool` rows of `W` bytes are adjacent
-        in its page) and its scale.
-    """
+def candidate_at(op: IndexTopK, b: Int, j: Int) -> CacheSlot:
+    """Where request `b`'s candidate `j` lies, for `layer_idx`: its key's
+    first byte (its `D` bytes follow, since a candidate's `kpool` rows of
+    `W` bytes are adjacent in its page) and its scale."""
     comptime rows = op.rows_per_candidate
     var page = j * rows // op.page_size
     var slot = j * rows % op.page_size
     var at = page_bases(op, b, page)
-    return (at[0] + slot * op.width, at[1] + slot)
+    return CacheSlot(at.key + slot * op.width, at.scale + slot)
 
 
 @fieldwise_init
@@ -158,14 +154,14 @@ def score_candidate(op: IndexTopK, b: Int, t: Int, j: Int) -> Float32:
     """
     comptime chunk = key_chunk[op.depth]()
     var at = candidate_at(op, b, j)
-    var key = op.k_blocks.unsafe_offset(at[0])
+    var key = op.k_blocks.unsafe_offset(at.key)
     var query = op.q.unsafe_offset(t * op.num_heads * op.depth)
     var total: Float32
     if is_aligned[chunk](key) and is_aligned[chunk](query):
         total = dot_heads[chunk](op, key, t)
     else:
         total = dot_heads[1](op, key, t)
-    return total * op.k_scales[unsafe_offset=at[1]]
+    return total * op.k_scales[unsafe_offset=at.scale]
 
 
 def index_score_thread(block: Int, thread: Int, op: IndexTopK):
@@ -324,7 +320,7 @@ def index_score_phase(
     if j >= Int(op.work.plan[unsafe_offset=2 * t + 1]):
         return
     var at = candidate_at(op, b, j)
-    var key = op.k_blocks.unsafe_offset(at[0])
+    var key = op.k_blocks.unsafe_offset(at.key)
     var aligned = is_aligned[chunk](key)
     var weights = op.qs.unsafe_offset(t * heads)
     # One pass per iteration (unrolled passes let the compiler overlap
@@ -340,7 +336,7 @@ def index_score_phase(
                 sums[i] = sum
     var total = halving_sum[passes](sums)
     op.work.scores[unsafe_offset=row * op.work.candidates + j] = (
-        total * op.k_scales[unsafe_offset=at[1]]
+        total * op.k_scales[unsafe_offset=at.scale]
     )
 
 

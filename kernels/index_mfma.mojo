@@ -287,7 +287,7 @@ def key_fragment(
     var valid = j < bound
     var src = op.k_blocks
     if valid:
-        src = op.k_blocks.unsafe_offset(candidate_at(op, b, j)[0])
+        src = op.k_blocks.unsafe_offset(candidate_at(op, b, j).key)
     return row_fragment[steps, op.depth](src, valid, lane // MFMA_N)
 
 
@@ -435,7 +435,7 @@ def index_mfma_phase(
     if row_nan != 0:
         total = Float32(FloatLiteral.nan)
     op.work.scores[unsafe_offset=row * op.work.candidates + j] = (
-        total * op.k_scales[unsafe_offset=candidate_at(op, b, j)[1]]
+        total * op.k_scales[unsafe_offset=candidate_at(op, b, j).scale]
     )
 
 

@@ -23,7 +23,42 @@ def candidate_bound[
     return (cache_length + new_rows - (new_rows - 1 - i) * mask) // kpool
 
 
-def request_span(op: IndexTopK, b: Int) -> Tuple[Int, Int, Int, Bool]:
+@fieldwise_init
+struct RequestSpan(Copyable, TrivialRegisterPassable):
+    """A request's query rows `[start, start + n)`, its cache length, and
+    whether it is scored."""
+
+    var start: Int
+    """First query row."""
+    var n: Int
+    """Query rows."""
+    var cache_length: Int
+    """Rows cached before this call."""
+    var scored: Bool
+    """Whether the request's rows are scored (else all `-1`)."""
+
+
+@fieldwise_init
+struct RowPlan(Copyable, TrivialRegisterPassable):
+    """A query row's request and candidate bound (`request` -1: all `-1`)."""
+
+    var request: Int
+    """The row's request, or -1."""
+    var bound: Int
+    """Candidates the row sees (0 when `request` is -1)."""
+
+
+@fieldwise_init
+struct CacheSlot(Copyable, TrivialRegisterPassable):
+    """Where a cache row lies: its key's first byte and its scale."""
+
+    var key: Int
+    """Element offset into `k_blocks`."""
+    var scale: Int
+    """Element offset into `k_scales`."""
+
+
+def request_span(op: IndexTopK, b: Int) -> RequestSpan:
     """Request `b`'s rows `[start, start + n)`, its cache length, and whether to score it.
 
     Scored when its cache length is non-negative and every page its last
@@ -35,40 +70,36 @@ def request_span(op: IndexTopK, b: Int) -> Tuple[Int, Int, Int, Bool]:
     var n = read_index(op.input_row_offsets, b + 1) - start
     var c = read_index(op.k_cache_lengths, b)
     if c < 0:
-        return (start, n, c, False)
+        return RequestSpan(start, n, c, False)
     if n == 0:
-        return (start, n, c, True)
+        return RequestSpan(start, n, c, True)
     var rows = (
         candidate_bound[op.kpool, op.causal](c, n, n - 1)
         * op.rows_per_candidate
     )
     var pages = ceildiv(rows, op.page_size)
     if pages > op.key_pages or pages > op.scale_pages:
-        return (start, n, c, False)
+        return RequestSpan(start, n, c, False)
     for page in range(pages):
         var block = read_index(op.k_lookup_table, b * op.key_pages + page)
         var scale_block = read_index(
             op.k_scales_lookup_table, b * op.scale_pages + page
         )
         if block < 0 or block >= op.key_blocks:
-            return (start, n, c, False)
+            return RequestSpan(start, n, c, False)
         if scale_block < 0 or scale_block >= op.scale_blocks:
-            return (start, n, c, False)
-    return (start, n, c, True)
+            return RequestSpan(start, n, c, False)
+    return RequestSpan(start, n, c, True)
 
 
 @always_inline
-def page_bases(op: IndexTopK, b: Int, page: Int) -> Tuple[Int, Int]:
-    """Where request `b`'s page `page` starts, for `layer_idx`.
-
-    Returns:
-        `(key element, scale element)` offsets of its slot 0.
-    """
+def page_bases(op: IndexTopK, b: Int, page: Int) -> CacheSlot:
+    """Where request `b`'s page `page` starts (its slot 0), for `layer_idx`."""
     var block = read_index(op.k_lookup_table, b * op.key_pages + page)
     var scale_block = read_index(
         op.k_scales_lookup_table, b * op.scale_pages + page
     )
-    return (
+    return CacheSlot(
         block * op.block_stride + op.layer_offset,
         scale_block * op.scale_block_stride + op.scale_layer_offset,
     )
@@ -108,8 +139,8 @@ def scored_prefix[
     return batch
 
 
-def row_plan(op: IndexTopK, t: Int) -> Tuple[Int, Int]:
-    """Row `t`'s `(request, bound)`, or `(-1, 0)` for an all `-1` row.
+def row_plan(op: IndexTopK, t: Int) -> RowPlan:
+    """Row `t`'s request and bound, or `(-1, 0)` for an all `-1` row.
 
     The CPU path's rule, by the same walk (`scored_prefix`): requests are
     scored while the offsets are well formed (the first is 0, then
@@ -120,17 +151,19 @@ def row_plan(op: IndexTopK, t: Int) -> Tuple[Int, Int]:
         op.input_row_offsets, op.scored_requests, op.total_tokens, t
     )
     if walked == 0:
-        return (-1, 0)
+        return RowPlan(-1, 0)
     var b = walked - 1
     # The walk passed the requests before `b` because their ends were not
     # past `t`: `t` is at or after `b`'s start, so it is `b`'s row exactly
     # when it is before `b`'s end.
     if t >= read_index(op.input_row_offsets, b + 1):
-        return (-1, 0)
+        return RowPlan(-1, 0)
     var span = request_span(op, b)
-    if not span[3]:
-        return (-1, 0)
-    return (
+    if not span.scored:
+        return RowPlan(-1, 0)
+    return RowPlan(
         b,
-        candidate_bound[op.kpool, op.causal](span[2], span[1], t - span[0]),
+        candidate_bound[op.kpool, op.causal](
+            span.cache_length, span.n, t - span.start
+        ),
     )

@@ -313,7 +313,7 @@ def index_wgmma_phase(
             s.load_f32(word + 2) + s.load_f32(word + 3)
         )
         op.work.scores[unsafe_offset=row * op.work.candidates + j] = (
-            total * op.k_scales[unsafe_offset=candidate_at(op, b, j)[1]]
+            total * op.k_scales[unsafe_offset=candidate_at(op, b, j).scale]
         )
         return
     var chunk = phase // 2
@@ -329,7 +329,7 @@ def index_wgmma_phase(
             var valid = j < bound
             var src = op.k_blocks
             if valid:
-                src = op.k_blocks.unsafe_offset(candidate_at(op, b, j)[0])
+                src = op.k_blocks.unsafe_offset(candidate_at(op, b, j).key)
             stage_unit[kp, depth](s, 0, m, u % units, src, valid)
     for u in range(thread, nb * units, WGMMA_THREADS):
         var n = u // units

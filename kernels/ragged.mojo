@@ -25,24 +25,32 @@ def read_index[dtype: DType](ptr: Ptr[dtype], i: Int) -> Int:
     return Int(ptr[unsafe_offset=i])
 
 
+@fieldwise_init
+struct TokenSpan(Copyable, TrivialRegisterPassable):
+    """A request's token rows `[start, start + n)`, and whether they are
+    valid (`ok`; `n` is 0 when not)."""
+
+    var start: Int
+    """First row."""
+    var n: Int
+    """Rows."""
+    var ok: Bool
+    """Whether `0 <= start <= end <= total_tokens`."""
+
+
 @always_inline
 def token_span[
     dtype: DType
-](input_row_offsets: Ptr[dtype], b: Int, total_tokens: Int) -> Tuple[
-    Int, Int, Bool
-]:
-    """Request `b`'s token rows `[start, start + n)` and whether they are valid.
+](input_row_offsets: Ptr[dtype], b: Int, total_tokens: Int) -> TokenSpan:
+    """Request `b`'s token rows and whether they are valid.
 
     Valid means `0 <= start <= end <= total_tokens`: decreasing offsets or
     offsets past the call's tokens make the request untouchable.
-
-    Returns:
-        `(start, n, ok)`; `n` is 0 when not `ok`.
     """
     var start = read_index(input_row_offsets, b)
     var end = read_index(input_row_offsets, b + 1)
     var ok = 0 <= start and start <= end and end <= total_tokens
-    return (start, end - start if ok else 0, ok)
+    return TokenSpan(start, end - start if ok else 0, ok)
 
 
 @always_inline
@@ -69,18 +77,26 @@ def pending_pool[kpool: Int](cache_length: Int, new_tokens: Int) -> Int:
     return p
 
 
-@always_inline
-def full_pools[
-    kpool: Int
-](cache_length: Int, new_tokens: Int) -> Tuple[Int, Int]:
-    """The pools made entirely of this call's tokens: `(first_pool, count)`.
+@fieldwise_init
+struct PoolRange(Copyable, TrivialRegisterPassable):
+    """Pools `first ..< first + count`."""
 
-    `first_pool = ceil(c / kpool)`; `count = floor((c + n) / kpool) -
-    first_pool`, at least 0.
+    var first: Int
+    """First pool id."""
+    var count: Int
+    """Pools (at least 0)."""
+
+
+@always_inline
+def full_pools[kpool: Int](cache_length: Int, new_tokens: Int) -> PoolRange:
+    """The pools made entirely of this call's tokens.
+
+    `first = ceil(c / kpool)`; `count = floor((c + n) / kpool) - first`, at
+    least 0.
     """
     var first = (cache_length + kpool - 1) // kpool
     var count = (cache_length + new_tokens) // kpool - first
-    return (first, max(count, 0))
+    return PoolRange(first, max(count, 0))
 
 
 @always_inline
@@ -102,3 +118,54 @@ def last_span_at[
         else:
             hi = mid
     return lo - 1
+
+
+@fieldwise_init
+struct RaggedCall[
+    dtype: DType, offset_dtype: DType, length_dtype: DType, origin: MutOrigin
+](Copyable, TrivialRegisterPassable):
+    """One call's new rows and per-request metadata, as every writer reads
+    them (a field of each writer's operand struct).
+
+    Parameters:
+        dtype: Key dtype of `k` and `gate`.
+        offset_dtype: Integer dtype of `input_row_offsets`.
+        length_dtype: Integer dtype of `cache_lengths`.
+        origin: Origin of the tensor pointers (`MutAnyOrigin` in kernels).
+    """
+
+    var k: Field[Self.dtype, Self.origin]
+    """`[total_tokens, head_dim]` keys."""
+    var gate: Field[Self.dtype, Self.origin]
+    """`[total_tokens, head_dim]` gate scores."""
+    var input_row_offsets: Field[Self.offset_dtype, Self.origin]
+    """`[batch + 1]` token row offsets."""
+    var cache_lengths: Field[Self.length_dtype, Self.origin]
+    """`[batch]` cached-prefix lengths."""
+    var batch: Int
+    """Requests in this call."""
+    var total_tokens: Int
+    """Rows of `k` and `gate`."""
+
+
+@fieldwise_init
+struct Ring[dtype: DType, slot_dtype: DType, origin: MutOrigin](
+    Copyable, TrivialRegisterPassable
+):
+    """The tail ring and each request's slot in it (`ring_close` reads it,
+    `seed_tail` writes it).
+
+    Parameters:
+        dtype: Key dtype of `tail`.
+        slot_dtype: Integer dtype of `slot_idx`.
+        origin: Origin of the tensor pointers (`MutAnyOrigin` in kernels).
+    """
+
+    var tail: Field[Self.dtype, Self.origin]
+    """`[max_slots, 2, ring_len, head_dim]`: keys, then gates."""
+    var slot_idx: Field[Self.slot_dtype, Self.origin]
+    """`[batch]` ring slots."""
+    var max_slots: Int
+    """Ring slots."""
+    var ring_len: Int
+    """Ring length R (a multiple of `kpool`)."""

@@ -40,7 +40,15 @@ from .pooling import (
     pool_channels,
     zero_row,
 )
-from .ragged import Field, pending_pool, read_index, slot_ok, token_span
+from .ragged import (
+    Field,
+    RaggedCall,
+    Ring,
+    pending_pool,
+    read_index,
+    slot_ok,
+    token_span,
+)
 
 
 @fieldwise_init
@@ -69,28 +77,14 @@ struct RingCloseOperands[
     """Output `[batch, head_dim]`."""
     var closed_pool: Field[DType.int32, Self.origin]
     """Output `[batch]` int32."""
-    var tail: Field[Self.dtype, Self.origin]
-    """Ring `[max_slots, 2, ring_len, head_dim]`, read only."""
-    var k: Field[Self.dtype, Self.origin]
-    """`[total_tokens, head_dim]` keys."""
-    var gate: Field[Self.dtype, Self.origin]
-    """`[total_tokens, head_dim]` gate scores."""
     var ape: Field[DType.float32, Self.origin]
     """`[kpool, head_dim]` float32."""
-    var input_row_offsets: Field[Self.offset_dtype, Self.origin]
-    """`[batch + 1]` token row offsets."""
-    var cache_lengths: Field[Self.length_dtype, Self.origin]
-    """`[batch]` cached-prefix lengths."""
-    var slot_idx: Field[Self.slot_dtype, Self.origin]
-    """`[batch]` ring slots."""
-    var batch: Int
-    """Requests in this call."""
-    var total_tokens: Int
-    """Rows of `k` and `gate`."""
-    var max_slots: Int
-    """Ring slots."""
-    var ring_len: Int
-    """Ring length R (a multiple of `kpool`)."""
+    var call: RaggedCall[
+        Self.dtype, Self.offset_dtype, Self.length_dtype, Self.origin
+    ]
+    """The new rows and per-request metadata."""
+    var ring: Ring[Self.dtype, Self.slot_dtype, Self.origin]
+    """The ring, read only here."""
 
 
 comptime RingClose = RingCloseOperands[..., origin=MutAnyOrigin]
@@ -165,19 +159,23 @@ def ring_close_operands[
     )
     expect_shape(op_name, "slot_idx", slot_idx.shape(), "batch", dims(batch))
     return {
-        pooled.unsafe_ptr(),
-        closed_pool.unsafe_ptr(),
-        tail.unsafe_ptr(),
-        k.unsafe_ptr(),
-        gate.unsafe_ptr(),
-        ape.unsafe_ptr(),
-        input_row_offsets.unsafe_ptr(),
-        cache_lengths.unsafe_ptr(),
-        slot_idx.unsafe_ptr(),
-        batch,
-        k.dim_size(0),
-        tail.dim_size(0),
-        tail.dim_size(2),
+        pooled = pooled.unsafe_ptr(),
+        closed_pool = closed_pool.unsafe_ptr(),
+        ape = ape.unsafe_ptr(),
+        call = {
+            k = k.unsafe_ptr(),
+            gate = gate.unsafe_ptr(),
+            input_row_offsets = input_row_offsets.unsafe_ptr(),
+            cache_lengths = cache_lengths.unsafe_ptr(),
+            batch = batch,
+            total_tokens = k.dim_size(0),
+        },
+        ring = {
+            tail = tail.unsafe_ptr(),
+            slot_idx = slot_idx.unsafe_ptr(),
+            max_slots = tail.dim_size(0),
+            ring_len = tail.dim_size(2),
+        },
     }
 
 
@@ -208,28 +206,31 @@ def plan_close(b: Int, op: RingClose) -> ClosePlan[op.dtype]:
     """What request `b` closes, and where its members are (CPU and GPU)."""
     comptime kpool = op.kpool
     comptime head_dim = op.head_dim
-    var span = token_span(op.input_row_offsets, b, op.total_tokens)
-    var c = read_index(op.cache_lengths, b)
-    var s = read_index(op.slot_idx, b)
-    var p = pending_pool[kpool](c, span[1])
-    if not span[2] or not slot_ok(s, op.max_slots):
+    var span = token_span(op.call.input_row_offsets, b, op.call.total_tokens)
+    var c = read_index(op.call.cache_lengths, b)
+    var s = read_index(op.ring.slot_idx, b)
+    var p = pending_pool[kpool](c, span.n)
+    if not span.ok or not slot_ok(s, op.ring.max_slots):
         p = -1
     if p < 0:
         return ClosePlan(
-            -1, PoolMembers[op.dtype](op.tail, op.tail, 0, op.k, op.gate)
+            -1,
+            PoolMembers[op.dtype](
+                op.ring.tail, op.ring.tail, 0, op.call.k, op.call.gate
+            ),
         )
-    var ring_key = op.tail.unsafe_offset(
-        ((s * 2) * op.ring_len + (p * kpool) % op.ring_len) * head_dim
+    var ring_key = op.ring.tail.unsafe_offset(
+        ((s * 2) * op.ring.ring_len + (p * kpool) % op.ring.ring_len) * head_dim
     )
-    var first_new = span[0] * head_dim
+    var first_new = span.start * head_dim
     return ClosePlan(
         p,
         PoolMembers[op.dtype](
             ring_key,
-            ring_key.unsafe_offset(op.ring_len * head_dim),
+            ring_key.unsafe_offset(op.ring.ring_len * head_dim),
             c % kpool,
-            op.k.unsafe_offset(first_new),
-            op.gate.unsafe_offset(first_new),
+            op.call.k.unsafe_offset(first_new),
+            op.call.gate.unsafe_offset(first_new),
         ),
     )
 
@@ -263,7 +264,9 @@ def ring_close_cpu(op: RingClose):
     def close(lo: Int, hi: Int) {imm}:
         close_requests(op, lo, hi)
 
-    cpu_for_each_range(op.batch, op.batch * op.kpool * op.head_dim, close)
+    cpu_for_each_range(
+        op.call.batch, op.call.batch * op.kpool * op.head_dim, close
+    )
 
 
 def ring_close_thread(block: Int, thread: Int, op: RingClose):
@@ -302,7 +305,7 @@ struct RingCloseKernel[Op: type_of(RingClose)](GpuKernel):
     @staticmethod
     def rows(op: Self.Operands) -> Int:
         """Requests."""
-        return op.batch
+        return op.call.batch
 
     @staticmethod
     def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):

@@ -33,7 +33,15 @@ from .operands import (
 from .block_phases import Shared
 from .gpu_kernel import GpuKernel, launch_kernel
 from .parallel import cpu_for_each_range, gpu_block_width
-from .ragged import Field, Ptr, read_index, slot_ok, token_span
+from .ragged import (
+    Field,
+    Ptr,
+    RaggedCall,
+    Ring,
+    read_index,
+    slot_ok,
+    token_span,
+)
 
 
 @fieldwise_init
@@ -58,26 +66,12 @@ struct SeedTailOperands[
         origin: Origin of the tensor pointers (`MutAnyOrigin` in kernels).
     """
 
-    var tail: Field[Self.dtype, Self.origin]
-    """Ring `[max_slots, 2, ring_len, head_dim]`, written in place."""
-    var k: Field[Self.dtype, Self.origin]
-    """`[total_tokens, head_dim]` keys."""
-    var gate: Field[Self.dtype, Self.origin]
-    """`[total_tokens, head_dim]` gate scores."""
-    var input_row_offsets: Field[Self.offset_dtype, Self.origin]
-    """`[batch + 1]` token row offsets."""
-    var cache_lengths: Field[Self.length_dtype, Self.origin]
-    """`[batch]` cached-prefix lengths."""
-    var slot_idx: Field[Self.slot_dtype, Self.origin]
-    """`[batch]` ring slots."""
-    var batch: Int
-    """Requests in this call."""
-    var total_tokens: Int
-    """Rows of `k` and `gate`."""
-    var max_slots: Int
-    """Ring slots."""
-    var ring_len: Int
-    """Ring length R (a multiple of `kpool`)."""
+    var call: RaggedCall[
+        Self.dtype, Self.offset_dtype, Self.length_dtype, Self.origin
+    ]
+    """The new rows and per-request metadata."""
+    var ring: Ring[Self.dtype, Self.slot_dtype, Self.origin]
+    """The ring, written in place."""
 
 
 comptime SeedTail = SeedTailOperands[..., origin=MutAnyOrigin]
@@ -127,20 +121,22 @@ def copy_row[dtype: DType, head_dim: Int](dest: Ptr[dtype], src: Ptr[dtype]):
 @always_inline
 def plan_stash(b: Int, op: SeedTail) -> Stash[op.dtype]:
     """What request `b` stashes, and where (CPU and GPU)."""
-    var span = token_span(op.input_row_offsets, b, op.total_tokens)
-    var c = read_index(op.cache_lengths, b)
-    var s = read_index(op.slot_idx, b)
-    if not span[2] or c < 0 or not slot_ok(s, op.max_slots):
-        return Stash[op.dtype](0, 0, 0, op.tail, op.tail)
-    var hi = c + span[1]
-    var lo = max(c, (hi // op.kpool) * op.kpool - (op.ring_len - op.kpool))
-    var ring_key = op.tail.unsafe_offset(s * 2 * op.ring_len * op.head_dim)
+    var span = token_span(op.call.input_row_offsets, b, op.call.total_tokens)
+    var c = read_index(op.call.cache_lengths, b)
+    var s = read_index(op.ring.slot_idx, b)
+    if not span.ok or c < 0 or not slot_ok(s, op.ring.max_slots):
+        return Stash[op.dtype](0, 0, 0, op.ring.tail, op.ring.tail)
+    var hi = c + span.n
+    var lo = max(c, (hi // op.kpool) * op.kpool - (op.ring.ring_len - op.kpool))
+    var ring_key = op.ring.tail.unsafe_offset(
+        s * 2 * op.ring.ring_len * op.head_dim
+    )
     return Stash[op.dtype](
         lo,
         hi,
-        span[0] + lo - c,
+        span.start + lo - c,
         ring_key,
-        ring_key.unsafe_offset(op.ring_len * op.head_dim),
+        ring_key.unsafe_offset(op.ring.ring_len * op.head_dim),
     )
 
 
@@ -152,12 +148,13 @@ def seed_requests(op: SeedTail, lo: Int, hi: Int):
         var stash = plan_stash(b, op)
         for pos in range(stash.lo, stash.hi):
             var src = (stash.first_row + pos - stash.lo) * head_dim
-            var dst = (pos % op.ring_len) * head_dim
+            var dst = (pos % op.ring.ring_len) * head_dim
             copy_row[op.dtype, head_dim](
-                stash.ring_key.unsafe_offset(dst), op.k.unsafe_offset(src)
+                stash.ring_key.unsafe_offset(dst), op.call.k.unsafe_offset(src)
             )
             copy_row[op.dtype, head_dim](
-                stash.ring_gate.unsafe_offset(dst), op.gate.unsafe_offset(src)
+                stash.ring_gate.unsafe_offset(dst),
+                op.call.gate.unsafe_offset(src),
             )
 
 
@@ -167,7 +164,9 @@ def seed_tail_cpu(op: SeedTail):
     def seed(lo: Int, hi: Int) {imm}:
         seed_requests(op, lo, hi)
 
-    cpu_for_each_range(op.batch, op.batch * op.ring_len * op.head_dim, seed)
+    cpu_for_each_range(
+        op.call.batch, op.call.batch * op.ring.ring_len * op.head_dim, seed
+    )
 
 
 def seed_tail_thread(block: Int, thread: Int, op: SeedTail):
@@ -182,12 +181,12 @@ def seed_tail_thread(block: Int, thread: Int, op: SeedTail):
     var stash = plan_stash(block, op)
     for pos in range(stash.lo, stash.hi):
         var src = (stash.first_row + pos - stash.lo) * head_dim
-        var dst = (pos % op.ring_len) * head_dim
+        var dst = (pos % op.ring.ring_len) * head_dim
         for ch in range(thread, head_dim, stride):
-            stash.ring_key[unsafe_offset=dst + ch] = op.k[
+            stash.ring_key[unsafe_offset=dst + ch] = op.call.k[
                 unsafe_offset=src + ch
             ]
-            stash.ring_gate[unsafe_offset=dst + ch] = op.gate[
+            stash.ring_gate[unsafe_offset=dst + ch] = op.call.gate[
                 unsafe_offset=src + ch
             ]
 
@@ -204,7 +203,7 @@ struct SeedTailKernel[Op: type_of(SeedTail)](GpuKernel):
     @staticmethod
     def rows(op: Self.Operands) -> Int:
         """Requests."""
-        return op.batch
+        return op.call.batch
 
     @staticmethod
     def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
@@ -276,16 +275,20 @@ struct MLAKPoolSeedTail:
             head_dim,
             MutAnyOrigin,
         ](
-            tail.unsafe_ptr(),
-            k.unsafe_ptr(),
-            gate.unsafe_ptr(),
-            input_row_offsets.unsafe_ptr(),
-            cache_lengths.unsafe_ptr(),
-            slot_idx.unsafe_ptr(),
-            batch,
-            k.dim_size(0),
-            tail.dim_size(0),
-            tail.dim_size(2),
+            call={
+                k = k.unsafe_ptr(),
+                gate = gate.unsafe_ptr(),
+                input_row_offsets = input_row_offsets.unsafe_ptr(),
+                cache_lengths = cache_lengths.unsafe_ptr(),
+                batch = batch,
+                total_tokens = k.dim_size(0),
+            },
+            ring={
+                tail = tail.unsafe_ptr(),
+                slot_idx = slot_idx.unsafe_ptr(),
+                max_slots = tail.dim_size(0),
+                ring_len = tail.dim_size(2),
+            },
         )
         comptime if target == "cpu" and not emulate_gpu:
             seed_tail_cpu(op)

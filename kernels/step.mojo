@@ -131,18 +131,12 @@ def compress_of(
     MutAnyOrigin,
 ]:
     """Compress's operands over the step's call."""
-    var c = op.close
     return {
-        op.pooled,
-        c.k,
-        c.gate,
-        c.ape,
-        c.input_row_offsets,
-        op.pool_row_offsets,
-        c.cache_lengths,
-        c.batch,
-        c.total_tokens,
-        op.out_rows,
+        pooled = op.pooled,
+        ape = op.close.ape,
+        pool_row_offsets = op.pool_row_offsets,
+        call = op.close.call,
+        out_rows = op.out_rows,
     }
 
 
@@ -159,19 +153,7 @@ def seed_of(
     MutAnyOrigin,
 ]:
     """Seed_tail's operands over the step's call."""
-    var c = op.close
-    return {
-        c.tail,
-        c.k,
-        c.gate,
-        c.input_row_offsets,
-        c.cache_lengths,
-        c.slot_idx,
-        c.batch,
-        c.total_tokens,
-        c.max_slots,
-        c.ring_len,
-    }
+    return {call = op.close.call, ring = op.close.ring}
 
 
 @always_inline
@@ -182,18 +164,18 @@ def step_pool_count(op: Step, b: Int) -> Int:
     it): a request whose rows lie past the call's counts its pools, and
     compress then writes zeros for them.
     """
-    var offsets = op.close.input_row_offsets
+    var offsets = op.close.call.input_row_offsets
     var n = read_index(offsets, b + 1) - read_index(offsets, b)
-    var c = read_index(op.close.cache_lengths, b)
+    var c = read_index(op.close.call.cache_lengths, b)
     if n < 0 or c < 0:
         return 0
-    return full_pools[op.kpool](c, n)[1]
+    return full_pools[op.kpool](c, n).count
 
 
 @always_inline
 def write_first_pool(op: Step, b: Int):
     """`first_pool[b]`: `(c + kpool - 1) // kpool`, rounded down."""
-    var c = read_index(op.close.cache_lengths, b)
+    var c = read_index(op.close.call.cache_lengths, b)
     op.first_pool[unsafe_offset=b] = Int64((c + op.kpool - 1) // op.kpool)
 
 
@@ -204,7 +186,7 @@ def scan_pool_rows(op: Step):
     """
     var total = 0
     op.pool_row_offsets[unsafe_offset=0] = 0
-    for b in range(op.close.batch):
+    for b in range(op.close.call.batch):
         total += step_pool_count(op, b)
         op.pool_row_offsets[unsafe_offset=b + 1] = UInt32(total)
 
@@ -219,7 +201,7 @@ def step_cpu(op: Step):
     writers wake the cores three times; this wakes them once.
     """
     scan_pool_rows(op)
-    var batch = op.close.batch
+    var batch = op.close.call.batch
     var out_rows = op.out_rows
     var parts = num_physical_cores()
     # Rows past the last pool are only zeroed (the output's row count is an
@@ -269,7 +251,7 @@ def step_thread(block: Int, thread: Int, op: Step):
     overwrites it) and, on thread 0, `first_pool[b]`. Block `batch + i`:
     `compress_thread` for output row `i`.
     """
-    var batch = op.close.batch
+    var batch = op.close.call.batch
     if block < batch:
         ring_close_thread(block, thread, op.close)
         seed_tail_thread(block, thread, seed_of(op))
@@ -310,7 +292,7 @@ struct StepKernel[Op: type_of(Step)](GpuKernel):
     @staticmethod
     def rows(op: Self.Operands) -> Int:
         """Requests plus output rows."""
-        return op.close.batch + op.out_rows
+        return op.close.call.batch + op.out_rows
 
     @staticmethod
     def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):

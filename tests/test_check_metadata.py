@@ -167,19 +167,19 @@ META_CASES = [
     MetaCase(
         "offsets-float",
         {"input_row_offsets": np.array([0.0, 5, 5, 12, 20])},
-        TypeError,
+        ValueError,
         "input_row_offsets must have an integer dtype, got float64",
     ),
     MetaCase(
         "slot-idx-bool",
         {"slot_idx": np.array([True, False, True, False])},
-        TypeError,
+        ValueError,
         "slot_idx must have an integer dtype, got bool",
     ),
     MetaCase(
         "pool-offsets-float",
         {"pool_row_offsets": np.array([0.0, 1, 1, 2, 3])},
-        TypeError,
+        ValueError,
         "pool_row_offsets must have an integer dtype",
     ),
     MetaCase(

@@ -140,6 +140,32 @@ def test_small_schedule_counts_every_pool(tmp_path, capsys, run_demo):
     assert rows["index_top_k scorer"] == "cpu"
 
 
+def test_second_run_says_its_models_were_in_the_runner(
+    tmp_path, capsys, run_demo
+):
+    # Two runs on the session's runner: the second finds the three models
+    # compiled already, so it neither compiles nor loads them.
+    path = write(tmp_path, SMALL)
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    assert run_demo(["--schedule", str(path), "--json", str(first)]) == 0
+    capsys.readouterr()
+    assert run_demo(["--schedule", str(path), "--json", str(second)]) == 0
+    out = capsys.readouterr().out
+    s = json.loads(second.read_text())
+    assert s["models"] == "in runner" and s["graph_cache_files_added"] == 0
+    assert "models already compiled in the runner given" in out
+    assert json.loads(first.read_text())["models"] in (
+        "compiled",
+        "loaded",
+        "in runner",
+    )
+    # On the CPU the three ops are one model: its all-idle run was timed,
+    # and is a small part of a step call.
+    idle = s["idle_model_seconds"]
+    assert 0 < idle < s["mean_call_seconds"]
+    assert f"{1e3 * idle:.3f} ms" in table(out)["idle ops at most"]
+
+
 def null_mask_skips(sched: dict[str, Any]) -> int:
     """Selected ids expand_topk must skip with the null mask, for a
     schedule where no row sees more than 512 pools: each row of a request

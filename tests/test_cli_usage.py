@@ -8,6 +8,7 @@ fault placement and summary are checked directly.
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -395,6 +396,108 @@ def test_skipped_ids_counts_pools_past_each_query():
     ids = np.array([[0, 1, 2, -1], [2, 1, 0, -1], [2, 0, 1, -1]], np.int32)
     # Queries at positions 6, 7, 8 see 1, 2, 2 complete pools.
     assert checked_run.skipped_ids(ids, [e], KPOOL) == 2 + 1 + 1
+
+
+@pytest.mark.parametrize(
+    "in_runner, before, after, want",
+    [
+        (True, 4, 4, ("in runner", 0)),
+        (False, 4, 5, ("compiled", 1)),
+        (False, None, 2, ("compiled", 2)),  # the folder was made now
+        (False, 4, 4, ("loaded", 0)),
+        (False, None, None, (None, None)),  # no cache folder: not known
+    ],
+)
+def test_models_source(in_runner, before, after, want):
+    assert demo.models_source(in_runner, before, after) == want
+
+
+def test_graph_cache_files_counts_maxs_graph_files(tmp_path, monkeypatch):
+    root = tmp_path / "modular"
+    monkeypatch.setenv("MODULAR_CACHE_DIR", str(root))
+    assert checked_run.graph_cache_files() is None
+    graphs = root / ".max_cache" / "mof" / "mef" / "26.7.0"
+    graphs.mkdir(parents=True)
+    assert checked_run.graph_cache_files() == 0
+    (graphs / "graph-a").write_bytes(b"a")
+    (graphs / "graph-b").write_bytes(b"b")
+    (root / ".mojo_cache").mkdir()
+    (root / ".mojo_cache" / "package").write_bytes(b"c")  # not a graph
+    assert checked_run.graph_cache_files() == 2
+    # Without MODULAR_CACHE_DIR: $XDG_CACHE_HOME/modular.
+    monkeypatch.delenv("MODULAR_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert checked_run.graph_cache_files() is None
+    (tmp_path / "xdg" / "modular" / ".max_cache").mkdir(parents=True)
+    (tmp_path / "xdg" / "modular" / ".max_cache" / "graph").write_bytes(b"")
+    assert checked_run.graph_cache_files() == 1
+
+
+def _summary_rows(**numbers) -> dict[str, str]:
+    """The summary table's rows, label -> the rest of the line."""
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    config, plan = demo.build_plan(parser.parse_args(["--requests", "2"]))
+    totals = checks.Totals(
+        call_seconds=[3e-3] * len(plan.calls),
+        index_seconds=[4e-3, 6e-3],
+        expand_seconds=[1e-3],
+    )
+    text = format_summary(
+        summarize(config, plan, totals, 9.0, 20.0, None, 2.0, **numbers)
+    )
+    rows = {}
+    for line in text.splitlines():
+        m = re.match(r"^\s*(\S.*?)\s{2,}(\S.*)$", line)
+        if m:
+            rows[m.group(1)] = m.group(2)
+    return rows
+
+
+@pytest.mark.parametrize(
+    "models, added, note",
+    [
+        (
+            "compiled",
+            1,
+            "models compiled now (MAX's graph cache gained 1 file))",
+        ),
+        (
+            "compiled",
+            3,
+            "models compiled now (MAX's graph cache gained 3 files))",
+        ),
+        (
+            "loaded",
+            0,
+            "models loaded from MAX's graph cache (it gained no file))",
+        ),
+        ("in runner", 0, "models already compiled in the runner given)"),
+        (
+            None,
+            None,
+            "models compiled or loaded (not known))",
+        ),
+    ],
+)
+def test_compile_row_says_where_the_models_came_from(models, added, note):
+    row = _summary_rows(models=models, cache_files_added=added)["compile"]
+    assert row.startswith("9.0 s  (Mojo kernels 2.0 s, every run; step, ")
+    assert row.endswith(note)
+
+
+def test_time_rows_say_what_each_time_holds():
+    rows = _summary_rows(idle_s=5e-5)
+    assert rows["mean time per call"] == (
+        "3.000 ms  (the step: median 3.000 ms; mean index_top_k 5.000 ms,"
+        " expand_topk 1.000 ms; each the wall time of its Runner call:"
+        " operand checks, copies in and out, the model run)"
+    )
+    assert rows["idle ops at most"].startswith("0.050 ms  (the three ops are")
+    alone = _summary_rows(idle_s=None)
+    assert alone["idle ops in them"] == (
+        "none  (each op's model is compiled alone on this device)"
+    )
 
 
 def test_summary_counts_problems_in_singular_and_plural():

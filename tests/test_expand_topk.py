@@ -719,13 +719,13 @@ REJECTS = [
     Reject(
         "ids_uint32",
         "pool_ids",
-        TypeError,
+        ValueError,
         (("pool_ids", _t(DType.uint32, ["tokens", 16])),),
     ),
     Reject(
         "ids_float",
         "pool_ids",
-        TypeError,
+        ValueError,
         (("pool_ids", _t(DType.float32, ["tokens", 16])),),
     ),
     Reject(
@@ -737,13 +737,13 @@ REJECTS = [
     Reject(
         "offsets_float",
         "input_row_offsets",
-        TypeError,
+        ValueError,
         (("offsets", _t(DType.float32, ["offsets"])),),
     ),
     Reject(
         "cache_float",
         "cache_lengths",
-        TypeError,
+        ValueError,
         (("cache", _t(DType.float32, ["batch"])),),
     ),
     Reject(

@@ -88,8 +88,8 @@ MUTANTS = [
         # request's span goes to the next request, which has no such pool.
         "compress_owner_off_by_one",
         "compress.mojo",
-        "last_span_at(op.pool_row_offsets, op.batch, row)",
-        "last_span_at(op.pool_row_offsets, op.batch, row + 1)",
+        "last_span_at(op.pool_row_offsets, op.call.batch, row)",
+        "last_span_at(op.pool_row_offsets, op.call.batch, row + 1)",
         lambda runner: rc.check_step_mixed_batch(runner, MAIN, MUTANT_SEED),
         AssertionError,
         "compressed pools",

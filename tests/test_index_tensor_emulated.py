@@ -22,9 +22,19 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from index_cases import DSV32, GLM, GLM_CAUSAL, WHOLE, Case, build, index_key
+from index_cases import (
+    CASES,
+    DSV32,
+    GLM,
+    GLM_CAUSAL,
+    WHOLE,
+    Case,
+    build,
+    index_key,
+    nan_keys,
+    run,
+)
 from mla_kpool.index_runner import IndexKey
-from test_index_top_k import CASES, _nan_keys, run
 
 #: Heads not a multiple of 8, depth not a multiple of 32: padded tiles.
 ODD = replace(WHOLE, name="odd-pad", heads=5, depth=40, width=40, kpool=1)
@@ -111,7 +121,7 @@ def test_nan_bytes_make_nan_scores(runner, scorer):
             WHOLE,
             cached=(25, 7),
             new=(2, 1),
-            tweaks=(_nan_keys(1), _nan_query),
+            tweaks=(nan_keys(1), _nan_query),
         )
     )
     got = run(runner, call, scorer=scorer)

@@ -20,17 +20,18 @@ import numpy as np
 import pytest
 
 from index_cases import (
+    CASES,
     DSV32,
     GLM,
     GLM_CAUSAL,
     SHAPES,
-    SMALL,
     WHOLE,
     Call,
     Case,
     build,
     index_key,
-    scales_on_first_rows_only,
+    nan_keys,
+    run,
 )
 from mla_kpool import reference as ref
 from mla_kpool.index_runner import IndexKey
@@ -48,75 +49,6 @@ def COMPILED_TOGETHER(device: str) -> list[IndexKey]:  # noqa: N802
     See the ``runners`` fixture in conftest.py.
     """
     return [index_key(shape, device) for shape in SHAPES]
-
-
-def run(runner, call: Call, **options) -> np.ndarray:
-    return runner.index_top_k(
-        call.q,
-        call.qs,
-        call.offsets,
-        call.cache,
-        call.case.layer,
-        **call.run_kwargs(),
-        **options,
-    )
-
-
-CASES = [
-    # GLM-5-Next: decode rows of long and short contexts (8,192 pools), the
-    # null mask its pipeline passes.
-    Case("glm-decode", GLM, cached=(4095, 32767, 2047, 9), new=(1, 1, 1, 1)),
-    Case("glm-chunked-prefill", GLM, cached=(256, 0, 2400), new=(37, 20, 5)),
-    Case("glm-bound-below-k", GLM, cached=(100, 1500), new=(3, 1)),
-    Case("glm-bound-zero", GLM, cached=(0, 1, 2), new=(2, 1, 1)),
-    Case("glm-no-tokens", GLM, cached=(40, 8), new=(0, 0)),
-    Case("glm-empty-request", GLM, cached=(40, 3000, 8), new=(2, 0, 1)),
-    Case(
-        "glm-padded-strides",
-        GLM,
-        cached=(700, 2100),
-        new=(3, 1),
-        key_pad=96,
-        scale_pad=7,
-    ),
-    Case(
-        "glm-separate-scale-table",
-        GLM,
-        cached=(1200, 64),
-        new=(1, 9),
-        separate_scales=True,
-        scale_pad=1,
-    ),
-    Case("glm-layer0", GLM, cached=(3000,), new=(2,), layer=0),
-    Case(
-        "glm-scale-read-from-row-0",
-        GLM,
-        cached=(1300, 70),
-        new=(1, 4),
-        tweaks=(scales_on_first_rows_only,),
-    ),
-    # The causal twin: each new row sees up to itself.
-    Case("glm-causal-prefill", GLM_CAUSAL, cached=(13, 0, 510), new=(40, 9, 6)),
-    Case("glm-causal-decode", GLM_CAUSAL, cached=(2051, 4), new=(1, 1)),
-    Case("glm-causal-prefill-4096", GLM_CAUSAL, cached=(0,), new=(4096,)),
-    # DeepSeek-V3.2: kpool 1, k 2048, causal.
-    Case("dsv32-decode", DSV32, cached=(3000, 100), new=(1, 1)),
-    Case("dsv32-prefill-at-k", DSV32, cached=(2030,), new=(30,)),
-    Case("dsv32-padded", DSV32, cached=(2500,), new=(2,), key_pad=64),
-    # One pooled key per row (W == D) with kpool 4.
-    Case("whole", WHOLE, cached=(300, 7, 0), new=(5, 11, 3)),
-    Case(
-        "whole-padded-separate",
-        WHOLE,
-        cached=(515, 60),
-        new=(2, 1),
-        key_pad=32,
-        scale_pad=3,
-        separate_scales=True,
-    ),
-    # More than 2^18 candidate pools in one row (small H and D).
-    Case("small-262k-pools", SMALL, cached=(4 * 262_144 + 37,), new=(3,)),
-]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -279,32 +211,11 @@ def test_nan_scores_rank_below_every_number(runner):
     assert 0 not in got[1:] and 70 not in got[1:]
 
 
-def _nan_keys(sign: float):
-    """Tweak: non-negative q, keys and scales, ``qs`` of one sign; NaN
-    bytes in candidates 1 and 4 of request 0 and a NaN scale on 2."""
-
-    def tweak(call: Call) -> None:
-        call.q &= np.uint8(0x7F)
-        call.qs[...] = sign * np.abs(call.qs)
-        call.cache.arena &= np.uint8(0x7F)
-        call.cache.scale_arena[...] = np.abs(call.cache.scale_arena)
-        blocks, scales = call.cache.blocks(), call.cache.scales()
-        for j in (1, 2, 4):
-            page, slot = divmod(j, WHOLE.page_size)
-            block = call.cache.lookup_table[0, page]
-            if j == 2:
-                scales[block, 0, call.case.layer, slot, 0, 0] = np.nan
-            else:
-                blocks[block, 0, call.case.layer, slot, 0, 5] = 0x7F
-
-    return tweak
-
-
 def test_a_nan_key_ranks_below_negative_scores(runner):
     # Every finite score is negative here, so a key whose NaN byte became
     # a 0 score would rank first; the contract ranks it last.
     case = Case(
-        "nan-neg", WHOLE, cached=(25,), new=(1,), tweaks=(_nan_keys(-1),)
+        "nan-neg", WHOLE, cached=(25,), new=(1,), tweaks=(nan_keys(-1),)
     )
     call = build(case)
     got = run(runner, call)

@@ -19,10 +19,9 @@ import pytest
 from max import driver
 
 import index_cases
-from index_cases import build
+from index_cases import CASES, build, run
 from mla_kpool import reference as ref
 from test_index_top_k import *  # noqa: F403 (the tests, run again here)
-from test_index_top_k import CASES, run
 
 pytestmark = [
     pytest.mark.gpu,

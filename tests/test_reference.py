@@ -219,7 +219,7 @@ def test_pool_row_offsets_rejects_length_mismatch():
 
 
 def test_index_arrays_must_be_integer():
-    with pytest.raises(TypeError, match="cache_lengths"):
+    with pytest.raises(ValueError, match="cache_lengths"):
         ref.pool_row_offsets(arr([0, 4]), np.array([0.0]), 4)
 
 

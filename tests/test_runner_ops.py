@@ -191,6 +191,20 @@ def test_compile_together_compiles_alone_where_it_must() -> None:
         assert asked == [done, todo, other], (device, kernels)
 
 
+def test_has_model_looks_in_the_store_of_the_key_kind() -> None:
+    runner = Runner.__new__(Runner)  # no session: nothing may compile
+    step = model_key("step", 4, dtype=np.float32)
+    index = IndexKey(4, 32, 32, 2, 16, 64, 4, "causal")
+    runner._models, runner._index_models = {step: "compiled"}, {}
+    assert runner.has_model(step) is True
+    assert runner.has_model(index) is False
+    assert runner.has_model(model_key("step", 2, dtype=np.float32)) is False
+    runner._index_models[index] = "compiled"
+    assert runner.has_model(index) is True
+    with pytest.raises(TypeError, match="ModelKey or IndexKey, got str"):
+        runner.has_model("step")
+
+
 def test_compile_together_refuses_bad_keys_before_compiling() -> None:
     runner = Runner.__new__(Runner)  # no session: nothing may compile
     runner._models, runner._index_models = {}, {}

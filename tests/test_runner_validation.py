@@ -73,7 +73,7 @@ BAD = [
     ("slot-idx-rank", "step", dict(slot_idx=_u32(2, 0).reshape(2, 1)),
      ValueError, "slot_idx must be rank 1 [batch], got rank 2 [2, 1]"),
     ("slot-idx-float", "seed_tail", dict(slot_idx=np.array([2.0, 0.0])),
-     TypeError,
+     ValueError,
      "slot_idx dtype must be one of uint32, int32, int64, uint64, got"
      " float64"),
     ("cache-lengths-rank", "step",
@@ -102,6 +102,8 @@ BAD = [
      "k must be rank 2 [total_tokens, head_dim], got rank 3 [6, 8, 1]"),
     ("k-list", "step", dict(k=[[0.0] * 8] * 6), TypeError,
      "k must be a NumPy array, got list"),
+    ("gate-complex", "compress", dict(gate=np.ones((6, 8), np.complex64)),
+     ValueError, "gate dtype must be one MAX has, got complex64"),
     ("ape-float64", "step", dict(ape=np.zeros((KPOOL, HEAD_DIM))),
      ValueError, "ape must be [kpool=4, head_dim=8] float32, got [4, 8]"
      " float64"),
@@ -112,7 +114,7 @@ BAD = [
      TypeError, "tail must be a max.driver.Buffer (Runner.new_ring), got"
      " ndarray"),
     ("pool-ids-float", "expand_topk", dict(pool_ids=np.zeros((6, 2))),
-     TypeError, "pool_ids must be int32 or int64"),
+     ValueError, "pool_ids must be int32 or int64"),
     ("pool-ids-rank", "expand_topk",
      dict(pool_ids=np.zeros(6, np.int32)), ValueError,
      "pool_ids must be rank 2 [total_tokens, pool_topk], got rank 1 [6]"),
@@ -218,9 +220,17 @@ INDEX_BAD = [
     ("offsets-rank", dict(input_row_offsets=_u32(0, 3, 5).reshape(1, 3)),
      ValueError, "input_row_offsets must be rank 1 [B + 1] = [3]"),
     ("offsets-float", dict(input_row_offsets=np.array([0.0, 3.0, 5.0])),
-     TypeError, "input_row_offsets must have an integer dtype, got float64"),
+     ValueError, "input_row_offsets must have an integer dtype, got float64"),
     ("qs-float64", dict(qs=np.ones((5, 2))), ValueError,
      "qs dtype must be float32, got float64"),
+    # Without these checks MAX would say only that a symbolic dim of
+    # input 1 does not match.
+    ("qs-rows", dict(qs=np.ones((4, 2), np.float32)), ValueError,
+     "qs must be [T, num_heads] = [5, 2] to match q [5, 2, 16], got [4, 2]"),
+    ("qs-heads", dict(qs=np.ones((5, 3), np.float32)), ValueError,
+     "qs must be [T, num_heads] = [5, 2] to match q [5, 2, 16], got [5, 3]"),
+    ("layer-past-the-cache", dict(layer_idx=2), ValueError,
+     "layer_idx must be below the cache's 2 layers, got 2"),
     ("layer-array", dict(layer_idx=np.array([1], np.uint32)), TypeError,
      "layer_idx must be an int, got ndarray"),
     ("top-k-float", dict(top_k=2.5), TypeError,

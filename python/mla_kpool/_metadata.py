@@ -31,7 +31,7 @@ def _index_array(name: str, values: np.ndarray | Sequence[int]) -> list[int]:
         # would call it float64.
         arr = arr.astype(np.int64)
     if not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name} must have an integer dtype, got {arr.dtype}")
+        raise ValueError(f"{name} must have an integer dtype, got {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{name} must be rank 1, got shape {arr.shape}")
     # Python ints: uint32 / uint64 values never wrap and int32 negatives stay
@@ -90,10 +90,10 @@ def check_metadata(
             integer dtype.
 
     Raises:
-        TypeError: an index array without an integer dtype, or `kpool`,
-            `total_tokens` or `max_slots` not an int.
-        ValueError: anything else listed above; the message names the field
-            (and the request, for per-request problems).
+        TypeError: `kpool`, `total_tokens` or `max_slots` not an int.
+        ValueError: an index array without an integer dtype, or anything
+            else listed above; the message names the field (and the
+            request, for per-request problems).
     """
     total_tokens = _require_int("total_tokens", total_tokens, 0)
     max_slots = _require_int("max_slots", max_slots, 0)
@@ -209,10 +209,10 @@ def check_index_metadata(
         kpool: The call's ``kpool``; ``None`` takes the cache's.
 
     Raises:
-        TypeError: An index array without an integer dtype, or
-            ``layer_idx``, ``total_tokens`` or ``kpool`` not an int.
-        ValueError: Anything else listed above; the message names the field
-            (and the request), the expected and the given value.
+        TypeError: ``layer_idx``, ``total_tokens`` or ``kpool`` not an int.
+        ValueError: An index array without an integer dtype, or anything
+            else listed above; the message names the field (and the
+            request), the expected and the given value.
     """
     total_tokens = _require_int("total_tokens", total_tokens, 0)
     layer_idx = _require_int("layer_idx", layer_idx, 0)

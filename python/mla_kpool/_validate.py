@@ -6,9 +6,9 @@ caller wrote it instead of deep inside the graph compiler or, worse, as an
 out-of-bounds access at run time.
 
 Error kinds: ``TypeError`` when a value is the wrong kind of thing (not a
-graph value, a tensor where a buffer is needed, an index tensor whose dtype
-is not one of :data:`INDEX_DTYPES`, a non-integer ``kpool``);
-``ValueError`` for a wrong rank, shape, float dtype or device.
+graph value, a tensor where a buffer is needed, a non-integer ``kpool``);
+``ValueError`` for a wrong rank, shape, dtype (float or index) or device,
+as ``max.nn.kernels`` raises for a wrong dtype.
 """
 
 from __future__ import annotations
@@ -176,6 +176,11 @@ def check_index(name: str, value: object, what: str) -> TensorValue:
     """Checks a rank-1 index tensor of an :data:`INDEX_DTYPES` dtype.
 
     ``what`` names its extent, for the rank message.
+
+    Raises:
+        TypeError: If ``value`` is not a ``TensorValue``.
+        ValueError: If it is not rank 1 or its dtype is not one of
+            :data:`INDEX_DTYPES`.
     """
     value = check_tensor(name, value)
     if value.rank != 1:
@@ -186,7 +191,7 @@ def check_index(name: str, value: object, what: str) -> TensorValue:
     if value.dtype not in INDEX_DTYPES:
         # Name the accepted dtypes: "an integer dtype" would not explain
         # why int8 or uint16 (integers the kernels are not built for) fail.
-        raise TypeError(
+        raise ValueError(
             f"{name} dtype must be one of {_dtype_names(INDEX_DTYPES)}, got"
             f" {value.dtype.name}"
         )

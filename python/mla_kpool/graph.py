@@ -41,20 +41,45 @@ from . import _validate as v
 from ._paths import ensure_kernels
 
 
+class _RaggedCall(NamedTuple):
+    """The operands every writer takes, checked."""
+
+    kpool: int
+    k: TensorValue
+    gate: TensorValue
+    input_row_offsets: TensorValue
+    cache_lengths: TensorValue
+    head_dim: int
+
+
+class _RingCall(NamedTuple):
+    """The operands of ``ring_close`` and the fused step, checked."""
+
+    call: _RaggedCall
+    tail: BufferValue
+    ape: TensorValue
+    slot_idx: TensorValue
+
+
 def _check_common(
     k: object,
     gate: object,
     input_row_offsets: object,
     cache_lengths: object,
     kpool: object,
-) -> tuple[int, TensorValue, TensorValue, TensorValue, TensorValue, int]:
+) -> _RaggedCall:
     kpool = v.check_kpool(kpool)
     k, gate, head_dim = v.check_keys(k, gate)
-    input_row_offsets = v.check_index(
-        "input_row_offsets", input_row_offsets, "batch + 1"
+    return _RaggedCall(
+        kpool=kpool,
+        k=k,
+        gate=gate,
+        input_row_offsets=v.check_index(
+            "input_row_offsets", input_row_offsets, "batch + 1"
+        ),
+        cache_lengths=v.check_index("cache_lengths", cache_lengths, "batch"),
+        head_dim=head_dim,
     )
-    cache_lengths = v.check_index("cache_lengths", cache_lengths, "batch")
-    return kpool, k, gate, input_row_offsets, cache_lengths, head_dim
 
 
 def _check_ring_operands(
@@ -66,55 +91,45 @@ def _check_ring_operands(
     cache_lengths: object,
     slot_idx: object,
     kpool: object,
-) -> tuple[
-    int,
-    BufferValue,
-    TensorValue,
-    TensorValue,
-    TensorValue,
-    TensorValue,
-    TensorValue,
-    TensorValue,
-    int,
-]:
-    """Checks the operands of ``ring_close`` and the fused step.
-
-    Returns:
-        ``(kpool, tail, k, gate, ape, input_row_offsets, cache_lengths,
-        slot_idx, head_dim)``, checked.
-    """
-    kpool, k, gate, input_row_offsets, cache_lengths, head_dim = _check_common(
-        k, gate, input_row_offsets, cache_lengths, kpool
+) -> _RingCall:
+    """Checks the operands of ``ring_close`` and the fused step."""
+    c = _check_common(k, gate, input_row_offsets, cache_lengths, kpool)
+    ring = _RingCall(
+        call=c,
+        tail=v.check_tail(tail, c.kpool, c.head_dim, c.k.dtype),
+        ape=v.check_ape(ape, c.kpool, c.head_dim),
+        slot_idx=v.check_index("slot_idx", slot_idx, "batch"),
     )
-    tail = v.check_tail(tail, kpool, head_dim, k.dtype)
-    ape = v.check_ape(ape, kpool, head_dim)
-    slot_idx = v.check_index("slot_idx", slot_idx, "batch")
     v.check_batch(
-        cache_lengths,
-        input_row_offsets=(input_row_offsets, 1),
-        slot_idx=(slot_idx, 0),
+        c.cache_lengths,
+        input_row_offsets=(c.input_row_offsets, 1),
+        slot_idx=(ring.slot_idx, 0),
     )
     v.check_devices(
-        k.device,
+        c.k.device,
         "k",
-        tail=tail,
-        gate=gate,
-        ape=ape,
-        input_row_offsets=input_row_offsets,
-        cache_lengths=cache_lengths,
-        slot_idx=slot_idx,
+        tail=ring.tail,
+        gate=c.gate,
+        ape=ring.ape,
+        input_row_offsets=c.input_row_offsets,
+        cache_lengths=c.cache_lengths,
+        slot_idx=ring.slot_idx,
     )
-    return (
-        kpool,
-        tail,
-        k,
-        gate,
-        ape,
-        input_row_offsets,
-        cache_lengths,
-        slot_idx,
-        head_dim,
-    )
+    return ring
+
+
+def _ring_values(r: _RingCall) -> list:
+    """``ring_close``'s and the step's operands, in the ops' order."""
+    c = r.call
+    return [
+        r.tail,
+        c.k,
+        c.gate,
+        r.ape,
+        c.input_row_offsets,
+        c.cache_lengths,
+        r.slot_idx,
+    ]
 
 
 def ring_close(
@@ -164,46 +179,29 @@ def ring_close(
 
     Raises:
         TypeError: If ``tail`` is not a ``BufferValue``, another operand is not
-            a ``TensorValue``, ``kpool`` is not an int, or an index tensor
-            is not uint32, int32, int64 or uint64.
-        ValueError: If ``kpool < 1``, a rank, shape, dtype or device is wrong,
+            a ``TensorValue``, or ``kpool`` is not an int.
+        ValueError: If ``kpool < 1``, a rank, shape, dtype (an index tensor
+            not uint32, int32, int64 or uint64) or device is wrong,
             the static batch sizes disagree, ``emulate_gpu`` is set off the
             CPU, or the graph lacks this package's kernels and this MAX
             version cannot add them to an existing graph.
     """
-    (
-        kpool,
-        tail,
-        k,
-        gate,
-        ape,
-        input_row_offsets,
-        cache_lengths,
-        slot_idx,
-        head_dim,
-    ) = _check_ring_operands(
+    r = _check_ring_operands(
         tail, k, gate, ape, input_row_offsets, cache_lengths, slot_idx, kpool
     )
-
+    c = r.call
     ensure_kernels("ring_close")
-    batch = cache_lengths.shape[0]
+    batch = c.cache_lengths.shape[0]
+    dev = c.k.device
     results = ops.inplace_custom(
         "mo.mla.kpool.ring_close",
-        device=k.device,
-        values=[
-            tail,
-            k,
-            gate,
-            ape,
-            input_row_offsets,
-            cache_lengths,
-            slot_idx,
-        ],
+        device=dev,
+        values=_ring_values(r),
         out_types=[
-            TensorType(k.dtype, [batch, head_dim], device=k.device),
-            TensorType(DType.int32, [batch], device=k.device),
+            TensorType(c.k.dtype, [batch, c.head_dim], device=dev),
+            TensorType(DType.int32, [batch], device=dev),
         ],
-        parameters=v.kernel_parameters(head_dim, kpool, emulate_gpu, k.device),
+        parameters=v.kernel_parameters(c.head_dim, c.kpool, emulate_gpu, dev),
     )
     return results[0].tensor, results[1].tensor
 
@@ -249,9 +247,10 @@ def compress(
         ``pool_row_offsets[batch]`` are zero.
 
     Raises:
-        TypeError: If an operand is not a ``TensorValue``, ``kpool`` is not an
-            int, or an index tensor is not uint32, int32, int64 or uint64.
-        ValueError: If ``kpool < 1``, a rank, shape, dtype or device is wrong,
+        TypeError: If an operand is not a ``TensorValue`` or ``kpool`` is not
+            an int.
+        ValueError: If ``kpool < 1``, a rank, shape, dtype (an index tensor
+            not uint32, int32, int64 or uint64) or device is wrong,
             the static batch sizes disagree, ``emulate_gpu`` is set off the
             CPU, or the graph lacks this package's kernels and this MAX
             version cannot add them to an existing graph.
@@ -340,9 +339,9 @@ def seed_tail(
 
     Raises:
         TypeError: If ``tail`` is not a ``BufferValue``, another operand is not
-            a ``TensorValue``, ``kpool`` is not an int, or an index tensor
-            is not uint32, int32, int64 or uint64.
-        ValueError: If ``kpool < 1``, a rank, shape, dtype or device is wrong,
+            a ``TensorValue``, or ``kpool`` is not an int.
+        ValueError: If ``kpool < 1``, a rank, shape, dtype (an index tensor
+            not uint32, int32, int64 or uint64) or device is wrong,
             the static batch sizes disagree, ``emulate_gpu`` is set off the
             CPU, or the graph lacks this package's kernels and this MAX
             version cannot add them to an existing graph.
@@ -604,7 +603,7 @@ def _check_pool_ids(pool_ids: object) -> tuple[TensorValue, int]:
             f" parameter), got {v.fmt_shape(pool_ids.shape)}"
         )
     if pool_ids.dtype not in POOL_ID_DTYPES:
-        raise TypeError(
+        raise ValueError(
             "pool_ids must be int32 or int64 (signed: -1 marks an unused"
             f" selection), got {pool_ids.dtype.name}"
         )
@@ -668,10 +667,10 @@ def expand_topk(
 
     Raises:
         TypeError: If an operand is not a ``TensorValue``, ``kpool`` is not an
-            int, ``always_select_tail`` is not a bool, ``pool_ids`` is not
-            int32/int64, or an index tensor is not uint32, int32, int64 or
-            uint64.
-        ValueError: If ``kpool < 1``, a rank, shape or device is wrong,
+            int or ``always_select_tail`` is not a bool.
+        ValueError: If ``kpool < 1``, a rank, shape, dtype (``pool_ids`` not
+            int32/int64, an index tensor not uint32, int32, int64 or uint64)
+            or device is wrong,
             ``pool_topk`` is not static, the static batch sizes disagree,
             ``emulate_gpu`` is set off the CPU, or the graph lacks this
             package's kernels and this MAX version cannot add them to an
@@ -731,42 +730,26 @@ def _fused_step(
     emulate_gpu: object,
 ) -> KPoolStep:
     """:func:`kpool_step` as the one ``mla_kpool.step`` op (checked first)."""
-    (
-        kpool,
-        tail,
-        k,
-        gate,
-        ape,
-        input_row_offsets,
-        cache_lengths,
-        slot_idx,
-        head_dim,
-    ) = _check_ring_operands(
+    r = _check_ring_operands(
         tail, k, gate, ape, input_row_offsets, cache_lengths, slot_idx, kpool
     )
-
-    batch = cache_lengths.shape[0]
-    dev = k.device
-    parameters = v.kernel_parameters(head_dim, kpool, emulate_gpu, dev)
+    c = r.call
+    batch = c.cache_lengths.shape[0]
+    dev = c.k.device
+    parameters = v.kernel_parameters(c.head_dim, c.kpool, emulate_gpu, dev)
     ensure_kernels("kpool_step")
     try:
         results = ops.inplace_custom(
             "mla_kpool.step",
             device=dev,
-            values=[
-                tail,
-                k,
-                gate,
-                ape,
-                input_row_offsets,
-                cache_lengths,
-                slot_idx,
-            ],
+            values=_ring_values(r),
             out_types=[
-                TensorType(k.dtype, [batch, head_dim], device=dev),
+                TensorType(c.k.dtype, [batch, c.head_dim], device=dev),
                 TensorType(DType.int32, [batch], device=dev),
                 TensorType(
-                    k.dtype, [k.shape[0] // kpool, head_dim], device=dev
+                    c.k.dtype,
+                    [c.k.shape[0] // c.kpool, c.head_dim],
+                    device=dev,
                 ),
                 TensorType(DType.uint32, [batch + 1], device=dev),
                 TensorType(DType.int64, [batch], device=dev),

@@ -305,16 +305,15 @@ def prepare(
         whole flat arenas as bound.
 
     Raises:
-        TypeError: For a ``cache`` that is not a ``PagedIndexCache``, a
-            ``layer_idx``, ``top_k`` or ``kpool`` that is not an int, or
-            ``input_row_offsets`` of a non-integer dtype.
+        TypeError: For a ``cache`` that is not a ``PagedIndexCache``, or a
+            ``layer_idx``, ``top_k`` or ``kpool`` that is not an int.
         ValueError: For a ``gpu_op`` other than ``"auto"`` or ``"ours"`` (on
             every runner), a ``scorer`` this runner cannot run, a ``q``
             that is not ``[T, H, D]`` uint8 or float8_e4m3fn, a ``qs``
-            that is not float32 ``[T, H]``,
-            ``input_row_offsets`` that is not rank 1 ``[B + 1]`` (``B`` the
-            cache's batch), a ``layer_idx`` outside uint32 or past the
-            cache's layers, ``top_k``
+            that is not float32 ``[T, H]`` with ``q``'s ``T`` and ``H``,
+            ``input_row_offsets`` of a non-integer dtype or not rank 1
+            ``[B + 1]`` (``B`` the cache's batch), a ``layer_idx`` outside
+            uint32 or not below the cache's ``num_layers``, ``top_k``
             outside 1..2048, ``kpool < 1``, another mask, and from the graph
             checks. All before anything is compiled or copied.
     """
@@ -335,9 +334,11 @@ def prepare(
     q = _fp8_bytes(q)
     qs = _float32("qs", qs)
     if qs.shape != q.shape[:2]:
+        # Checked here: the graph would only say that a symbolic dim of
+        # input 1 does not match, naming neither operand.
         raise ValueError(
-            f"qs must be [T, num_heads] = {list(q.shape[:2])} to match q, got"
-            f" {list(qs.shape)}"
+            f"qs must be [T, num_heads] = {list(q.shape[:2])} to match q"
+            f" {list(q.shape)}, got {list(qs.shape)}"
         )
     batch = len(cache.cache_lengths)
     input_row_offsets = _offsets(input_row_offsets, batch)
@@ -455,14 +456,13 @@ def _offsets(values: Any, batch: int) -> np.ndarray:
     :func:`mla_kpool.check_index_metadata`, not here).
 
     Raises:
-        TypeError: For a non-integer dtype.
-        ValueError: For another rank or length.
+        ValueError: For a non-integer dtype, another rank or length.
     """
     arr = np.asarray(values)
     if not isinstance(values, np.ndarray) and arr.size == 0:
         arr = arr.astype(np.int64)
     if not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(
+        raise ValueError(
             f"input_row_offsets must have an integer dtype, got {arr.dtype}"
         )
     if arr.ndim != 1 or len(arr) != batch + 1:

@@ -270,12 +270,12 @@ class Op:
 
         Raises:
             TypeError: If the ring is not a ``max.driver.Buffer``, another
-                operand not a NumPy array, ``kpool`` not an int, or an
-                index operand (or ``pool_ids``) of a dtype the op does not
-                take.
-            ValueError: If a rank, shape or float dtype is wrong or the
-                operands disagree; the message names the operand, what it
-                must be and what it is.
+                operand not a NumPy array, ``kpool`` not an int, or
+                ``pool_ids`` not int32 or int64
+                (:func:`mla_kpool.expand_topk`'s check).
+            ValueError: If a rank, shape or dtype (float or index) is wrong
+                or the operands disagree; the message names the operand,
+                what it must be and what it is.
         """
         named = dict(zip(self.operands, values, strict=True))
         types = [_graph_type(name, named[name]) for name in self.operands]
@@ -422,8 +422,9 @@ def _graph_type(name: str, value: Any) -> TensorType | BufferType:
     """The graph input type of one host operand, its shape static.
 
     Raises:
-        TypeError: If the ring is not a ``Buffer``, another operand not a
-            NumPy array, or its dtype not one MAX has.
+        TypeError: If the ring is not a ``Buffer`` or another operand not a
+            NumPy array.
+        ValueError: If an array's dtype is not one MAX has.
     """
     cpu = DeviceRef.CPU()
     if name == "tail":
@@ -440,7 +441,7 @@ def _graph_type(name: str, value: Any) -> TensorType | BufferType:
     try:
         dtype = to_max_dtype(value.dtype)
     except (TypeError, ValueError):
-        raise TypeError(
+        raise ValueError(
             f"{name} dtype must be one MAX has, got {value.dtype}"
         ) from None
     return TensorType(dtype, list(value.shape), cpu)

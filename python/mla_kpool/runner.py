@@ -175,6 +175,19 @@ class Runner:
             model = self._models[key] = self._session.load(graph)
         return model
 
+    def has_model(self, key: ModelKey | IndexKey) -> bool:
+        """Whether this runner holds a compiled model for ``key`` already.
+
+        Raises:
+            TypeError: If ``key`` is neither a :class:`ModelKey` nor an
+                :class:`IndexKey`.
+        """
+        if not isinstance(key, (ModelKey, IndexKey)):
+            raise TypeError(
+                f"key must be a ModelKey or IndexKey, got {type(key).__name__}"
+            )
+        return key in self._store(key)
+
     def compile_together(self, keys: Sequence[ModelKey | IndexKey]) -> None:
         """Compiles the models of ``keys`` as one graph, unless all are ready.
 
@@ -344,11 +357,12 @@ class Runner:
 
         Raises:
             ValueError: If ``kind`` is not an op of :data:`OPS`, or an
-                operand's rank, shape or float dtype is wrong or disagrees
-                with another's (:meth:`Op.check`), before anything is
-                written to the ring.
+                operand's rank, shape or dtype (float or index) is wrong or
+                disagrees with another's (:meth:`Op.check`), before
+                anything is written to the ring.
             TypeError: If an operand the op takes is missing or of the
-                wrong kind or index dtype (:meth:`Op.check`).
+                wrong kind, or ``pool_ids`` is not int32 or int64
+                (:meth:`Op.check`).
         """
         op = get_op(kind)
         values = op.host_operands(operands)
@@ -411,8 +425,14 @@ class Runner:
             int32 ``[T, top_k]``.
 
         Raises:
-            ValueError: From the graph checks, and (from MAX) when the kernel
-                raises at run time (a page stride smaller than a block).
+            TypeError, ValueError: As
+                :func:`mla_kpool.index_runner.prepare`, before anything is
+                compiled or run: among others a ``qs`` whose rows or heads
+                differ from ``q``'s and a ``layer_idx`` not below the
+                cache's ``num_layers``, each message naming the operand and
+                both shapes or counts.
+            ValueError: From MAX, when the kernel raises at run time (a
+                page stride smaller than a block).
         """
         model, args, _ = index_runner.prepare(
             self, q, qs, input_row_offsets, cache, layer_idx, **options

@@ -18,18 +18,22 @@ member of a pool that must be redone.
 
 from __future__ import annotations
 
+import os
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .. import reference
 from ..calls import COMPRESS, RING_CLOSE, CallInputs
+from ..index_runner import IndexKey
 from ..reference import tolerance
 from ..ring import ring_length
-from ..runner import Runner, model_key
+from ..runner import ModelKey, Runner, SharedModel, model_key
 from .checks import (
     LiveRequest,
     Totals,
@@ -57,7 +61,10 @@ from .workload import (
 __all__ = [
     "Config",
     "compile_models",
+    "graph_cache_files",
+    "idle_model_seconds",
     "make_plan",
+    "model_keys",
     "restore_prefix",
     "serve",
 ]
@@ -470,14 +477,44 @@ def collect_pools(
             )
 
 
-def compile_models(runner: Runner, config: Config) -> float:
-    """Compiles (or loads from MAX's cache) the models :func:`serve` uses.
+def model_keys(runner: Runner, config: Config) -> list[ModelKey | IndexKey]:
+    """The models :func:`serve` runs: the step, expand_topk, index_top_k.
 
     The fused step on a ``config.ring_len`` ring, expand_topk at
     ``config.pool_topk`` (both with uint32 index operands) and index_top_k
-    (:func:`mla_kpool.demo.indexing.index_key`, on the runner's device),
-    so the first call is not charged with compiling. On the host devices
-    the three compile as one graph (:meth:`Runner.compile_together`).
+    (:func:`mla_kpool.demo.indexing.index_key`, on the runner's device).
+    """
+    return [
+        model_key(
+            "step",
+            config.kpool,
+            dtype=config.dtype,
+            head_dim=config.head_dim,
+            ring_len=config.ring_len,
+        ),
+        model_key(
+            "expand_topk",
+            config.kpool,
+            dtype=np.int32,
+            pool_topk=config.pool_topk,
+        ),
+        index_key(
+            config.kpool,
+            config.head_dim,
+            config.pool_topk,
+            config.index_mask,
+            runner.device_name,
+        ),
+    ]
+
+
+def compile_models(runner: Runner, config: Config) -> float:
+    """Compiles (or loads from MAX's cache) the models :func:`serve` uses.
+
+    The models of :func:`model_keys`, so that the first call is not charged
+    with compiling. On the host devices the three compile as one graph
+    (:meth:`Runner.compile_together`), so each op's call runs the other
+    two on idle operands (:func:`idle_model_seconds`).
 
     Args:
         runner: Where the step, index_top_k and expand_topk run.
@@ -487,28 +524,61 @@ def compile_models(runner: Runner, config: Config) -> float:
         The seconds it took.
     """
     start = time.perf_counter()
-    runner.compile_together(
-        [
-            model_key(
-                "step",
-                config.kpool,
-                dtype=config.dtype,
-                head_dim=config.head_dim,
-                ring_len=config.ring_len,
-            ),
-            model_key(
-                "expand_topk",
-                config.kpool,
-                dtype=np.int32,
-                pool_topk=config.pool_topk,
-            ),
-            index_key(
-                config.kpool,
-                config.head_dim,
-                config.pool_topk,
-                config.index_mask,
-                runner.device_name,
-            ),
-        ]
-    )
+    runner.compile_together(model_keys(runner, config))
     return time.perf_counter() - start
+
+
+def idle_model_seconds(
+    runner: Runner, config: Config, runs: int = 5
+) -> float | None:
+    """Median seconds of the shared model with all three ops idle.
+
+    Where :func:`compile_models` compiled the three ops as one model, each
+    op's call (and its time in the summary) runs the other two on idle
+    operands (no ring slots, tokens, requests or pages), which do nothing
+    but still launch. This runs that model with all three ops idle, after
+    one untimed run, so it bounds from above what the two idle ops add to
+    an op's time.
+
+    Args:
+        runner: The runner :func:`compile_models` compiled on.
+        config: The run's configuration.
+        runs: Timed runs.
+
+    Returns:
+        The median of ``runs`` timed runs, or ``None`` where each op's
+        model was compiled alone (a ``"gpu"`` runner), so that no call runs
+        an idle op.
+    """
+    shared = runner.model(model_keys(runner, config)[0])
+    if not isinstance(shared, SharedModel):
+        return None
+    shared.model.execute(*shared.idle)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        shared.model.execute(*shared.idle)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def graph_cache_files() -> int | None:
+    """Files in MAX's cache of compiled graphs, ``None`` if it has no folder.
+
+    MAX 26.7 writes each graph it compiles as one file under ``.max_cache``
+    in the Modular cache folder: ``$MODULAR_CACHE_DIR`` if set, else
+    ``$XDG_CACHE_HOME/modular``, else ``~/.cache/modular``. Counting them
+    before and after :func:`compile_models` tells whether it compiled (the
+    count grew) or loaded every model from the cache (it did not); another
+    process compiling into the same cache at the same time would be
+    counted too.
+    """
+    root = os.environ.get("MODULAR_CACHE_DIR")
+    if root:
+        folder = Path(root) / ".max_cache"
+    else:
+        cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        folder = Path(cache) / "modular" / ".max_cache"
+    if not folder.is_dir():
+        return None
+    return sum(1 for path in folder.rglob("*") if path.is_file())

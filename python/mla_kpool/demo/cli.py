@@ -16,7 +16,15 @@ from .._argtypes import int_at_least, output_file
 from .._paths import compiled_kernels
 from ..runner import DEVICES, Runner
 from . import workload
-from .checked_run import Config, compile_models, make_plan, serve
+from .checked_run import (
+    Config,
+    compile_models,
+    graph_cache_files,
+    idle_model_seconds,
+    make_plan,
+    model_keys,
+    serve,
+)
 from .faults import FAULT_KINDS, place_fault
 from .indexing import INDEX_HEADS, INDEX_MASKS, index_width
 from .schedule_file import load_schedule
@@ -30,6 +38,7 @@ __all__ = [
     "add_arguments",
     "default_requests",
     "main",
+    "models_source",
     "run",
 ]
 
@@ -38,10 +47,14 @@ class DemoError(Exception):
     """A usage problem: bad option combination, no GPU, bad schedule."""
 
 
-#: Seconds the three models take to compile on an empty compile cache (2-core
-#: VMs, MAX 26.7: 40.6 s on an AVX-512 one, 117.5 s on an AVX2 one); a warm
+#: Seconds the three models took to compile with an empty MAX cache: the
+#: compile row less the Mojo kernels' precompile, in five runs of
+#: ``MODULAR_CACHE_DIR=$(mktemp -d) python -m mla_kpool demo --no-progress``
+#: on a 2-core AMD EPYC VM, MAX 26.7, two on a quiet machine (12.5 s,
+#: 13.5 s) and three beside other compiles (17.3-19.0 s); docs/demo.md has
+#: these runs and older ones with compile rows of 40.6 s and 117.5 s. A warm
 #: cache loads them in a few seconds.
-COLD_COMPILE_S = "40-120"
+COLD_COMPILE_S = "12-19"
 
 #: Requests ``--device gpu-emulated`` generates without ``--requests`` (or
 #: a schedule): the emulated grid runs every GPU thread on the host, and the
@@ -341,13 +354,20 @@ def run(
         f"{config.kpool}, head_dim {config.head_dim}{ring}), the "
         f"expand_topk model (top {config.pool_topk}) and the index_top_k "
         f"model (H {INDEX_HEADS}, W {width}, top {config.pool_topk}, "
-        f"{config.index_mask} mask) on {config.device}: about "
-        f"{COLD_COMPILE_S} s the first time, then loaded from MAX's compile "
-        "cache in a few seconds...",
+        f"{config.index_mask} mask) on {config.device}: compiled once into "
+        "MAX's cache (~/.cache/modular by default; the first time took "
+        f"{COLD_COMPILE_S} s on a 2-core VM, more on a slower one), then "
+        "loaded from it in a few seconds...",
         file=err,
         flush=True,
     )
+    in_runner = all(runner.has_model(k) for k in model_keys(runner, config))
+    files_before = graph_cache_files()
     compile_s = package_s + compile_models(runner, config)
+    models, files_added = models_source(
+        in_runner, files_before, graph_cache_files()
+    )
+    idle_s = idle_model_seconds(runner, config)
     described = fault.describe() if fault is not None else None
     if fault is not None:
         print(f"injecting a fault: {described}", file=err)
@@ -361,7 +381,16 @@ def run(
     totals = serve(config, plan_, runner, fault, progress)
     wall_s = time.perf_counter() - started
     summary = summarize(
-        config, plan_, totals, compile_s, wall_s, described, package_s
+        config,
+        plan_,
+        totals,
+        compile_s,
+        wall_s,
+        described,
+        package_s,
+        models=models,
+        cache_files_added=files_added,
+        idle_s=idle_s,
     )
     for problem in totals.problems:
         print(f"FAIL {problem}", file=out)
@@ -374,6 +403,32 @@ def run(
             json.dump(summary, f, indent=2)
             f.write("\n")
     return 0 if summary["ok"] else 1
+
+
+def models_source(
+    in_runner: bool, files_before: int | None, files_after: int | None
+) -> tuple[str | None, int | None]:
+    """Where the demo's models came from, and the files MAX's cache gained.
+
+    Judged from :func:`graph_cache_files` around :func:`compile_models`.
+
+    Args:
+        in_runner: Whether the runner held all three models before.
+        files_before: :func:`graph_cache_files` before the compile.
+        files_after: The same after it.
+
+    Returns:
+        ``("in runner", 0)`` if the runner had them; else ``("compiled",
+        n)`` if the cache gained ``n > 0`` files, ``("loaded", 0)`` if it
+        gained none, and ``(None, None)`` if it has no folder after the
+        compile (caching off or elsewhere: not known).
+    """
+    if in_runner:
+        return "in runner", 0
+    if files_after is None:
+        return None, None
+    added = files_after - (files_before or 0)
+    return ("compiled" if added > 0 else "loaded"), added
 
 
 def _runner_on(device: str, runner: Runner | None) -> Runner:

@@ -29,6 +29,10 @@ def summarize(
     wall_s: float,
     fault: str | None,
     package_s: float = 0.0,
+    *,
+    models: str | None = None,
+    cache_files_added: int | None = None,
+    idle_s: float | None = None,
 ) -> dict[str, Any]:
     """The run's numbers, as the demo prints them and writes with ``--json``.
 
@@ -43,13 +47,25 @@ def summarize(
         package_s: Of ``compile_s``, the seconds the Mojo kernels took to
             precompile (paid by every run; the models come from MAX's
             compile cache once compiled).
+        models: Where the models came from
+            (:func:`mla_kpool.demo.cli.models_source`): ``"compiled"``,
+            ``"loaded"`` (from MAX's cache), ``"in runner"``, or ``None``
+            (not known).
+        cache_files_added: Files MAX's graph cache gained while the
+            models were compiled or loaded; ``None`` if not known.
+        idle_s: :func:`mla_kpool.demo.checked_run.idle_model_seconds`:
+            the shared model with every op idle, ``None`` where each op's
+            model is its own.
 
     Returns:
         A JSON-ready dict: configuration, token, call and pool counts, the
         worst error against the oracle, index_top_k's scorer (op, code path
         and grid: :func:`mla_kpool.demo.indexing.index_scorer`), counts
-        and worst margin, expand_topk counts, timings, the problems, and
-        (with speculation) verify-step counts.
+        and worst margin, expand_topk counts, timings (each op's mean is
+        the wall time of its ``Runner`` call: copies in and out, and the
+        model's other ops idle where the three share one model), where the
+        models came from, the problems, and (with speculation) verify-step
+        counts.
     """
     reqs = plan_.requests
     prefill = decode = 0
@@ -131,8 +147,11 @@ def summarize(
         "mean_call_seconds": step_s / calls,
         "median_call_seconds": statistics.median(totals.call_seconds),
         "tokens_per_second": tokens / step_s if step_s > 0 else None,
+        "idle_model_seconds": idle_s,
         "compile_seconds": compile_s,
         "kernel_package_seconds": package_s,
+        "models": models,
+        "graph_cache_files_added": cache_files_added,
         "wall_seconds": wall_s,
         "fault": fault,
         "problems": totals.problems,
@@ -176,6 +195,39 @@ _SCORERS = {
     ),
     ("max", "device"): "MAX's builtin GPU op, which scores this shape here",
 }
+
+
+def _ms(seconds: float | None) -> str:
+    return f"{1e3 * seconds:.3f} ms" if seconds is not None else "-"
+
+
+def _idle_row(idle_s: float | None) -> tuple[str, str, str]:
+    """The row that says what the times above hold besides each op."""
+    if idle_s is None:
+        return (
+            "  idle ops in them",
+            "none",
+            "each op's model is compiled alone on this device",
+        )
+    return (
+        "  idle ops at most",
+        _ms(idle_s),
+        "the three ops are one compiled model, so each call above also "
+        "runs the other two on idle operands; this is that model with all "
+        "three idle (median of 5 runs)",
+    )
+
+
+def _models_note(models: str | None, added: int | None) -> str:
+    """The compile row's word on where the models came from."""
+    if models == "compiled":
+        files = plural(added or 0, "file")
+        return f"compiled now (MAX's graph cache gained {files})"
+    if models == "loaded":
+        return "loaded from MAX's graph cache (it gained no file)"
+    if models == "in runner":
+        return "already compiled in the runner given"
+    return "compiled or loaded (not known)"
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -254,7 +306,6 @@ def format_summary(s: dict[str, Any]) -> str:
         ]
     tps = s["tokens_per_second"]
     margin = ix["worst_margin"]
-    index_ms = ix["mean_call_seconds"]
     rows += [
         ("index_top_k scorer", ix["path"], _SCORERS[ix["op"], ix["grid"]]),
         (
@@ -289,20 +340,23 @@ def format_summary(s: dict[str, Any]) -> str:
         (
             "mean time per call",
             f"{1e3 * s['mean_call_seconds']:.3f} ms",
-            f"median {1e3 * s['median_call_seconds']:.3f} ms; index_top_k "
-            + (f"{1e3 * index_ms:.3f} ms" if index_ms is not None else "-"),
+            f"the step: median {1e3 * s['median_call_seconds']:.3f} ms; "
+            f"mean index_top_k {_ms(ix['mean_call_seconds'])}, expand_topk "
+            f"{_ms(ex['mean_call_seconds'])}; each the wall time of its "
+            "Runner call: operand checks, copies in and out, the model run",
         ),
+        _idle_row(s["idle_model_seconds"]),
         (
             "tokens per second",
             f"{tps:,.0f}" if tps else "-",
-            "tokens / time in Runner.step (copies in and out included)",
+            "tokens / time in Runner.step",
         ),
         (
             "compile",
             f"{s['compile_seconds']:.1f} s",
             f"Mojo kernels {s['kernel_package_seconds']:.1f} s, every run; "
-            "step, expand_topk and index_top_k models: compiled on a cold "
-            "cache, else loaded from it",
+            "step, expand_topk and index_top_k models "
+            + _models_note(s["models"], s["graph_cache_files_added"]),
         ),
         ("wall time", f"{s['wall_seconds']:.1f} s", "everything"),
     ]

@@ -31,7 +31,7 @@ def _index_values(name: str, values: np.ndarray) -> list[int]:
     """
     arr = np.asarray(values)
     if not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name} must have an integer dtype, got {arr.dtype}")
+        raise ValueError(f"{name} must have an integer dtype, got {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{name} must be rank 1, got shape {arr.shape}")
     return [int(v) for v in arr.astype(np.int64)]

@@ -13,7 +13,9 @@ POSITION_LIMIT = 2**31
 def _pool_ids(pool_ids: np.ndarray) -> np.ndarray:
     ids = np.asarray(pool_ids)
     if not np.issubdtype(ids.dtype, np.integer):
-        raise TypeError(f"pool_ids must have an integer dtype, got {ids.dtype}")
+        raise ValueError(
+            f"pool_ids must have an integer dtype, got {ids.dtype}"
+        )
     if ids.ndim != 2:
         raise ValueError(
             "pool_ids must be rank 2 [total_tokens, pool_topk], got"
@@ -128,9 +130,10 @@ def expand_topk(
         int32 `[total_tokens, pool_topk * kpool + tail]`.
 
     Raises:
-        TypeError: if an index array is not integer, `kpool` is not an int
-            or `always_select_tail` is not a bool.
-        ValueError: on `kpool < 1` or inconsistent shapes.
+        TypeError: if `kpool` is not an int or `always_select_tail` is not
+            a bool.
+        ValueError: if an index array is not integer, on `kpool < 1` or
+            inconsistent shapes.
     """
     ids, offsets, cache, owners, width = _expand_plan(
         pool_ids, input_row_offsets, cache_lengths, kpool, always_select_tail
@@ -171,8 +174,8 @@ def expand_topk_ambiguous_rows(
         bool `[total_tokens]`, all False or all True.
 
     Raises:
-        TypeError: if an index array is not integer.
-        ValueError: on inconsistent shapes.
+        ValueError: if an index array is not integer, on inconsistent
+            shapes.
     """
     offsets, _, _ = _batch_metadata(input_row_offsets, cache_lengths)
     monotone = all(

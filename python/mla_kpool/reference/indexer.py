@@ -91,7 +91,7 @@ def decode_fp8(values: np.ndarray) -> np.ndarray:
     if arr.dtype == np.uint8:
         arr = arr.view(ml_dtypes.float8_e4m3fn)
     elif arr.dtype != np.dtype(ml_dtypes.float8_e4m3fn):
-        raise TypeError(
+        raise ValueError(
             f"FP8 operands must be uint8 bytes or float8_e4m3fn, got"
             f" {arr.dtype}"
         )

@@ -43,8 +43,9 @@ def pool_row_offsets(
         int64 `[batch + 1]`, starting at 0.
 
     Raises:
-        TypeError: if an index array is not integer or `kpool` is not an int.
-        ValueError: if `kpool < 1` or the array lengths disagree.
+        TypeError: if `kpool` is not an int.
+        ValueError: if an index array is not integer, `kpool < 1` or the
+            array lengths disagree.
     """
     kpool = _check_kpool(kpool)
     offsets, cache, _ = _batch_metadata(input_row_offsets, cache_lengths)
@@ -97,8 +98,9 @@ def ring_close(
         nothing closed) and int32 `[batch]` pool id closed, or -1.
 
     Raises:
-        TypeError: if an index array is not integer or `kpool` is not an int.
-        ValueError: on `kpool < 1` or inconsistent shapes (not on bad
+        TypeError: if `kpool` is not an int.
+        ValueError: if an index array is not integer, on `kpool < 1` or
+            inconsistent shapes (not on bad
             metadata values).
     """
     kpool = _check_kpool(kpool)
@@ -229,8 +231,9 @@ def compress(
         float64 `[total_tokens // kpool, head_dim]`.
 
     Raises:
-        TypeError: if an index array is not integer or `kpool` is not an int.
-        ValueError: on `kpool < 1` or inconsistent shapes.
+        TypeError: if `kpool` is not an int.
+        ValueError: if an index array is not integer, on `kpool < 1` or
+            inconsistent shapes.
     """
     kpool = _check_kpool(kpool)
     k, gate = _keys_and_gates(k, gate)
@@ -288,8 +291,9 @@ def compress_ambiguous_rows(
         bool `[total_tokens // kpool]`, all False or all True.
 
     Raises:
-        TypeError: if an index array is not integer or `kpool` is not an int.
-        ValueError: on `kpool < 1` or inconsistent shapes.
+        TypeError: if `kpool` is not an int.
+        ValueError: if an index array is not integer, on `kpool < 1` or
+            inconsistent shapes.
     """
     kpool = _check_kpool(kpool)
     _compress_plan(
@@ -328,8 +332,9 @@ def compress_candidates(
         float64 `[candidates, head_dim]`; row 0 is the zero row.
 
     Raises:
-        TypeError: if an index array is not integer or `kpool` is not an int.
-        ValueError: on `kpool < 1` or inconsistent shapes.
+        TypeError: if `kpool` is not an int.
+        ValueError: if an index array is not integer, on `kpool < 1` or
+            inconsistent shapes.
     """
     kpool = _check_kpool(kpool)
     k, gate = _keys_and_gates(k, gate)
@@ -388,8 +393,9 @@ def seed_tail(
         values are cast from `k`/`gate` to the ring's dtype.
 
     Raises:
-        TypeError: if an index array is not integer or `kpool` is not an int.
-        ValueError: on `kpool < 1` or inconsistent shapes.
+        TypeError: if `kpool` is not an int.
+        ValueError: if an index array is not integer, on `kpool < 1` or
+            inconsistent shapes.
     """
     kpool = _check_kpool(kpool)
     k, gate = _keys_and_gates(k, gate)
