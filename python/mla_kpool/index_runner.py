@@ -222,7 +222,6 @@ def bind_arena(
     flat: np.ndarray,
     offset: int,
     count: int,
-    stride: int,
     block_shape: tuple[int, ...],
     dtype: DType,
     device: driver.Device,
@@ -233,7 +232,6 @@ def bind_arena(
         flat: The whole flat arena (uint8 bytes or float32), guards included.
         offset: Elements before block 0 (a test's leading guard).
         count: Blocks (``shape[0]`` of the view).
-        stride: Elements between blocks (``-1``: packed).
         block_shape: One block's shape.
         dtype: The view's dtype (``float8_e4m3fn`` on a GPU).
         device: Where the arena goes.
@@ -250,9 +248,8 @@ def bind_arena(
     return prefix.view(dtype=dtype, shape=(count, *block_shape)), whole
 
 
-def _u32(values: Any, shape: tuple[int, ...] | None = None) -> np.ndarray:
-    arr = np.asarray(values, dtype=np.uint32)
-    return arr.reshape(shape) if shape is not None else arr
+def _u32(values: Any) -> np.ndarray:
+    return np.asarray(values, dtype=np.uint32)
 
 
 def prepare(
@@ -382,7 +379,6 @@ def prepare(
     keys, key_whole = bind_arena(
         *(key_arena or (cache.arena, 0)),
         cache.num_blocks,
-        _stride(cache.page_stride, cache.block_shape),
         cache.block_shape,
         fp8,
         dev,
@@ -390,7 +386,6 @@ def prepare(
     scales, scale_whole = bind_arena(
         *(scale_arena or (cache.scale_arena, 0)),
         cache.num_scale_blocks,
-        _stride(cache.scales_page_stride, cache.scale_shape),
         cache.scale_shape,
         DType.float32,
         dev,
@@ -411,7 +406,7 @@ def prepare(
         scales,
         to_buffer(np.array([cache.scales_page_stride], np.int64), cpu),
         to_buffer(_u32(cache.scales_lookup_table), dev),
-        to_buffer(_u32(layer_idx, ()), cpu),
+        to_buffer(_u32(layer_idx), cpu),
     ]
     return runner.index_model(key), args, (key_whole, scale_whole)
 
@@ -471,7 +466,3 @@ def _offsets(values: Any, batch: int) -> np.ndarray:
             f" cache.cache_lengths), got shape {list(arr.shape)}"
         )
     return arr
-
-
-def _stride(stride: int, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) if stride == -1 else stride

@@ -84,6 +84,9 @@ _DIMS: dict[str, Callable[[ModelKey], list[Any]]] = {
 }
 
 
+#: Tensor operands that are float32 whatever the key dtype.
+_FLOAT32 = {"ape": DType.float32}
+
 #: Symbolic dim sizes of an idle call (:meth:`Op.idle_operands`).
 _IDLE_SIZES = {"tokens": 0, "slots": 0, "batch": 0, "offsets": 1}
 
@@ -155,18 +158,9 @@ class Op:
 
     def operand_types(self, key: ModelKey) -> list[tuple[str, DType, list]]:
         """``(name, dtype, dims)`` of each operand for ``key``, in order."""
-        types = [
-            (
-                name,
-                DType.float32 if name == "ape" else key.dtype,
-                _DIMS[name](key),
-            )
-            for name in self.tensors
-        ]
-        return types + [
-            (name, dtype, _DIMS[name](key))
-            for name, dtype in zip(self.indices, key.index_dtypes, strict=True)
-        ]
+        named = [(n, _FLOAT32.get(n, key.dtype)) for n in self.tensors]
+        named += zip(self.indices, key.index_dtypes, strict=True)
+        return [(name, dtype, _DIMS[name](key)) for name, dtype in named]
 
     def input_types(
         self, key: ModelKey, device: DeviceRef, suffix: str = ""
@@ -308,10 +302,7 @@ class Op:
             )
 
     def key(
-        self,
-        kpool: int,
-        values: Sequence[Any],
-        always_select_tail: bool = True,
+        self, kpool: int, values: Sequence[Any], always_select_tail: bool = True
     ) -> ModelKey:
         """The model key of a call on ``values`` (:meth:`host_operands`).
 

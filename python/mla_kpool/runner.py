@@ -37,10 +37,7 @@ import numpy.typing as npt
 from max import driver
 from max.driver import Buffer
 from max.engine import InferenceSession, Model
-from max.graph import (
-    DeviceRef,
-    Graph,
-)
+from max.graph import DeviceRef, Graph
 
 from . import index_runner
 from ._paths import KERNELS, builtin_kernels_only, compiled_kernels
@@ -167,13 +164,20 @@ class Runner:
 
     # -- models ----------------------------------------------------------
 
-    def model(self, key: ModelKey) -> Model | SharedModel:
-        """The compiled model for ``key``, compiling it on first use."""
-        model = self._models.get(key)
-        if model is None:
-            graph, _ = self._build([key])
-            model = self._models[key] = self._session.load(graph)
-        return model
+    def model(self, key: ModelKey | IndexKey) -> Model | SharedModel:
+        """The compiled model for ``key``, compiling it on first use.
+
+        An :class:`IndexKey`'s graph is
+        :func:`mla_kpool.index_runner.build_graph`'s.
+        """
+        store = self._store(key)
+        if key not in store:
+            if isinstance(key, IndexKey):
+                graph = index_runner.build_graph(key, self._extensions())
+            else:
+                graph, _ = self._build([key])
+            store[key] = self._session.load(graph)
+        return store[key]
 
     def has_model(self, key: ModelKey | IndexKey) -> bool:
         """Whether this runner holds a compiled model for ``key`` already.
@@ -230,24 +234,13 @@ class Runner:
             return
         if len(keys) < 2 or self.kernels is None or self.device_name == "gpu":
             for key in keys:
-                if isinstance(key, IndexKey):
-                    self.index_model(key)
-                else:
-                    self.model(key)
+                self.model(key)
             return
-        graph, sizes = self._build(keys)
+        graph, spans = self._build(keys)
         model = self._session.load(graph)
         idle = tuple(buffer for key in keys for buffer in self._idle(key))
-        inputs = outputs = 0
-        for key, (count_in, count_out) in zip(keys, sizes, strict=True):
-            self._store(key)[key] = SharedModel(
-                model,
-                idle,
-                slice(inputs, inputs + count_in),
-                slice(outputs, outputs + count_out),
-            )
-            inputs += count_in
-            outputs += count_out
+        for key, (inputs, outputs) in zip(keys, spans, strict=True):
+            self._store(key)[key] = SharedModel(model, idle, inputs, outputs)
 
     def _extensions(self) -> list[Path]:
         """The graphs' ``custom_extensions``: this runner's kernel package.
@@ -275,10 +268,11 @@ class Runner:
 
     def _build(
         self, keys: Sequence[ModelKey | IndexKey]
-    ) -> tuple[Graph, list[tuple[int, int]]]:
+    ) -> tuple[Graph, list[tuple[slice, slice]]]:
         """One graph of the ops of ``keys``, each specialized on its key.
 
-        Returns the graph and each op's numbers of inputs and outputs.
+        Returns the graph and each op's inputs and outputs among the
+        graph's.
 
         A single key keeps its op's symbolic dim names; several get ``_0``,
         ``_1``, ... on theirs. The kernels go in as :meth:`_extensions`
@@ -306,9 +300,10 @@ class Runner:
                 custom_extensions=self._extensions(),
             ) as g,
         ):
-            first, outputs, sizes = 0, [], []
+            first, outputs, spans = 0, [], []
             for key, group in zip(keys, types, strict=True):
-                inputs = g.inputs[first : first + len(group)]
+                mine = slice(first, first + len(group))
+                inputs = g.inputs[mine]
                 first += len(group)
                 if isinstance(key, IndexKey):
                     added = [index_runner.add_to_graph(key, inputs)]
@@ -319,10 +314,12 @@ class Runner:
                         for name, value in zip(op.operands, inputs, strict=True)
                     ]
                     added = op.add(values, key, self.emulate_gpu)
+                spans.append(
+                    (mine, slice(len(outputs), len(outputs) + len(added)))
+                )
                 outputs += added
-                sizes.append((len(group), len(added)))
             g.output(*outputs)
-        return g, sizes
+        return g, spans
 
     # -- calls -----------------------------------------------------------
 
@@ -386,13 +383,8 @@ class Runner:
     # -- the indexer -----------------------------------------------------
 
     def index_model(self, key: IndexKey) -> Model | SharedModel:
-        """The compiled index_top_k model for ``key``, compiled on first use."""
-        model = self._index_models.get(key)
-        if model is None:
-            graph = index_runner.build_graph(key, self._extensions())
-            model = self._session.load(graph)
-            self._index_models[key] = model
-        return model
+        """The compiled index_top_k model for ``key`` (:meth:`model`)."""
+        return self.model(key)
 
     def index_top_k(
         self,

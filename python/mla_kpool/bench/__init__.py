@@ -48,6 +48,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -161,15 +162,7 @@ def model_call(
         operands["tail"] = runner.new_ring(
             case.batch, case.kpool, case.head_dim, w.k.dtype, fill=w.tail
         )
-    model, args = runner.prepare(case.op, case.kpool, **operands)
-    gpu = runner.device_name == "gpu"
-
-    def call() -> None:
-        model.execute(*args)
-        if gpu:
-            runner.device.synchronize()
-
-    return call
+    return _synced(runner, *runner.prepare(case.op, case.kpool, **operands))
 
 
 def index_call(
@@ -180,7 +173,6 @@ def index_call(
     On a GPU this package's GPU path (``gpu_op="ours"``) with the case's
     scorer (``"auto"`` when it names none), synchronized after each call.
     """
-    gpu = runner.device_name == "gpu"
     model, args, _ = index_runner.prepare(
         runner,
         w.q,
@@ -194,6 +186,12 @@ def index_call(
         gpu_op="ours",
         scorer=scorer or "auto",
     )
+    return _synced(runner, model, args)
+
+
+def _synced(runner: Runner, model: Any, args: list[Any]) -> Callable[[], None]:
+    """``model.execute(*args)``, synchronized after each call on a GPU."""
+    gpu = runner.device_name == "gpu"
 
     def call() -> None:
         model.execute(*args)
@@ -201,6 +199,11 @@ def index_call(
             runner.device.synchronize()
 
     return call
+
+
+def _gpu_name(runner: Runner) -> str | None:
+    """The runner's GPU model name, ``None`` off a GPU."""
+    return runner.device.model_name if runner.device_name == "gpu" else None
 
 
 def gpu_fractions(
@@ -319,8 +322,7 @@ def measure_index(
     blas_median = float(np.median(blas_us))
     shape = w.shape
     nbytes = index.index_bytes(offsets, lengths, shape)
-    gpu = runner.device if runner.device_name == "gpu" else None
-    model_name = None if gpu is None else gpu.model_name
+    model_name = _gpu_name(runner)
     return asdict(case) | {
         "heads": shape.heads,
         "top_k": shape.top_k,
@@ -393,17 +395,14 @@ def measure(
     if case.op == INDEX_OP:
         return measure_index(case, runners["ours"], info, **timing)
     w = workload.make_workload(case)
-    names = ["ours", "floor"]
-    if "builtin" in runners and case.op in BUILTIN_OPS:
-        names.append("builtin")
+    names = [n for n in runners if n != "builtin" or case.op in BUILTIN_OPS]
     calls = [model_call(runners[name], case, w) for name in names]
     us = dict(zip(names, time_calls(*calls, **timing), strict=True))
     (us["numpy"],) = time_calls(workload.numpy_call(case, w), **timing)
     median = {name: float(np.median(t)) for name, t in us.items()}
     p10, p90 = np.percentile(us["ours"], [10, 90])
     nbytes = workload.op_bytes(case)
-    ours = runners["ours"]
-    model_name = ours.device.model_name if ours.device_name == "gpu" else None
+    model_name = _gpu_name(runners["ours"])
     return asdict(case) | {
         "median_us": median["ours"],
         "p10_us": float(p10),
@@ -452,17 +451,9 @@ def index_cases(device: str) -> list[Case]:
     """
     shape = index.GLM5_NEXT
     scorers = (gpu_scorers() or [""]) if device == "gpu" else [""]
+    sizes = (shape.kpool, shape.depth, device)
     return [
-        Case(
-            INDEX_OP,
-            INDEX_DTYPE,
-            requests,
-            shape.kpool,
-            shape.depth,
-            device,
-            phase,
-            scorer,
-        )
+        Case(INDEX_OP, INDEX_DTYPE, requests, *sizes, phase, scorer)
         for phase, (requests, _, _) in index.INDEX_PHASES.items()
         for scorer in scorers
     ]
@@ -493,8 +484,7 @@ def measure_all(args: argparse.Namespace) -> list[Record]:
         file=sys.stderr,
     )
     runners = make_runners(args.device)
-    gpu = runners["ours"].device if args.device == "gpu" else None
-    info = run_info(args.device, None if gpu is None else gpu.model_name)
+    info = run_info(args.device, _gpu_name(runners["ours"]))
     records = []
     bar = tqdm(todo, unit="config", file=sys.stderr, disable=None)
     for case in bar:
@@ -656,8 +646,7 @@ def run(args: argparse.Namespace) -> int:
     if not runs:
         runs = [measure_all(args)]
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(runs[0], f, indent=1)
+            Path(args.json).write_text(json.dumps(runs[0], indent=1))
     print(report.format_table(runs))
     if args.plot:
         report.plot(report.median_records(runs), args.plot)

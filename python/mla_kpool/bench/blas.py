@@ -25,6 +25,9 @@ __all__ = ["SLOW_BLAS_VARIABLES", "blas_info", "reexec_without_slow_blas"]
 #: Environment variables the bench unsets for itself (see the module doc).
 SLOW_BLAS_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 
+#: What :func:`blas_info` says of the BLAS, in this order.
+_BLAS_FIELDS = "internal_api architecture version num_threads filepath".split()
+
 #: Set in the re-executed process: what was unset, ``NAME=value`` by ``;``.
 UNSET_MARKER = "MLA_KPOOL_BENCH_UNSET"
 
@@ -85,32 +88,30 @@ def _openblas_probe() -> dict[str, Any] | None:
         except OSError:
             continue
         for prefix, suffix in (("scipy_", "64_"), ("", "64_"), ("", "")):
-
-            def call(
-                name: str,
-                restype: Any,
-                lib: Any = lib,
-                prefix: str = prefix,
-                suffix: str = suffix,
-            ) -> Any:
-                fn = getattr(lib, f"{prefix}openblas_{name}{suffix}", None)
-                if fn is None:
-                    return None
-                fn.restype = restype
-                return fn()
-
-            core = call("get_corename", ctypes.c_char_p)
+            symbol = f"{prefix}openblas_{{}}{suffix}".format
+            core = _c_call(lib, symbol("get_corename"), ctypes.c_char_p)
             if core is None:
                 continue
-            config = call("get_config", ctypes.c_char_p)
+            config = _c_call(lib, symbol("get_config"), ctypes.c_char_p)
             return {
                 "internal_api": "openblas",
                 "architecture": core.decode(),
                 "version": (config or b"").decode().split(" ")[1:2] or None,
-                "num_threads": call("get_num_threads", ctypes.c_int),
+                "num_threads": _c_call(
+                    lib, symbol("get_num_threads"), ctypes.c_int
+                ),
                 "filepath": path,
             }
     return None
+
+
+def _c_call(lib: Any, symbol: str, restype: Any) -> Any:
+    """``lib``'s function ``symbol`` called with no argument, else ``None``."""
+    fn = getattr(lib, symbol, None)
+    if fn is None:
+        return None
+    fn.restype = restype
+    return fn()
 
 
 def blas_info() -> dict[str, Any]:
@@ -134,16 +135,7 @@ def blas_info() -> dict[str, Any]:
     else:
         for lib in threadpool_info():
             if lib.get("user_api") == "blas":
-                found = {
-                    key: lib.get(key)
-                    for key in (
-                        "internal_api",
-                        "architecture",
-                        "version",
-                        "num_threads",
-                        "filepath",
-                    )
-                }
+                found = {key: lib.get(key) for key in _BLAS_FIELDS}
                 break
     if found is not None and isinstance(found.get("version"), list):
         found["version"] = (found["version"] or [None])[0]

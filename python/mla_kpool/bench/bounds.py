@@ -103,21 +103,16 @@ def step_workload(
     """
     case = bench_workload.Case("step", dtype, batch, kpool, head_dim, "gpu")
     tokens = batch * 2 * kpool
+    counts = {"batch": batch, "tokens": tokens, "out_rows": tokens // kpool}
     return {
         "name": name,
         "op": "step",
         "params": {"dtype": dtype, "kpool": kpool, "head_dim": head_dim},
         "bytes": bench_workload.op_bytes(case),
         "flops": step_flops(batch, kpool, head_dim),
-        "batch": batch,
-        "tokens": tokens,
-        "out_rows": tokens // kpool,
+        **counts,
         "head_dim": head_dim,
-        "counts": {
-            "batch": batch,
-            "tokens": tokens,
-            "out_rows": tokens // kpool,
-        },
+        "counts": dict(counts),
     }
 
 
@@ -219,12 +214,9 @@ def workload_for_case(case: bench_workload.Case) -> dict[str, Any] | None:
             name, case.batch, case.dtype, case.kpool, case.head_dim
         )
     if case.op == bench_workload.INDEX_OP and case.phase:
-        requests, cached, new = bench_index.INDEX_PHASES[case.phase]
         return index_workload(
             f"index_top_k-{case.phase}",
-            requests,
-            cached,
-            new,
+            *bench_index.INDEX_PHASES[case.phase],
             bench_index.GLM5_NEXT,
         )
     return None

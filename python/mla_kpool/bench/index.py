@@ -37,6 +37,7 @@ over the query tokens (:func:`score_flops`). The GPU peaks
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,7 +45,7 @@ import ml_dtypes
 import numpy as np
 
 from ..gpu_specs import GPU_PEAKS, GpuPeak, gpu_peak
-from ..index_cache import PagedIndexCache, quantize_pooled_keys
+from ..index_cache import PagedIndexCache
 
 __all__ = [
     "GLM5_NEXT",
@@ -137,29 +138,6 @@ class IndexWorkload:
         return int(seen.sum())
 
 
-def _store_all(
-    cache: PagedIndexCache, b: int, layer: int, keys: np.ndarray
-) -> None:
-    """Quantizes and stores request ``b``'s pools ``[0, len(keys))``.
-
-    :func:`quantize_pooled_keys`, then the rows written as
-    :meth:`PagedIndexCache.store` writes them, vectorised (a 32K-token
-    context is 32,768 rows).
-    """
-    key_bytes, scales = quantize_pooled_keys(keys)
-    per_pool = cache.kpool if cache.spread else 1
-    rows = np.arange(len(keys) * per_pool)
-    page, slot = np.divmod(rows, cache.page_size)
-    blocks = cache.lookup_table[b, page].astype(np.int64)
-    cache.blocks()[blocks, 0, layer, slot, 0, :] = key_bytes.reshape(
-        len(rows), cache.width
-    )
-    scale_blocks = cache.scales_lookup_table[b, page].astype(np.int64)
-    cache.scales()[scale_blocks, 0, layer, slot, 0, 0] = np.repeat(
-        scales, per_pool
-    )
-
-
 def make_index_workload(
     phase: str, shape: IndexShape = GLM5_NEXT, seed: int = 0
 ) -> IndexWorkload:
@@ -190,7 +168,7 @@ def make_index_workload(
     cache.cache_lengths[:] = cached
     for b in range(requests):
         keys = rng.standard_normal((pools, shape.depth), np.float32)
-        _store_all(cache, b, 0, keys)
+        cache.store_keys(b, 0, 0, keys)
     tokens = requests * new
     q = rng.standard_normal((tokens, shape.heads, shape.depth), np.float32)
     qs = rng.standard_normal((tokens, shape.heads), np.float32)
@@ -223,9 +201,7 @@ def bounds(
 
 
 def score_flops(
-    input_row_offsets: np.ndarray,
-    cache_lengths: np.ndarray,
-    shape: IndexShape,
+    input_row_offsets: np.ndarray, cache_lengths: np.ndarray, shape: IndexShape
 ) -> int:
     """Score flops of one call: ``2 * H * D`` per visible candidate."""
     seen = bounds(input_row_offsets, cache_lengths, shape.kpool, shape.causal)
@@ -233,9 +209,7 @@ def score_flops(
 
 
 def index_bytes(
-    input_row_offsets: np.ndarray,
-    cache_lengths: np.ndarray,
-    shape: IndexShape,
+    input_row_offsets: np.ndarray, cache_lengths: np.ndarray, shape: IndexShape
 ) -> int:
     """The least memory traffic of one call, in bytes.
 
@@ -251,33 +225,6 @@ def index_bytes(
     tokens = int(offsets[-1])
     queries = tokens * shape.heads * (shape.depth + 4)
     return keys + queries + tokens * shape.top_k * 4
-
-
-def _request_keys(
-    k_blocks: np.ndarray,
-    k_scales: np.ndarray,
-    lookup: np.ndarray,
-    scales_lookup: np.ndarray,
-    b: int,
-    pools: int,
-    layer: int,
-    depth: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Request ``b``'s first ``pools`` keys and scales, from the cache.
-
-    Returns float32 ``[pools, D]`` keys and ``[pools]`` scales, read from a
-    packed paged cache.
-    """
-    width, page = k_blocks.shape[-1], k_blocks.shape[3]
-    rows_per_pool = depth // width
-    rows = pools * rows_per_pool
-    pages = -(-rows // page)
-    blocks = np.asarray(lookup[b, :pages], np.int64)
-    raw = k_blocks[blocks, 0, layer, :, 0, :].reshape(-1, width)[:rows]
-    keys = raw.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    scale_blocks = np.asarray(scales_lookup[b, :pages], np.int64)
-    scales = k_scales[scale_blocks, 0, layer, :, 0, 0].reshape(-1)
-    return keys.reshape(pools, depth), scales[:rows:rows_per_pool]
 
 
 def numpy_index_top_k(
@@ -332,20 +279,22 @@ def numpy_index_top_k(
     offsets = np.asarray(input_row_offsets, np.int64)
     seen = bounds(offsets, cache_lengths, kpool, causal)
     out = np.full((tokens, top_k), -1, dtype=np.int32)
+    width, page = k_blocks.shape[-1], k_blocks.shape[3]
+    per_pool = depth // width
     for b in range(len(offsets) - 1):
         start, end = int(offsets[b]), int(offsets[b + 1])
         if end == start or seen[start:end].max() == 0:
             continue
-        keys, scales = _request_keys(
-            k_blocks,
-            k_scales,
-            lookup,
-            scales_lookup,
-            b,
-            int(seen[start:end].max()),
-            layer,
-            depth,
-        )
+        # The request's first keys and scales, decoded from the paged cache.
+        rows = int(seen[start:end].max()) * per_pool
+        pages = -(-rows // page)
+        blocks = np.asarray(lookup[b, :pages], np.int64)
+        raw = k_blocks[blocks, 0, layer, :, 0, :].reshape(-1, width)[:rows]
+        keys = raw.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        keys = keys.reshape(-1, depth)
+        blocks = np.asarray(scales_lookup[b, :pages], np.int64)
+        scales = k_scales[blocks, 0, layer, :, 0, 0].reshape(-1)
+        scales = scales[:rows:per_pool]
         for t0 in range(start, end, chunk):
             t1 = min(end, t0 + chunk)
             bound = seen[t0:t1]
@@ -374,24 +323,21 @@ def numpy_index_top_k(
 def numpy_twin(w: IndexWorkload) -> Callable[[], np.ndarray]:
     """A zero-argument callable running :func:`numpy_index_top_k` on ``w``."""
     cache = w.cache
-
-    def call() -> np.ndarray:
-        return numpy_index_top_k(
-            w.q,
-            w.qs,
-            w.input_row_offsets,
-            cache.cache_lengths,
-            cache.blocks(),
-            cache.scales(),
-            cache.lookup_table,
-            cache.scales_lookup_table,
-            layer=w.layer,
-            top_k=w.shape.top_k,
-            kpool=w.shape.kpool,
-            causal=w.shape.causal,
-        )
-
-    return call
+    return functools.partial(
+        numpy_index_top_k,
+        w.q,
+        w.qs,
+        w.input_row_offsets,
+        cache.cache_lengths,
+        cache.blocks(),
+        cache.scales(),
+        cache.lookup_table,
+        cache.scales_lookup_table,
+        layer=w.layer,
+        top_k=w.shape.top_k,
+        kpool=w.shape.kpool,
+        causal=w.shape.causal,
+    )
 
 
 def blas_matmul(

@@ -19,6 +19,8 @@ import numpy as np
 from .workload import expand_pool_topk, tokens_per_request
 
 Record = dict[str, Any]
+#: Table value columns: (header, the value of one record or None).
+Columns = tuple[tuple[str, Callable[[Record], float | None]], ...]
 
 #: Record fields the table and the plot need.
 TABLE_FIELDS = tuple(
@@ -49,7 +51,7 @@ def _builtin_over_op(r: Record) -> float | None:
 
 
 #: The table's value columns: (header, the value of one record or None).
-COLUMNS: tuple[tuple[str, Callable[[Record], float | None]], ...] = (
+COLUMNS: Columns = (
     ("op us", lambda r: r["median_us"]),
     ("GB/s", lambda r: r["gbps"]),
     ("% of memcpy", lambda r: 100 * r["gbps"] / r["memcpy_gbps"]),
@@ -63,14 +65,12 @@ COLUMNS: tuple[tuple[str, Callable[[Record], float | None]], ...] = (
 
 #: The bound columns, shown when a record has a bound (a GPU the bench
 #: knows; :func:`mla_kpool.bench.gpu_bound`), for each table.
-BOUND_COLUMNS: tuple[tuple[str, Callable[[Record], float | None]], ...] = (
+BOUND_COLUMNS: Columns = (
     ("bound us", lambda r: r.get("bound_us")),
     ("x bound", lambda r: r.get("x_bound")),
 )
-INDEX_BOUND_COLUMNS: tuple[
-    tuple[str, Callable[[Record], float | None]], ...
-] = (
-    ("bound ms", lambda r: _scaled(r.get("bound_us"), 1e-3)),
+INDEX_BOUND_COLUMNS: Columns = (
+    ("bound ms", lambda r: r.get("bound_us") and r["bound_us"] * 1e-3),
     ("x bound", lambda r: r.get("x_bound")),
 )
 
@@ -80,10 +80,6 @@ BOUND_LEGEND = (
     " bandwidth, flops / its FP32 peak) (mla_kpool.bench.bounds)."
     " x bound: the op's time over it (1: at the bound)."
 )
-
-
-def _scaled(value: float | None, factor: float) -> float | None:
-    return None if value is None else value * factor
 
 
 def _has_bound(runs: list[list[Record]]) -> bool:
@@ -106,7 +102,7 @@ LEGEND = (
 )
 
 #: The index_top_k table's value columns.
-INDEX_COLUMNS: tuple[tuple[str, Callable[[Record], float | None]], ...] = (
+INDEX_COLUMNS: Columns = (
     ("op ms", lambda r: r["median_us"] / 1e3),
     ("GFLOP/s", lambda r: r["gflops"]),
     ("numpy ms", lambda r: r["numpy_median_us"] / 1e3),

@@ -18,9 +18,11 @@ member of a pool that must be redone.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
+import timeit
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -292,12 +294,7 @@ def serve(
             cache.release(e.request)
             state = live.pop(e.request)
             err, ratio, checked, problems = check_request(
-                e.request,
-                plan_.requests[e.request],
-                state,
-                ape,
-                kpool,
-                rel_tol,
+                e.request, plan_.requests[e.request], state, ape, kpool, rel_tol
             )
             totals.max_abs_error = max(totals.max_abs_error, err)
             totals.worst_ratio = max(totals.worst_ratio, ratio)
@@ -362,6 +359,9 @@ def index_and_expand(
     """
     tokens = len(inputs.k)
     q, qs = make_queries(config.seed, c, tokens, config.head_dim)
+    picks = dict(
+        top_k=config.pool_topk, kpool=config.kpool, mask=config.index_mask
+    )
     sent_qs, lengths = qs, cache.cache.cache_lengths
     if fault is not None and fault.kind == "head":
         sent_qs = qs.copy()
@@ -371,28 +371,11 @@ def index_and_expand(
         cache.cache.cache_lengths[fault.entry] += config.kpool
     start = time.perf_counter()
     ids = runner.index_top_k(
-        q,
-        sent_qs,
-        inputs.input_row_offsets,
-        cache.cache,
-        INDEX_LAYER,
-        top_k=config.pool_topk,
-        kpool=config.kpool,
-        mask=config.index_mask,
+        q, sent_qs, inputs.input_row_offsets, cache.cache, INDEX_LAYER, **picks
     )
     totals.index_seconds.append(time.perf_counter() - start)
     cache.cache.cache_lengths = lengths
-    checked = check_call(
-        c,
-        call,
-        ids,
-        q,
-        qs,
-        cache.cache,
-        top_k=config.pool_topk,
-        kpool=config.kpool,
-        mask=config.index_mask,
-    )
+    checked = check_call(c, call, ids, q, qs, cache.cache, **picks)
     totals.index_rows += tokens
     totals.index_checked += checked.rows
     totals.index_selections += checked.selections
@@ -554,12 +537,8 @@ def idle_model_seconds(
     if not isinstance(shared, SharedModel):
         return None
     shared.model.execute(*shared.idle)
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        shared.model.execute(*shared.idle)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    run = functools.partial(shared.model.execute, *shared.idle)
+    return statistics.median(timeit.repeat(run, number=1, repeat=runs))
 
 
 def graph_cache_files() -> int | None:
@@ -573,12 +552,10 @@ def graph_cache_files() -> int | None:
     process compiling into the same cache at the same time would be
     counted too.
     """
-    root = os.environ.get("MODULAR_CACHE_DIR")
-    if root:
-        folder = Path(root) / ".max_cache"
-    else:
-        cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-        folder = Path(cache) / "modular" / ".max_cache"
+    root = os.environ.get("MODULAR_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "modular"
+    )
+    folder = Path(root) / ".max_cache"
     if not folder.is_dir():
         return None
     return sum(1 for path in folder.rglob("*") if path.is_file())

@@ -263,10 +263,7 @@ def check_request(
 
 
 def check_expansion(
-    c: int,
-    call: Sequence[Entry],
-    got: np.ndarray,
-    want: np.ndarray,
+    c: int, call: Sequence[Entry], got: np.ndarray, want: np.ndarray
 ) -> tuple[int, list[str]]:
     """Compares one call's expand_topk rows with the oracle's.
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from max import driver
@@ -26,7 +28,7 @@ from .checked_run import (
     serve,
 )
 from .faults import FAULT_KINDS, place_fault
-from .indexing import INDEX_HEADS, INDEX_MASKS, index_width
+from .indexing import INDEX_HEADS, INDEX_MASKS, INDEX_PAGE_SIZE, index_width
 from .schedule_file import load_schedule
 from .scheduling import Plan
 from .summary import format_summary, summarize
@@ -183,9 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(
-    argv: Sequence[str] | None = None,
-    *,
-    runner: Runner | None = None,
+    argv: Sequence[str] | None = None, *, runner: Runner | None = None
 ) -> int:
     """Runs the demo with its own argument parser.
 
@@ -238,19 +238,14 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
             )
         return next((v for v in (option, in_file) if v is not None), default)
 
+    as_given = "device seed token_budget chunk schedule pool_topk index_mask"
     config = Config(
         dtype=workload.DTYPES[pick("dtype", workload.DEFAULT_DTYPE)],
         kpool=pick("kpool", workload.DEFAULT_KPOOL),
         head_dim=pick("head_dim", workload.DEFAULT_HEAD_DIM),
-        device=args.device,
-        seed=args.seed,
-        token_budget=args.token_budget,
         max_running=pick("max_running", workload.DEFAULT_MAX_RUNNING),
-        chunk=args.chunk,
-        schedule=args.schedule,
         spec_tokens=args.spec_tokens or 0,
-        pool_topk=args.pool_topk,
-        index_mask=args.index_mask,
+        **{name: getattr(args, name) for name in as_given.split()},
     )
     if config.pool_topk > 2048:
         raise DemoError(
@@ -284,11 +279,7 @@ def default_requests(device: str) -> int:
     return workload.DEFAULT_REQUESTS
 
 
-def run(
-    args: argparse.Namespace,
-    *,
-    runner: Runner | None = None,
-) -> int:
+def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
     """Runs the demo for parsed options.
 
     Every op runs on ``--device``: the step, expand_topk and index_top_k,
@@ -308,6 +299,7 @@ def run(
     """
     started = time.perf_counter()
     out, err = sys.stdout, sys.stderr
+    say = functools.partial(print, file=err, flush=True)
     try:
         config, plan_ = build_plan(args)
         fault = None
@@ -331,25 +323,19 @@ def run(
 
     smaller = default_requests(config.device) != workload.DEFAULT_REQUESTS
     if smaller and args.requests is None and args.schedule is None:
-        print(
+        say(
             f"{config.device}: a smaller default workload, "
             f"{EMULATED_REQUESTS} requests instead of "
             f"{workload.DEFAULT_REQUESTS} (the emulated grid runs every GPU "
-            "thread on the host); --requests sets the count",
-            file=err,
-            flush=True,
+            "thread on the host); --requests sets the count"
         )
-    print(
-        "precompiling the Mojo kernels (a few seconds, every run)...",
-        file=err,
-        flush=True,
-    )
+    say("precompiling the Mojo kernels (a few seconds, every run)...")
     start = time.perf_counter()
     compiled_kernels()
     package_s = time.perf_counter() - start
     ring = f", ring {config.ring_len}" if config.spec_tokens else ""
-    width = index_width(config.kpool, config.head_dim, 128)
-    print(
+    width = index_width(config.kpool, config.head_dim, INDEX_PAGE_SIZE)
+    say(
         f"compiling the step model ({config.dtype.name}, kpool "
         f"{config.kpool}, head_dim {config.head_dim}{ring}), the "
         f"expand_topk model (top {config.pool_topk}) and the index_top_k "
@@ -357,9 +343,7 @@ def run(
         f"{config.index_mask} mask) on {config.device}: compiled once into "
         "MAX's cache (~/.cache/modular by default; the first time took "
         f"{COLD_COMPILE_S} s on a 2-core VM, more on a slower one), then "
-        "loaded from it in a few seconds...",
-        file=err,
-        flush=True,
+        "loaded from it in a few seconds..."
     )
     in_runner = all(runner.has_model(k) for k in model_keys(runner, config))
     files_before = graph_cache_files()
@@ -370,7 +354,7 @@ def run(
     idle_s = idle_model_seconds(runner, config)
     described = fault.describe() if fault is not None else None
     if fault is not None:
-        print(f"injecting a fault: {described}", file=err)
+        say(f"injecting a fault: {described}")
     progress = tqdm(
         total=len(plan_.calls),
         desc="demo",
@@ -399,9 +383,7 @@ def run(
         caught = "caught" if fault.caught(totals.problems) else "NOT caught"
         print(f"injected fault {caught}: {described}", file=out)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
-            f.write("\n")
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     return 0 if summary["ok"] else 1
 
 

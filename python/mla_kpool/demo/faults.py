@@ -112,11 +112,7 @@ class Fault:
 
 
 def place_fault(
-    plan_: Plan,
-    kind: str,
-    kpool: int,
-    top_k: int = 512,
-    causal: bool = False,
+    plan_: Plan, kind: str, kpool: int, top_k: int = 512, causal: bool = False
 ) -> Fault | None:
     """Finds where to inject a fault that the check must see.
 
@@ -151,12 +147,9 @@ def place_fault(
                 if cl % kpool and cl + n >= (pending + 1) * kpool:
                     pos = pending * kpool
                     return Fault(kind, c, b, e.request, pos, pending, e.slot)
-            elif kind == "topk":
-                if n and (cl + n) // kpool >= 2:
-                    pos = cl + n - 1
-                    return Fault(kind, c, b, e.request, pos, row - 1, e.slot)
-            elif kind == "head":
-                if n and (cl + n) // kpool > top_k:
+            elif kind in ("topk", "head"):
+                least = top_k if kind == "head" else 1  # pools seen, exclusive
+                if n and (cl + n) // kpool > least:
                     pos = cl + n - 1
                     return Fault(kind, c, b, e.request, pos, row - 1, e.slot)
             elif kind == "bound":

@@ -40,7 +40,7 @@ import numpy as np
 
 from .. import reference
 from ..calls import PoolRow
-from ..index_cache import PagedIndexCache, quantize_pooled_keys
+from ..index_cache import PagedIndexCache
 from ..index_runner import IndexKey
 from .scheduling import Entry, Plan
 
@@ -213,10 +213,8 @@ class IndexCache:
     def admit(self, request: int, pools: int) -> None:
         """Gives ``request`` blocks for ``pools`` pools."""
         count = self.pages(pools)
-        keys, self.free_keys = self.free_keys[:count], self.free_keys[count:]
-        scales = self.free_scales[:count]
-        self.free_scales = self.free_scales[count:]
-        self.held[request] = (keys, scales)
+        self.held[request] = (self.free_keys[:count], self.free_scales[:count])
+        del self.free_keys[:count], self.free_scales[:count]
 
     def release(self, request: int) -> None:
         """Returns ``request``'s blocks to the free lists, bytes kept."""
@@ -230,8 +228,7 @@ class IndexCache:
         Row ``b`` is the call's ``b``-th entry; columns past a request's
         pages get random blocks of the arena (what a stale table holds).
         """
-        batch = len(call)
-        shape = (batch, self.max_pages)
+        shape = (len(call), self.max_pages)
         blocks = self.cache.num_blocks
         keys = self.rng.integers(0, blocks, shape).astype(np.uint32)
         scales = self.rng.integers(0, blocks, shape).astype(np.uint32)
@@ -247,19 +244,18 @@ class IndexCache:
 
     def store(self, b: int, first_pool: int, keys: np.ndarray) -> None:
         """Quantizes and stores entry ``b``'s pools from ``first_pool``."""
-        key_bytes, scales = quantize_pooled_keys(keys.astype(np.float32))
-        self.cache.store(b, INDEX_LAYER, first_pool, key_bytes, scales)
+        self.cache.store_keys(
+            b, INDEX_LAYER, first_pool, keys.astype(np.float32)
+        )
 
     def store_pools(self, b: int, pools: Mapping[int, PoolRow]) -> None:
         """Stores one call's pools of entry ``b`` (contiguous runs at once)."""
         ids = sorted(pools)
-        start = 0
-        for i in range(1, len(ids) + 1):
-            if i == len(ids) or ids[i] != ids[i - 1] + 1:
-                run = ids[start:i]
-                keys = np.stack([pools[p].key for p in run])
-                self.store(b, run[0], keys)
-                start = i
+        for run in np.split(ids, np.flatnonzero(np.diff(ids) != 1) + 1):
+            if len(run):
+                self.store(
+                    b, int(run[0]), np.stack([pools[p].key for p in run])
+                )
 
 
 @dataclass
@@ -326,12 +322,8 @@ def check_call(
             q,
             qs,
             offsets,
-            cache.blocks(),
-            cache.cache_lengths,
-            cache.lookup_table,
-            cache.scales(),
-            cache.scales_lookup_table,
-            INDEX_LAYER,
+            **cache.oracle_operands(),
+            layer_idx=INDEX_LAYER,
             top_k=top_k,
             kpool=kpool,
             mask=mask,

@@ -42,13 +42,9 @@ _REQUEST_KEYS = ("prompt", "generate", "cached_prefix")
 
 
 def _int(value: Any, where: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ScheduleError(
             f"{where} must be an integer >= {minimum}, got {value!r}"
-        )
-    if value < minimum:
-        raise ScheduleError(
-            f"{where} must be an integer >= {minimum}, got {value}"
         )
     return value
 

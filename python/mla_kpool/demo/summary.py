@@ -10,12 +10,7 @@ from typing import Any
 from ..reference import tolerance
 from .checked_run import Config
 from .checks import Totals, plural
-from .indexing import (
-    INDEX_HEADS,
-    INDEX_PAGE_SIZE,
-    index_scorer,
-    index_width,
-)
+from .indexing import INDEX_HEADS, INDEX_PAGE_SIZE, index_scorer, index_width
 from .scheduling import Plan
 
 __all__ = ["format_summary", "summarize"]
@@ -78,6 +73,8 @@ def summarize(
     tokens = prefill + decode
     step_s = sum(totals.call_seconds)
     calls = len(plan_.calls)
+    width = index_width(config.kpool, config.head_dim, INDEX_PAGE_SIZE)
+    margin = totals.index_worst_margin
     fields = asdict(config) | {"dtype": config.dtype.name}
     del fields["spec_tokens"]  # under "speculative"
     if config.schedule:  # the file's calls, or its requests, set batching
@@ -111,38 +108,21 @@ def summarize(
         "index_top_k": {
             **index_scorer(config.device, config.kpool),
             "heads": INDEX_HEADS,
-            "layout": (
-                "spread"
-                if index_width(config.kpool, config.head_dim, INDEX_PAGE_SIZE)
-                != config.head_dim
-                else "whole"
-            ),
+            "layout": "spread" if width != config.head_dim else "whole",
             "page_size": INDEX_PAGE_SIZE,
             "rows": totals.index_rows,
             "rows_checked": totals.index_checked,
             "selections_checked": totals.index_selections,
-            "worst_margin": (
-                totals.index_worst_margin
-                if math.isfinite(totals.index_worst_margin)
-                else None
-            ),
+            "worst_margin": margin if math.isfinite(margin) else None,
             "failed_calls": totals.index_failures,
-            "mean_call_seconds": (
-                statistics.fmean(totals.index_seconds)
-                if totals.index_seconds
-                else None
-            ),
+            "mean_call_seconds": _mean(totals.index_seconds),
         },
         "expand_topk": {
             "rows_expanded": totals.expand_rows,
             "rows_checked": totals.expand_checked,
             "mismatches": totals.expand_mismatches,
             "skipped_ids": totals.expand_skipped_ids,
-            "mean_call_seconds": (
-                statistics.fmean(totals.expand_seconds)
-                if totals.expand_seconds
-                else None
-            ),
+            "mean_call_seconds": _mean(totals.expand_seconds),
         },
         "mean_call_seconds": step_s / calls,
         "median_call_seconds": statistics.median(totals.call_seconds),
@@ -182,6 +162,10 @@ def summarize(
             "pools_dropped": totals.dropped,
         }
     return summary
+
+
+def _mean(seconds: list[float]) -> float | None:
+    return statistics.fmean(seconds) if seconds else None
 
 
 #: The scorer row's note, by ``(op, grid)`` of

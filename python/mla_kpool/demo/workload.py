@@ -150,11 +150,10 @@ def generate_requests(
         prompts[int(i)] = e
     generate = rng.integers(0, max_generate + 1, count)
     cached = rng.random(count) < cached_fraction
-    requests = []
-    for i, prompt in enumerate(prompts):
-        prefix = int(rng.integers(1, prompt)) if cached[i] and prompt > 1 else 0
-        requests.append(Request(prompt, int(generate[i]), prefix))
-    return requests
+    return [
+        Request(p, int(g), int(rng.integers(1, p)) if c and p > 1 else 0)
+        for p, g, c in zip(prompts, generate, cached, strict=True)
+    ]
 
 
 def request_rows(

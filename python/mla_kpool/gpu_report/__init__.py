@@ -24,6 +24,7 @@ read-only folder, an ``--asm-dir`` that cannot be created.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -201,15 +202,13 @@ def run(args: argparse.Namespace) -> int:
     and one line per kernel whose ``param_bytes`` is not its
     ``host_bytes``.
     """
+    say = functools.partial(print, "gpu-report:", file=sys.stderr)
     archs = list(dict.fromkeys(args.arch or DEFAULT_ARCHS))
-    if args.json is not None:
-        why = _unwritable(Path(args.json))
-        if why is not None:
-            print(
-                f"gpu-report: argument --json: cannot write {args.json}: {why}",
-                file=sys.stderr,
-            )
-            return 2
+    cannot = f"argument --json: cannot write {args.json}:"
+    why = None if args.json is None else _unwritable(Path(args.json))
+    if why is not None:
+        say(cannot, why)
+        return 2
     try:
         if args.asm_dir is not None:
             rows = report(archs, Path(args.asm_dir))
@@ -217,23 +216,19 @@ def run(args: argparse.Namespace) -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 rows = report(archs, Path(tmp))
     except OutputError as e:
-        print(f"gpu-report: argument --asm-dir: {e}", file=sys.stderr)
+        say(f"argument --asm-dir: {e}")
         return 2
     except ToolError as e:
-        print(f"gpu-report: {e}", file=sys.stderr)
+        say(e)
         return 1
     if args.json is not None:
         try:
             _write_json(Path(args.json), rows)
         except OSError as e:
-            print(
-                f"gpu-report: argument --json: cannot write {args.json}: "
-                f"{e.strerror}",
-                file=sys.stderr,
-            )
+            say(cannot, e.strerror)
             return 2
-        print(f"gpu-report: wrote {Path(args.json).resolve()}", file=sys.stderr)
+        say(f"wrote {Path(args.json).resolve()}")
     mismatches = param_mismatches(rows)
     for line in mismatches:
-        print(f"gpu-report: parameter block mismatch: {line}", file=sys.stderr)
+        say(f"parameter block mismatch: {line}")
     return 1 if mismatches else 0

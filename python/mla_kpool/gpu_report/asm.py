@@ -169,10 +169,9 @@ def parse_ptxas(output: str) -> dict[str, dict[str, int]]:
         if current is None:
             continue
         if m := _PTXAS_FRAME.search(line):
-            stack, stores, loads = (int(g) for g in m.groups())
-            current.setdefault("stack_bytes", stack)
-            current.setdefault("spill_store_bytes", stores)
-            current.setdefault("spill_load_bytes", loads)
+            frame = ("stack_bytes", "spill_store_bytes", "spill_load_bytes")
+            for key, value in zip(frame, m.groups(), strict=True):
+                current.setdefault(key, int(value))
         if m := _PTXAS_USED.search(line):
             current["registers"] = int(m.group(1))
             if b := _PTXAS_BARRIERS.search(line):
@@ -186,7 +185,6 @@ _AMD_KERNEL = re.compile(
     r"^\s*\.amdhsa_kernel\s+(\S+)(.*?)^\s*\.end_amdhsa_kernel", re.M | re.S
 )
 _AMD_FIELD = re.compile(r"^\s*\.amdhsa_(\w+)\s+(-?\d+)", re.M)
-_META_KERNEL = re.compile(r"^\s*-\s+(?=\.)", re.M)
 
 
 def _metadata_kernels(asm: str) -> dict[str, str]:

@@ -192,20 +192,16 @@ def _limits(
 ) -> dict[str, int]:
     """Blocks per SM (CU) each limit of :data:`LIMITERS` allows."""
     warps = -(-block_threads // lim.warp_size)
-    if lim.vendor == "nvidia":
-        return {
-            "registers": _nvidia_register_blocks(lim, registers, warps),
-            "shared memory": _shared_blocks(lim, shared_bytes),
-            "block size": lim.max_warps // warps,
-            "blocks per SM": lim.max_blocks,
-        }
-    # getMaxWorkGroupsPerCU: single-wave workgroups take no barrier, so
-    # only the waves limit them; others also meet the 16 barriers.
+    nvidia = lim.vendor == "nvidia"
+    by_registers = _nvidia_register_blocks if nvidia else _amd_register_blocks
+    # AMD's getMaxWorkGroupsPerCU: single-wave workgroups take no barrier,
+    # so only the waves limit them; others also meet the 16 barriers.
+    most = lim.max_blocks if nvidia or warps > 1 else lim.max_warps
     return {
-        "registers": _amd_register_blocks(lim, registers, warps),
+        "registers": by_registers(lim, registers, warps),
         "shared memory": _shared_blocks(lim, shared_bytes),
         "block size": lim.max_warps // warps,
-        "blocks per SM": lim.max_warps if warps == 1 else lim.max_blocks,
+        "blocks per SM": most,
     }
 
 

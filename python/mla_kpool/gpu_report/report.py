@@ -84,15 +84,10 @@ def _amd_facts(path: Path, prefix: str) -> Row:
     kernels = amd_kernels(path.read_text())
     entry = _entry(list(kernels), prefix, path.name)
     facts = kernels[entry]
+    same = "param_bytes kernarg_bytes shared_bytes registers vgpr_count agprs"
     return {
         "entry": entry,
-        "param_bytes": facts["param_bytes"],
-        "kernarg_bytes": facts["kernarg_bytes"],
-        "shared_bytes": facts["shared_bytes"],
-        "registers": facts["registers"],
-        "vgpr_count": facts["vgpr_count"],
-        "agprs": facts["agprs"],
-        "sgprs": facts["sgprs"],
+        **{key: facts[key] for key in [*same.split(), "sgprs"]},
         # The metadata's own spill counts: a spilled VGPR takes 4 bytes of
         # scratch per lane (stored and loaded back); SGPRs spill into VGPR
         # lanes, counted apart. Scratch also holds the stack.

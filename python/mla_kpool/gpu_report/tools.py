@@ -147,16 +147,8 @@ def compile_kernels(arch: str, out_dir: Path, timeout: float = 900) -> None:
             "the mojo command is not found (beside this Python or on PATH); "
             "install the `mojo` package"
         )
-    argv = [
-        mojo,
-        "run",
-        "-I",
-        str(KERNELS.parent),
-        "-D",
-        f"MLA_KPOOL_ARCH={arch}",
-        str(DRIVER),
-        str(out_dir),
-    ]
+    flags = ["-I", str(KERNELS.parent), "-D", f"MLA_KPOOL_ARCH={arch}"]
+    argv = [mojo, "run", *flags, str(DRIVER), str(out_dir)]
     try:
         proc = subprocess.run(
             argv, capture_output=True, text=True, timeout=timeout
@@ -202,14 +194,8 @@ def run_ptxas(
         ToolError: If ptxas refuses the file.
     """
     out = os.devnull if cubin is None else str(cubin)
-    proc = subprocess.run(
-        [ptxas, f"-arch={arch}", "-v", str(ptx_file), "-o", out],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        first = (proc.stderr.strip().splitlines() or ["?"])[0]
-        raise ToolError(f"ptxas failed on {ptx_file.name}: {first}")
+    argv = [ptxas, f"-arch={arch}", "-v", str(ptx_file), "-o", out]
+    proc = _run_tool(argv, f"ptxas failed on {ptx_file.name}")
     return proc.stdout + proc.stderr
 
 
@@ -219,10 +205,19 @@ def run_nvdisasm(nvdisasm: str, cubin: Path) -> str:
     Raises:
         ToolError: If nvdisasm refuses the file.
     """
-    proc = subprocess.run(
-        [nvdisasm, str(cubin)], capture_output=True, text=True
-    )
+    return _run_tool(
+        [nvdisasm, str(cubin)], f"nvdisasm failed on {cubin.name}"
+    ).stdout
+
+
+def _run_tool(argv: list[str], failed: str) -> subprocess.CompletedProcess:
+    """Runs ``argv``; a failure raises ``failed`` with its first error line.
+
+    Raises:
+        ToolError: If the program exits with a nonzero status.
+    """
+    proc = subprocess.run(argv, capture_output=True, text=True)
     if proc.returncode != 0:
         first = (proc.stderr.strip().splitlines() or ["?"])[0]
-        raise ToolError(f"nvdisasm failed on {cubin.name}: {first}")
-    return proc.stdout
+        raise ToolError(f"{failed}: {first}")
+    return proc
