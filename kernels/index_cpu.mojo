@@ -166,6 +166,18 @@ def write_chunk(
         write_row[k](Span(merged)[:size], dest)
 
 
+@fieldwise_init
+struct RowChunk(Copyable, TrivialRegisterPassable):
+    """A task's query rows: request `request`'s rows `first ..< end`."""
+
+    var request: Int
+    """The request."""
+    var first: Int
+    """First row, counted within the request."""
+    var end: Int
+    """One past the last row, within the request."""
+
+
 def index_top_k_cpu(op: IndexTopK):
     """CPU index_top_k: a task per (request, row chunk, part), over the cores.
 
@@ -213,13 +225,13 @@ def index_top_k_cpu(op: IndexTopK):
         )
 
     @always_inline
-    def rows_of(chunk: Int) {imm} -> Tuple[Int, Int, Int]:
+    def rows_of(chunk: Int) {imm} -> RowChunk:
         var b = task_request[chunk]
         var first = task_first[chunk]
         var n = read_index(op.input_row_offsets, b + 1) - read_index(
             op.input_row_offsets, b
         )
-        return (b, first, min(first + CPU_ROW_CHUNK, n))
+        return RowChunk(b, first, min(first + CPU_ROW_CHUNK, n))
 
     if parts == 1:
         # Each task keeps and writes its own rows, in scratch of its own.
@@ -229,10 +241,23 @@ def index_top_k_cpu(op: IndexTopK):
             var sizes = List[Int](length=CPU_ROW_CHUNK, fill=0)
             var sizes_at = sizes.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
             keep_top_k(
-                op, rows[0], rows[1], rows[2], 0, 1, scratch(kept), sizes_at
+                op,
+                rows.request,
+                rows.first,
+                rows.end,
+                0,
+                1,
+                scratch(kept),
+                sizes_at,
             )
             write_chunk(
-                op, rows[0], rows[1], rows[2], 1, scratch(kept), sizes_at
+                op,
+                rows.request,
+                rows.first,
+                rows.end,
+                1,
+                scratch(kept),
+                sizes_at,
             )
             _ = len(kept)
             _ = len(sizes)
@@ -257,9 +282,9 @@ def index_top_k_cpu(op: IndexTopK):
         var rows = rows_of(chunk)
         keep_top_k(
             op,
-            rows[0],
-            rows[1],
-            rows[2],
+            rows.request,
+            rows.first,
+            rows.end,
             part,
             parts,
             kept_at.unsafe_offset(task * CPU_ROW_CHUNK * k),
@@ -270,9 +295,9 @@ def index_top_k_cpu(op: IndexTopK):
         var rows = rows_of(chunk)
         write_chunk(
             op,
-            rows[0],
-            rows[1],
-            rows[2],
+            rows.request,
+            rows.first,
+            rows.end,
             parts,
             kept_at.unsafe_offset(chunk * parts * CPU_ROW_CHUNK * k),
             sizes_at.unsafe_offset(chunk * parts * CPU_ROW_CHUNK),
