@@ -114,12 +114,15 @@ BAD_SCHEDULES = [
 @pytest.mark.parametrize("case", BAD_SCHEDULES, ids=lambda c: c.id)
 def test_bad_schedule_is_a_usage_error(tmp_path, capsys, case):
     path = write(tmp_path, case.data)
-    status = cli.main(["demo", "--schedule", str(path)])
+    # The error names the program as it was started, as the usage line.
+    status = cli.main(["demo", "--schedule", str(path)], prog="mla-kpool")
     captured = capsys.readouterr()
     assert status == 2
     assert captured.err.startswith(f"mla-kpool demo: error: {path}: ")
     assert case.message in captured.err
     assert captured.out == ""
+    assert cli.main(["demo", "--schedule", str(path)], prog="python -m x") == 2
+    assert capsys.readouterr().err.startswith("python -m x demo: error: ")
 
 
 def test_missing_schedule_file(tmp_path, capsys):

@@ -561,21 +561,17 @@ def test_an_asm_dir_that_cannot_be_created_fails_before_compiling(
 def test_a_json_path_that_cannot_be_written_fails_before_compiling(
     monkeypatch, capsys, tmp_path
 ):
-    # Paths the option check lets through: a folder, and a file under a
-    # folder that only looks writable. Both fail in one line, before the
-    # report compiles anything.
-    def no_report(archs, d):
-        raise AssertionError("the report ran")
-
-    monkeypatch.setattr(gpu_report, "output_file", str)
-    monkeypatch.setattr(gpu_report, "report", no_report)
+    # A folder, an empty path, and a file under /proc (a folder os.access
+    # calls writable, where no file can be made): each a usage error,
+    # before the report compiles anything, leaving nothing behind.
+    monkeypatch.setattr(gpu_report, "compile_kernels", _no_compile)
     for path, why in (
-        (tmp_path, "it is a folder"),
-        (tmp_path / "missing" / "r.json", "No such file or directory"),
+        (str(tmp_path), f"cannot write {str(tmp_path)!r}: a folder"),
+        ("", "must be a file path, got ''"),
+        ("/proc/x.json", "cannot write '/proc/x.json': "),
     ):
-        assert main(["gpu-report", "--json", str(path)]) == 2
-        err = capsys.readouterr().err.strip()
-        assert err == f"gpu-report: argument --json: cannot write {path}: {why}"
+        line = _usage_error(capsys, ["--json", path])
+        assert f"error: argument --json: {why}" in line, line
     assert sorted(tmp_path.iterdir()) == []
 
 

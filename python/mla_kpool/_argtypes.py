@@ -52,8 +52,12 @@ def output_file(text: str) -> str:
     """An argparse type: a file path whose folder exists and is writable.
 
     Checked up front so that a long run is not lost to a typo in the path
-    it writes its results to at the end.
+    it writes its results to at the end: the path is opened for appending
+    (a file that did not exist is removed again), which also refuses what
+    ``os.access`` lets through, such as a file under ``/proc``.
     """
+    if not text:
+        raise argparse.ArgumentTypeError("must be a file path, got ''")
     folder = os.path.dirname(text) or "."
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(
@@ -65,6 +69,16 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"cannot write {text!r}: its folder is not writable"
         )
+    existed = os.path.exists(text)
+    try:
+        with open(text, "a"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text!r}: {e.strerror or e}"
+        ) from None
+    if not existed:
+        os.remove(text)
     return text
 
 

@@ -88,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Args:
         parser: The ``demo`` subcommand's parser (or a standalone one).
     """
+    # Errors found after parsing (a schedule file, --pool-topk past
+    # index_top_k's limit) name the program as the usage line does.
+    parser.set_defaults(prog=parser.prog)
     add = parser.add_argument
     add("--seed", type=_non_negative, default=0, help="workload seed (0)")
     add(
@@ -141,7 +144,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive,
         default=workload.DEFAULT_POOL_TOPK,
         help="pool ids each query token's indexer row selects (index_top_k's"
-        f" top_k), which expand_topk widens ({workload.DEFAULT_POOL_TOPK})",
+        " top_k, at most 2048), which expand_topk widens"
+        f" ({workload.DEFAULT_POOL_TOPK})",
     )
     add(
         "--index-mask",
@@ -318,7 +322,8 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
                 )
         runner = _runner_on(config.device, runner)
     except (DemoError, ScheduleError) as e:
-        print(f"mla-kpool demo: error: {e}", file=err)
+        prog = getattr(args, "prog", "mla-kpool demo")
+        print(f"{prog}: error: {e}", file=err)
         return 2
 
     smaller = default_requests(config.device) != workload.DEFAULT_REQUESTS
