@@ -21,6 +21,7 @@ from max.graph import DeviceRef
 
 from mla_kpool import KERNELS
 from mla_kpool.buffers import to_numpy
+from mla_kpool.calls import CallInputs
 from mla_kpool.index_runner import IndexKey, idle_operands
 from mla_kpool.runner import OPS, ModelKey, Runner, SharedModel, model_key
 
@@ -214,6 +215,33 @@ def test_compile_together_refuses_bad_keys_before_compiling() -> None:
     bogus = ModelKey(**{**vars(good), "kind": "bogus"})
     with pytest.raises(ValueError, match="got 'bogus'"):
         runner.compile_together([good, bogus])
+    assert runner._models == {}
+
+
+@pytest.mark.parametrize(
+    ("field", "values", "message"),
+    [
+        ("cache_lengths", [-5, 0], r"request 0: cache_lengths\[0\]=-5 < 0"),
+        ("slot_idx", [0, 3], r"request 1: slot_idx\[1\]=3 >= max_slots=3"),
+        ("slot_idx", [2, 2], r"request 1: slot_idx\[1\]=2 duplicates"),
+    ],
+)
+def test_step_refuses_bad_metadata_before_compiling(
+    field: str, values: list[int], message: str
+) -> None:
+    runner = Runner.__new__(Runner)  # no session: nothing may compile
+    runner._models, runner._index_models = {}, {}
+    k = np.zeros((8, HEAD_DIM), np.float32)
+    meta = {
+        "input_row_offsets": np.array([0, 5, 8], np.int32),
+        "cache_lengths": np.array([0, 0], np.int32),
+        "slot_idx": np.array([0, 1], np.int32),
+    }
+    meta[field] = np.array(values, np.int32)
+    call = CallInputs(k, k, **meta)
+    ape = np.zeros((KPOOL, HEAD_DIM), np.float32)
+    with pytest.raises(ValueError, match=message):
+        runner.step(_Ring(), call, ape, KPOOL)
     assert runner._models == {}
 
 

@@ -234,7 +234,9 @@ def test_stream_fused_equals_three_op(
         k, gate = random_rows(rng, tokens, hd, cfg.dtype)
         call_in = CallInputs(k, gate, offsets, cache, slots)
         outs = {
-            fused: runner.step(rings[fused], call_in, ape, kp, fused=fused)
+            fused: runner.step(
+                rings[fused], call_in, ape, kp, fused=fused, check=False
+            )
             for fused in (True, False)
         }
         assert_same_step(

@@ -40,6 +40,7 @@ from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph
 
 from . import index_runner
+from ._metadata import check_metadata
 from ._paths import KERNELS, builtin_kernels_only, compiled_kernels
 from .buffers import to_buffer, to_numpy
 from .calls import CallInputs, PoolRow, pools_of_call
@@ -439,8 +440,15 @@ class Runner:
         kpool: int,
         *,
         fused: bool = True,
+        check: bool = True,
     ) -> StepResult:
         """Runs :func:`mla_kpool.kpool_step` on ``tail`` for one call.
+
+        The kernels skip a request with bad metadata without a word (its
+        pools are lost), so by default the call's metadata is checked on
+        the host first, as :func:`mla_kpool.check_metadata` checks it
+        against ``k``'s rows and the ring's slots, before anything is
+        compiled or written to the ring.
 
         Args:
             tail: The ring (:meth:`new_ring`), updated in place.
@@ -449,10 +457,28 @@ class Runner:
             kpool: Tokens per pool.
             fused: The one ``mla_kpool.step`` op (model kind ``"step"``)
                 or, when ``False``, the three writers (kind ``"step3"``).
+            check: ``False`` hands bad metadata to the kernels as it is
+                (for tests of what the kernels do with it).
 
         Returns:
             The step's outputs as NumPy arrays.
+
+        Raises:
+            ValueError: With ``check``, for bad metadata (a negative or
+                out-of-range value, offsets going down or past ``k``'s
+                rows, two requests on one slot), naming the first bad
+                request and field; and as :meth:`prepare`.
+            TypeError: As :meth:`prepare`, or ``kpool`` not an int.
         """
+        if check:
+            check_metadata(
+                call.input_row_offsets,
+                call.cache_lengths,
+                call.slot_idx,
+                total_tokens=int(np.shape(call.k)[0]),
+                max_slots=int(tail.shape[0]),
+                kpool=kpool,
+            )
         kind = "step" if fused else "step3"
         outs = self.run(kind, kpool, tail=tail, ape=ape, **call.operands())
         return StepResult(*outs)
