@@ -15,7 +15,7 @@ from max.nn.attention.mask_config import MHAMaskVariant
 from max.nn.kv_cache import PagedCacheValues
 
 import mla_kpool
-from mla_kpool.index_runner import IndexKey
+from mla_kpool.index_runner import IndexKey, build_graph
 
 GLM_KEY = IndexKey(32, 128, 32, 2, 128, 512, 4, "null")
 CPU, GPU = DeviceRef.CPU(), DeviceRef.GPU()
@@ -384,6 +384,21 @@ def test_gpu_graph_takes_our_op_where_max_has_no_pooled_scorer(
 def test_a_scorer_the_cpu_cannot_run_fails_at_graph_build(scorer, error, match):
     with pytest.raises(error, match=match):
         _graph(scorer=scorer)
+
+
+@pytest.mark.parametrize("scorer", ["wgmma", "mfma"])
+def test_the_cpu_scorer_error_suggests_what_works(scorer):
+    with pytest.raises(ValueError, match="emulate_gpu=True") as refused:
+        _graph(scorer=scorer)
+    assert "Runner('gpu-emulated')" in str(refused.value)
+    # The op's own keyword, as the message gives it, builds the graph ...
+    text = str(_graph(scorer=scorer, emulate_gpu=True))
+    assert f'scorer = "{scorer}"' in text
+    assert "emulate_gpu = true" in text
+    # ... and so does the runner's device (its graph, not compiled here).
+    fields = {**GLM_KEY.__dict__, "scorer": scorer, "emulate_gpu": True}
+    key = IndexKey(**fields)
+    assert f'scorer = "{scorer}"' in str(build_graph(key, []))
 
 
 @pytest.mark.parametrize(

@@ -239,6 +239,9 @@ INDEX_BAD = [
      "top_k must be in 1..2048, got 0"),
     ("kpool-zero", dict(kpool=0), ValueError,
      "kpool must be at least 1, got 0"),
+    # The op would name only the rows' width (16 of 64).
+    ("kpool-not-the-caches", dict(kpool=2), ValueError,
+     "kpool must be the cache's kpool=4 (its spread rows of W=4), got 2"),
     ("mask", dict(mask="sliding"), ValueError,
      "mask must be 'causal', 'null', MHAMaskVariant.CAUSAL_MASK or"
      " MHAMaskVariant.NULL_MASK, got 'sliding'"),

@@ -204,9 +204,11 @@ def check_operands(
         )
     spread = width != depth
     if spread and (kpool == 1 or depth % kpool or width != depth // kpool):
+        rows = depth // width if width and depth % width == 0 else 0
+        hint = f" (the spread rows of kpool={rows})" if rows > 1 else ""
         raise ValueError(
             f"{prefix}kv_blocks row width W must be depth={depth} (whole) or"
-            f" depth/kpool (spread, kpool={kpool}), got {width}"
+            f" depth/kpool (spread, kpool={kpool}), got {width}{hint}"
         )
     if spread and page % kpool:
         raise ValueError(
@@ -335,8 +337,9 @@ def check_scorer(
         if not emulate_gpu:
             raise ValueError(
                 f"scorer {scorer!r} runs on {gpu}, or on the host's emulated"
-                " grid (Runner('gpu-emulated'), or emulate_gpu=True on the"
-                " op); q is on the CPU without it"
+                " grid: Runner('gpu-emulated'), or"
+                " mla_kpool.index_top_k(..., emulate_gpu=True); q is on the"
+                " CPU without it"
             )
         return scorer
     arch = accelerator_arch()

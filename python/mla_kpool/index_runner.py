@@ -348,6 +348,12 @@ def prepare(
         )
     top_k = check_int("top_k", top_k, 1, MAX_TOP_K)
     kpool = check_int("kpool", kpool, 1)
+    if kpool != cache.kpool:
+        # The op sees only the rows, and would name their width.
+        raise ValueError(
+            f"kpool must be the cache's kpool={cache.kpool} (its"
+            f" {cache.layout} rows of W={cache.width}), got {kpool}"
+        )
     mask = mask_name(mask)
     key = IndexKey(
         num_heads=int(q.shape[1]),

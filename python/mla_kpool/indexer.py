@@ -91,6 +91,7 @@ def index_top_k(
     kpool: int = 1,
     *,
     scorer: str = "auto",
+    emulate_gpu: bool = False,
 ) -> TensorValue:
     """Top-k pooled key ids per query token, scored on the paged FP8 cache.
 
@@ -130,6 +131,10 @@ def index_top_k(
             MAX's op scores (``kpool == 1``, or pooled keys on sm_10x and
             gfx950) runs MAX's op; any other value runs this package's op
             even there. docs/ops.md gives each scorer's error bound.
+        emulate_gpu: Testing aid (keyword only, as the writers'): run this
+            package's GPU path on the CPU, every block and thread of its
+            grid emulated on the host, so a tensor ``scorer`` can be
+            checked without its GPU. ``q`` must be on the CPU.
 
     Returns:
         int32 ``[T, top_k]`` ids, ``-1`` after each row's valid ones.
@@ -143,7 +148,8 @@ def index_top_k(
             outside 1..2048, ``kpool < 1``, a mask other than NULL/CAUSAL, a
             row width that is neither layout, a spread page size not a
             multiple of ``kpool``, missing ``kv_scales`` or per-layer buffers,
-            or a ``scorer`` that is unknown or cannot run on the device.
+            a ``scorer`` that is unknown or cannot run on the device, or
+            ``emulate_gpu`` with ``q`` off the CPU.
     """
     mask = mask_name(mask_variant, "mask_variant")
     operands = check_operands(
@@ -157,8 +163,13 @@ def index_top_k(
         mask_str=mask,
         kpool=kpool,
     )
-    if operands.device.is_cpu() or scorer != "auto" or not max_scores(kpool):
-        return add_op(operands, scorer=scorer)
+    if (
+        operands.device.is_cpu()
+        or emulate_gpu
+        or scorer != "auto"
+        or not max_scores(kpool)
+    ):
+        return add_op(operands, emulate_gpu=emulate_gpu, scorer=scorer)
     # MAX's own op where it scores this shape: nobody gets slower.
     from max.nn.kernels import mla_fp8_index_top_k
 
