@@ -46,7 +46,7 @@ from .block_phases import Shared
 from .gpu_kernel import GpuKernel, launch_kernel
 from .index_operands import IndexTopK
 from .index_plan import row_plan
-from .index_scorers import ScoreKernel
+from .index_scorers import SIMT, ScoreKernel
 from .index_select import (
     SELECT_THREADS,
     SELECT_WORDS,
@@ -57,7 +57,9 @@ from .ragged import Ptr
 
 
 comptime GPU_WORKSPACE_BYTES = 1 << 28
-"""Scores workspace per call (256 MiB): rows per window follow from it."""
+"""Scores workspace per call (256 MiB): rows per window follow from it.
+`mla_kpool._limits` is the Python twin of this and of `window_rows`
+(tests/test_kernel_constants.py checks they agree)."""
 
 comptime PLAN_THREADS = 256
 """Threads per block of the plan launch (a row each)."""
@@ -140,7 +142,7 @@ def window_rows(candidates: Int, total_tokens: Int) -> Int:
 
 
 def index_top_k_gpu[
-    emulate: Bool, scorer: StaticString = "simt"
+    emulate: Bool, scorer: StaticString = SIMT
 ](
     op_in: IndexTopK,
     plan: Ptr[DType.int64],

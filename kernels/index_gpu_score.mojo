@@ -43,6 +43,20 @@ def candidate_at(op: IndexTopK, b: Int, j: Int) -> CacheSlot:
     return CacheSlot(at.key + slot * op.width, at.scale + slot)
 
 
+comptime TENSOR_MAX_DEPTH = 256
+"""Largest `depth` the tensor scorers take: `index_wgmma`'s tiles of keys
+and query heads then use 33 KiB of shared memory (under the 48 KiB a block
+gets statically), and each lane of `index_mfma` keeps 64 bytes of key and
+64 of query (32 VGPRs) in registers. `mla_kpool._index_op.TENSOR_MAX_DEPTH`
+is its Python twin (tests/test_kernel_constants.py checks they agree)."""
+
+
+@always_inline
+def tensor_fits[depth: Int]() -> Bool:
+    """Whether the tensor scorers take this depth (`1 ..= TENSOR_MAX_DEPTH`)."""
+    return 0 < depth <= TENSOR_MAX_DEPTH
+
+
 @fieldwise_init
 struct CandidateTile(Copyable, TrivialRegisterPassable):
     """One block of a tensor scorer: a window row and a tile of candidates."""

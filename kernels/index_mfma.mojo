@@ -51,8 +51,8 @@ sum and the scale are float32 in a fixed order, so the scores are the same
 on every launch. On the emulated grid the instruction is
 `mfma_model.mfma_f32_16x16x32_fp8_model`, written from the ISA tables.
 
-Shapes: any `num_heads`; `depth` up to `MFMA_MAX_DEPTH` (each lane keeps
-`depth / 4` bytes of key and of query in registers).
+Shapes: any `num_heads`; `depth` up to `index_gpu_score.TENSOR_MAX_DEPTH`
+(each lane keeps `depth / 4` bytes of key and of query in registers).
 """
 
 from max.gpu.compute.mma import mma
@@ -89,10 +89,6 @@ comptime MFMA_HEADS = MFMA_M
 
 comptime MFMA_GROUPS = MFMA_LANES // MFMA_N
 """Lane groups along K (`lane / 16`): 4."""
-
-comptime MFMA_MAX_DEPTH = 256
-"""Largest `depth` the scorer takes: each lane then keeps 64 bytes of key
-and 64 of query (32 VGPRs) in registers."""
 
 
 @always_inline
@@ -147,12 +143,6 @@ def has_nan_byte[width: Int](words: SIMD[DType.uint64, width]) -> Bool:
     var x = bitcast[DType.uint32, 2 * width](words)
     var hit = ((x & 0x7F7F7F7F) + 0x01010101) & 0x80808080
     return hit.reduce_or() != 0
-
-
-@always_inline
-def mfma_fits[depth: Int]() -> Bool:
-    """Whether the scorer takes this depth (`1 ..= MFMA_MAX_DEPTH`)."""
-    return 0 < depth <= MFMA_MAX_DEPTH
 
 
 @always_inline

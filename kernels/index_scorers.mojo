@@ -14,24 +14,73 @@ MI300X `amdgpu:gfx942`), so a GPU builds only the scorer it runs.
 
 from std.sys.info import _accelerator_arch
 
-from .index_gpu_score import SimtScore
-from .index_mfma import MFMA_MAX_DEPTH, MfmaScore, mfma_fits
+from .index_gpu_score import TENSOR_MAX_DEPTH, SimtScore, tensor_fits
+from .index_mfma import MfmaScore
 from .index_operands import IndexTopK
-from .index_wgmma import WGMMA_MAX_DEPTH, WgmmaScore, wgmma_fits
+from .index_wgmma import WgmmaScore
 
 
-comptime SCORERS = "auto, simt, wgmma, mfma"
-"""The `scorer` names the op accepts."""
+comptime AUTO = "auto"
+"""The target's tensor scorer where it fits the depth, else `SIMT`."""
 
-comptime GPU_SCORERS = ("simt", "wgmma", "mfma")
-"""The scorers with a kernel, in the order reports list them."""
+comptime SIMT = "simt"
+"""FP32 FMAs: every GPU, any depth."""
+
+comptime WGMMA = "wgmma"
+"""Hopper's FP8 tensor cores."""
+
+comptime MFMA = "mfma"
+"""MI300's FP8 matrix cores."""
+
+comptime GPU_SCORERS = (SIMT, WGMMA, MFMA)
+"""The scorers with a kernel, in the order reports list them. The `scorer`
+names the op accepts are `AUTO` and these: the one place they are listed
+(`mla_kpool._index_op.SCORERS` is the Python twin; tests/
+test_kernel_constants.py checks they agree)."""
 
 comptime ScoreKernel[scorer: StaticString, Op: type_of(IndexTopK)] = (
     WgmmaScore[Op] if scorer
-    == "wgmma" else (MfmaScore[Op] if scorer == "mfma" else SimtScore[Op])
+    == WGMMA else (MfmaScore[Op] if scorer == MFMA else SimtScore[Op])
 )
 """The score launch's kernel (`gpu_kernel.GpuKernel`) of each scorer: the
 one place a scorer's name meets its kernel."""
+
+
+def scorer_gpu[scorer: StaticString]() -> StaticString:
+    """The GPU family whose targets build `scorer`'s kernel: `"sm_90"`,
+    `"gfx942"`, or `""` for a scorer every GPU builds (`SIMT`; `AUTO` and
+    an unknown name too). The one place a scorer's name meets its GPU
+    (`mla_kpool._index_op._TENSOR_ARCH` is the Python twin)."""
+    comptime if scorer == WGMMA:
+        return "sm_90"
+    elif scorer == MFMA:
+        return "gfx942"
+    return ""
+
+
+def is_tensor_scorer[scorer: StaticString]() -> Bool:
+    """Whether `scorer` is a tensor scorer: one GPU family builds it, for
+    the depths `index_gpu_score.tensor_fits` takes."""
+    return scorer_gpu[scorer]() != ""
+
+
+def is_scorer[name: StaticString]() -> Bool:
+    """Whether the op accepts `name` as its `scorer`: `AUTO` or one of
+    `GPU_SCORERS`."""
+    comptime if name == AUTO:
+        return True
+    comptime for i in range(len(GPU_SCORERS)):
+        comptime if name == GPU_SCORERS[i]:
+            return True
+    return False
+
+
+def scorer_names() -> String:
+    """The names `is_scorer` accepts, comma separated (for messages)."""
+    var names = String(AUTO)
+    comptime for i in range(len(GPU_SCORERS)):
+        names += String(", ", GPU_SCORERS[i])
+    return names
 
 
 def is_hopper(arch: StaticString) -> Bool:
@@ -57,56 +106,53 @@ def is_cdna3(arch: StaticString) -> Bool:
     )
 
 
-def scorer_targets[scorer: StaticString](arch: StaticString) -> Bool:
-    """Whether `scorer`'s kernel is built for the GPU `arch` (`"simt"`
-    for every one)."""
-    comptime if scorer == "wgmma":
+def in_family(family: StaticString, arch: StaticString) -> Bool:
+    """Whether the GPU `arch` is of `family` (`scorer_gpu`'s names; `""`:
+    every GPU)."""
+    if family == "sm_90":
         return is_hopper(arch)
-    elif scorer == "mfma":
+    if family == "gfx942":
         return is_cdna3(arch)
-    return True
+    return family == ""
 
 
-def hopper_target() -> Bool:
-    """Whether the graph's accelerator is an sm_90 (Hopper) GPU."""
-    return is_hopper(_accelerator_arch())
-
-
-def cdna3_target() -> Bool:
-    """Whether the graph's accelerator is a gfx942 (MI300) GPU."""
-    return is_cdna3(_accelerator_arch())
+def scorer_targets[scorer: StaticString](arch: StaticString) -> Bool:
+    """Whether `scorer`'s kernel is built for the GPU `arch` (`SIMT`'s
+    for every one)."""
+    return in_family(scorer_gpu[scorer](), arch)
 
 
 def scorer_kernel[
     scorer: StaticString, target: StaticString, emulate_gpu: Bool, depth: Int
 ]() -> StaticString:
-    """The scorer the GPU path builds: `"simt"`, `"wgmma"` or `"mfma"`.
+    """The scorer the GPU path builds: one of `GPU_SCORERS`.
 
-    A tensor scorer only where it can run (an sm_90 / gfx942 target, or
-    the emulated grid) and for the depths it takes; `"simt"` otherwise,
-    so a refused name never builds a kernel its target lacks
-    (`check_scorer` raises for it before anything launches).
+    A tensor scorer only where it can run (a target of its GPU family, or
+    the emulated grid) and for the depths it takes; `SIMT` otherwise, so
+    a refused name never builds a kernel its target lacks (`check_scorer`
+    raises for it before anything launches). `AUTO` takes the first
+    tensor scorer the GPU target builds.
     """
     comptime gpu = target != "cpu"
-    comptime if scorer == "auto":
-        comptime if gpu and hopper_target() and wgmma_fits[depth]():
-            return "wgmma"
-        comptime if gpu and cdna3_target() and mfma_fits[depth]():
-            return "mfma"
-        return "simt"
-    elif scorer == "wgmma":
-        comptime if (emulate_gpu or (gpu and hopper_target())) and wgmma_fits[
-            depth
-        ]():
-            return "wgmma"
-        return "simt"
-    elif scorer == "mfma":
-        comptime if (emulate_gpu or (gpu and cdna3_target())) and mfma_fits[
-            depth
-        ]():
-            return "mfma"
-        return "simt"
-    return "simt"
+    comptime arch = _accelerator_arch()
+    comptime if scorer == AUTO:
+        comptime for i in range(len(GPU_SCORERS)):
+            comptime candidate: StaticString = GPU_SCORERS[i]
+            comptime if (
+                gpu
+                and is_tensor_scorer[candidate]()
+                and scorer_targets[candidate](arch)
+                and tensor_fits[depth]()
+            ):
+                return candidate
+        return SIMT
+    comptime if (
+        is_tensor_scorer[scorer]()
+        and (emulate_gpu or (gpu and scorer_targets[scorer](arch)))
+        and tensor_fits[depth]()
+    ):
+        return scorer
+    return SIMT
 
 
 def check_scorer[
@@ -119,61 +165,50 @@ def check_scorer[
             scorer on a target that cannot run it (naming the target) or
             with a depth it does not take.
     """
-    comptime if (
-        scorer != "auto"
-        and scorer != "simt"
-        and scorer != "wgmma"
-        and scorer != "mfma"
-    ):
+    comptime if not is_scorer[scorer]():
         raise Error(
-            op_name, ": scorer must be one of ", SCORERS, ", got '", scorer, "'"
+            op_name,
+            ": scorer must be one of ",
+            scorer_names(),
+            ", got '",
+            scorer,
+            "'",
         )
-    comptime gpu = target != "cpu"
-    comptime arch = _accelerator_arch() if gpu else "host"
-    # On a GPU a tensor scorer the target lacks fails the build: a graph
-    # names its scorer for the GPU it is compiled for (and an arch name
-    # this file does not know would otherwise quietly build "simt").
-    comptime assert (
-        not gpu or scorer != "wgmma" or hopper_target()
-    ), "mla_kpool.index_top_k: scorer 'wgmma' needs an sm_90 GPU target"
-    comptime assert (
-        not gpu or scorer != "mfma" or cdna3_target()
-    ), "mla_kpool.index_top_k: scorer 'mfma' needs a gfx942 GPU target"
-    comptime if scorer == "wgmma":
-        comptime if not emulate_gpu and not (gpu and hopper_target()):
+    comptime if is_tensor_scorer[scorer]():
+        comptime family = scorer_gpu[scorer]()
+        comptime gpu = target != "cpu"
+        comptime arch = _accelerator_arch() if gpu else "host"
+        comptime runs_here = gpu and scorer_targets[scorer](arch)
+        # On a GPU a tensor scorer the target lacks fails the build: a graph
+        # names its scorer for the GPU it is compiled for (and an arch name
+        # this file does not know would otherwise quietly build SIMT).
+        comptime assert not gpu or runs_here, String(
+            "mla_kpool.index_top_k: scorer '",
+            scorer,
+            "' runs only on ",
+            family,
+            " GPU targets",
+        )
+        comptime if not emulate_gpu and not runs_here:
             raise Error(
                 op_name,
-                ": scorer 'wgmma' needs an sm_90 GPU (or emulate_gpu on the",
-                " CPU); this target is ",
+                ": scorer '",
+                scorer,
+                "' runs only on ",
+                family,
+                " GPUs (or with emulate_gpu on the CPU); this target is ",
                 target,
                 " (",
                 arch,
                 ")",
             )
-        comptime if not wgmma_fits[depth]():
+        comptime if not tensor_fits[depth]():
             raise Error(
                 op_name,
-                ": scorer 'wgmma' takes depth up to ",
-                WGMMA_MAX_DEPTH,
-                ", got ",
-                depth,
-            )
-    elif scorer == "mfma":
-        comptime if not emulate_gpu and not (gpu and cdna3_target()):
-            raise Error(
-                op_name,
-                ": scorer 'mfma' needs a gfx942 GPU (or emulate_gpu on the",
-                " CPU); this target is ",
-                target,
-                " (",
-                arch,
-                ")",
-            )
-        comptime if not mfma_fits[depth]():
-            raise Error(
-                op_name,
-                ": scorer 'mfma' takes depth up to ",
-                MFMA_MAX_DEPTH,
+                ": scorer '",
+                scorer,
+                "' takes depth up to ",
+                TENSOR_MAX_DEPTH,
                 ", got ",
                 depth,
             )

@@ -67,6 +67,7 @@ from std.bit import log2_floor, next_power_of_two
 from std.math import max, min
 
 from .block_phases import Shared
+from .index_operands import TOP_K_LIMIT
 from .index_rank import score_order
 from .ragged import Ptr
 
@@ -89,9 +90,6 @@ comptime _COUNTED = RADIX_BUCKETS - 1
 comptime _PASSES = 32 // DIGIT_BITS
 """Radix passes over a 32-bit key."""
 
-comptime SELECT_MAX_K = 2048
-"""Largest `k` (MAX's largest `top_k`); the pair area holds this many."""
-
 comptime _HIST = 0
 """Word of digit `d`'s counter of thread `t`: `_HIST + (d - 1) * T + t`."""
 
@@ -99,15 +97,16 @@ comptime _HIST_WORDS = _COUNTED * SELECT_THREADS
 """The histogram area, reused for the pairs and the collect's counts."""
 
 comptime _PAIR_KEYS = _HIST
-"""Keys of the pairs (the histogram area's first `SELECT_MAX_K` words)."""
+"""Keys of the pairs (the histogram area's first `TOP_K_LIMIT` words: the
+pair area holds the largest `k`)."""
 
-comptime _PAIR_IDS = _HIST + SELECT_MAX_K
+comptime _PAIR_IDS = _HIST + TOP_K_LIMIT
 """Ids of the pairs."""
 
 comptime _PADDED = SELECT_THREADS + SELECT_THREADS // _LANES
 """Words of one padded per-thread count array (`_padded`)."""
 
-comptime _ABOVE = _PAIR_IDS + SELECT_MAX_K
+comptime _ABOVE = _PAIR_IDS + TOP_K_LIMIT
 """Per-thread counts of keys above `K`, then their exclusive prefixes."""
 
 comptime _TIES = _ABOVE + _PADDED
@@ -166,7 +165,7 @@ def select_phases(k: Int) -> Int:
     writes in a phase of its own.
 
     Args:
-        k: Ids per output row, `1 ..= SELECT_MAX_K`.
+        k: Ids per output row, `1 ..= TOP_K_LIMIT`.
     """
     return _SELECT_PHASES + _COLLECT_PHASES + max(_sort_steps(k), 1)
 
@@ -224,7 +223,7 @@ def select_row_phase(
         s: The block's shared words (`SELECT_WORDS`).
         scores: The row's scores, `bound` of them.
         bound: Candidates of the row (ids `0 ..< bound`), at least 0.
-        k: Ids per output row, `1 ..= SELECT_MAX_K`.
+        k: Ids per output row, `1 ..= TOP_K_LIMIT`.
         ids: The row's `k` output ids.
     """
     comptime assert (

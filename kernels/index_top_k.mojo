@@ -52,14 +52,10 @@ from std.utils.index import IndexList
 
 from .index_cpu import index_top_k_cpu, scratch
 from .index_gpu import index_top_k_gpu, window_rows
-from .index_operands import IndexOperands, no_workspace
+from .index_operands import TOP_K_LIMIT, IndexOperands, no_workspace
 from .index_plan import scored_prefix
-from .index_scorers import check_scorer, scorer_kernel
+from .index_scorers import AUTO, check_scorer, scorer_kernel
 from .operands import ANY, dims, expect_shape, expect_target
-
-
-comptime TOP_K_LIMIT = 2048
-"""Largest `k` the op accepts (MAX's limit for this op)."""
 
 
 def block_stride_of(
@@ -100,7 +96,7 @@ struct MLAKPoolIndexTopK:
         kpool: Int = 1,
         target: StaticString,
         emulate_gpu: Bool = False,
-        scorer: StaticString = "auto",
+        scorer: StaticString = AUTO,
     ](
         output_indices: OutputTensor[dtype=DType.int32, rank=2, ...],
         q: InputTensor[rank=3, ...],
@@ -123,7 +119,7 @@ struct MLAKPoolIndexTopK:
         Parameters:
             num_heads: Query heads `H`.
             depth: Dims per head and per key `D`.
-            k: Ids per output row, 1 to 2048.
+            k: Ids per output row, 1 to `TOP_K_LIMIT` (2048).
             quantization_granularity: The keys' quantization group
                 (accepted for MAX's signature; one scale per key row is
                 read).
@@ -187,8 +183,9 @@ struct MLAKPoolIndexTopK:
         ):
             raise Error(
                 OP,
-                ": need num_heads >= 1, depth >= 1, 1 <= k <= 2048,",
-                " kpool >= 1 and mask_str 'null' or 'causal'; got num_heads=",
+                ": need num_heads >= 1, depth >= 1, 1 <= k <= ",
+                TOP_K_LIMIT,
+                ", kpool >= 1 and mask_str 'null' or 'causal'; got num_heads=",
                 num_heads,
                 ", depth=",
                 depth,

@@ -33,8 +33,9 @@ bound the tests use); the head sum and the scale are float32 in a fixed
 order, so the scores are the same on every launch. On the emulated grid the
 instruction is `wgmma_model.wgmma_e4m3_model`, written from the PTX ISA.
 
-Shapes: any `num_heads`; `depth` up to `WGMMA_MAX_DEPTH` (a tile of keys
-and one of query heads must fit the block's static shared memory).
+Shapes: any `num_heads`; `depth` up to `index_gpu_score.TENSOR_MAX_DEPTH`
+(a tile of keys and one of query heads must fit the block's static shared
+memory).
 """
 
 from max.gpu.compute.mma import (
@@ -65,10 +66,6 @@ comptime WGMMA_THREADS = 128
 
 comptime WGMMA_HEADS = 64
 """Most heads per matrix product (the instruction's N)."""
-
-comptime WGMMA_MAX_DEPTH = 256
-"""Largest `depth` the scorer takes (its tiles then use 33 KiB of shared
-memory, under the 48 KiB a block gets statically)."""
 
 comptime CORE_BYTES = 128
 """Bytes of one core matrix: 8 rows of 16 bytes."""
@@ -117,12 +114,6 @@ def partial_word[num_heads: Int, depth: Int]() -> Int:
 def wgmma_words[num_heads: Int, depth: Int]() -> Int:
     """Shared words of the scorer: keys, query heads, partial sums."""
     return partial_word[num_heads, depth]() + 4 * WGMMA_TILE
-
-
-@always_inline
-def wgmma_fits[depth: Int]() -> Bool:
-    """Whether the scorer takes this depth (`1 ..= WGMMA_MAX_DEPTH`)."""
-    return 0 < depth <= WGMMA_MAX_DEPTH
 
 
 @always_inline

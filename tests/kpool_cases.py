@@ -23,6 +23,7 @@ from types import ModuleType
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 from mla_kpool.reference import tolerance
 from mla_kpool.runner import ModelKey, model_key
@@ -186,10 +187,44 @@ def mojo_command() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mojo")
 
 
+#: Set (to anything but ``""`` or ``"0"``) where the Mojo tests must run, as
+#: ``.ci/run`` does: a missing ``mojo`` then fails them instead of skipping.
+REQUIRE_MOJO = "MLA_KPOOL_REQUIRE_MOJO"
+
+
+def mojo_required() -> bool:
+    """Whether :data:`REQUIRE_MOJO` is set."""
+    return os.environ.get(REQUIRE_MOJO, "") not in ("", "0")
+
+
+def skip_without_mojo() -> bool:
+    """Whether the tests that run ``mojo`` skip: it is not found and
+    :data:`REQUIRE_MOJO` is not set (set, they run and fail)."""
+    return mojo_command() is None and not mojo_required()
+
+
+#: The mark of every test that runs ``mojo`` (the only way such a test
+#: skips; tests/test_kernel_constants.py keeps it so).
+needs_mojo = pytest.mark.skipif(
+    skip_without_mojo(),
+    reason=f"the mojo command is not found (and {REQUIRE_MOJO} is not set)",
+)
+
+
+def require_mojo() -> str:
+    """The ``mojo`` command; fails the calling test where there is none."""
+    mojo = mojo_command()
+    if mojo is None:
+        pytest.fail(
+            f"the mojo command is not found ({REQUIRE_MOJO} is"
+            f" {os.environ.get(REQUIRE_MOJO)!r})"
+        )
+    return mojo
+
+
 def run_mojo_file(test_file: str, root: Path = ROOT) -> tuple[int, str]:
     """``mojo run -I root root/test_file``: its exit status and output."""
-    mojo = mojo_command()
-    assert mojo is not None, "the mojo command is not found"
+    mojo = require_mojo()
     proc = subprocess.run(
         [mojo, "run", "-I", str(root), str(root / test_file)],
         capture_output=True,
@@ -201,26 +236,70 @@ def run_mojo_file(test_file: str, root: Path = ROOT) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def run_mojo_suite(test_file: str) -> str:
+@functools.cache
+def _mojo_suite(test_file: str) -> tuple[str, dict[str, str]]:
+    """One run of a ``tests/mojo`` suite: its output, and each test's
+    result (``PASS``, ``FAIL`` or ``SKIP``) by name; run once per process,
+    so a suite's hardware tests are read from the run that checked the
+    rest."""
+    status, output = run_mojo_file(test_file)
+    results = dict(
+        (name, result)
+        for result, name in re.findall(
+            r"^\s*(PASS|FAIL|SKIP) \[[^]]*\] (\w+)", output, re.M
+        )
+    )
+    assert status == 0 or "FAIL" in results.values(), output
+    return output, results
+
+
+def run_mojo_suite(test_file: str, may_skip: tuple[str, ...] = ()) -> str:
     """Runs a ``tests/mojo`` file's ``TestSuite``; asserts every test passed.
 
     The suite must report as many tests as the file defines (its
     top-level ``def test_...`` functions), so a test that was not
-    discovered cannot pass unseen, and no count is kept by hand.
+    discovered cannot pass unseen, and no count is kept by hand. Only the
+    tests named in ``may_skip`` (hardware comparisons, which the suite
+    skips where their GPU is absent) may report a skip; the caller counts
+    each through :func:`mojo_hardware_test`.
 
     Args:
         test_file: Path relative to the repository root.
+        may_skip: Tests the suite may skip.
 
     Returns:
         The suite's output.
     """
-    defined = len(
-        re.findall(r"^def test_\w+\(", (ROOT / test_file).read_text(), re.M)
+    defined = re.findall(
+        r"^def (test_\w+)\(", (ROOT / test_file).read_text(), re.M
     )
-    status, output = run_mojo_file(test_file)
-    assert status == 0, output
-    summary = re.search(r"(\d+) tests run: (\d+) passed", output)
+    output, results = _mojo_suite(test_file)
+    summary = re.search(
+        r"(\d+) tests run: (\d+) passed , (\d+) failed , (\d+) skipped",
+        output,
+    )
     assert summary, output
-    assert summary[1] == summary[2], output
-    assert int(summary[1]) == defined > 0, output
+    assert int(summary[1]) == len(defined) > 0, output
+    assert sorted(results) == sorted(defined), output
+    wrong = {
+        name: result
+        for name, result in results.items()
+        if result != "PASS" and not (result == "SKIP" and name in may_skip)
+    }
+    assert not wrong, f"{wrong}\n{output}"
     return output
+
+
+def mojo_hardware_test(test_file: str, name: str, needs: str) -> None:
+    """Counts a suite's hardware test as pytest counts tests: a skip where
+    the suite skipped it (no ``needs`` GPU here), else its pass or fail.
+
+    Args:
+        test_file: The suite, as for :func:`run_mojo_suite`.
+        name: The Mojo test.
+        needs: The GPU it needs, for the skip's reason.
+    """
+    output, results = _mojo_suite(test_file)
+    if results.get(name) == "SKIP":
+        pytest.skip(f"{name} needs {needs}; the Mojo suite skipped it")
+    assert results.get(name) == "PASS", output

@@ -43,7 +43,7 @@ from max.graph import DeviceRef, Graph, TensorType
 
 import mla_kpool
 from conftest import DEVICE_NAMES
-from kpool_cases import max_nn_kernels, mojo_command, run_mojo_suite
+from kpool_cases import max_nn_kernels, needs_mojo, run_mojo_suite
 from mla_kpool import reference as ref
 from mla_kpool._paths import compiled_kernels
 from mla_kpool.buffers import to_buffer, to_max_dtype, to_numpy
@@ -493,9 +493,7 @@ def test_fuzz_guarded(
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(
-    mojo_command() is None, reason="the mojo command is not found"
-)
+@needs_mojo
 def test_output_guards_and_emulated_grid_in_mojo() -> None:
     """tests/mojo/test_expand_topk.mojo: guarded outputs, CPU == GPU grid."""
     output = run_mojo_suite("tests/mojo/test_expand_topk.mojo")

@@ -22,26 +22,26 @@ from pathlib import Path
 
 import pytest
 
-from kpool_cases import ROOT, mojo_command, run_mojo_file, run_mojo_suite
-
-
-@pytest.mark.skipif(
-    mojo_command() is None, reason="the mojo command is not found"
+from kpool_cases import (
+    ROOT,
+    mojo_hardware_test,
+    needs_mojo,
+    run_mojo_file,
+    run_mojo_suite,
 )
+
+
+@needs_mojo
 def test_gpu_kernels_compile_and_launch_shapes():
     run_mojo_suite("tests/mojo/test_gpu_kernels.mojo")
 
 
-@pytest.mark.skipif(
-    mojo_command() is None, reason="the mojo command is not found"
-)
+@needs_mojo
 def test_phased_kernels_emulation_and_compile():
     run_mojo_suite("tests/mojo/test_block_phases.mojo")
 
 
-@pytest.mark.skipif(
-    mojo_command() is None, reason="the mojo command is not found"
-)
+@needs_mojo
 def test_index_select_on_the_phased_emulation():
     run_mojo_suite("tests/mojo/test_index_select.mojo")
 
@@ -99,9 +99,7 @@ SELECT_MUTANTS = [
 ]
 
 
-@pytest.mark.skipif(
-    mojo_command() is None, reason="the mojo command is not found"
-)
+@needs_mojo
 @pytest.mark.parametrize(
     "mutant", SELECT_MUTANTS, ids=[m[0] for m in SELECT_MUTANTS]
 )
@@ -114,16 +112,24 @@ def test_index_select_planted_faults_fail(mutant, tmp_path: Path):
     )
 
 
-@pytest.mark.skipif(
-    mojo_command() is None, reason="the mojo command is not found"
-)
+@needs_mojo
 def test_wgmma_model_against_the_isa_tables():
-    run_mojo_suite("tests/mojo/test_wgmma_model.mojo")
+    run_mojo_suite(
+        "tests/mojo/test_wgmma_model.mojo",
+        may_skip=("test_hardware_equals_the_model_on_sm_90",),
+    )
 
 
-@pytest.mark.skipif(
-    mojo_command() is None, reason="the mojo command is not found"
-)
+@needs_mojo
+def test_wgmma_hardware_equals_the_model():
+    mojo_hardware_test(
+        "tests/mojo/test_wgmma_model.mojo",
+        "test_hardware_equals_the_model_on_sm_90",
+        "an sm_90 GPU (Hopper)",
+    )
+
+
+@needs_mojo
 def test_wgmma_scorer_on_the_phased_emulation():
     run_mojo_suite("tests/mojo/test_index_wgmma.mojo")
 
@@ -160,9 +166,7 @@ WGMMA_MUTANTS = [
 ]
 
 
-@pytest.mark.skipif(
-    mojo_command() is None, reason="the mojo command is not found"
-)
+@needs_mojo
 @pytest.mark.parametrize(
     "mutant", WGMMA_MUTANTS, ids=[m[0] for m in WGMMA_MUTANTS]
 )
@@ -172,16 +176,24 @@ def test_wgmma_scorer_planted_faults_fail(mutant, tmp_path: Path):
     )
 
 
-@pytest.mark.skipif(
-    mojo_command() is None, reason="the mojo command is not found"
-)
+@needs_mojo
 def test_mfma_model_against_the_isa_tables():
-    run_mojo_suite("tests/mojo/test_mfma_model.mojo")
+    run_mojo_suite(
+        "tests/mojo/test_mfma_model.mojo",
+        may_skip=("test_hardware_equals_the_model_on_mi300",),
+    )
 
 
-@pytest.mark.skipif(
-    mojo_command() is None, reason="the mojo command is not found"
-)
+@needs_mojo
+def test_mfma_hardware_equals_the_model():
+    mojo_hardware_test(
+        "tests/mojo/test_mfma_model.mojo",
+        "test_hardware_equals_the_model_on_mi300",
+        "an MI300 GPU (gfx942)",
+    )
+
+
+@needs_mojo
 def test_mfma_scorer_on_the_phased_emulation():
     run_mojo_suite("tests/mojo/test_index_mfma.mojo")
 
@@ -226,9 +238,7 @@ MFMA_MUTANTS = [
 ]
 
 
-@pytest.mark.skipif(
-    mojo_command() is None, reason="the mojo command is not found"
-)
+@needs_mojo
 @pytest.mark.parametrize(
     "mutant", MFMA_MUTANTS, ids=[m[0] for m in MFMA_MUTANTS]
 )

@@ -9,13 +9,9 @@ scorer, and the bfloat16 pair blocks against the float32 blocks.
 
 from __future__ import annotations
 
-import pytest
-
-from kpool_cases import mojo_command, run_mojo_suite
+from kpool_cases import needs_mojo, run_mojo_suite
 
 
-@pytest.mark.skipif(
-    mojo_command() is None, reason="the mojo command is not found"
-)
+@needs_mojo
 def test_prefill_scorer_parts() -> None:
     run_mojo_suite("tests/mojo/test_index_cpu_prefill.mojo")

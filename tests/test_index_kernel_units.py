@@ -8,13 +8,9 @@ row decoder's SIMD steps and tail, and that the ranking key orders by score
 
 from __future__ import annotations
 
-import pytest
-
-from kpool_cases import mojo_command, run_mojo_suite
+from kpool_cases import needs_mojo, run_mojo_suite
 
 
-@pytest.mark.skipif(
-    mojo_command() is None, reason="the mojo command is not found"
-)
+@needs_mojo
 def test_decode_and_rank_key() -> None:
     run_mojo_suite("tests/mojo/test_index_top_k.mojo")

@@ -10,13 +10,9 @@ uses equals the integer decode on all 256 bytes.
 
 from __future__ import annotations
 
-import pytest
-
-from kpool_cases import mojo_command, run_mojo_suite
+from kpool_cases import needs_mojo, run_mojo_suite
 
 
-@pytest.mark.skipif(
-    mojo_command() is None, reason="the mojo command is not found"
-)
+@needs_mojo
 def test_index_scorers_machine_code():
     run_mojo_suite("tests/mojo/test_index_score_asm.mojo")

@@ -13,18 +13,12 @@ from __future__ import annotations
 
 import subprocess
 
-import pytest
-
-from kpool_cases import ROOT, mojo_command, run_mojo_suite
+from kpool_cases import ROOT, needs_mojo, require_mojo, run_mojo_suite
 
 #: The compile-time message of ``check_kernel_layout``.
 MESSAGE = (
     "KernelOperands: an operand struct must hold only 8-byte pointers,"
     " Int or Int64 fields"
-)
-
-needs_mojo = pytest.mark.skipif(
-    mojo_command() is None, reason="the mojo command is not found"
 )
 
 
@@ -37,7 +31,7 @@ def test_all_word_structs_pass_the_layout_check() -> None:
 def test_struct_with_a_4_byte_field_fails_the_build() -> None:
     proc = subprocess.run(
         [
-            mojo_command(),
+            require_mojo(),
             "run",
             "-I",
             str(ROOT),

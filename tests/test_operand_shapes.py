@@ -23,7 +23,7 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
 
 from kpool_cases import (
     assert_pooled_close,
-    mojo_command,
+    needs_mojo,
     random_ape,
     random_rows,
     run_mojo_suite,
@@ -36,9 +36,7 @@ KPOOL, HEAD_DIM = 4, 16
 F32 = np.float32
 
 
-@pytest.mark.skipif(
-    mojo_command() is None, reason="the mojo command is not found"
-)
+@needs_mojo
 def test_message_format_in_mojo() -> None:
     run_mojo_suite("tests/mojo/test_operands.mojo")
 

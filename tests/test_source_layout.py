@@ -40,6 +40,7 @@ PRODUCT = {
     "python/mla_kpool/_metadata.py": "the graph API's metadata helpers",
     "python/mla_kpool/_argtypes.py": "operand value checks the API shares",
     "python/mla_kpool/_paths.py": "how every API graph loads the kernels",
+    "python/mla_kpool/_limits.py": "index_top_k's limits, the oracle's too",
     "python/mla_kpool/buffers.py": "host buffers and dtypes for the ops",
     "python/mla_kpool/ring.py": "the ring's slot bookkeeping for callers",
     "python/mla_kpool/index_cache.py": "the paged FP8 key cache index_top_k"

@@ -19,13 +19,12 @@ from max.graph import BufferValue, DeviceRef, TensorType, TensorValue, ops
 from max.graph.dim import Dim, StaticDim
 
 from . import _validate as v
+from ._limits import MAX_TOP_K
 from ._paths import ensure_kernels
-from .reference.indexer import mask_name
+from ._validate import mask_name
 
 #: The registered name of this package's indexer (CPU and GPU paths).
 OP_NAME = "mla_kpool.index_top_k"
-#: MAX's largest ``top_k`` (its bounded top-k's capacity); ours too.
-MAX_TOP_K = 2048
 #: Mask strings the op takes (``mask_str``).
 MASKS = ("causal", "null")
 
@@ -283,16 +282,17 @@ def check_operands(
 #: The GPU path's scorers: ``"auto"`` (the tensor scorer of an sm_90 or
 #: gfx942 GPU, else FP32 FMAs), ``"simt"`` (FP32 FMAs on every GPU), ``"wgmma"``
 #: (Hopper's FP8 tensor cores, sm_90) and ``"mfma"`` (MI300's FP8 matrix
-#: cores, gfx942).
+#: cores, gfx942). Kernels: ``AUTO`` and ``GPU_SCORERS`` in
+#: kernels/index_scorers.mojo.
 SCORERS = ("auto", "simt", "wgmma", "mfma")
 
 #: Largest depth the tensor scorers take: their tiles of keys and query
-#: heads must fit a block's static shared memory (WGMMA_MAX_DEPTH and
-#: MFMA_MAX_DEPTH in the kernels; the op refuses a larger one too).
+#: heads must fit a block's static shared memory (``TENSOR_MAX_DEPTH`` in
+#: kernels/index_gpu_score.mojo; the op refuses a larger one too).
 TENSOR_MAX_DEPTH = 256
 
 #: The tensor scorers and the architecture names (``max.driver``'s) of
-#: the GPUs that run them.
+#: the GPUs that run them (``scorer_gpu`` in kernels/index_scorers.mojo).
 _TENSOR_ARCH = {
     "wgmma": ("sm_90", "an sm_90 GPU (Hopper)"),
     "mfma": ("gfx942", "a gfx942 GPU (MI300)"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable
+from enum import Enum
 
 from max.dtype import DType
 from max.graph import BufferValue, DeviceRef, Dim, TensorValue
@@ -50,6 +51,35 @@ def check_kpool(kpool: object) -> int:
     if kpool < 1:
         raise ValueError(f"kpool must be at least 1, got {kpool}")
     return int(kpool)
+
+
+#: index_top_k's ``mask_str`` for each spelling a caller may pass: the
+#: op's own strings and the member names of MAX's ``MHAMaskVariant``.
+_MASK_SPELLINGS = {
+    "causal": "causal",
+    "CAUSAL_MASK": "causal",
+    "null": "null",
+    "NULL_MASK": "null",
+}
+
+
+def mask_name(mask: object, argument: str = "mask") -> str:
+    """index_top_k's mask as its ``mask_str``: ``"causal"`` or ``"null"``.
+
+    Takes the op's strings and MAX's ``MHAMaskVariant.CAUSAL_MASK`` /
+    ``NULL_MASK``, read by member name so that callers need no ``max.nn``
+    import.
+
+    Raises:
+        ValueError: For anything else, naming ``argument``.
+    """
+    key = mask.name if isinstance(mask, Enum) else mask
+    if isinstance(key, str) and key in _MASK_SPELLINGS:
+        return _MASK_SPELLINGS[key]
+    raise ValueError(
+        f"{argument} must be 'causal', 'null', MHAMaskVariant.CAUSAL_MASK or"
+        f" MHAMaskVariant.NULL_MASK, got {mask!r}"
+    )
 
 
 def check_tensor(name: str, value: object) -> TensorValue:

@@ -33,9 +33,9 @@ from ._index_op import (
     check_operands,
     check_scorer,
 )
+from ._validate import mask_name
 from .buffers import to_buffer
 from .index_cache import PagedIndexCache
-from .reference.indexer import mask_name
 
 
 @dataclass(frozen=True)

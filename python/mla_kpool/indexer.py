@@ -21,7 +21,7 @@ from max.nn.attention.mask_config import MHAMaskVariant
 from max.nn.kv_cache import PagedCacheValues
 
 from ._index_op import accelerator_arch, add_op, check_operands
-from .reference.indexer import mask_name
+from ._validate import mask_name
 
 #: MAX's variant of each mask the op takes.
 _VARIANT = {

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from .._limits import GPU_WORKSPACE_BYTES, window_rows
 from ..gpu_specs import gpu_spec, lower_bound_seconds
 from . import index as bench_index
 from . import workload as bench_workload
@@ -63,8 +64,9 @@ __all__ = [
 ]
 
 #: Scores workspace of one index_top_k call on a GPU (256 MiB, the op's
-#: contract in docs/ops.md): a window holds as many rows as fit.
-WORKSPACE_BYTES = 1 << 28
+#: contract in docs/ops.md): a window holds as many rows as fit
+#: (:func:`mla_kpool._limits.window_rows`).
+WORKSPACE_BYTES = GPU_WORKSPACE_BYTES
 #: Flops per pooled member and channel of a writer: gate + ape, minus the
 #: max, exp (counted as one), the weight sum, the weighted key (mul, add).
 POOL_FLOPS_PER_MEMBER = 6
@@ -146,7 +148,7 @@ def index_workload(
     pages = -(-pools * rows_per // shape.page_size)
     candidates = pages * shape.page_size // rows_per
     tokens = requests * new
-    window = max(1, min(tokens, WORKSPACE_BYTES // (max(candidates, 1) * 4)))
+    window = window_rows(candidates, tokens)
     return {
         "name": name,
         "op": "index_top_k",

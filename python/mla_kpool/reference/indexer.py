@@ -60,6 +60,7 @@ from enum import Enum
 import ml_dtypes
 import numpy as np
 
+from .._limits import MAX_TOP_K
 from ._checks import _check_kpool, _index_values, _offsets_ok
 
 #: Float32 unit roundoff, the kernel's accumulation precision.
@@ -79,8 +80,6 @@ TENSOR_CORE_MODELS = {
 ERROR_MODELS = ("simt", *TENSOR_CORE_MODELS)
 #: Smallest normal float32: an absolute floor for underflow.
 TINY = 2.0**-126
-#: MAX's largest supported ``top_k``.
-MAX_TOP_K = 2048
 #: Rows of scores computed at once (bounds the oracle's memory).
 _CHUNK_ELEMENTS = 1 << 22
 

@@ -1,0 +1,32 @@
+"""index_top_k's limits, written once in Python: top k, GPU workspace.
+
+A leaf module (it imports nothing) so that :mod:`mla_kpool.reference`,
+written from the contract, can take the limit the contract states without
+importing the product's code; the product (:mod:`mla_kpool._index_op`,
+the demo, the bench) imports it too. Each value mirrors its definition in
+the Mojo kernels, and tests/test_kernel_constants.py checks that they
+agree.
+"""
+
+from __future__ import annotations
+
+#: Largest ``top_k`` of index_top_k: MAX's limit for its indexer (the
+#: capacity of its bounded top-k), and ours (``TOP_K_LIMIT`` in
+#: kernels/index_operands.mojo).
+MAX_TOP_K = 2048
+
+#: Scores workspace of one index_top_k call on a GPU, 256 MiB
+#: (``GPU_WORKSPACE_BYTES`` in kernels/index_gpu.mojo): the op scores its
+#: rows in windows of as many rows as this holds.
+GPU_WORKSPACE_BYTES = 1 << 28
+
+
+def window_rows(candidates: int, total_tokens: int) -> int:
+    """Rows per window of index_top_k's GPU path.
+
+    As many float32 workspace rows of ``candidates`` scores as
+    :data:`GPU_WORKSPACE_BYTES` holds, at least one, at most
+    ``total_tokens`` (``window_rows`` in kernels/index_gpu.mojo).
+    """
+    per_row = max(candidates, 1) * 4
+    return max(1, min(total_tokens, GPU_WORKSPACE_BYTES // per_row))

@@ -1,0 +1,18 @@
+"""Prints the GPU path's workspace and windows, for tests/test_kernel_constants.py.
+
+`mojo run -I <root> window_rows_probe.mojo C0 T0 C1 T1 ...` prints
+`GPU_WORKSPACE_BYTES`, then `window_rows(Ci, Ti)` a line each.
+"""
+
+from std.sys import argv
+
+from kernels.index_gpu import GPU_WORKSPACE_BYTES, window_rows
+
+
+def main() raises:
+    var args = argv()
+    print(GPU_WORKSPACE_BYTES)
+    var i = 1
+    while i + 1 < len(args):
+        print(window_rows(Int(args[i]), Int(args[i + 1])))
+        i += 2
