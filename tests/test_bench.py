@@ -329,7 +329,9 @@ def test_sweep_and_quick_presets():
     """--sweep: every op, float32 and bfloat16 (expand_topk: int32 ids),
     kpool 4 16 128, batch 1 64 512 4096: 5 * 2 * 3 * 4 + 3 * 4 = 132
     configurations on 5 * 2 * 3 + 3 = 33 op instances, two graphs each
-    (op and floor). --quick: docs/performance.md's 10 on 9 instances."""
+    (op and floor). --quick: the fused step at three batches, on one op
+    instance: fewer graphs to compile than the default set, and no
+    configuration the default set does not time."""
     todo = cases("--sweep")
     assert len(todo) == len(set(todo)) == 132
     assert {c.op for c in todo} == set(workload.OPS)
@@ -342,8 +344,16 @@ def test_sweep_and_quick_presets():
     assert bench.graphs_to_compile(todo) == 66
     assert len(cases("--sweep", "--dtypes", "float32")) == 72
     quick = cases("--quick")
-    assert len(quick) == 10 and {c.op for c in quick} == set(workload.OPS)
-    assert bench.graphs_to_compile(quick) == 18
+    assert [(c.op, c.dtype, c.batch, c.kpool, c.head_dim) for c in quick] == [
+        ("step", "bfloat16", batch, 4, 128) for batch in (1, 64, 4096)
+    ]
+    assert bench.graphs_to_compile(quick) == 2
+    assert bench.graphs_to_compile(quick) < bench.graphs_to_compile(cases())
+    assert set(quick) <= set(cases())
+    # The grid options do not widen it again.
+    assert cases("--quick", "--kpools", "16", "128", "--ops", "compress") == (
+        quick
+    )
     with pytest.raises(SystemExit):
         cases("--quick", "--sweep")
 
@@ -355,7 +365,7 @@ def test_help_states_each_presets_cold_cost(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "8 configurations, 4 graphs to compile: about 1.5 min" in text
     assert "132 configurations, 66 graphs, about 22 min cold" in text
-    assert "18 graphs, about 6 min and 4 GB of memory cold" in text
+    assert "3 configurations, 2 graphs, about 40 s cold" in text
     # Why a command-line run starts again without two OpenBLAS variables.
     assert (
         "restarts itself without OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE: they"

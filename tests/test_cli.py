@@ -166,6 +166,49 @@ def test_second_run_says_its_models_were_in_the_runner(
     assert f"{1e3 * idle:.3f} ms" in table(out)["idle ops at most"]
 
 
+def test_progress_lines_when_stderr_is_not_a_terminal(
+    tmp_path, capsys, runners
+):
+    # Without --no-progress and with stderr captured (not a terminal): the
+    # compile message with its honest range, a line once the models are
+    # ready, and a progress line when the last call is done.
+    path = write(tmp_path, SMALL)
+    status = demo.main(["--schedule", str(path)], runner=runners("cpu"))
+    assert status == 0
+    text = capsys.readouterr().err
+    # No bar: it would redraw its line with carriage returns.
+    assert "\r" not in text
+    err = text.splitlines()
+    (compiling,) = [line for line in err if line.startswith("compiling")]
+    assert compiling.endswith(
+        "the first run compiles them into MAX's cache (~/.cache/modular by "
+        "default), about 15 s on a quiet 2-core machine, 1-2 min on a busy "
+        "or slower one; later runs load them from it in a few seconds..."
+    )
+    calls, requests = len(SMALL["calls"]), len(SMALL["requests"])
+    ready = err.index(next(line for line in err if line.startswith("models ")))
+    assert re.fullmatch(
+        r"models (compiled into MAX's cache|loaded from MAX's cache|already "
+        r"compiled in the runner given) \(\d+\.\d s\); "
+        rf"running {calls} calls, a progress line every 10 s\.\.\.",
+        err[ready],
+    ), err[ready]
+    lines = [line for line in err[ready + 1 :] if line.startswith("demo: ")]
+    assert lines, err
+    assert re.fullmatch(
+        rf"demo: {calls}/{calls} calls, {requests}/{requests} requests "
+        r"checked, \d+ s",
+        lines[-1],
+    ), lines[-1]
+    # --no-progress: no progress line.
+    status = demo.main(
+        ["--schedule", str(path), "--no-progress"], runner=runners("cpu")
+    )
+    assert status == 0
+    err = capsys.readouterr().err
+    assert "demo: " not in err and "a progress line" not in err
+
+
 def null_mask_skips(sched: dict[str, Any]) -> int:
     """Selected ids expand_topk must skip with the null mask, for a
     schedule where no row sees more than 512 pools: each row of a request

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from max import driver
-from tqdm import tqdm
 
 from .._argtypes import int_at_least, output_file
+from .._limits import MAX_TOP_K
 from .._paths import compiled_kernels
 from ..runner import DEVICES, Runner
 from . import workload
@@ -29,6 +29,7 @@ from .checked_run import (
 )
 from .faults import FAULT_KINDS, place_fault
 from .indexing import INDEX_HEADS, INDEX_MASKS, INDEX_PAGE_SIZE, index_width
+from .progress import LINE_INTERVAL_S, LineProgress, progress_for
 from .schedule_file import load_schedule
 from .scheduling import Plan
 from .summary import format_summary, summarize
@@ -49,14 +50,24 @@ class DemoError(Exception):
     """A usage problem: bad option combination, no GPU, bad schedule."""
 
 
-#: Seconds the three models took to compile with an empty MAX cache: the
-#: compile row less the Mojo kernels' precompile, in five runs of
-#: ``MODULAR_CACHE_DIR=$(mktemp -d) python -m mla_kpool demo --no-progress``
-#: on a 2-core AMD EPYC VM, MAX 26.7, two on a quiet machine (12.5 s,
-#: 13.5 s) and three beside other compiles (17.3-19.0 s); docs/demo.md has
-#: these runs and older ones with compile rows of 40.6 s and 117.5 s. A warm
-#: cache loads them in a few seconds.
-COLD_COMPILE_S = "12-19"
+#: How long the three models take to compile with an empty MAX cache, as
+#: the demo says before it compiles them. The compile row less the Mojo
+#: kernels' precompile, ``MODULAR_CACHE_DIR=$(mktemp -d) python -m
+#: mla_kpool demo`` on 2-core VMs, MAX 26.7: 12.5-19 s on a quiet machine,
+#: 40-110 s beside other compiles or on a slower one (docs/demo.md has the
+#: runs). A warm cache loads them in a few seconds.
+COLD_COMPILE = (
+    "about 15 s on a quiet 2-core machine, 1-2 min on a busy or slower one"
+)
+
+#: What the line after the compile says the models' source was
+#: (:func:`models_source`).
+MODELS_SOURCE = {
+    "compiled": "compiled into MAX's cache",
+    "loaded": "loaded from MAX's cache",
+    "in runner": "already compiled in the runner given",
+    None: "compiled or loaded",
+}
 
 #: Requests ``--device gpu-emulated`` generates without ``--requests`` (or
 #: a schedule): the emulated grid runs every GPU thread on the host, and the
@@ -144,7 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive,
         default=workload.DEFAULT_POOL_TOPK,
         help="pool ids each query token's indexer row selects (index_top_k's"
-        " top_k, at most 2048), which expand_topk widens"
+        f" top_k, at most {MAX_TOP_K}), which expand_topk widens"
         f" ({workload.DEFAULT_POOL_TOPK})",
     )
     add(
@@ -184,7 +195,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--no-progress",
         action="store_true",
-        help="no progress bar (it is shown only when stderr is a terminal)",
+        help="no progress display (a bar when stderr is a terminal, else a"
+        f" line every {LINE_INTERVAL_S:.0f} s at most)",
     )
 
 
@@ -251,10 +263,10 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
         spec_tokens=args.spec_tokens or 0,
         **{name: getattr(args, name) for name in as_given.split()},
     )
-    if config.pool_topk > 2048:
+    if config.pool_topk > MAX_TOP_K:
         raise DemoError(
-            f"--pool-topk must be at most 2048 (index_top_k's top_k), got "
-            f"{config.pool_topk}"
+            f"--pool-topk must be at most {MAX_TOP_K} (index_top_k's top_k),"
+            f" got {config.pool_topk}"
         )
     if config.spec_tokens and loaded is not None and loaded.calls is not None:
         raise DemoError(
@@ -345,10 +357,9 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
         f"{config.kpool}, head_dim {config.head_dim}{ring}), the "
         f"expand_topk model (top {config.pool_topk}) and the index_top_k "
         f"model (H {INDEX_HEADS}, W {width}, top {config.pool_topk}, "
-        f"{config.index_mask} mask) on {config.device}: compiled once into "
-        "MAX's cache (~/.cache/modular by default; the first time took "
-        f"{COLD_COMPILE_S} s on a 2-core VM, more on a slower one), then "
-        "loaded from it in a few seconds..."
+        f"{config.index_mask} mask) on {config.device}: the first run "
+        "compiles them into MAX's cache (~/.cache/modular by default), "
+        f"{COLD_COMPILE}; later runs load them from it in a few seconds..."
     )
     in_runner = all(runner.has_model(k) for k in model_keys(runner, config))
     files_before = graph_cache_files()
@@ -357,16 +368,19 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
         in_runner, files_before, graph_cache_files()
     )
     idle_s = idle_model_seconds(runner, config)
+    progress = progress_for(len(plan_.calls), err, not args.no_progress)
+    every = (
+        f", a progress line every {LINE_INTERVAL_S:.0f} s"
+        if isinstance(progress, LineProgress)
+        else ""
+    )
+    say(
+        f"models {MODELS_SOURCE[models]} ({compile_s - package_s:.1f} s); "
+        f"running {len(plan_.calls)} calls{every}..."
+    )
     described = fault.describe() if fault is not None else None
     if fault is not None:
         say(f"injecting a fault: {described}")
-    progress = tqdm(
-        total=len(plan_.calls),
-        desc="demo",
-        unit="call",
-        file=err,
-        disable=args.no_progress or not err.isatty(),
-    )
     totals = serve(config, plan_, runner, fault, progress)
     wall_s = time.perf_counter() - started
     summary = summarize(
