@@ -46,8 +46,10 @@ from max.gpu.compute.mma import (
     wgmma_wait_group_sync,
 )
 from max.gpu.memory import AddressSpace, fence_async_view_proxy
+from max.gpu.primitives import warp
 from std.math import ceildiv, min
 from std.memory import bitcast
+from std.sys import inlined_assembly
 from std.sys.info import is_nvidia_gpu
 
 from .block_phases import Shared
@@ -257,6 +259,14 @@ def multiply_chunk[chunk: Int](s: Shared, thread: Int, op: IndexTopK, t: Int):
     comptime if is_nvidia_gpu():
         wgmma_commit_group_sync()
         wgmma_wait_group_sync[0]()
+        # Each accumulator register passes through an empty asm after the
+        # wait, so nothing reads it before the wait (else ptxas injects a
+        # wait of its own, advisory C7517); MAX's `warpgroup_fence` is the
+        # same code-motion fence.
+        comptime for i in range(width):
+            acc[i] = inlined_assembly[
+                "", Float32, constraints="=f,0", has_side_effect=True
+            ](acc[i])
     # Register i holds row 16w + g + 8 ((i / 2) % 2), column
     # 8 (i / 4) + 2q + i % 2 (PTX ISA's m64nNk32 accumulator fragment).
     var lane = thread % 32
@@ -291,7 +301,14 @@ def index_wgmma_phase(
     comptime chunks = wgmma_chunks[heads]()
     comptime nb = chunk_n[heads, 0]()
     var tile = candidate_tile(op, block, WGMMA_TILE)
-    if tile.idle():
+    var idle = tile.idle()
+    comptime if is_nvidia_gpu():
+        # The same for every thread of the block, but ptxas cannot prove it:
+        # a per-thread early return before the chained wgmmas makes it
+        # serialize them (advisory C7518). Lane 0's value, broadcast, is
+        # uniform by construction (DeepGEMM broadcasts its predicates so).
+        idle = warp.broadcast(Int32(Int(idle))) != 0
+    if idle:
         return
     var row, t, b = tile.row, tile.t, tile.request
     var bound, j0 = tile.bound, tile.first

@@ -9,7 +9,6 @@ operand bytes, a quarter of the GPU's warps resident at least.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
@@ -23,14 +22,14 @@ import mla_kpool.gpu_report as gpu_report
 from mla_kpool.__main__ import main
 from mla_kpool.gpu_report import tools
 from mla_kpool.gpu_report.asm import (
-    amd_kernels,
     ptx_entries,
     ptx_entry_text,
     ptx_facts,
-    ptx_param_bytes,
-    ptx_shared_bytes,
 )
-from mla_kpool.gpu_report.report import param_mismatches
+from mla_kpool.gpu_report.report import (
+    HEADER,
+    LEGEND,
+)
 
 ARCHS = ["sm_90a", "sm_100a", "gfx942"]
 OPS = {"ring_close", "compress", "seed_tail", "step", "expand_topk"}
@@ -185,6 +184,15 @@ def test_no_kernel_spills(report: Report):
     assert not spilled, spilled
 
 
+@needs_ptxas
+def test_no_kernel_has_a_ptxas_advisory(report: Report):
+    nvidia = [row for row in report.rows if row["arch"].startswith("sm_")]
+    assert nvidia and all(row["advisories"] is not None for row in nvidia)
+    found = gpu_report.advisory_lines(report.rows)
+    assert not found, found
+    assert "advisory:" not in report.stdout
+
+
 def test_parameter_blocks_are_the_hosts_operand_bytes(report: Report):
     for row in report.rows:
         assert row["param_bytes"] == row["host_bytes"], _name(row)
@@ -270,33 +278,6 @@ def test_wgmma_scorer_issues_fp8_wgmma_and_keeps_off_local_memory(
     assert seen == set(WGMMA_PER_TILE)
 
 
-def _row(**fields) -> dict:
-    row = {
-        "arch": "sm_90a",
-        "op": "ring_close",
-        "kernel": "main",
-        "config": "bf16-d128-kpool4",
-        "entry": "kpool_ring_close_kernel_0",
-        "param_bytes": 104,
-        "host_bytes": 104,
-    }
-    return row | fields
-
-
-def test_a_parameter_mismatch_names_the_kernel_and_both_sizes():
-    rows = [_row(), _row(op="step", kernel="scan", param_bytes=144)]
-    (message,) = param_mismatches(rows)
-    assert "step/scan" in message and "144" in message and "104" in message
-
-
-def test_a_parameter_mismatch_fails_the_command(monkeypatch, capsys, tmp_path):
-    bad = _row(op="compress", param_bytes=88, host_bytes=80)
-    monkeypatch.setattr(gpu_report, "report", lambda archs, d: [_row(), bad])
-    assert main(["gpu-report", "--asm-dir", str(tmp_path)]) == 1
-    err = capsys.readouterr().err
-    assert "compress/main" in err and "88" in err and "80" in err
-
-
 def _replay(report: Report):
     """A `compile_kernels` that copies the session's code instead."""
 
@@ -314,12 +295,22 @@ def test_without_ptxas_the_ptx_alone_is_reported(
     args = ["gpu-report", "--arch", "sm_90a", "--asm-dir", str(tmp_path)]
     json_path = tmp_path / "r.json"
     assert main([*args, "--json", str(json_path)]) == 0
-    err = capsys.readouterr().err.splitlines()
+    captured = capsys.readouterr()
+    err = captured.err.splitlines()
     hints = [line for line in err if "[gpu-report]" in line]
     assert len(hints) == 1 and "ptxas" in hints[0]
     # Run from this checkout: the editable install, run at its root.
     root = Path(__file__).resolve().parents[1]
     assert f"`pip install -e '.[gpu-report]'` in {root}" in hints[0]
+    # Under the table, a note says why its cells read ?.
+    table = [ln for ln in captured.out.splitlines() if ln.startswith("sm_")]
+    assert table and all(ln.split()[4] == "?" for ln in table)
+    notes = [ln for ln in captured.out.splitlines() if ln.startswith("note:")]
+    assert notes == [
+        "note: regs, spill, matrix: ? and occupancy empty on sm_* = ptxas not"
+        f" found; install it with `pip install -e '.[gpu-report]'` in {root}"
+        " (the nvidia-cuda-nvcc wheel)"
+    ]
     rows = json.loads(json_path.read_text())["kernels"]
     expected = {r["asm"]: r for r in report.arch_rows("sm_90a")}
     for row in rows:
@@ -328,277 +319,60 @@ def test_without_ptxas_the_ptx_alone_is_reported(
         assert row["shared_bytes"] == expected[row["asm"]]["shared_bytes"]
 
 
-def test_a_missing_mojo_is_one_line(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(tools, "mojo_command", lambda: None)
-    assert main(["gpu-report", "--asm-dir", str(tmp_path)]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("gpu-report: the mojo command is not found")
-    assert not any("Traceback" in line for line in err)
-
-
-PTX = """
-.visible .entry k_1(
-\t.param .u32 k_1_param_0,
-\t.param .align 8 .b8 k_1_param_1[20],
-\t.param .b64 k_1_param_2
-)
-{
-\t.shared .align 4 .b8 k_1_smem[100];
-\tld.global.nc.v2.u32 {%r1, %r2}, [%rd1];
-\tld.global.u8 %rs1, [%rd2];
-\tld.global.u8 %rs2, [%rd3];
-\tcvt.rn.f16x2.e4m3x2 %r3, %rs1;
-\tst.local.u32 [%rd4], %r3;
-\tret;
-}
-.visible .entry k_2(
-\t.param .u8 k_2_param_0
-)
-{
-\tld.local.u32 %r1, [%rd1];
-}
-"""
-
-
-def test_ptx_readers_on_a_written_module():
-    assert ptx_entries(PTX) == ["k_1", "k_2"]
-    # u32 at 0, 20 bytes aligned to 8 at 8..28, b64 aligned to 8 at 32..40.
-    assert ptx_param_bytes(PTX, "k_1") == 40
-    assert ptx_param_bytes(PTX, "k_2") == 1
-    assert ptx_shared_bytes(PTX, "k_1") == 100
-    facts = ptx_facts(PTX, "k_1")
-    assert facts["local"] == {"st.local.u32": 1}
-    assert facts["cvt"] == {"cvt.rn.f16x2.e4m3x2": 1}
-    assert facts["global_loads"] == {
-        "ld.global.nc.v2.u32": 1,
-        "ld.global.u8": 2,
-    }
-    assert ptx_facts(PTX, "k_2")["local"] == {"ld.local.u32": 1}
-
-
-AMD = """
-\t.amdhsa_kernel k_1
-\t\t.amdhsa_group_segment_fixed_size 512
-\t\t.amdhsa_private_segment_fixed_size 16
-\t\t.amdhsa_kernarg_size 272
-\t\t.amdhsa_next_free_vgpr 40
-\t\t.amdhsa_next_free_sgpr 20
-\t.end_amdhsa_kernel
-\t.amdgpu_metadata
----
-amdhsa.kernels:
-  - .agpr_count:     0
-    .args:
-      - .offset:         0
-        .size:           200
-        .value_kind:     by_value
-      - .offset:         200
-        .size:           8
-        .value_kind:     by_value
-      - .offset:         208
-        .size:           4
-        .value_kind:     hidden_block_count_x
-    .name:           k_1
-    .sgpr_count:     26
-    .sgpr_spill_count: 3
-    .vgpr_count:     37
-    .vgpr_spill_count: 2
-...
-\t.end_amdgpu_metadata
-"""
-
-
-def test_amd_reader_counts_only_explicit_arguments():
-    (facts,) = amd_kernels(AMD).values()
-    assert facts == {
-        "registers": 40,
-        "vgpr_count": 37,
-        "agprs": 0,
-        "sgprs": 26,
-        "shared_bytes": 512,
-        "private_bytes": 16,
-        "vgpr_spills": 2,
-        "sgpr_spills": 3,
-        "kernarg_bytes": 272,
-        "param_bytes": 208,
-    }
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["--arch", "sm_90a", "gfx942"],
-        ["--arch", "sm_90a", "--arch", "gfx942"],
-    ],
-)
-def test_arch_takes_several_targets(argv: list[str]):
-    parser = argparse.ArgumentParser()
-    gpu_report.add_arguments(parser)
-    assert parser.parse_args(argv).arch == ["sm_90a", "gfx942"]
-
-
-def test_the_ptxas_hint_names_the_extra(monkeypatch, tmp_path):
-    hint = tools.ptxas_hint(checkout=Path("/src/mla-kpool"))
-    assert "`pip install -e '.[gpu-report]'` in /src/mla-kpool" in hint
-    assert "\n" not in hint
-    # Installed from a wheel: no pyproject.toml three folders up.
-    monkeypatch.setattr(tools, "_CHECKOUT", tmp_path)
-    hint = tools.ptxas_hint()
-    assert "`pip install 'mla-kpool[gpu-report]'`" in hint
-    (tmp_path / "pyproject.toml").write_text("")
-    assert (
-        f"`pip install -e '.[gpu-report]'` in {tmp_path}" in tools.ptxas_hint()
-    )
-
-
-#: Mojo's output for an architecture its GPU table lacks (abridged).
-UNKNOWN_ARCH_STDERR = """\
-kernel_asm.mojo:336:5: error: function instantiation failed
-def main() raises:
-    ^
-kernel_asm.mojo:140:9: note: function instantiation failed
-Mojo/stdlib/std/_gpu/host/info.mojo:126:13: note: constraint failed: \
-Unknown GPU architecture detected.
-
-Supported GPU architectures:
-/venv/bin/mojo: error: failed to run the pass manager
-"""
-
-
-def test_a_failed_compile_names_the_constraint(monkeypatch):
-    def mojo(argv, **kwargs):
-        return subprocess.CompletedProcess(argv, 1, "", UNKNOWN_ARCH_STDERR)
-
-    monkeypatch.setattr(tools.subprocess, "run", mojo)
-    with pytest.raises(tools.ToolError) as e:
-        tools.compile_kernels("sm_90a", Path("unused"))
-    assert str(e.value) == (
-        "compiling the kernels for sm_90a failed: kernel_asm.mojo:336:5: "
-        "error: function instantiation failed (constraint failed: Unknown "
-        "GPU architecture detected.)"
-    )
-    # Without a note, the first error line alone.
-    assert tools.compile_error("a\nx: error: bad\ny: error: worse\n", 1) == (
-        "x: error: bad"
-    )
-    assert tools.compile_error("", 3) == "exit status 3"
-
-
-def _no_compile(arch: str, out_dir: Path, timeout: float = 0) -> None:
-    raise AssertionError(f"compiled for {arch}")
-
-
-def _usage_error(capsys, argv: list[str]) -> str:
-    """The one-line error of a command line refused with exit status 2."""
-    with pytest.raises(SystemExit) as e:
-        main(["gpu-report", *argv])
-    assert e.value.code == 2
-    captured = capsys.readouterr()
-    assert captured.out == "" and "Traceback" not in captured.err
-    return captured.err.strip().splitlines()[-1]
-
-
-@pytest.mark.parametrize("arch", ["gfx950", "sm_80", "nonsense", "sm_90"])
-def test_an_arch_the_report_does_not_know_is_a_usage_error(
-    monkeypatch, capsys, arch: str
+@needs_ptxas
+def test_without_nvdisasm_a_note_says_why_matrix_is_unknown(
+    report: Report, monkeypatch, capsys, tmp_path
 ):
-    monkeypatch.setattr(gpu_report, "compile_kernels", _no_compile)
-    line = _usage_error(capsys, ["--arch", "sm_90a", arch])
-    assert line.endswith(
-        "error: argument --arch: must be one of sm_90a, sm_100a, gfx942 (the "
-        f"targets whose GPUs the occupancy model knows), got {arch!r}"
-    )
+    monkeypatch.setattr(gpu_report, "find_nvdisasm", lambda: None)
+    monkeypatch.setattr(gpu_report, "compile_kernels", _replay(report))
+    argv = ["gpu-report", "--arch", "sm_90a", "gfx942"]
+    assert main([*argv, "--asm-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    matrix = out[0].split().index("matrix")  # no column before has spaces
+    cells: dict[str, list[str]] = {"sm_90a": [], "gfx942": []}
+    for ln in out:
+        if ln.startswith(("sm_", "gfx")):
+            words = ln.split()
+            cells[words[0]].append(words[matrix])
+    assert set(cells["sm_90a"]) == {"?"}
+    assert "?" not in cells["gfx942"] and "mfma" in cells["gfx942"]
+    root = Path(__file__).resolve().parents[1]
+    notes = [ln for ln in out if ln.startswith("note:")]
+    assert notes == [
+        "note: matrix: ? on sm_* = nvdisasm not found; install it with"
+        f" `pip install -e '.[gpu-report]'` in {root} (the"
+        " nvidia-cuda-nvdisasm wheel)"
+    ]
 
 
-def test_json_in_a_missing_folder_is_a_usage_error(
-    monkeypatch, capsys, tmp_path
+@needs_ptxas
+def test_the_table_has_a_legend_and_no_note_when_every_tool_is_found(
+    report: Report,
 ):
-    monkeypatch.setattr(gpu_report, "compile_kernels", _no_compile)
-    path = tmp_path / "missing" / "x.json"
-    line = _usage_error(capsys, ["--json", str(path)])
-    assert line.endswith(
-        f"error: argument --json: must be a file in an existing folder, "
-        f"got {str(path)!r}"
-    )
-    assert list(tmp_path.iterdir()) == []
+    out = report.stdout.splitlines()
+    assert not any(ln.startswith("note:") for ln in out)
+    legend = [ln[2:] for ln in out if ln.startswith("- ")]
+    assert legend == list(LEGEND)
+    # Under the table: after its last row.
+    rows = [i for i, ln in enumerate(out) if ln.startswith(("sm_", "gfx"))]
+    assert out.index("- " + LEGEND[0]) > max(rows)
 
 
-def test_asm_dir_under_a_file_is_a_usage_error(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(gpu_report, "compile_kernels", _no_compile)
-    file = tmp_path / "file"
-    file.write_text("x")
-    line = _usage_error(capsys, ["--asm-dir", str(file / "asm")])
-    assert line.endswith(
-        f"error: argument --asm-dir: cannot create {str(file / 'asm')!r}: "
-        f"{str(file)!r} is not a folder"
-    )
-    line = _usage_error(capsys, ["--asm-dir", str(file)])
-    assert line.endswith(
-        f"error: argument --asm-dir: must be a folder, got the file "
-        f"{str(file)!r}"
-    )
-    assert file.read_text() == "x" and list(tmp_path.iterdir()) == [file]
-
-
-def test_an_asm_dir_that_cannot_be_created_fails_before_compiling(
-    monkeypatch, capsys, tmp_path
-):
-    # Paths the option check passes but mkdir refuses (as root, /proc/x):
-    # without the check, a path under a file stands in for them.
-    monkeypatch.setattr(gpu_report, "output_dir", str)
-    monkeypatch.setattr(gpu_report, "compile_kernels", _no_compile)
-    file = tmp_path / "file"
-    file.write_text("x")
-    assert main(["gpu-report", "--asm-dir", str(file / "asm")]) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err.strip() == (
-        f"gpu-report: argument --asm-dir: cannot create {file / 'asm'}: "
-        "Not a directory"
-    )
-
-
-def test_a_json_path_that_cannot_be_written_fails_before_compiling(
-    monkeypatch, capsys, tmp_path
-):
-    # A folder, an empty path, and a file under /proc (a folder os.access
-    # calls writable, where no file can be made): each a usage error,
-    # before the report compiles anything, leaving nothing behind.
-    monkeypatch.setattr(gpu_report, "compile_kernels", _no_compile)
-    for path, why in (
-        (str(tmp_path), f"cannot write {str(tmp_path)!r}: a folder"),
-        ("", "must be a file path, got ''"),
-        ("/proc/x.json", "cannot write '/proc/x.json': "),
-    ):
-        line = _usage_error(capsys, ["--json", path])
-        assert f"error: argument --json: {why}" in line, line
-    assert sorted(tmp_path.iterdir()) == []
-
-
-def test_a_written_json_says_where(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(gpu_report, "report", lambda archs, d: [_row()])
-    monkeypatch.setattr(
-        gpu_report, "_write_json", lambda p, r: p.write_text("{}")
-    )
-    path = tmp_path / "r.json"
-    assert (
-        main(["gpu-report", "--asm-dir", str(tmp_path), "--json", str(path)])
-        == 0
-    )
-    assert capsys.readouterr().err.strip().endswith(f"gpu-report: wrote {path}")
-
-
-def test_a_failed_compile_prints_no_table(monkeypatch, capsys, tmp_path):
-    def fail(arch: str, out_dir: Path, timeout: float = 0) -> None:
-        raise tools.ToolError(f"compiling the kernels for {arch} failed: x")
-
-    monkeypatch.setattr(gpu_report, "compile_kernels", fail)
-    assert main(["gpu-report", "--asm-dir", str(tmp_path)]) == 1
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err.strip().splitlines()[-1] == (
-        "gpu-report: compiling the kernels for sm_90a failed: x"
-    )
+def test_the_legend_explains_every_column():
+    columns = HEADER.split()[4:]  # past arch, op, kernel, config
+    assert columns == [
+        "regs",
+        "spill",
+        "smem",
+        "thr",
+        "param/host",
+        "matrix",
+        "adv",
+        "occupancy",
+    ]
+    text = " ".join(LEGEND)
+    for column in columns:
+        assert f"{column}: " in text, column
 
 
 def test_mfma_scorer_issues_fp8_mfma_without_scratch(report: Report):

@@ -15,10 +15,17 @@ The run fails (exit status 1) when a kernel's parameter block differs from
 the bytes the host passes for it, since the kernels take their operand
 structs by value. Without ``ptxas`` (the ``gpu-report`` extra), the NVIDIA
 rows carry only what the PTX says, and one line says what to install.
+Under the table come an ``advisory:`` line for each ``ptxas`` performance
+advisory of a kernel (``C75xx``: serialized ``wgmma``, an injected wait;
+findings, which the test suite refuses), a note that says why cells read
+``?`` (ptxas or nvdisasm not found, and how to install it) and a legend of
+the columns (:data:`.report.LEGEND`).
 
-A usage error exits with status 2 before anything compiles or prints: a
+A usage error exits with status 2 before anything compiles or prints, in
+argparse's form (``usage: ...`` then ``...: error: argument ...``): a
 target other than those three, a ``--json`` file in a missing or
-read-only folder, an ``--asm-dir`` that cannot be created.
+read-only folder, an ``--asm-dir`` that cannot be created or written
+(:func:`asm_dir`).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import tempfile
 import time
@@ -36,11 +44,14 @@ from ..gpu_specs import ARCH_GPUS
 from .asm import ptx_facts
 from .report import (
     HEADER,
+    LEGEND,
     Row,
+    advisory_lines,
     is_nvidia,
     kernel_rows,
     param_mismatches,
     table_line,
+    table_notes,
 )
 from .tools import (
     ToolError,
@@ -55,6 +66,8 @@ __all__ = [
     "DEFAULT_ARCHS",
     "DESCRIPTION",
     "add_arguments",
+    "advisory_lines",
+    "asm_dir",
     "param_mismatches",
     "ptx_facts",
     "report",
@@ -88,8 +101,49 @@ def known_arch(text: str) -> str:
     return text
 
 
+def asm_dir(text: str) -> str:
+    """An argparse type: a folder the report can create and write into.
+
+    :func:`mla_kpool._argtypes.output_dir`, then a try: the folder is
+    created (with the folders above it that are missing) and a folder made
+    inside it, and everything the try made is removed again. So a path
+    that ``os.access`` lets through but no folder can be made at (such as
+    one under ``/proc``) is refused while the command line is parsed, as
+    ``--json`` refuses such a file (:func:`mla_kpool._argtypes.output_file`).
+    """
+    text = output_dir(text)
+    path = Path(os.path.abspath(text))
+    missing = []
+    above = path
+    while not above.exists():
+        missing.append(above)
+        above = above.parent
+    what = "create" if missing else "write"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        what = "write"
+        os.rmdir(tempfile.mkdtemp(dir=path))
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"cannot {what} {text!r}: {e.strerror or e}"
+        ) from None
+    finally:
+        for folder in missing:  # the deepest first
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds ``--arch``, ``--json`` and ``--asm-dir`` to ``parser``."""
+    """Adds ``--arch``, ``--json`` and ``--asm-dir`` to ``parser``.
+
+    Also sets ``prog`` and ``usage`` (the parser's ``format_usage``) as
+    defaults, so that :func:`run` reports a path it cannot write as the
+    parser reports a refused option.
+    """
+    parser.set_defaults(prog=parser.prog, usage=parser.format_usage)
     parser.add_argument(
         "--arch",
         action="extend",
@@ -109,7 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--asm-dir",
-        type=output_dir,
+        type=asm_dir,
         metavar="DIR",
         help="keep each kernel's code under DIR/<arch>/, created if needed "
         "(default: a temporary directory, removed)",
@@ -122,7 +176,9 @@ def report(archs: list[str], asm_dir: Path, out=None, err=None) -> list[Row]:
     Args:
         archs: Targets (``sm_90a``, ``sm_100a``, ``gfx942``, ...).
         asm_dir: Directory for the code (one subdirectory per target).
-        out: Stream for the table (``sys.stdout`` if ``None``).
+        out: Stream for the table, then the notes on its ``?`` cells
+            (:func:`.report.table_notes`) and its legend
+            (:data:`.report.LEGEND`) (``sys.stdout`` if ``None``).
         err: Stream for progress and the missing-ptxas hint
             (``sys.stderr`` if ``None``).
 
@@ -141,7 +197,9 @@ def report(archs: list[str], asm_dir: Path, out=None, err=None) -> list[Row]:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise OutputError(f"cannot create {out_dir}: {e.strerror}") from e
+            raise OutputError(
+                f"cannot create {str(out_dir)!r}: {e.strerror}"
+            ) from e
     ptxas = find_ptxas()
     nvdisasm = find_nvdisasm()
     if ptxas is None and any(is_nvidia(a) for a in archs):
@@ -160,6 +218,13 @@ def report(archs: list[str], asm_dir: Path, out=None, err=None) -> list[Row]:
         seconds = time.perf_counter() - start
         print(f"{arch}: {len(arch_rows)} kernels, {seconds:.1f} s", file=err)
         rows += arch_rows
+    print(file=out)
+    for line in advisory_lines(rows):
+        print(f"advisory: {line}", file=out)
+    for line in table_notes(rows, ptxas, nvdisasm):
+        print(f"note: {line}", file=out)
+    for line in LEGEND:
+        print(f"- {line}", file=out)
     return rows
 
 
@@ -170,16 +235,30 @@ def _write_json(path: Path, rows: list[Row]) -> None:
     path.write_text(json.dumps(doc, indent=1) + "\n")
 
 
+def _usage_error(args: argparse.Namespace, message: str) -> int:
+    """Prints ``message`` as argparse prints a usage error; returns 2.
+
+    The usage lines, then ``<prog>: error: <message>``, as for an option
+    refused while parsing, for a path found unwritable only later.
+    """
+    usage = getattr(args, "usage", None)
+    if usage is not None:
+        sys.stderr.write(usage())
+    prog = getattr(args, "prog", "mla-kpool gpu-report")
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs the report and returns its exit status.
 
     0 when every kernel compiled and matches; 1 on a failure or a
     mismatch; 2 when an ``--asm-dir`` or ``--json`` path that passed the
     option checks still cannot be written (such as a folder under
-    ``/proc``, which ``os.access`` does not catch). Every failure is one
-    line on stderr: a missing ``mojo``, a failed compile, the path and why,
-    and one line per kernel whose ``param_bytes`` is not its
-    ``host_bytes``.
+    ``/proc``, which ``os.access`` does not catch), printed as argparse
+    prints a usage error (:func:`_usage_error`). Every other failure is
+    one line on stderr: a missing ``mojo``, a failed compile, and one line
+    per kernel whose ``param_bytes`` is not its ``host_bytes``.
     """
     say = functools.partial(print, "gpu-report:", file=sys.stderr)
     archs = list(dict.fromkeys(args.arch or DEFAULT_ARCHS))
@@ -190,8 +269,7 @@ def run(args: argparse.Namespace) -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 rows = report(archs, Path(tmp))
     except OutputError as e:
-        say(f"argument --asm-dir: {e}")
-        return 2
+        return _usage_error(args, f"argument --asm-dir: {e}")
     except ToolError as e:
         say(e)
         return 1
@@ -199,8 +277,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             _write_json(Path(args.json), rows)
         except OSError as e:
-            say(f"argument --json: cannot write {args.json}: {e.strerror}")
-            return 2
+            return _usage_error(
+                args,
+                f"argument --json: cannot write {args.json!r}: {e.strerror}",
+            )
         say(f"wrote {Path(args.json).resolve()}")
     mismatches = param_mismatches(rows)
     for line in mismatches:

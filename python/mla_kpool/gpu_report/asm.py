@@ -141,6 +141,29 @@ _PTXAS_FRAME = re.compile(
 _PTXAS_USED = re.compile(r"Used (\d+) registers")
 _PTXAS_BARRIERS = re.compile(r"used (\d+) barriers")
 _PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+#: A performance advisory: ``(C7518) Potential Performance Loss: ... in the
+#: function 'name' ...`` or ``(C7517) ... in function 'name'``.
+_PTXAS_ADVISORY = re.compile(
+    r"\((C\d{4})\)\s*(.*?)\s*in (?:the )?function '([^']+)'"
+)
+
+
+def ptxas_advisories(output: str) -> dict[str, list[str]]:
+    """The performance advisories ``ptxas`` printed, per function.
+
+    ``ptxas`` explains code it had to slow down (serialized ``wgmma``,
+    a wait it injected, ...) in numbered info lines (``C75xx``); a fast
+    kernel has none.
+
+    Returns:
+        Function symbol -> ``"C7518: <what ptxas says>"`` per advisory, in
+        the order printed; functions without any are absent.
+    """
+    found: dict[str, list[str]] = {}
+    for m in _PTXAS_ADVISORY.finditer(output):
+        code, text, function = m.groups()
+        found.setdefault(function, []).append(f"{code}: {text}")
+    return found
 
 
 def parse_ptxas(output: str) -> dict[str, dict[str, int]]:

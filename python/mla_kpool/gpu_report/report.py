@@ -20,8 +20,9 @@ from .asm import (
     ptx_entries,
     ptx_param_bytes,
     ptx_shared_bytes,
+    ptxas_advisories,
 )
-from .tools import ToolError, run_nvdisasm, run_ptxas
+from .tools import ToolError, install_command, run_nvdisasm, run_ptxas
 
 Row = dict[str, Any]
 
@@ -70,10 +71,13 @@ def _nvidia_facts(
         "machine_ops": None,
     }
     row.update(dict.fromkeys(PTXAS_FIELDS))
+    row["advisories"] = None
     if ptxas is not None:
         cubin = path.with_suffix(".cubin") if nvdisasm else None
-        facts = parse_ptxas(run_ptxas(ptxas, arch, path, cubin))[entry]
+        output = run_ptxas(ptxas, arch, path, cubin)
+        facts = parse_ptxas(output)[entry]
         row.update({k: facts[k] for k in PTXAS_FIELDS})
+        row["advisories"] = ptxas_advisories(output).get(entry, [])
         row["shared_bytes"] = facts["shared_bytes"]
         if cubin is not None and nvdisasm is not None:
             row["machine_ops"] = machine_ops(run_nvdisasm(nvdisasm, cubin))
@@ -98,6 +102,7 @@ def _amd_facts(path: Path, prefix: str) -> Row:
         "stack_bytes": facts["private_bytes"],
         "barriers": None,
         "machine_ops": machine_ops(path.read_text()),
+        "advisories": [],  # the AMDGPU assembler prints none
     }
 
 
@@ -174,6 +179,28 @@ def param_mismatches(rows: list[Row]) -> list[str]:
     ]
 
 
+def advisory_lines(rows: list[Row]) -> list[str]:
+    """One line per ``ptxas`` performance advisory of a kernel (``C75xx``).
+
+    Each is a finding: the assembler slowed the kernel down (serialized
+    ``wgmma``, an injected wait, ...). Rows without ptxas have none to say.
+    """
+    return [
+        f"{r['arch']} {r['op']}/{r['kernel']} [{r['config']}]: {advisory}"
+        for r in rows
+        for advisory in r.get("advisories") or ()
+    ]
+
+
+def _advisory_cell(row: Row) -> str:
+    """``-`` for none, the codes (``C7518,C7517``), ``?`` without ptxas."""
+    found = row.get("advisories")
+    if found is None:
+        return "?"
+    codes = dict.fromkeys(a.split(":", 1)[0] for a in found)
+    return ",".join(codes) or "-"
+
+
 def _cell(value: Any) -> str:
     return "?" if value is None else str(value)
 
@@ -188,7 +215,7 @@ def _occupancy_cell(row: Row) -> str:
 HEADER = (
     f"{'arch':8} {'op':12} {'kernel':13} {'config':24} {'regs':>4} "
     f"{'spill':>7} {'smem':>6} {'thr':>4} {'param/host':>10} {'matrix':>9}"
-    "  occupancy"
+    f" {'adv':>5}  occupancy"
 )
 
 
@@ -210,12 +237,63 @@ def _matrix_cell(row: Row) -> str:
     )
 
 
+#: What each column of the table holds, printed under it (``- `` lines).
+LEGEND = (
+    "regs: registers per thread (sm_*: ptxas -v; gfx942: the VGPRs its"
+    " kernel descriptor asks for). spill: spill bytes stored/loaded per"
+    " thread (gfx942: 4 per spilled VGPR). smem: shared memory (LDS) per"
+    " block, bytes. thr: threads per block of the op's launch.",
+    "param/host: the kernel's parameter block / the bytes the host passes"
+    " it (its operand struct by value); the report fails (exit 1) if they"
+    " differ.",
+    "matrix: matrix instructions in the machine code, by static count"
+    " (QGMMA from the SASS through nvdisasm on sm_*, mfma on gfx942);"
+    " - for none.",
+    "adv: the ptxas performance advisories of the kernel (C75xx codes,"
+    " each printed in full under the table); - for none.",
+    "occupancy: per GPU, the theoretical share of an SM's (CU's) warp"
+    " (wave) slots the kernel's blocks fill, and the limit that binds"
+    " (registers, shared memory, block size or blocks per SM).",
+)
+
+
+def table_notes(
+    rows: list[Row], ptxas: str | None, nvdisasm: str | None
+) -> list[str]:
+    """Why cells of the table read ``?`` (or occupancy is empty), if any.
+
+    Args:
+        rows: The rows printed.
+        ptxas: What :func:`.tools.find_ptxas` found.
+        nvdisasm: What :func:`.tools.find_nvdisasm` found.
+
+    Returns:
+        A line per missing tool that left NVIDIA rows without facts:
+        without ptxas, regs, spill, matrix and occupancy; without nvdisasm
+        (ptxas found), matrix. Each names the command that installs it.
+    """
+    nvidia = [row for row in rows if is_nvidia(row["arch"])]
+    how = f"install it with {install_command()}"
+    if ptxas is None and any(row["registers"] is None for row in nvidia):
+        return [
+            "regs, spill, matrix: ? and occupancy empty on sm_* = ptxas not"
+            f" found; {how} (the nvidia-cuda-nvcc wheel)"
+        ]
+    if nvdisasm is None and any(row["machine_ops"] is None for row in nvidia):
+        return [
+            f"matrix: ? on sm_* = nvdisasm not found; {how} (the"
+            " nvidia-cuda-nvdisasm wheel)"
+        ]
+    return []
+
+
 def table_line(row: Row) -> str:
     """A row of the table.
 
     Columns: registers, spill bytes (stores/loads), shared bytes, threads
     per block, parameter and host bytes, matrix instructions in the code
-    (:func:`_matrix_cell`), occupancy per GPU.
+    (:func:`_matrix_cell`), ptxas advisories (:func:`_advisory_cell`),
+    occupancy per GPU.
     """
     spill = (
         f"{_cell(row['spill_store_bytes'])}/{_cell(row['spill_load_bytes'])}"
@@ -225,5 +303,6 @@ def table_line(row: Row) -> str:
         f"{row['arch']:8} {row['op']:12} {row['kernel']:13} "
         f"{row['config']:24} {_cell(row['registers']):>4} {spill:>7} "
         f"{row['shared_bytes']:>6} {row['block_threads']:>4} {params:>10} "
-        f"{_matrix_cell(row):>9}  {_occupancy_cell(row)}"
+        f"{_matrix_cell(row):>9} {_advisory_cell(row):>5}"
+        f"  {_occupancy_cell(row)}"
     )

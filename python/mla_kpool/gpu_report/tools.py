@@ -19,8 +19,8 @@ DRIVER = Path(__file__).resolve().parent / "kernel_asm.mojo"
 _CHECKOUT = Path(__file__).resolve().parents[3]
 
 
-def ptxas_hint(checkout: Path | None = None) -> str:
-    """The one line that says what to install for ``ptxas``.
+def install_command(checkout: Path | None = None) -> str:
+    """The command that installs the ``gpu-report`` extra, in backquotes.
 
     Args:
         checkout: The source checkout to name; ``None`` takes this
@@ -29,19 +29,31 @@ def ptxas_hint(checkout: Path | None = None) -> str:
 
     Returns:
         From a checkout, ``pip install -e '.[gpu-report]'`` run at its
-        root; otherwise ``pip install 'mla-kpool[gpu-report]'``; either
-        brings the nvidia-cuda-nvcc wheel, which carries ptxas.
+        root; otherwise ``pip install 'mla-kpool[gpu-report]'``. Either
+        brings the nvidia-cuda-nvcc wheel (ptxas) and the
+        nvidia-cuda-nvdisasm wheel (nvdisasm).
     """
     if checkout is None and (_CHECKOUT / "pyproject.toml").is_file():
         checkout = _CHECKOUT
     if checkout is not None:
-        command = f"`pip install -e '.[gpu-report]'` in {checkout}"
-    else:
-        command = "`pip install 'mla-kpool[gpu-report]'`"
+        return f"`pip install -e '.[gpu-report]'` in {checkout}"
+    return "`pip install 'mla-kpool[gpu-report]'`"
+
+
+def ptxas_hint(checkout: Path | None = None) -> str:
+    """The one line that says what to install for ``ptxas``.
+
+    Args:
+        checkout: As for :func:`install_command`.
+
+    Returns:
+        The line, naming :func:`install_command` and the
+        nvidia-cuda-nvcc wheel, which carries ptxas.
+    """
     return (
         "ptxas not found: registers, spills and occupancy of the NVIDIA "
-        f"kernels need it; install it with {command} (the nvidia-cuda-nvcc "
-        "wheel)"
+        f"kernels need it; install it with {install_command(checkout)} (the "
+        "nvidia-cuda-nvcc wheel)"
     )
 
 
