@@ -239,6 +239,10 @@ INDEX_BAD = [
      "top_k must be in 1..2048, got 0"),
     ("kpool-zero", dict(kpool=0), ValueError,
      "kpool must be at least 1, got 0"),
+    ("max-prompt-negative", dict(k_max_prompt_length=-1), ValueError,
+     "k_max_prompt_length must be in 0..4294967295, got -1"),
+    ("max-cache-float", dict(k_max_cache_length=9.0), TypeError,
+     "k_max_cache_length must be an int, got float 9.0"),
     # The op would name only the rows' width (16 of 64).
     ("kpool-not-the-caches", dict(kpool=2), ValueError,
      "kpool must be the cache's kpool=4 (its spread rows of W=4), got 2"),
@@ -250,6 +254,39 @@ INDEX_BAD = [
     ("cache", dict(cache=object()), TypeError,
      "cache must be a mla_kpool.index_cache.PagedIndexCache, got object"),
 ]  # fmt: skip
+
+
+def _bad_metadata(field: str) -> dict:
+    """index_call() with one bad metadata value in ``field``."""
+    call = index_call()
+    if field == "offsets-past-t":
+        call["input_row_offsets"] = np.array([0, 3, 7], np.uint32)
+    elif field == "offsets-down":
+        call["input_row_offsets"] = np.array([0, 6, 5], np.int64)
+    elif field == "cache-past-pages":
+        call["cache"].cache_lengths[1] = 60
+    else:
+        call["cache"].lookup_table[0, 0] = 10**6
+    return call
+
+
+@pytest.mark.parametrize(
+    ("field", "message"),
+    [
+        ("offsets-past-t", r"input_row_offsets.*5"),
+        ("offsets-down", r"request 1: input_row_offsets"),
+        ("cache-past-pages", r"request 1"),
+        ("table-past-arena", r"request 0.*lookup_table"),
+    ],
+)
+def test_index_top_k_refuses_bad_metadata_before_compiling(
+    runner, field, message
+):
+    with pytest.raises(ValueError, match=message):
+        runner.index_top_k(**_bad_metadata(field))
+    # check=False hands it to the op (here: the stand-in compile).
+    with pytest.raises(Compiled):
+        runner.index_top_k(**_bad_metadata(field), check=False)
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ from ._index_op import (
     check_operands,
     check_scorer,
 )
+from ._metadata import check_index_metadata
 from ._validate import mask_name
 from .buffers import to_buffer
 from .index_cache import PagedIndexCache
@@ -270,6 +271,7 @@ def prepare(
     scale_arena: tuple[np.ndarray, int] | None = None,
     gpu_op: str = "auto",
     scorer: str = "auto",
+    check: bool = False,
 ) -> tuple[Any, list[Buffer], tuple[Buffer, Buffer]]:
     """The compiled model and device operands of one call.
 
@@ -296,6 +298,10 @@ def prepare(
             ``"gpu"`` runner reads it.
         scorer: The GPU path's scorer (:class:`IndexKey`); the CPU
             runner takes only ``"auto"`` and ``"simt"``.
+        check: Also check the metadata's values
+            (:func:`mla_kpool.check_index_metadata`: offsets, cache
+            lengths against the mapped pages, table entries), after the
+            arguments and before anything is compiled or copied.
 
     Returns:
         ``(model, operands, (key_buffer, scale_buffer))``, the last two the
@@ -312,7 +318,8 @@ def prepare(
             ``[B + 1]`` (``B`` the cache's batch), a ``layer_idx`` outside
             uint32 or not below the cache's ``num_layers``, ``top_k``
             outside 1..2048, ``kpool < 1``, another mask, and from the graph
-            checks. All before anything is compiled or copied.
+            checks; with ``check``, bad metadata values. All before
+            anything is compiled or copied.
     """
     gpu = runner.device_name == "gpu"
     if gpu_op not in ("auto", "ours"):
@@ -370,6 +377,10 @@ def prepare(
         gpu_op=gpu_op if gpu else "auto",
         scorer=scorer,
     )
+    if check:
+        check_index_metadata(
+            input_row_offsets, cache, layer_idx, total_tokens=q.shape[0]
+        )
     offsets = np.asarray(input_row_offsets).astype(np.int64)
     lengths = cache.cache_lengths.astype(np.int64)
     new = np.diff(offsets) if len(offsets) > 1 else np.zeros(0, np.int64)
@@ -377,7 +388,15 @@ def prepare(
     # (the op gives that request -1 rows; the maxima only size scratch).
     if k_max_prompt_length is None:
         k_max_prompt_length = int(np.clip(new, 0, None).max(initial=0))
-    if k_max_cache_length is None:
+    else:
+        k_max_prompt_length = check_int(
+            "k_max_prompt_length", k_max_prompt_length, 0, 2**32 - 1
+        )
+    if k_max_cache_length is not None:
+        k_max_cache_length = check_int(
+            "k_max_cache_length", k_max_cache_length, 0, 2**32 - 1
+        )
+    else:
         total = lengths + np.clip(new, 0, None)
         k_max_cache_length = min(int(total.max(initial=0)), 2**32 - 1)
     fp8 = DType.float8_e4m3fn if gpu else DType.uint8

@@ -394,9 +394,16 @@ class Runner:
         input_row_offsets: npt.ArrayLike,
         cache: PagedIndexCache,
         layer_idx: int,
+        *,
+        check: bool = True,
         **options: Any,
     ) -> np.ndarray:
         """Runs :func:`mla_kpool.index_top_k` on host arrays.
+
+        The op gives a request with bad metadata ``-1`` rows without a
+        word, so by default the call's metadata is checked on the host
+        first, as :func:`mla_kpool.check_index_metadata` checks it, after
+        the arguments and before anything is compiled or copied.
 
         One model per :class:`mla_kpool.index_runner.IndexKey`; the batch,
         token, block and page counts may change between calls. On
@@ -410,6 +417,8 @@ class Runner:
             cache: The :class:`mla_kpool.index_cache.PagedIndexCache` (its
                 ``cache_lengths`` are this call's ``k_cache_lengths``).
             layer_idx: The layer to read.
+            check: ``False`` hands bad metadata to the op as it is (for
+                tests of what the op does with it).
             **options: ``top_k`` and ``kpool`` (required), ``mask``
                 (``"causal"``), and the rest of
                 :func:`mla_kpool.index_runner.prepare`'s keywords.
@@ -424,11 +433,21 @@ class Runner:
                 differ from ``q``'s and a ``layer_idx`` not below the
                 cache's ``num_layers``, each message naming the operand and
                 both shapes or counts.
-            ValueError: From MAX, when the kernel raises at run time (a
+            ValueError: With ``check``, for bad metadata (offsets not
+                from 0 to ``T``, a cache length past the request's mapped
+                pages, a table entry past the arena), naming the field and
+                request; from MAX, when the kernel raises at run time (a
                 page stride smaller than a block).
         """
         model, args, _ = index_runner.prepare(
-            self, q, qs, input_row_offsets, cache, layer_idx, **options
+            self,
+            q,
+            qs,
+            input_row_offsets,
+            cache,
+            layer_idx,
+            check=check,
+            **options,
         )
         return to_numpy(model.execute(*args)[0])
 
