@@ -16,6 +16,7 @@ import pytest
 
 import mla_kpool.gpu_report as gpu_report
 from mla_kpool.__main__ import main
+from mla_kpool._argtypes import output_dir
 from mla_kpool.gpu_report import tools
 from mla_kpool.gpu_report.asm import (
     amd_kernels,
@@ -325,7 +326,7 @@ def test_an_asm_dir_that_cannot_be_created_fails_before_compiling(
     # A path the option check passes but mkdir refuses (a race): without
     # the check, a path under a file stands in for it. The report says so
     # as argparse says it of a refused option: usage, then the error.
-    monkeypatch.setattr(gpu_report, "asm_dir", str)
+    monkeypatch.setattr(gpu_report, "output_dir", str)
     monkeypatch.setattr(gpu_report, "compile_kernels", _no_compile)
     file = tmp_path / "file"
     file.write_text("x")
@@ -367,10 +368,10 @@ def test_asm_dir_errors_take_the_form_of_json_errors(
 
 def test_asm_dir_check_leaves_nothing_behind(tmp_path):
     deep = tmp_path / "a" / "b"
-    assert gpu_report.asm_dir(str(deep)) == str(deep)
+    assert output_dir(str(deep)) == str(deep)
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "kept").mkdir()
-    assert gpu_report.asm_dir(str(tmp_path / "kept")) == str(tmp_path / "kept")
+    assert output_dir(str(tmp_path / "kept")) == str(tmp_path / "kept")
     assert [p.name for p in tmp_path.iterdir()] == ["kept"]
     assert list((tmp_path / "kept").iterdir()) == []
 

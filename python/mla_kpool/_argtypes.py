@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -86,17 +87,23 @@ def output_dir(text: str) -> str:
     """An argparse type: a folder that exists or can be created, writable.
 
     The folder itself, or else the nearest folder above it that exists,
-    must be a writable directory; nothing is created here. Checked up
-    front, like :func:`output_file`, so that a typo fails before anything
-    compiles.
+    must be a writable directory. Checked up front, like
+    :func:`output_file`, so that a typo fails before anything compiles,
+    and by a try, as :func:`output_file` opens its file: the folder is
+    created (with the folders above it that are missing) and a folder made
+    inside it, and everything the try made is removed again. So a path
+    that ``os.access`` lets through but no folder can be made at (such as
+    one under ``/proc``) is refused too.
     """
     path = os.path.abspath(text)
     if os.path.exists(path) and not os.path.isdir(path):
         raise argparse.ArgumentTypeError(
             f"must be a folder, got the file {text!r}"
         )
+    missing = []
     existing = path
     while not os.path.exists(existing):
+        missing.append(existing)
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise argparse.ArgumentTypeError(
@@ -104,4 +111,19 @@ def output_dir(text: str) -> str:
         )
     if not os.access(existing, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text!r}")
+    what = "create" if missing else "write"
+    try:
+        os.makedirs(path, exist_ok=True)
+        what = "write"
+        os.rmdir(tempfile.mkdtemp(dir=path))
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"cannot {what} {text!r}: {e.strerror or e}"
+        ) from None
+    finally:
+        for folder in missing:  # the deepest first
+            try:
+                os.rmdir(folder)
+            except OSError:
+                pass
     return text

@@ -388,17 +388,15 @@ def prepare(
     # (the op gives that request -1 rows; the maxima only size scratch).
     if k_max_prompt_length is None:
         k_max_prompt_length = int(np.clip(new, 0, None).max(initial=0))
-    else:
-        k_max_prompt_length = check_int(
-            "k_max_prompt_length", k_max_prompt_length, 0, 2**32 - 1
-        )
-    if k_max_cache_length is not None:
-        k_max_cache_length = check_int(
-            "k_max_cache_length", k_max_cache_length, 0, 2**32 - 1
-        )
-    else:
+    if k_max_cache_length is None:
         total = lengths + np.clip(new, 0, None)
         k_max_cache_length = min(int(total.max(initial=0)), 2**32 - 1)
+    k_max_prompt_length = check_int(
+        "k_max_prompt_length", k_max_prompt_length, 0, 2**32 - 1
+    )
+    k_max_cache_length = check_int(
+        "k_max_cache_length", k_max_cache_length, 0, 2**32 - 1
+    )
     fp8 = DType.float8_e4m3fn if gpu else DType.uint8
     dev, cpu = runner.device, driver.CPU()
     keys, key_whole = bind_arena(

@@ -25,7 +25,7 @@ A usage error exits with status 2 before anything compiles or prints, in
 argparse's form (``usage: ...`` then ``...: error: argument ...``): a
 target other than those three, a ``--json`` file in a missing or
 read-only folder, an ``--asm-dir`` that cannot be created or written
-(:func:`asm_dir`).
+(:func:`mla_kpool._argtypes.output_dir`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 import tempfile
 import time
@@ -67,7 +66,6 @@ __all__ = [
     "DESCRIPTION",
     "add_arguments",
     "advisory_lines",
-    "asm_dir",
     "param_mismatches",
     "ptx_facts",
     "report",
@@ -101,41 +99,6 @@ def known_arch(text: str) -> str:
     return text
 
 
-def asm_dir(text: str) -> str:
-    """An argparse type: a folder the report can create and write into.
-
-    :func:`mla_kpool._argtypes.output_dir`, then a try: the folder is
-    created (with the folders above it that are missing) and a folder made
-    inside it, and everything the try made is removed again. So a path
-    that ``os.access`` lets through but no folder can be made at (such as
-    one under ``/proc``) is refused while the command line is parsed, as
-    ``--json`` refuses such a file (:func:`mla_kpool._argtypes.output_file`).
-    """
-    text = output_dir(text)
-    path = Path(os.path.abspath(text))
-    missing = []
-    above = path
-    while not above.exists():
-        missing.append(above)
-        above = above.parent
-    what = "create" if missing else "write"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        what = "write"
-        os.rmdir(tempfile.mkdtemp(dir=path))
-    except OSError as e:
-        raise argparse.ArgumentTypeError(
-            f"cannot {what} {text!r}: {e.strerror or e}"
-        ) from None
-    finally:
-        for folder in missing:  # the deepest first
-            try:
-                folder.rmdir()
-            except OSError:
-                pass
-    return text
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds ``--arch``, ``--json`` and ``--asm-dir`` to ``parser``.
 
@@ -163,7 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--asm-dir",
-        type=asm_dir,
+        type=output_dir,
         metavar="DIR",
         help="keep each kernel's code under DIR/<arch>/, created if needed "
         "(default: a temporary directory, removed)",
