@@ -222,17 +222,23 @@ def require_mojo() -> str:
     return mojo
 
 
-def run_mojo_file(test_file: str, root: Path = ROOT) -> tuple[int, str]:
-    """``mojo run -I root root/test_file``: its exit status and output."""
-    mojo = require_mojo()
-    proc = subprocess.run(
-        [mojo, "run", "-I", str(root), str(root / test_file)],
+def mojo_run(
+    test_file: str, *args: str, root: Path = ROOT
+) -> subprocess.CompletedProcess:
+    """``mojo run -I root root/test_file args...``, its output captured."""
+    return subprocess.run(
+        [require_mojo(), "run", "-I", str(root), str(root / test_file), *args],
         capture_output=True,
         text=True,
         cwd=root,
         env={**os.environ, "MODULAR_DEBUG": "stack-trace-on-error"},
         timeout=600,
     )
+
+
+def run_mojo_file(test_file: str, root: Path = ROOT) -> tuple[int, str]:
+    """:func:`mojo_run` of ``test_file``: its exit status and output."""
+    proc = mojo_run(test_file, root=root)
     return proc.returncode, proc.stdout + proc.stderr
 
 

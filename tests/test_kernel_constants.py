@@ -17,10 +17,8 @@ from __future__ import annotations
 import ast
 import operator
 import re
-import subprocess
-from pathlib import Path
 
-from kpool_cases import ROOT, needs_mojo, require_mojo
+from kpool_cases import mojo_run, needs_mojo
 from mla_kpool import KERNELS, _index_op, _limits
 from mla_kpool.bench import bounds
 from mla_kpool.reference import indexer as ref_indexer
@@ -182,14 +180,9 @@ def test_the_kernels_windows_match_python():
         for w in bounds.WORKLOADS.values()
         if w["op"] == "index_top_k"
     ]
-    probe = Path("tests/mojo/window_rows_probe.mojo")
-    proc = subprocess.run(
-        [require_mojo(), "run", "-I", str(ROOT), str(ROOT / probe)]
-        + [str(x) for case in cases for x in case],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
+    proc = mojo_run(
+        "tests/mojo/window_rows_probe.mojo",
+        *(str(x) for case in cases for x in case),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [int(x) for x in proc.stdout.split()]
