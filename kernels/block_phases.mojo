@@ -1,60 +1,131 @@
-"""Block-cooperative GPU kernels as phases, with an emulation that checks them.
+"""What a block's threads share, and how the emulation checks it.
 
-The writers' GPU kernels are thread bodies whose threads never communicate
-(`parallel.launch`). A kernel whose threads share data through the block's
-shared memory (a tile decoded once for the block, a reduction, a select)
-is written here as phases instead: `body(phase, block, thread, shared,
-op)`, run for `phase` in `0 ..< phases`. On a GPU every thread of the block
-runs phase `p`, then the block meets at a barrier, then phase `p + 1`
-begins (`gpu_phased_kernel`); values a thread keeps from one phase to the
-next live in shared memory (or global memory), never in its locals.
+A GPU kernel whose threads cooperate (`gpu_kernel.GpuKernel` with shared
+words or several phases) is written as phases: `run_phase[p]` for `p` in
+`0 ..< phases`, a block barrier after each. The phase is a compile-time
+parameter, so the compiler sees straight-line code between barriers, and a
+thread keeps a declared per-thread state (`GpuKernel.State`, a struct) in
+registers across barriers. This module holds what one phase of one thread
+touches besides its state:
 
-`emulate_phases` runs the same body on the CPU: for each block, phase `p`
-for every thread (in descending order) before phase `p + 1`, which is
-exact for barrier-separated code. A missing barrier (a thread reading a
-shared word another thread writes in the same phase) would still give
-the right answer in some thread order, so the emulation does not rely on
-order: it stamps every shared word with its last writer and readers
-(phase, thread) and fails the launch on
+- **`BlockShared`** (`Shared`): the block's shared memory as `UInt32`
+  words (32-bit values of other types by bit pattern, `load_f32` /
+  `store_f32`), with plain loads and stores and **atomics** (`atomic_add`,
+  `atomic_max`: relaxed, through `std.atomic.Atomic` on the shared address
+  space on a GPU).
+- **`Lane`**: the thread's value in a **collective** that runs after a
+  phase (`GpuKernel.collective(p)`): warp sum, max, exclusive prefix sum,
+  broadcast of lane 0, ballot, and block sum, max and exclusive prefix
+  sum. On a GPU they are MAX's warp primitives (`max.gpu.primitives.warp`,
+  shuffles) and, for the block ones, a word per warp in shared memory
+  after the kernel's own words. The warp is the target's (32 lanes on
+  NVIDIA, 64 on AMD); emulated it is `EMULATED_WARP`, so a kernel reads its
+  width from `warp_lanes()`, never from a constant.
+
+**The emulation** runs a block's phase `p` for every thread (in
+descending order) before phase `p + 1`, which is exact for
+barrier-separated code, and blocks one after another in a shuffled order
+(`block_order`), so code that depends on block order fails. A missing
+barrier would still give the right answer in some thread order, so the
+emulation does not rely on order: it stamps every shared word with its last
+writer, readers and atomic users (phase, thread) and fails the launch on
 
 - a read of a word another thread wrote in the same phase,
 - a write to a word another thread read or wrote in the same phase,
-- a read of a word no phase of this block has written (shared memory
-  starts undefined on a GPU), or
-- an index outside the block's shared words.
+- a plain read or write of a word another thread used atomically in the
+  same phase (atomics among themselves are exact in any order),
+- a read (or atomic) of a word no phase of this block has written (shared
+  memory starts undefined on a GPU),
+- an index outside the launch's shared words,
+- a collective one of whose lanes offered no value in that phase, and
+- a thread reading a collective's result that no collective gave it.
 
-Shared memory is `UInt32` words; 32-bit values of other types are stored
-by bit pattern (`load_f32` / `store_f32`). The race check idea is the one
-of GPU race detectors (NVIDIA's compute-sanitizer racecheck): shadow state
-per shared word, checked at each access between two barriers.
+The race check idea is the one of GPU race detectors (NVIDIA's
+compute-sanitizer racecheck): shadow state per shared word, checked at each
+access between two barriers.
 """
 
-from max.gpu import barrier, block_idx, thread_idx
-from max.gpu.host import DeviceContext
+from max.gpu import WARP_SIZE, barrier
 from max.gpu.memory import AddressSpace
-from std.math import max
-from std.memory import bitcast, stack_allocation
-
-from .operands import KernelOperands, check_kernel_layout
-from .parallel import check_launch
+from max.gpu.primitives import warp
+from std.atomic import Atomic, Ordering
+from std.math import ceildiv, max
+from std.memory import bitcast
+from std.sys import is_gpu
 
 comptime Shared = BlockShared[MutAnyOrigin]
 """The view a phased body receives."""
+
+comptime EMULATED_WARP = 32
+"""Lanes of a warp in the emulation (an NVIDIA warp)."""
+
+comptime MAX_WARPS = 32
+"""Warps of the largest block (1024 threads of 32 lanes): the words a block
+collective keeps per warp bound its scratch."""
+
+# The collectives a phase may end with (`GpuKernel.collective`).
+comptime NO_COLLECTIVE = 0
+comptime WARP_SUM = 1
+"""Every lane gets the sum of its warp's values."""
+comptime WARP_MAX = 2
+"""Every lane gets the largest value of its warp."""
+comptime WARP_EXCLUSIVE_SUM = 3
+"""Lane `l` gets the sum of lanes `0 ..< l` of its warp."""
+comptime WARP_BROADCAST = 4
+"""Every lane gets lane 0's value."""
+comptime WARP_BALLOT = 5
+"""Every lane gets bit `l` set for each lane `l` of its warp whose value is
+not zero."""
+comptime BLOCK_SUM = 6
+"""Every thread gets the sum of the block's values."""
+comptime BLOCK_MAX = 7
+"""Every thread gets the largest value of the block."""
+comptime BLOCK_EXCLUSIVE_SUM = 8
+"""Thread `t` gets the sum of threads `0 ..< t`."""
 
 comptime _NONE: Int64 = 0
 """A stamp no access has set."""
 
 comptime _MANY: Int64 = 0xFFFFFFFF
-"""The thread field of a read stamp that several threads set."""
+"""The thread field of a stamp that several threads set."""
 
 comptime _KIND_READ_RACE = 1
 comptime _KIND_WRITE_RACE = 2
 comptime _KIND_UNWRITTEN = 3
 comptime _KIND_OUT_OF_RANGE = 4
+comptime _KIND_MIXED_ATOMIC = 5
 
-comptime _REPORT_WORDS = 5
+comptime _SHADOWS = 3
+"""Stamps per shared word: last write, reads, atomics."""
+
+comptime REPORT_WORDS = 5
 """Words after the stamps that hold the first violation: kind, word,
 thread, the other thread, phase."""
+
+
+def shadow_words(shared_words: Int) -> Int:
+    """`Int64` words of the emulation's shadow of `shared_words` words."""
+    return _SHADOWS * shared_words + REPORT_WORDS
+
+
+@always_inline
+def warp_lanes() -> Int:
+    """Lanes of a warp: the target's on a GPU, `EMULATED_WARP` emulated."""
+    comptime if is_gpu():
+        return WARP_SIZE
+    return EMULATED_WARP
+
+
+@always_inline
+def is_block_collective(kind: Int) -> Bool:
+    """Whether collective `kind` spans the block (it needs scratch words)."""
+    return kind >= BLOCK_SUM
+
+
+def collective_scratch_words(threads: Int) -> Int:
+    """Shared words a block collective of `threads` threads uses after the
+    kernel's own: two per warp (a 64-bit partial), warps of 32 lanes."""
+    return 2 * ceildiv(threads, 32)
 
 
 @always_inline
@@ -77,10 +148,11 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
     """One thread's view of its block's shared memory in one phase.
 
     On a GPU, `words` is the block's shared memory and `checked` is false:
-    loads and stores are plain (one uniform branch each). Emulated,
-    `shadow` holds each word's last write stamp, then its read stamp, then
-    the report; an access that breaks the phase model is recorded there
-    (the first one) and the launch fails after the phase.
+    loads, stores and atomics are plain (one uniform branch each). Emulated,
+    `shadow` holds each word's last write stamp, then its read stamps, its
+    atomic stamps and the report (`shadow_words`); an access that breaks the
+    phase model is recorded there (the first one) and the launch fails after
+    the phase.
 
     Parameters:
         origin: Origin of the pointers (`MutAnyOrigin` in kernels, as
@@ -112,7 +184,7 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         self.thread = thread
 
     def _report(self, kind: Int, word: Int, other: Int):
-        var report = self.shadow.unsafe_offset(2 * self.size)
+        var report = self.shadow.unsafe_offset(_SHADOWS * self.size)
         if report[unsafe_offset=0] != 0:
             return
         report[unsafe_offset=0] = Int64(kind)
@@ -127,40 +199,61 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         self._report(_KIND_OUT_OF_RANGE, i, -1)
         return False
 
-    def _check_read(self, i: Int):
-        var written = self.shadow[unsafe_offset=i]
-        if written == _NONE:
-            self._report(_KIND_UNWRITTEN, i, -1)
-        elif (
-            _stamp_phase(written) == self.phase
-            and _stamp_thread(written) != self.thread
-        ):
-            self._report(_KIND_READ_RACE, i, _stamp_thread(written))
-        var read = self.shadow[unsafe_offset=self.size + i]
+    def _other(self, stamp: Int64) -> Bool:
+        """Whether `stamp` is another thread's in this phase."""
+        return (
+            stamp != _NONE
+            and _stamp_phase(stamp) == self.phase
+            and _stamp_thread(stamp) != self.thread
+        )
+
+    def _join(self, at: Int):
+        """Adds this thread to the stamp at shadow word `at`."""
+        var stamp = self.shadow[unsafe_offset=at]
         var mine = _stamp(self.phase, self.thread)
-        if read == _NONE or _stamp_phase(read) != self.phase:
-            self.shadow[unsafe_offset=self.size + i] = mine
-        elif read != mine:
-            self.shadow[unsafe_offset=self.size + i] = (
+        if stamp == _NONE or _stamp_phase(stamp) != self.phase:
+            self.shadow[unsafe_offset=at] = mine
+        elif stamp != mine:
+            self.shadow[unsafe_offset=at] = (
                 Int64(self.phase + 1) << 32
             ) | _MANY
 
+    def _check_defined(self, i: Int):
+        if self.shadow[unsafe_offset=i] == _NONE:
+            self._report(_KIND_UNWRITTEN, i, -1)
+
+    def _check_atomics(self, i: Int):
+        var atomic = self.shadow[unsafe_offset=2 * self.size + i]
+        if self._other(atomic):
+            self._report(_KIND_MIXED_ATOMIC, i, _stamp_thread(atomic))
+
+    def _check_read(self, i: Int):
+        var written = self.shadow[unsafe_offset=i]
+        self._check_defined(i)
+        if self._other(written):
+            self._report(_KIND_READ_RACE, i, _stamp_thread(written))
+        self._check_atomics(i)
+        self._join(self.size + i)
+
     def _check_write(self, i: Int):
         var written = self.shadow[unsafe_offset=i]
-        if (
-            written != _NONE
-            and _stamp_phase(written) == self.phase
-            and _stamp_thread(written) != self.thread
-        ):
+        if self._other(written):
             self._report(_KIND_WRITE_RACE, i, _stamp_thread(written))
         var read = self.shadow[unsafe_offset=self.size + i]
-        if (
-            read != _NONE
-            and _stamp_phase(read) == self.phase
-            and _stamp_thread(read) != self.thread
-        ):
+        if self._other(read):
             self._report(_KIND_WRITE_RACE, i, _stamp_thread(read))
+        self._check_atomics(i)
         self.shadow[unsafe_offset=i] = _stamp(self.phase, self.thread)
+
+    def _check_atomic(self, i: Int):
+        self._check_defined(i)
+        var written = self.shadow[unsafe_offset=i]
+        var read = self.shadow[unsafe_offset=self.size + i]
+        if self._other(written):
+            self._report(_KIND_MIXED_ATOMIC, i, _stamp_thread(written))
+        elif self._other(read):
+            self._report(_KIND_MIXED_ATOMIC, i, _stamp_thread(read))
+        self._join(2 * self.size + i)
 
     @always_inline
     def load(self, i: Int) -> UInt32:
@@ -179,6 +272,47 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
                 return
             self._check_write(i)
         self.words[unsafe_offset=i] = value
+
+    @always_inline
+    def atomic_add(self, i: Int, value: UInt32) -> UInt32:
+        """Adds `value` to word `i` atomically (relaxed); the old word.
+
+        Other threads may add to the same word in the same phase (a
+        histogram); a plain access of it by another thread in that phase
+        is a race the emulation reports.
+        """
+        if self.checked:
+            if not self._in_range(i):
+                return 0
+            self._check_atomic(i)
+        comptime if is_gpu():
+            return Atomic.fetch_add[ordering=Ordering.RELAXED](
+                self.words.unsafe_offset(i).unsafe_address_space_cast[
+                    AddressSpace.SHARED
+                ](),
+                value,
+            )
+        var old = self.words[unsafe_offset=i]
+        self.words[unsafe_offset=i] = old + value
+        return old
+
+    @always_inline
+    def atomic_max(self, i: Int, value: UInt32):
+        """Raises word `i` to `value` atomically (relaxed) if it is lower."""
+        if self.checked:
+            if not self._in_range(i):
+                return
+            self._check_atomic(i)
+        comptime if is_gpu():
+            _ = Atomic.max[ordering=Ordering.RELAXED](
+                self.words.unsafe_offset(i).unsafe_address_space_cast[
+                    AddressSpace.SHARED
+                ](),
+                value,
+            )
+        else:
+            var old = self.words[unsafe_offset=i]
+            self.words[unsafe_offset=i] = max(old, value)
 
     @always_inline
     def load_f32(self, i: Int) -> Float32:
@@ -209,11 +343,217 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         self.store(i, bitcast[DType.uint32, 1](value))
 
 
-def _violation(
+struct Lane(Copyable, Defaultable, TrivialRegisterPassable):
+    """A thread's value in the collective after a phase, then its result.
+
+    A phase whose kernel declares a collective after it (`GpuKernel.
+    collective`) must `offer` a value in every thread; the next phases read
+    the result with `result()`. On a GPU the flags are never read, and the
+    compiler drops them; emulated they find a lane that offered nothing
+    (its value would be stale or undefined on a GPU) and a result read
+    where no collective gave one.
+    """
+
+    var value: UInt64
+    var offered: Bool
+    var fresh: Bool
+    var stale_read: Bool
+
+    def __init__(out self):
+        """A lane that has offered nothing and holds no result."""
+        self.value = 0
+        self.offered = False
+        self.fresh = False
+        self.stale_read = False
+
+    @always_inline
+    def offer(mut self, value: UInt64):
+        """This thread's value for the collective after this phase."""
+        self.value = value
+        self.offered = True
+        self.fresh = False
+
+    @always_inline
+    def result(mut self) -> UInt64:
+        """The last collective's result for this thread."""
+        if not self.fresh:
+            self.stale_read = True
+        return self.value
+
+
+@always_inline
+def gpu_collective[
+    kind: Int
+](
+    mut lane: Lane,
+    thread: Int,
+    threads: Int,
+    scratch: Pointer[UInt32, MutAnyOrigin],
+):
+    """Runs collective `kind` on a GPU: every thread of the block calls it.
+
+    Block collectives use `collective_scratch_words(threads)` words at
+    `scratch` and a barrier; the phase's barrier after them keeps the next
+    collective from overwriting words still being read.
+
+    Parameters:
+        kind: The collective (`WARP_SUM` ... `BLOCK_EXCLUSIVE_SUM`).
+
+    Args:
+        lane: The thread's lane: its offered value becomes its result.
+        thread: The thread.
+        threads: Threads of the block.
+        scratch: The block's scratch words (block collectives only).
+    """
+    var x = lane.value
+    var lanes = warp_lanes()
+    var y: UInt64
+    comptime if kind == WARP_SUM or kind == BLOCK_SUM:
+        y = warp.sum(x)
+    elif kind == WARP_MAX or kind == BLOCK_MAX:
+        y = warp.max(x)
+    elif kind == WARP_EXCLUSIVE_SUM:
+        y = warp.prefix_sum[exclusive=True](x)
+    elif kind == BLOCK_EXCLUSIVE_SUM:
+        y = warp.prefix_sum[exclusive=False](x)
+    elif kind == WARP_BROADCAST:
+        y = warp.broadcast(x)
+    else:
+        comptime assert kind == WARP_BALLOT, "unknown collective"
+        var bit = UInt64(1) << UInt64(thread % lanes)
+        y = warp.sum(bit if x != 0 else UInt64(0))
+    comptime if is_block_collective(kind):
+        var w = thread // lanes
+        var partials = scratch.unsafe_bitcast[UInt64]()
+        if thread % lanes == lanes - 1 or thread == threads - 1:
+            partials[unsafe_offset=w] = y
+        barrier()
+        var before: UInt64 = 0
+        var all: UInt64 = 0
+        for v in range(ceildiv(threads, lanes)):
+            var partial = partials[unsafe_offset=v]
+            comptime if kind == BLOCK_MAX:
+                all = max(all, partial)
+            else:
+                all += partial
+                if v < w:
+                    before += partial
+        comptime if kind == BLOCK_EXCLUSIVE_SUM:
+            y = before + y - x
+        else:
+            y = all
+    lane.value = y
+    lane.fresh = True
+
+
+def _warp_result(kind: Int, values: List[UInt64], lo: Int, hi: Int, l: Int) -> UInt64:
+    """Lane `l`'s result of warp collective `kind` over `values[lo:hi]`."""
+    var result: UInt64 = 0
+    if kind == WARP_BROADCAST:
+        return values[lo]
+    for i in range(lo, hi):
+        if kind == WARP_MAX:
+            result = max(result, values[i])
+        elif kind == WARP_BALLOT:
+            if values[i] != 0:
+                result |= UInt64(1) << UInt64(i - lo)
+        elif kind == WARP_SUM or i < l:
+            result += values[i]
+    return result
+
+
+def emulate_collective(
+    kernel: StaticString,
+    kind: Int,
+    block: Int,
+    phase: Int,
+    mut lanes: List[Lane],
+) raises:
+    """Runs collective `kind` over a block's lanes, on the CPU.
+
+    Args:
+        kernel: Name of the kernel, for messages.
+        kind: The collective.
+        block: The block, for messages.
+        phase: The phase it follows, for messages.
+        lanes: The block's lanes, thread by thread.
+
+    Raises:
+        Error: Naming the first thread that offered no value.
+    """
+    var n = len(lanes)
+    var values = List[UInt64](capacity=n)
+    for t in range(n):
+        if not lanes[t].offered:
+            raise Error(
+                kernel,
+                ": block ",
+                block,
+                " phase ",
+                phase,
+                " thread ",
+                t,
+                " offered no value to the collective after the phase (its"
+                " lane would be stale on a GPU)",
+            )
+        values.append(lanes[t].value)
+    var results = List[UInt64](length=n, fill=0)
+    if is_block_collective(kind):
+        var sum: UInt64 = 0
+        var most: UInt64 = 0
+        for t in range(n):
+            results[t] = sum
+            sum += values[t]
+            most = max(most, values[t])
+        if kind != BLOCK_EXCLUSIVE_SUM:
+            for t in range(n):
+                results[t] = most if kind == BLOCK_MAX else sum
+    else:
+        for lo in range(0, n, EMULATED_WARP):
+            var hi = min(lo + EMULATED_WARP, n)
+            for t in range(lo, hi):
+                results[t] = _warp_result(kind, values, lo, hi, t)
+    for t in range(n):
+        lanes[t].value = results[t]
+        lanes[t].offered = False
+        lanes[t].fresh = True
+
+
+def check_lanes(
+    kernel: StaticString, block: Int, phase: Int, lanes: List[Lane]
+) raises:
+    """Fails the launch if a thread read a result no collective gave it.
+
+    Args:
+        kernel: Name of the kernel, for messages.
+        block: The block.
+        phase: The phase just run.
+        lanes: The block's lanes.
+
+    Raises:
+        Error: Naming the first such thread.
+    """
+    for t in range(len(lanes)):
+        if lanes[t].stale_read:
+            raise Error(
+                kernel,
+                ": block ",
+                block,
+                " phase ",
+                phase,
+                " thread ",
+                t,
+                " read a collective result that no collective gave it",
+            )
+
+
+def violation(
     kernel: StaticString, block: Int, report: Pointer[Int64, MutAnyOrigin]
 ) -> String:
-    """The emulation's message for the recorded violation."""
+    """The emulation's message for the violation recorded in `report`."""
     var kind = Int(report[unsafe_offset=0])
+    var word = report[unsafe_offset=1]
+    var other = report[unsafe_offset=3]
     var place = String(
         kernel,
         ": block ",
@@ -224,18 +564,19 @@ def _violation(
         report[unsafe_offset=2],
     )
     if kind == _KIND_OUT_OF_RANGE:
-        return String(
-            place,
-            " used shared word ",
-            report[unsafe_offset=1],
-            " out of range",
-        )
+        return String(place, " used shared word ", word, " out of range")
     if kind == _KIND_UNWRITTEN:
         return String(
+            place, " read shared word ", word, " before any thread wrote it"
+        )
+    if kind == _KIND_MIXED_ATOMIC:
+        return String(
             place,
-            " read shared word ",
-            report[unsafe_offset=1],
-            " before any thread wrote it",
+            " mixed a plain access of shared word ",
+            word,
+            " with thread ",
+            other,
+            "'s in the same phase, one of them atomic (a race)",
         )
     var what = "read" if kind == _KIND_READ_RACE else "wrote"
     return String(
@@ -243,158 +584,48 @@ def _violation(
         " ",
         what,
         " shared word ",
-        report[unsafe_offset=1],
+        word,
         " that thread ",
-        report[unsafe_offset=3],
+        other,
         " used in the same phase (a missing barrier)",
     )
 
 
-def emulate_phases[
-    F: def(Int, Int, Int, Shared) -> None
-](
-    kernel: StaticString,
-    grid: Int,
-    block: Int,
-    phases: Int,
-    shared_words: Int,
-    body: F,
-) raises:
-    """Runs a phased kernel body for every block, phase and thread, on the CPU.
+def block_order(grid: Int) -> List[Int]:
+    """The order the emulation runs `grid` blocks in: a fixed shuffle.
 
-    Blocks run one after another in descending order; within a block,
-    phase `p` runs for every thread (descending) before phase `p + 1`, as
-    the barrier between them makes a GPU do. Each block's shared words
-    start as `0xDEADBEEF` with no writer; every access is checked (module
-    docs).
+    A Fisher-Yates shuffle driven by a 64-bit linear congruential generator
+    (Knuth's MMIX constants) with a fixed seed: the same order on every
+    run, unrelated to the block index, so a kernel whose blocks depend on
+    each other's order gives a wrong answer or fails here.
 
     Args:
-        kernel: Name of the kernel, for messages.
         grid: Blocks.
-        block: Threads per block.
-        phases: Phases of the body.
-        shared_words: `UInt32` words of shared memory per block.
-        body: `body(phase, block, thread, shared)`.
-
-    Raises:
-        Error: For a launch shape a GPU refuses (`check_launch`), or after
-            the first phase with an access that breaks the phase model,
-            naming the block, phase, thread(s) and word.
     """
-    check_launch(kernel, grid, block)
-    var words = List[UInt32](length=max(shared_words, 1), fill=0)
-    var shadow = List[Int64](length=2 * shared_words + _REPORT_WORDS, fill=0)
-    var word_ptr = words.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-    var shadow_ptr = shadow.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-    var report = shadow_ptr.unsafe_offset(2 * shared_words)
-    for b in reversed(range(grid)):
-        for i in range(shared_words):
-            words[i] = 0xDEADBEEF
-        for i in range(len(shadow)):
-            shadow[i] = 0
-        for p in range(phases):
-            for t in reversed(range(block)):
-                body(
-                    p,
-                    b,
-                    t,
-                    Shared(word_ptr, shadow_ptr, True, shared_words, p, t),
-                )
-            if report[unsafe_offset=0] != 0:
-                raise Error(_violation(kernel, b, report))
-    # The views point into these lists: they must outlive every body call.
-    _ = words^
-    _ = shadow^
+    var order = List[Int](capacity=grid)
+    for b in range(grid):
+        order.append(b)
+    var state: UInt64 = 0x9E3779B97F4A7C15
+    for i in reversed(range(1, grid)):
+        state = state * 6364136223846793005 + 1442695040888963407
+        var j = Int((state >> 33) % UInt64(i + 1))
+        var moved = order[i]
+        order[i] = order[j]
+        order[j] = moved
+    return order^
 
 
-@__name(t"{name}")
-def gpu_phased_kernel[
-    name: StaticString,
-    Operands: KernelOperands,
-    shared_words: Int,
-    body: def(Int, Int, Int, Shared, Operands) thin -> None,
-](op: Operands, phases: Int64):
-    """A phased kernel on a GPU: each phase, then a barrier.
+@always_inline
+def arrive(counter: Pointer[UInt32, MutAnyOrigin]) -> UInt32:
+    """Adds one to a global counter (acquire-release); the count before.
 
-    Parameters:
-        name: Kernel name (the symbol is this plus a hash).
-        Operands: The op's operand struct, passed by value.
-        shared_words: `UInt32` words of static shared memory per block.
-        body: `body(phase, block, thread, shared, op)`.
+    How blocks that split a row meet through global memory: each block
+    writes its part, then one thread arrives; the thread that sees
+    `blocks - 1` arrived last and may read every part (the release of the
+    others' arrivals orders their writes before its acquire). The caller
+    resets the counter for the next launch.
 
     Args:
-        op: The call's operands.
-        phases: Phases to run (the same for every thread; `Int64`, since
-            `Int` is not a kernel argument type).
+        counter: A word in global memory, zero before the launch.
     """
-    var words = stack_allocation[
-        shared_words, UInt32, alignment=128, address_space=AddressSpace.SHARED
-    ]()
-    var generic = words.unsafe_address_space_cast[
-        AddressSpace.GENERIC
-    ]().unsafe_origin_cast[MutAnyOrigin]()
-    var b = Int(block_idx.x)
-    var t = Int(thread_idx.x)
-    for p in range(Int(phases)):
-        body(
-            p,
-            b,
-            t,
-            Shared(
-                generic,
-                generic.unsafe_bitcast[Int64](),
-                False,
-                shared_words,
-                p,
-                t,
-            ),
-            op,
-        )
-        barrier()
-
-
-def launch_phased[
-    Operands: KernelOperands,
-    //,
-    name: StaticString,
-    shared_words: Int,
-    body: def(Int, Int, Int, Shared, Operands) thin -> None,
-    emulate: Bool,
-](op: Operands, shape: Tuple[Int, Int], phases: Int, ctx: DeviceContext) raises:
-    """Runs a phased body over `(grid, block)` on `ctx`, or emulated.
-
-    An empty grid launches nothing.
-
-    Parameters:
-        Operands: The op's operand struct (inferred).
-        name: Kernel name, for profiles and errors.
-        shared_words: `UInt32` words of shared memory per block.
-        body: `body(phase, block, thread, shared, op)`.
-        emulate: Run through `emulate_phases` on the CPU.
-
-    Args:
-        op: The call's operands.
-        shape: `(grid, block)`.
-        phases: Phases of the body.
-        ctx: Device context (unused when emulated).
-
-    Raises:
-        Error: For a refused launch shape, or (emulated) a broken phase
-            model.
-    """
-    check_kernel_layout[Operands]()
-    var grid = shape[0]
-    var block = shape[1]
-    if grid == 0:
-        return
-    comptime if emulate:
-
-        def thread_phase(p: Int, b: Int, t: Int, shared: Shared) {imm}:
-            body(p, b, t, shared, op)
-
-        emulate_phases(name, grid, block, phases, shared_words, thread_phase)
-    else:
-        check_launch(name, grid, block)
-        ctx.enqueue_function[
-            gpu_phased_kernel[name, Operands, shared_words, body]
-        ](op, Int64(phases), grid_dim=grid, block_dim=block)
+    return Atomic.fetch_add[ordering=Ordering.ACQUIRE_RELEASE](counter, 1)

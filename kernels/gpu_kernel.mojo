@@ -22,14 +22,41 @@ runs as `parallel.gpu_kernel`; the others as
 `block_phases.gpu_phased_kernel`.
 """
 
-from max.gpu.host import DeviceContext, get_gpu_target
+from max.gpu import barrier, block_idx, thread_idx
+from max.gpu.host import DeviceContext, FuncAttribute, get_gpu_target
 from max.gpu.host.compile import _compile_code
-from std.math import ceildiv
+from max.gpu.memory import AddressSpace, external_memory
+from std.math import ceildiv, max
+from std.memory import stack_allocation
 from std.sys import size_of
 
-from .block_phases import Shared, gpu_phased_kernel, launch_phased
-from .operands import KernelOperands
-from .parallel import gpu_kernel, launch
+from .block_phases import (
+    NO_COLLECTIVE,
+    REPORT_WORDS,
+    Lane,
+    Shared,
+    block_order,
+    check_lanes,
+    collective_scratch_words,
+    emulate_collective,
+    gpu_collective,
+    is_block_collective,
+    shadow_words,
+    violation,
+)
+from .operands import KernelOperands, check_kernel_layout
+from .parallel import check_launch, gpu_kernel, launch
+
+comptime STATIC_SHARED_BYTES = 48 * 1024
+"""The most static shared memory a block may declare (both targets)."""
+
+
+struct NoState(Copyable, Defaultable, TrivialRegisterPassable):
+    """The per-thread state of a kernel that keeps none across barriers."""
+
+    def __init__(out self):
+        """No state."""
+        pass
 
 
 trait GpuKernel:
@@ -37,12 +64,19 @@ trait GpuKernel:
 
     comptime Operands: KernelOperands
     """The op's operand struct, the kernel's one argument."""
+    comptime State: Copyable & Defaultable & Deinitable = NoState
+    """What a thread keeps across barriers (in registers on a GPU, in a
+    per-thread array emulated); starts as `State()` in every block."""
     comptime name: StaticString
     """Kernel name: the entry symbol's prefix, as profiles show it."""
     comptime block_threads: Int
     """Threads per block."""
     comptime shared_words: Int = 0
-    """`UInt32` words of shared memory per block (0: none)."""
+    """`UInt32` words of shared memory per block (0: none); with
+    `dynamic_shared`, the most a launch asks (`launch_shared_words`)."""
+    comptime dynamic_shared: Bool = False
+    """Whether shared memory is sized at launch (`launch_shared_words`),
+    past the 48 KiB of static shared memory where the GPU allows."""
     comptime phases: Int = 1
     """Phases of the body, a block barrier after each (1: no barrier)."""
     comptime grid_rows: StaticString
@@ -74,9 +108,37 @@ trait GpuKernel:
         return 1
 
     @staticmethod
+    def launch_shared_words(op: Self.Operands) -> Int:
+        """Shared words this call's blocks use: `shared_words` unless the
+        kernel sizes them at launch (`dynamic_shared`), then at most that."""
+        return Self.shared_words
+
+    @staticmethod
+    def collective(phase: Int) -> Int:
+        """The collective after `phase` (`block_phases.NO_COLLECTIVE`,
+        `WARP_SUM`, ...), evaluated at compile time."""
+        return NO_COLLECTIVE
+
+    @staticmethod
     def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
-        """One thread's work in one phase (`s` is empty without shared words)."""
-        ...
+        """One thread's work in one phase (`s` is empty without shared
+        words), for a kernel with no per-thread state or collectives."""
+        pass
+
+    @staticmethod
+    def run_phase[
+        phase: Int
+    ](
+        block: Int,
+        thread: Int,
+        mut state: Self.State,
+        mut lane: Lane,
+        s: Shared,
+        op: Self.Operands,
+    ):
+        """One thread's work in phase `phase`: `run` unless the kernel
+        keeps state across barriers or ends a phase with a collective."""
+        Self.run(phase, block, thread, s, op)
 
 
 @always_inline
@@ -111,10 +173,168 @@ def _thread[K: GpuKernel](block: Int, thread: Int, op: K.Operands):
     K.run(0, block, thread, no_shared(thread), op)
 
 
-def _phase[
-    K: GpuKernel
-](phase: Int, block: Int, thread: Int, s: Shared, op: K.Operands):
-    K.run(phase, block, thread, s, op)
+def scratch_words[K: GpuKernel]() -> Int:
+    """Shared words `K`'s block collectives use after its own (0 if it has
+    none): `block_phases.collective_scratch_words`."""
+    comptime for p in range(K.phases):
+        comptime if is_block_collective(K.collective(p)):
+            return collective_scratch_words(K.block_threads)
+    return 0
+
+
+def block_shared_words[K: GpuKernel]() -> Int:
+    """The most shared words a block of `K` uses: its own and the scratch
+    of its block collectives (what occupancy reads)."""
+    return K.shared_words + scratch_words[K]()
+
+
+def _check_declaration[K: GpuKernel]():
+    comptime for p in range(K.phases):
+        comptime if K.collective(p) != NO_COLLECTIVE:
+            comptime assert (
+                K.block_threads % 64 == 0
+            ), "a kernel with collectives has whole warps of 64 lanes"
+    comptime assert (
+        K.dynamic_shared or 4 * block_shared_words[K]() <= STATIC_SHARED_BYTES
+    ), "static shared memory stops at 48 KiB: declare dynamic_shared"
+
+
+def emulate_kernel[K: GpuKernel](op: K.Operands, grid: Int) raises:
+    """Runs a phased kernel for every block, phase and thread, on the CPU.
+
+    Blocks run one after another in `block_phases.block_order` (a fixed
+    shuffle); within a block, phase `p` runs for every thread (descending)
+    before its collective, then phase `p + 1`, as the barrier between them
+    makes a GPU do. Each thread's `State` lives in a per-thread array across
+    the phases. Each block's shared words start as `0xDEADBEEF` with no
+    writer; every access and collective is checked (`block_phases`).
+
+    Parameters:
+        K: The kernel's declaration.
+
+    Args:
+        op: The call's operands (host memory).
+        grid: Blocks.
+
+    Raises:
+        Error: For a launch shape a GPU refuses (`check_launch`), shared
+            words past the declared most, or after the first phase with an
+            access or collective that breaks the model, naming the block,
+            phase, thread(s) and word.
+    """
+    comptime threads = K.block_threads
+    check_launch(K.name, grid, threads)
+    var size = K.launch_shared_words(op)
+    if size < 0 or size > K.shared_words:
+        raise Error(
+            K.name,
+            ": launch_shared_words=",
+            size,
+            " outside 0..",
+            K.shared_words,
+            " (the declared shared_words)",
+        )
+    var words = List[UInt32](length=max(size, 1), fill=0)
+    var shadow = List[Int64](length=shadow_words(size), fill=0)
+    var word_ptr = words.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+    var shadow_ptr = shadow.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+    var report = shadow_ptr.unsafe_offset(shadow_words(size) - REPORT_WORDS)
+    var states = List[K.State](length=threads, fill=K.State())
+    var lanes = List[Lane](length=threads, fill=Lane())
+    for b in block_order(grid):
+        for i in range(size):
+            words[i] = 0xDEADBEEF
+        for i in range(len(shadow)):
+            shadow[i] = 0
+        for t in range(threads):
+            states[t] = K.State()
+            lanes[t] = Lane()
+        comptime for p in range(K.phases):
+            for t in reversed(range(threads)):
+                K.run_phase[p](
+                    b,
+                    t,
+                    states[t],
+                    lanes[t],
+                    Shared(word_ptr, shadow_ptr, True, size, p, t),
+                    op,
+                )
+            if report[unsafe_offset=0] != 0:
+                raise Error(violation(K.name, b, report))
+            check_lanes(K.name, b, p, lanes)
+            comptime kind = K.collective(p)
+            comptime if kind != NO_COLLECTIVE:
+                emulate_collective(K.name, kind, b, p, lanes)
+    # The views point into these lists: they must outlive every body call.
+    _ = words^
+    _ = shadow^
+
+
+@__name(t"{name}")
+def gpu_block_kernel[name: StaticString, K: GpuKernel](op: K.Operands):
+    """A phased kernel on a GPU: each phase, its collective, a barrier.
+
+    The phases are unrolled at compile time, so each is straight-line code
+    and the thread's `State` stays in registers across the barriers.
+    Shared memory is static (`K.shared_words`) or, with `K.dynamic_shared`,
+    the launch's (`K.launch_shared_words(op)` words); the scratch of the
+    block collectives follows it.
+
+    Parameters:
+        name: Kernel name (the symbol is this plus a hash).
+        K: The kernel's declaration.
+
+    Args:
+        op: The call's operands.
+    """
+    var words: Pointer[UInt32, MutAnyOrigin]
+    var size: Int
+    comptime if K.dynamic_shared:
+        words = (
+            external_memory[
+                UInt32, address_space=AddressSpace.SHARED, alignment=16
+            ]()
+            .unsafe_address_space_cast[AddressSpace.GENERIC]()
+            .unsafe_origin_cast[MutAnyOrigin]()
+        )
+        size = K.launch_shared_words(op)
+    else:
+        words = (
+            stack_allocation[
+                max(block_shared_words[K](), 1),
+                UInt32,
+                alignment=128,
+                address_space=AddressSpace.SHARED,
+            ]()
+            .unsafe_address_space_cast[AddressSpace.GENERIC]()
+            .unsafe_origin_cast[MutAnyOrigin]()
+        )
+        size = K.shared_words
+    var b = Int(block_idx.x)
+    var t = Int(thread_idx.x)
+    var state = K.State()
+    var lane = Lane()
+    comptime for p in range(K.phases):
+        K.run_phase[p](
+            b,
+            t,
+            state,
+            lane,
+            Shared(words, words.unsafe_bitcast[Int64](), False, size, p, t),
+            op,
+        )
+        comptime kind = K.collective(p)
+        comptime if kind != NO_COLLECTIVE:
+            gpu_collective[kind](
+                lane, t, K.block_threads, words.unsafe_offset(size)
+            )
+        comptime if p + 1 < K.phases:
+            barrier()
+
+
+def _dynamic_bytes[K: GpuKernel](op: K.Operands) -> Int:
+    """Bytes of dynamic shared memory `K`'s launch for `op` asks for."""
+    return 4 * (K.launch_shared_words(op) + scratch_words[K]())
 
 
 def launch_kernel[
@@ -126,8 +346,8 @@ def launch_kernel[
 
     Parameters:
         K: The kernel's declaration.
-        emulate: Run on the CPU (`parallel.emulate_grid`,
-            `block_phases.emulate_phases`); `ctx` is then unused.
+        emulate: Run on the CPU (`parallel.emulate_grid`, `emulate_kernel`);
+            `ctx` is then unused.
 
     Args:
         op: The call's operands.
@@ -137,22 +357,42 @@ def launch_kernel[
         Error: For a shape a GPU launch refuses (`parallel.check_launch`)
             or, emulated, a broken phase model.
     """
-    var shape = (grid_blocks[K](op), K.block_threads)
-    comptime if is_phased[K]():
-        launch_phased[K.name, K.shared_words, _phase[K], emulate](
-            op, shape, K.phases, ctx
-        )
+    _check_declaration[K]()
+    var grid = grid_blocks[K](op)
+    comptime if not is_phased[K]():
+        launch[K.name, _thread[K], emulate](op, (grid, K.block_threads), ctx)
+        return
+    check_kernel_layout[K.Operands]()
+    if grid == 0:
+        return
+    comptime if emulate:
+        emulate_kernel[K](op, grid)
     else:
-        launch[K.name, _thread[K], emulate](op, shape, ctx)
+        check_launch(K.name, grid, K.block_threads)
+        comptime f = gpu_block_kernel[K.name, K]
+        comptime if K.dynamic_shared:
+            var bytes = _dynamic_bytes[K](op)
+            ctx.enqueue_function[f](
+                op,
+                grid_dim=grid,
+                block_dim=K.block_threads,
+                shared_mem_bytes=bytes,
+                func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(
+                    UInt32(bytes)
+                ),
+            )
+        else:
+            ctx.enqueue_function[f](
+                op, grid_dim=grid, block_dim=K.block_threads
+            )
 
 
 def kernel_code[K: GpuKernel, arch: StaticString]() raises -> String:
     """`K`'s kernel compiled for `arch` (PTX for `sm_*`, else AMDGPU asm)."""
+    _check_declaration[K]()
     comptime target = get_gpu_target[arch]()
     comptime if is_phased[K]():
-        comptime f = gpu_phased_kernel[
-            K.name, K.Operands, K.shared_words, _phase[K]
-        ]
+        comptime f = gpu_block_kernel[K.name, K]
         return String(_compile_code[f, target=target]())
     else:
         comptime f = gpu_kernel[K.name, K.Operands, _thread[K]]
@@ -160,8 +400,5 @@ def kernel_code[K: GpuKernel, arch: StaticString]() raises -> String:
 
 
 def host_bytes[K: GpuKernel]() -> Int:
-    """Bytes of `K`'s arguments on the host: the operands, and the `Int64`
-    phase count of a phased kernel."""
-    comptime if is_phased[K]():
-        return size_of[K.Operands]() + size_of[Int64]()
+    """Bytes of `K`'s arguments on the host: the operands."""
     return size_of[K.Operands]()

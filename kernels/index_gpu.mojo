@@ -24,7 +24,7 @@ the scorer's (`index_scorers.ScoreKernel`: `SimtScore`, `WgmmaScore`,
    `index_gpu_shape.mojo`'s. That is the `"simt"` scorer (`SimtScore`); the tensor
    scorers (`index_wgmma.mojo` on sm_90, `index_mfma.mojo` on gfx942)
    fill the same workspace row, as `index_scorers.mojo` picks.
-3. **Select** (`index_select.select_row_phase`, a block per row): the top
+3. **Select** (`index_select.select_phase`, a block per row): the top
    `k` ids of the workspace row in the contract's order.
 
 Rows go through in windows: the workspace holds `window` rows of
@@ -42,16 +42,21 @@ first. It has run on an NVIDIA H200 (docs/performance.md).
 from max.gpu.host import DeviceContext
 from std.math import ceildiv, max, min
 
-from .block_phases import Shared
+from .block_phases import Lane, Shared
 from .gpu_kernel import GpuKernel, launch_kernel
 from .index_operands import IndexTopK
 from .index_plan import row_plan
 from .index_scorers import SIMT, ScoreKernel
 from .index_select import (
     SELECT_THREADS,
-    SELECT_WORDS,
+    Row,
+    SelectState,
+    row_cache_words,
+    select_collective,
+    select_max_words,
+    select_phase,
     select_phases,
-    select_row_phase,
+    select_shared_words,
 )
 from .ragged import Ptr
 
@@ -75,20 +80,15 @@ def index_plan_thread(block: Int, thread: Int, op: IndexTopK):
     op.work.plan[unsafe_offset=2 * t + 1] = Int64(plan.bound)
 
 
-def index_select_phase(
-    phase: Int, block: Int, thread: Int, s: Shared, op: IndexTopK
-):
-    """One phase of window row `block`'s select into the output."""
+def select_row(block: Int, op: IndexTopK) -> Row:
+    """Window row `block`'s scores, bound, row cache and output ids."""
     var t = op.work.first_row + block
     var b = Int(op.work.plan[unsafe_offset=2 * t])
     var bound = Int(op.work.plan[unsafe_offset=2 * t + 1]) if b >= 0 else 0
-    select_row_phase(
-        phase,
-        thread,
-        s,
+    return Row(
         op.work.scores.unsafe_offset(block * op.work.candidates),
         bound,
-        op.k,
+        row_cache_words(op.work.candidates),
         op.output.unsafe_offset(t * op.k),
     )
 
@@ -115,12 +115,14 @@ struct PlanKernel[Op: type_of(IndexTopK)](GpuKernel):
 
 struct SelectKernel[Op: type_of(IndexTopK)](GpuKernel):
     """Launch 3: a block per window row selects its top `k`
-    (`index_select.select_row_phase`)."""
+    (`index_select.select_phase`)."""
 
     comptime Operands = Self.Op
+    comptime State = SelectState
     comptime name = "mla_kpool_index_select_kernel"
     comptime block_threads = SELECT_THREADS
-    comptime shared_words = SELECT_WORDS
+    comptime shared_words = select_max_words(Self.Op.k)
+    comptime dynamic_shared = True
     comptime phases = select_phases(Self.Op.k)
     comptime grid_rows = "window_rows"
 
@@ -130,9 +132,30 @@ struct SelectKernel[Op: type_of(IndexTopK)](GpuKernel):
         return op.work.rows
 
     @staticmethod
-    def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
-        """`index_select_phase`."""
-        index_select_phase(phase, block, thread, s, op)
+    def launch_shared_words(op: Self.Operands) -> Int:
+        """The pairs and a row cache as wide as the workspace's rows."""
+        return select_shared_words(Self.Op.k, op.work.candidates)
+
+    @staticmethod
+    def collective(phase: Int) -> Int:
+        """`select_collective`."""
+        return select_collective(phase)
+
+    @staticmethod
+    def run_phase[
+        phase: Int
+    ](
+        block: Int,
+        thread: Int,
+        mut state: SelectState,
+        mut lane: Lane,
+        s: Shared,
+        op: Self.Operands,
+    ):
+        """`select_phase` on window row `block`."""
+        select_phase[phase, Self.Op.k](
+            thread, state, lane, s, select_row(block, op)
+        )
 
 
 def window_rows(candidates: Int, total_tokens: Int) -> Int:

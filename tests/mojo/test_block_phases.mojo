@@ -1,161 +1,588 @@
-"""The phased-kernel emulation: exact for barrier-separated code, and strict.
+"""The kernel model's emulation: exact for barrier-separated code, and strict.
 
-A block sum written as two phases (each thread stores its value; thread 0
-adds them after the barrier) must give every block's sum. The same sum with
-the barrier left out (one phase) happens to give the right answer in the
-emulation's thread order, so the test asserts that the emulation refuses it
-by its shared-memory stamps, naming the phase, the threads and the word.
-A read of a word nobody wrote, an overwrite of a word another thread read in
-the same phase, and an index past the block's words fail the same way.
-Finally the phased kernel compiles for sm_90a, sm_100a and gfx942 (barrier
-and static shared memory included).
+Each feature is a small kernel declared as a `GpuKernel`, run over the
+emulated grid with answers computed here in plain loops, then with a fault
+planted that the emulation must refuse (or, for block order, expose):
+
+- phases and shared memory: a block sum in two phases; the barrier left
+  out, a word read before any write, a word overwritten after another
+  thread read it, an index past the block's words;
+- atomics: a shared histogram counted with `atomic_add` and a maximum with
+  `atomic_max`; a plain store to a word other threads add to atomically;
+- per-thread state across barriers: a value kept in `State` from phase 0
+  to phase 2;
+- collectives: every kind against the same reduction written out here; a
+  lane that offers nothing, a result read where no collective gave one;
+- shared memory sized at launch: the words follow the call; a launch that
+  asks more than the declared most, an index past the launch's words;
+- rows over several blocks: a row summed by blocks that meet through
+  global memory, the last block to arrive (a global atomic counter)
+  adding the partials; the same with the merge given to block 0, which
+  the shuffled block order makes wrong.
+
+Finally the kernels compile for sm_90a, sm_100a and gfx942 with what the
+model promises in their code: barriers, `atom` on shared memory,
+`shfl.sync`, dynamic shared memory.
 """
 
 from max.gpu.host import get_gpu_target
 from max.gpu.host.compile import _compile_code
+from std.atomic import Atomic, Ordering
+from std.math import max
 from std.testing import TestSuite, assert_equal, assert_true
 
-from kernels.block_phases import Shared, emulate_phases, gpu_phased_kernel
+from kernels.block_phases import (
+    BLOCK_EXCLUSIVE_SUM,
+    BLOCK_MAX,
+    BLOCK_SUM,
+    EMULATED_WARP,
+    NO_COLLECTIVE,
+    WARP_BALLOT,
+    WARP_BROADCAST,
+    WARP_EXCLUSIVE_SUM,
+    WARP_MAX,
+    WARP_SUM,
+    Lane,
+    Shared,
+    arrive,
+    block_order,
+)
+from kernels.gpu_kernel import GpuKernel, emulate_kernel, kernel_code
 from kernels.operands import KernelOperands
 from kernels.ragged import Field, Ptr
 
 comptime BLOCK = 8
 
 
+@fieldwise_init
+struct Operands[origin: MutOrigin](KernelOperands):
+    """Every test kernel's operands: an output, an input, a counter, a
+    size and the planted fault (0: none)."""
+
+    var out: Field[DType.uint32, Self.origin]
+    var input: Field[DType.uint32, Self.origin]
+    var counter: Field[DType.uint32, Self.origin]
+    var n: Int
+    var fault: Int
+
+
+comptime Op = Operands[MutAnyOrigin]
+
+
+struct Buffers(Movable):
+    """Host memory behind an `Op`."""
+
+    var out: List[UInt32]
+    var input: List[UInt32]
+    var counter: List[UInt32]
+
+    def __init__(out self, outputs: Int, inputs: List[UInt32]):
+        self.out = List[UInt32](length=outputs, fill=7)
+        self.input = inputs.copy()
+        self.counter = List[UInt32](length=1, fill=0)
+
+    def op(mut self, n: Int, fault: Int) -> Op:
+        return Op(
+            self.out.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            self.input.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            self.counter.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            n,
+            fault,
+        )
+
+
+def _error[K: GpuKernel](op: K.Operands, grid: Int) -> String:
+    """The emulation's error for `K` over `grid` blocks, or empty."""
+    try:
+        emulate_kernel[K](op, grid)
+    except e:
+        return String(e)
+    return String()
+
+
 def _value(b: Int, t: Int) -> UInt32:
     return UInt32(100 * b + t * t + 1)
 
 
-def _expected(b: Int) -> UInt32:
+# --- phases and shared memory -------------------------------------------
+
+
+struct BlockSum(GpuKernel):
+    """Phase 0: each thread stores its value; phase 1: thread 0 adds them.
+    Faults: 1 the barrier left out (one phase), 2 a word nobody wrote, 3 a
+    word overwritten after another thread read it, 4 an index past the
+    words."""
+
+    comptime Operands = Op
+    comptime name = "block_sum"
+    comptime block_threads = BLOCK
+    comptime shared_words = BLOCK + 1
+    comptime phases = 2
+    comptime grid_rows = "blocks"
+
+    @staticmethod
+    def rows(op: Op) -> Int:
+        return op.n
+
+    @staticmethod
+    def run(p: Int, b: Int, t: Int, s: Shared, op: Op):
+        if op.fault == 1:
+            if p == 1:
+                return
+            s.store(t, _value(b, t))
+            if t == 0:
+                var total: UInt32 = 0
+                for i in range(BLOCK):
+                    total += s.load(i)
+                op.out[unsafe_offset=b] = total
+        elif op.fault == 2 and p == 1 and t == 0:
+            _ = s.load(BLOCK)
+        elif op.fault == 3 and p == 1:
+            if t == 0:
+                _ = s.load(3)
+            if t == 3:
+                s.store(3, 7)
+        elif op.fault == 4 and p == 0 and t == 5:
+            s.store(BLOCK + 2, 1)
+        elif p == 0:
+            s.store(t, _value(b, t))
+        elif t == 0:
+            var total: UInt32 = 0
+            for i in range(BLOCK):
+                total += s.load(i)
+            op.out[unsafe_offset=b] = total
+
+
+def _block_sum(b: Int) -> UInt32:
     var total: UInt32 = 0
     for t in range(BLOCK):
         total += _value(b, t)
     return total
 
 
-def _sum_phase(phase: Int, b: Int, t: Int, s: Shared, sums: Ptr[DType.uint32]):
-    """Phase 0: store; phase 1: thread 0 adds the block's words."""
-    if phase == 0:
-        s.store(t, _value(b, t))
-    elif t == 0:
-        var total: UInt32 = 0
-        for i in range(BLOCK):
-            total += s.load(i)
-        sums[unsafe_offset=b] = total
-
-
-def _run(phases: Int, mut out: List[UInt32], broken: Int) raises -> String:
-    """Runs the block sum; `broken` selects a planted fault (0: none)."""
-    var ptr = out.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-
-    def body(p: Int, b: Int, t: Int, s: Shared) {imm}:
-        if broken == 1:  # the barrier left out: store and add in one phase
-            s.store(t, _value(b, t))
-            if t == 0:
-                var total: UInt32 = 0
-                for i in range(BLOCK):
-                    total += s.load(i)
-                ptr[unsafe_offset=b] = total
-        elif broken == 2 and p == 1 and t == 0:  # a word nobody wrote
-            _ = s.load(BLOCK)
-        elif broken == 3 and p == 1:  # read and overwritten in one phase
-            if t == 0:
-                _ = s.load(3)
-            if t == 3:
-                s.store(3, 7)
-        elif broken == 4 and p == 0 and t == 5:
-            s.store(BLOCK + 2, 1)
-        else:
-            _sum_phase(p, b, t, s, ptr)
-
-    try:
-        emulate_phases("block_sum", len(out), BLOCK, phases, BLOCK + 1, body)
-    except e:
-        return String(e)
-    return String()
-
-
 def test_two_phases_sum_every_block() raises:
-    var out = List[UInt32](length=5, fill=0)
-    assert_equal(_run(2, out, 0), "")
+    var m = Buffers(5, List[UInt32]())
+    assert_equal(_error[BlockSum](m.op(5, 0), 5), "")
     for b in range(5):
-        assert_equal(out[b], _expected(b))
+        assert_equal(m.out[b], _block_sum(b))
 
 
 def test_a_missing_barrier_is_refused() raises:
-    var out = List[UInt32](length=3, fill=0)
-    var error = _run(1, out, 1)
+    var m = Buffers(1, List[UInt32]())
+    var error = _error[BlockSum](m.op(1, 1), 1)
     # Descending thread order ran threads 7..1 before thread 0, so the sum
     # itself came out right: only the stamps can see the race.
-    assert_equal(out[2], _expected(2))
-    assert_true("missing barrier" in error, error)
+    assert_equal(m.out[0], _block_sum(0))
     assert_true(
-        "block_sum: block 2 phase 0 thread 0 read shared word 1 that thread"
-        " 1 used in the same phase" in error,
+        "block_sum: block 0 phase 0 thread 0 read shared word 1 that thread"
+        " 1 used in the same phase (a missing barrier)" in error,
         error,
     )
 
 
 def test_an_unwritten_word_is_refused() raises:
-    var out = List[UInt32](length=2, fill=0)
-    var error = _run(2, out, 2)
+    var m = Buffers(2, List[UInt32]())
+    var error = _error[BlockSum](m.op(2, 2), 2)
     assert_true(
-        "block 1 phase 1 thread 0 read shared word 8 before any thread wrote it"
+        "phase 1 thread 0 read shared word 8 before any thread wrote it"
         in error,
         error,
     )
 
 
 def test_overwriting_a_word_read_in_the_same_phase_is_refused() raises:
-    var out = List[UInt32](length=1, fill=0)
-    var error = _run(2, out, 3)
+    var m = Buffers(1, List[UInt32]())
+    var error = _error[BlockSum](m.op(1, 3), 1)
     # Thread 3 runs first and writes; thread 0's read then sees the race.
     assert_true("phase 1" in error and "word 3" in error, error)
     assert_true("missing barrier" in error, error)
 
 
 def test_an_index_past_the_shared_words_is_refused() raises:
-    var out = List[UInt32](length=1, fill=0)
-    var error = _run(2, out, 4)
+    var m = Buffers(1, List[UInt32]())
+    var error = _error[BlockSum](m.op(1, 4), 1)
     assert_true(
         "block 0 phase 0 thread 5 used shared word 10 out of range" in error,
         error,
     )
 
 
-struct SumOperands[origin: MutOrigin](KernelOperands):
-    """The block sum's one operand, for the GPU compile."""
+# --- atomics -------------------------------------------------------------
 
-    var sums: Field[DType.uint32, Self.origin]
-
-
-comptime Sum = SumOperands[MutAnyOrigin]
+comptime HIST_THREADS = 64
+comptime BUCKETS = 5
 
 
-def _sum_body(p: Int, b: Int, t: Int, s: Shared, op: Sum):
-    _sum_phase(p, b, t, s, op.sums)
+struct Histogram(GpuKernel):
+    """Counts `input` (`n` values) into 5 buckets by `value % 5` with shared
+    `atomic_add`, and their largest value with `atomic_max`. Fault 1:
+    thread 3 also stores bucket 0 plainly in the counting phase."""
+
+    comptime Operands = Op
+    comptime name = "histogram"
+    comptime block_threads = HIST_THREADS
+    comptime shared_words = BUCKETS + 1
+    comptime phases = 3
+    comptime grid_rows = "1"
+
+    @staticmethod
+    def rows(op: Op) -> Int:
+        return 1
+
+    @staticmethod
+    def run(p: Int, b: Int, t: Int, s: Shared, op: Op):
+        if p == 0:
+            if t <= BUCKETS:
+                s.store(t, 0)
+        elif p == 1:
+            for i in range(t, op.n, HIST_THREADS):
+                var v = op.input[unsafe_offset=i]
+                _ = s.atomic_add(Int(v % BUCKETS), 1)
+                s.atomic_max(BUCKETS, v)
+            if op.fault == 1 and t == 3:
+                s.store(0, 0)
+        elif t <= BUCKETS:
+            op.out[unsafe_offset=t] = s.load(t)
 
 
-def _compile[arch: StaticString]() raises -> String:
-    return String(
-        _compile_code[
-            gpu_phased_kernel["block_sum_kernel", Sum, BLOCK, _sum_body],
-            target=get_gpu_target[arch](),
-        ]()
+def _inputs(n: Int) -> List[UInt32]:
+    var out = List[UInt32]()
+    for i in range(n):
+        out.append(UInt32((i * 7919 + 13) % 1000))
+    return out^
+
+
+def test_atomics_count_a_histogram() raises:
+    var values = _inputs(1000)
+    var m = Buffers(BUCKETS + 1, values)
+    assert_equal(_error[Histogram](m.op(1000, 0), 1), "")
+    var want = List[UInt32](length=BUCKETS + 1, fill=0)
+    for v in values:
+        want[Int(v % BUCKETS)] += 1
+        want[BUCKETS] = max(want[BUCKETS], v)
+    for i in range(BUCKETS + 1):
+        assert_equal(m.out[i], want[i])
+
+
+def test_a_plain_store_racing_atomics_is_refused() raises:
+    var m = Buffers(BUCKETS + 1, _inputs(1000))
+    var error = _error[Histogram](m.op(1000, 1), 1)
+    assert_true(
+        "histogram: block 0 phase 1 thread" in error
+        and "shared word 0" in error
+        and "one of them atomic (a race)" in error,
+        error,
     )
 
 
-def test_the_phased_kernel_compiles_for_nvidia() raises:
-    for asm in [_compile["sm_90a"](), _compile["sm_100a"]()]:
-        assert_true(".entry block_sum_kernel_" in asm, "no kernel entry")
-        assert_true("bar.sync" in asm, "no barrier in the PTX")
-        assert_true(".shared" in asm, "no shared memory in the PTX")
+# --- state across barriers and collectives -------------------------------
+
+comptime LANES = 128
 
 
-def test_the_phased_kernel_compiles_for_amd() raises:
-    var asm = _compile["gfx942"]()
-    assert_true("gfx942" in asm, "not gfx942 code")
-    assert_true("s_barrier" in asm, "no barrier in the AMDGCN")
+@fieldwise_init
+struct Kept(Copyable, Defaultable, TrivialRegisterPassable):
+    """What a collective test's thread keeps across barriers."""
+
+    var mine: UInt64
+
+    def __init__(out self):
+        self.mine = 0
+
+
+def _lane_value(b: Int, t: Int) -> UInt64:
+    """Values with repeats and zeros, so ballots and maxima are not trivial."""
+    return UInt64(((t * 37 + b * 11) % 23) // 3)
+
+
+struct Collective[kind: Int](GpuKernel):
+    """Phase 0 keeps a value in `State`; phase 1 offers it to the
+    collective `kind`; phase 2 writes the result. Faults: 1 thread 6
+    offers nothing; 2 thread 9 reads a result in phase 1, before any
+    collective."""
+
+    comptime Operands = Op
+    comptime State = Kept
+    comptime name = "collective"
+    comptime block_threads = LANES
+    comptime phases = 3
+    comptime grid_rows = "blocks"
+
+    @staticmethod
+    def rows(op: Op) -> Int:
+        return op.n
+
+    @staticmethod
+    def collective(phase: Int) -> Int:
+        return Self.kind if phase == 1 else NO_COLLECTIVE
+
+    @staticmethod
+    def run_phase[
+        phase: Int
+    ](b: Int, t: Int, mut state: Kept, mut lane: Lane, s: Shared, op: Op):
+        comptime if phase == 0:
+            state.mine = _lane_value(b, t)
+        elif phase == 1:
+            if op.fault == 2 and t == 9:
+                _ = lane.result()
+            if op.fault != 1 or t != 6:
+                lane.offer(state.mine)
+        else:
+            op.out[unsafe_offset=b * LANES + t] = UInt32(lane.result())
+
+
+def _want(kind: Int, b: Int, t: Int) -> UInt64:
+    """Thread `t`'s result of `kind` in block `b`, written out."""
+    var lo = 0 if kind >= BLOCK_SUM else t - t % EMULATED_WARP
+    var hi = LANES if kind >= BLOCK_SUM else lo + EMULATED_WARP
+    var result: UInt64 = 0
+    for u in range(lo, hi):
+        var v = _lane_value(b, u)
+        if kind == WARP_SUM or kind == BLOCK_SUM:
+            result += v
+        elif kind == WARP_MAX or kind == BLOCK_MAX:
+            result = max(result, v)
+        elif kind == WARP_EXCLUSIVE_SUM or kind == BLOCK_EXCLUSIVE_SUM:
+            if u < t:
+                result += v
+        elif kind == WARP_BROADCAST:
+            if u == lo:
+                result = v
+        elif v != 0:  # WARP_BALLOT
+            result |= UInt64(1) << UInt64(u - lo)
+    return result
+
+
+def _check_collective[kind: Int]() raises:
+    var m = Buffers(2 * LANES, List[UInt32]())
+    assert_equal(_error[Collective[kind]](m.op(2, 0), 2), "")
+    for b in range(2):
+        for t in range(LANES):
+            if UInt64(m.out[b * LANES + t]) != _want(kind, b, t) & 0xFFFFFFFF:
+                raise Error(
+                    "collective ",
+                    kind,
+                    " block ",
+                    b,
+                    " thread ",
+                    t,
+                    ": got ",
+                    m.out[b * LANES + t],
+                    ", want ",
+                    _want(kind, b, t),
+                )
+
+
+def test_every_collective_equals_its_reduction() raises:
+    _check_collective[WARP_SUM]()
+    _check_collective[WARP_MAX]()
+    _check_collective[WARP_EXCLUSIVE_SUM]()
+    _check_collective[WARP_BROADCAST]()
+    _check_collective[WARP_BALLOT]()
+    _check_collective[BLOCK_SUM]()
+    _check_collective[BLOCK_MAX]()
+    _check_collective[BLOCK_EXCLUSIVE_SUM]()
+
+
+def test_a_lane_that_offers_nothing_is_refused() raises:
+    var m = Buffers(LANES, List[UInt32]())
+    var error = _error[Collective[WARP_SUM]](m.op(1, 1), 1)
+    assert_true(
+        "collective: block 0 phase 1 thread 6 offered no value to the"
+        " collective" in error,
+        error,
+    )
+
+
+def test_a_result_no_collective_gave_is_refused() raises:
+    var m = Buffers(LANES, List[UInt32]())
+    var error = _error[Collective[BLOCK_SUM]](m.op(1, 2), 1)
+    assert_true(
+        "block 0 phase 1 thread 9 read a collective result that no"
+        " collective gave it" in error,
+        error,
+    )
+
+
+# --- shared memory sized at launch ---------------------------------------
+
+comptime MOST_WORDS = 20000
+"""80,000 bytes: past the 48 KiB of static shared memory."""
+
+
+struct Reverse(GpuKernel):
+    """Reverses `input` (`n` words) through `n` shared words sized at
+    launch. Fault 1: thread 0 also writes word `n`."""
+
+    comptime Operands = Op
+    comptime name = "reverse"
+    comptime block_threads = 64
+    comptime shared_words = MOST_WORDS
+    comptime dynamic_shared = True
+    comptime phases = 2
+    comptime grid_rows = "1"
+
+    @staticmethod
+    def rows(op: Op) -> Int:
+        return 1
+
+    @staticmethod
+    def launch_shared_words(op: Op) -> Int:
+        return op.n
+
+    @staticmethod
+    def run(p: Int, b: Int, t: Int, s: Shared, op: Op):
+        if p == 0:
+            for i in range(t, op.n, 64):
+                s.store(i, op.input[unsafe_offset=i])
+            if op.fault == 1 and t == 0:
+                s.store(op.n, 1)
+        else:
+            for i in range(t, op.n, 64):
+                op.out[unsafe_offset=i] = s.load(op.n - 1 - i)
+
+
+def test_shared_words_sized_at_launch() raises:
+    for n in [1, 300, MOST_WORDS]:
+        var values = _inputs(n)
+        var m = Buffers(n, values)
+        assert_equal(_error[Reverse](m.op(n, 0), 1), "")
+        for i in range(n):
+            assert_equal(m.out[i], values[n - 1 - i])
+
+
+def test_past_the_launch_words_is_refused() raises:
+    var m = Buffers(300, _inputs(300))
+    var error = _error[Reverse](m.op(300, 1), 1)
+    assert_true("thread 0 used shared word 300 out of range" in error, error)
+    var big = Buffers(MOST_WORDS + 1, _inputs(MOST_WORDS + 1))
+    error = _error[Reverse](big.op(MOST_WORDS + 1, 0), 1)
+    assert_true(
+        "reverse: launch_shared_words=20001 outside 0..20000" in error, error
+    )
+
+
+# --- rows over several blocks --------------------------------------------
+
+comptime SPLIT_THREADS = 64
+
+
+@fieldwise_init
+struct Arrival(Copyable, Defaultable, TrivialRegisterPassable):
+    """Whether this block arrived last (thread 0 learns it)."""
+
+    var last: Bool
+
+    def __init__(out self):
+        self.last = False
+
+
+struct SplitSum(GpuKernel):
+    """One row of `n` values summed by `grid` blocks: each block's partial
+    (a block sum) goes to `out[1 + block]`; the last block to arrive at the
+    global counter adds the partials into `out[0]`. Fault 1: block 0
+    merges, whatever arrived."""
+
+    comptime Operands = Op
+    comptime State = Arrival
+    comptime name = "split_sum"
+    comptime block_threads = SPLIT_THREADS
+    comptime phases = 3
+    comptime grid_rows = "blocks"
+
+    @staticmethod
+    def rows(op: Op) -> Int:
+        return op.n // 1000
+
+    @staticmethod
+    def collective(phase: Int) -> Int:
+        return BLOCK_SUM if phase == 0 else (
+            BLOCK_MAX if phase == 1 else NO_COLLECTIVE
+        )
+
+    @staticmethod
+    def run_phase[
+        phase: Int
+    ](b: Int, t: Int, mut state: Arrival, mut lane: Lane, s: Shared, op: Op):
+        var blocks = op.n // 1000
+        comptime if phase == 0:
+            var partial: UInt64 = 0
+            for i in range(b * 1000 + t, (b + 1) * 1000, SPLIT_THREADS):
+                partial += UInt64(op.input[unsafe_offset=i])
+            lane.offer(partial)
+        elif phase == 1:
+            var arrived: UInt64 = 0
+            if t == 0:
+                op.out[unsafe_offset=1 + b] = UInt32(lane.result())
+                var before = arrive(op.counter)
+                arrived = 1 if Int(before) == blocks - 1 else 0
+                if op.fault == 1:
+                    arrived = 1 if b == 0 else 0
+            lane.offer(arrived)
+        else:
+            if lane.result() != 0 and t == 0:
+                var total: UInt32 = 0
+                for v in range(blocks):
+                    total += op.out[unsafe_offset=1 + v]
+                op.out[unsafe_offset=0] = total
+
+
+def test_blocks_meet_through_global_memory() raises:
+    var values = _inputs(7000)
+    var m = Buffers(8, values)
+    assert_equal(_error[SplitSum](m.op(7000, 0), 7), "")
+    var want: UInt32 = 0
+    for v in values:
+        want += v
+    assert_equal(m.out[0], want)
+    assert_equal(m.counter[0], 7)
+
+
+def test_block_order_dependence_is_exposed() raises:
+    # Block 0 does not run last in the shuffled order, so a merge it does
+    # reads partials still at their fill (7).
+    var order = block_order(7)
+    assert_true(order[6] != 0, "block 0 runs last: pick another grid")
+    var m = Buffers(8, _inputs(7000))
+    assert_equal(_error[SplitSum](m.op(7000, 1), 7), "")
+    var want: UInt32 = 0
+    for v in _inputs(7000):
+        want += v
+    assert_true(m.out[0] != want, "the planted order dependence went unseen")
+
+
+# --- compiled code -------------------------------------------------------
+
+
+def _code[arch: StaticString]() raises -> String:
+    return String(
+        kernel_code[BlockSum, arch](),
+        kernel_code[Histogram, arch](),
+        kernel_code[Collective[BLOCK_EXCLUSIVE_SUM], arch](),
+        kernel_code[Collective[WARP_BALLOT], arch](),
+        kernel_code[Reverse, arch](),
+        kernel_code[SplitSum, arch](),
+    )
+
+
+def test_the_model_compiles_for_nvidia() raises:
+    for asm in [_code["sm_90a"](), _code["sm_100a"]()]:
+        for what in [
+            ".entry block_sum_",
+            "bar.sync",
+            "atom.relaxed.sys.shared.add.u32",
+            "atom.relaxed.sys.shared.max.u32",
+            "shfl.sync",
+            ".extern .shared",
+            "atom.acq_rel",
+        ]:
+            assert_true(what in asm, String("no ", what, " in the PTX"))
+
+
+def test_the_model_compiles_for_amd() raises:
+    var asm = _code["gfx942"]()
+    for what in ["s_barrier", "ds_add_u32", "ds_max_u32", "ds_bpermute"]:
+        assert_true(what in asm, String("no ", what, " in the AMDGCN"))
 
 
 def main() raises:

@@ -13,20 +13,25 @@ than 262,144 candidates. The select kernel also compiles for sm_90a,
 sm_100a and gfx942.
 """
 
-from max.gpu.host import get_gpu_target
-from max.gpu.host.compile import _compile_code
 from std.builtin.sort import sort
 from std.math import min
 from std.random import random_float64, random_ui64, seed
 from std.testing import TestSuite, assert_equal, assert_true
 
-from kernels.block_phases import Shared, emulate_phases, gpu_phased_kernel
+from kernels.block_phases import Lane, Shared
+from kernels.gpu_kernel import GpuKernel, emulate_kernel, kernel_code
 from kernels.index_rank import rank_key
 from kernels.index_select import (
+    CACHE_WORDS,
     SELECT_THREADS,
-    SELECT_WORDS,
+    Row,
+    SelectState,
+    row_cache_words,
+    select_collective,
+    select_max_words,
+    select_phase,
     select_phases,
-    select_row_phase,
+    select_shared_words,
 )
 from kernels.operands import KernelOperands
 from kernels.ragged import Field, Ptr
@@ -43,7 +48,68 @@ def _expected(scores: List[Float32], bound: Int, k: Int) -> List[Int32]:
     return out^
 
 
-def _select(rows: List[List[Float32]], k: Int) raises -> List[List[Int32]]:
+@fieldwise_init
+struct SelectOperands[origin: MutOrigin](KernelOperands):
+    """A batch of rows: scores at a row stride, bounds, output ids."""
+
+    var scores: Field[DType.float32, Self.origin]
+    var ids: Field[DType.int32, Self.origin]
+    var bounds: Field[DType.int64, Self.origin]
+    var rows: Int
+    var width: Int
+
+
+comptime Select = SelectOperands[MutAnyOrigin]
+
+
+struct SelectTest[k: Int](GpuKernel):
+    """The select over a batch of rows, a block each, as the op declares it
+    (`index_gpu.SelectKernel`) but on this file's operands."""
+
+    comptime Operands = Select
+    comptime State = SelectState
+    comptime name = "index_select"
+    comptime block_threads = SELECT_THREADS
+    comptime shared_words = select_max_words(Self.k)
+    comptime dynamic_shared = True
+    comptime phases = select_phases(Self.k)
+    comptime grid_rows = "rows"
+
+    @staticmethod
+    def rows(op: Select) -> Int:
+        return op.rows
+
+    @staticmethod
+    def launch_shared_words(op: Select) -> Int:
+        return select_shared_words(Self.k, op.width)
+
+    @staticmethod
+    def collective(phase: Int) -> Int:
+        return select_collective(phase)
+
+    @staticmethod
+    def run_phase[
+        phase: Int
+    ](
+        b: Int,
+        t: Int,
+        mut state: SelectState,
+        mut lane: Lane,
+        s: Shared,
+        op: Select,
+    ):
+        var row = Row(
+            op.scores.unsafe_offset(b * op.width),
+            Int(op.bounds[unsafe_offset=b]),
+            row_cache_words(op.width),
+            op.ids.unsafe_offset(b * Self.k),
+        )
+        select_phase[phase, Self.k](t, state, lane, s, row)
+
+
+def _select[
+    k: Int
+](rows: List[List[Float32]]) raises -> List[List[Int32]]:
     """Every row through the emulated select; one block per row."""
     var width = 1
     for r in rows:
@@ -54,33 +120,20 @@ def _select(rows: List[List[Float32]], k: Int) raises -> List[List[Int32]]:
         for j in range(len(row)):
             flat[i * width + j] = row[j]
     var out = List[Int32](length=len(rows) * k, fill=7)
-    var bounds = List[Int]()
+    var bounds = List[Int64]()
     for r in rows:
-        bounds.append(len(r))
-    var scores = flat.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-    var ids = out.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-    var bound_at = bounds.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-
-    def body(p: Int, b: Int, t: Int, s: Shared) {imm}:
-        select_row_phase(
-            p,
-            t,
-            s,
-            scores.unsafe_offset(b * width),
-            bound_at[unsafe_offset=b],
-            k,
-            ids.unsafe_offset(b * k),
-        )
-
-    emulate_phases(
-        "index_select",
+        bounds.append(Int64(len(r)))
+    emulate_kernel[SelectTest[k]](
+        Select(
+            flat.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            out.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            bounds.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            len(rows),
+            width,
+        ),
         len(rows),
-        SELECT_THREADS,
-        select_phases(k),
-        SELECT_WORDS,
-        body,
     )
-    _ = flat^  # the body read it through a pointer
+    _ = flat^  # the kernel read it through a pointer
     _ = bounds^
     var result = List[List[Int32]]()
     for i in range(len(rows)):
@@ -91,8 +144,8 @@ def _select(rows: List[List[Float32]], k: Int) raises -> List[List[Int32]]:
     return result^
 
 
-def _check(rows: List[List[Float32]], k: Int) raises:
-    var got = _select(rows, k)
+def _check[k: Int](rows: List[List[Float32]]) raises:
+    var got = _select[k](rows)
     for i in range(len(rows)):
         var want = _expected(rows[i], len(rows[i]), k)
         ref row = got[i]
@@ -133,7 +186,7 @@ def test_random_rows_and_bounds() raises:
     rows.append(List[Float32]())  # bound 0: all -1
     rows.append(_random(512, 0))  # bound == k
     rows.append(_random(513, 0))
-    _check(rows, 512)
+    _check[512](rows)
 
 
 def test_more_than_4096_ties_at_the_kth_score() raises:
@@ -148,7 +201,7 @@ def test_more_than_4096_ties_at_the_kth_score() raises:
     rows.append(row^)
     rows.append(all_tied^)
     rows.append(_random(9000, 5))  # five values only
-    _check(rows, 2048)
+    _check[2048](rows)
 
 
 def test_nan_signed_zero_and_infinities() raises:
@@ -159,9 +212,9 @@ def test_nan_signed_zero_and_infinities() raises:
         row.append(Float32(x))
     var rows = List[List[Float32]]()
     rows.append(row.copy())
-    _check(rows, 4)
-    _check(rows, 11)
-    _check(rows, 16)
+    _check[4](rows)
+    _check[11](rows)
+    _check[16](rows)
 
 
 def test_small_k() raises:
@@ -169,8 +222,8 @@ def test_small_k() raises:
     var rows = List[List[Float32]]()
     rows.append(_random(777, 0))
     rows.append(_random(40, 3))
-    _check(rows, 1)
-    _check(rows, 3)
+    _check[1](rows)
+    _check[3](rows)
 
 
 def test_bounds_around_the_block_of_threads() raises:
@@ -184,7 +237,7 @@ def test_bounds_around_the_block_of_threads() raises:
     rows.append(_random(2 * SELECT_THREADS + 7, 0))
     rows.append(_random(101, 0))  # bound == k
     rows.append(List[Float32]())  # bound 0
-    _check(rows, 101)
+    _check[101](rows)
 
 
 def test_k_2048_around_its_bound() raises:
@@ -195,7 +248,7 @@ def test_k_2048_around_its_bound() raises:
     rows.append(_random(2049, 0))  # one candidate left out
     rows.append(_random(40000, 0))  # bound >> k
     rows.append(List[Float32]())  # bound 0: all -1
-    _check(rows, 2048)
+    _check[2048](rows)
 
 
 def test_ties_across_thread_groups_and_nan_at_the_threshold() raises:
@@ -216,8 +269,8 @@ def test_ties_across_thread_groups_and_nan_at_the_threshold() raises:
     rows.append(row^)
     rows.append(tied_top^)
     rows.append(List[Float32](length=5000, fill=nan))
-    _check(rows, 512)
-    _check(rows, 2048)
+    _check[512](rows)
+    _check[2048](rows)
 
 
 def test_k_1() raises:
@@ -228,48 +281,42 @@ def test_k_1() raises:
     rows.append(List[Float32](length=3000, fill=1.0))
     rows.append(_random(1, 0))
     rows.append(List[Float32]())
-    _check(rows, 1)
+    _check[1](rows)
 
 
 def test_more_than_262144_candidates() raises:
     seed(4)
     var rows = List[List[Float32]]()
     rows.append(_random(270000, 4000))
-    _check(rows, 2048)
+    _check[2048](rows)
 
 
-struct SelectOperands[origin: MutOrigin](KernelOperands):
-    """One row's operands, for the GPU compile."""
-
-    var scores: Field[DType.float32, Self.origin]
-    var ids: Field[DType.int32, Self.origin]
-    var bound: Int
-    var k: Int
-
-
-comptime Select = SelectOperands[MutAnyOrigin]
-
-
-def _select_body(p: Int, b: Int, t: Int, s: Shared, op: Select):
-    select_row_phase(p, t, s, op.scores, op.bound, op.k, op.ids)
-
-
-def _compile[arch: StaticString]() raises -> String:
-    return String(
-        _compile_code[
-            gpu_phased_kernel[
-                "index_select_kernel", Select, SELECT_WORDS, _select_body
-            ],
-            target=get_gpu_target[arch](),
-        ]()
-    )
+def test_rows_in_and_past_the_row_cache() raises:
+    """One launch whose rows are kept in shared memory or read from global
+    memory in every pass, from 1 candidate to past the cache."""
+    seed(9)
+    var rows = List[List[Float32]]()
+    rows.append(_random(CACHE_WORDS - 1, 0))
+    rows.append(_random(CACHE_WORDS, 50))
+    rows.append(_random(CACHE_WORDS + 1, 0))
+    rows.append(_random(20000, 300))
+    rows.append(_random(1, 0))
+    rows.append(List[Float32]())
+    _check[512](rows)
 
 
 def test_the_select_compiles_for_every_target() raises:
-    for asm in [_compile["sm_90a"](), _compile["sm_100a"]()]:
-        assert_true(".entry index_select_kernel_" in asm, "no kernel entry")
-        assert_true("bar.sync" in asm, "no barrier in the PTX")
-    assert_true("s_barrier" in _compile["gfx942"](), "no barrier (gfx942)")
+    for asm in [
+        kernel_code[SelectTest[512], "sm_90a"](),
+        kernel_code[SelectTest[2048], "sm_100a"](),
+    ]:
+        assert_true(".entry index_select_" in asm, "no kernel entry")
+        for what in ["bar.sync", "atom.relaxed.sys.shared.add.u32", "shfl.sync"]:
+            assert_true(what in asm, String("no ", what, " in the PTX"))
+        assert_true(".extern .shared" in asm, "no dynamic shared memory")
+    var amd = kernel_code[SelectTest[512], "gfx942"]()
+    for what in ["s_barrier", "ds_add_u32"]:
+        assert_true(what in amd, String("no ", what, " in the AMDGCN"))
 
 
 def main() raises:
