@@ -456,6 +456,7 @@ def _after(key_a: UInt32, id_a: UInt32, key_b: UInt32, id_b: UInt32) -> Bool:
     return key_a < key_b or (key_a == key_b and id_a > id_b)
 
 
+@always_inline
 def _bitonic_step[k: Int](thread: Int, step: Int, s: Shared, m: Int):
     """Compare-exchange step `step` of the bitonic sort of the pairs.
 

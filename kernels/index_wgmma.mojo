@@ -52,7 +52,7 @@ from std.memory import bitcast
 from std.sys import inlined_assembly
 from std.sys.info import is_nvidia_gpu
 
-from .block_phases import Shared
+from .block_phases import Lane, Shared
 from .gpu_kernel import GpuKernel
 from .index_gpu_score import candidate_at, candidate_tile, is_aligned
 from .index_operands import IndexTopK
@@ -289,11 +289,16 @@ def multiply_chunk[chunk: Int](s: Shared, thread: Int, op: IndexTopK, t: Int):
             s.store_f32(word, s.load_f32(word) + sums[r])
 
 
-def index_wgmma_phase(
-    phase: Int, block: Int, thread: Int, s: Shared, op: IndexTopK
-):
+@always_inline
+def index_wgmma_phase[
+    phase: Int
+](block: Int, thread: Int, s: Shared, op: IndexTopK):
     """One phase of the tensor-core scorer (module docs) for window row
-    `block / wgmma_tiles(op)`, candidates from `64 * (block % tiles)`."""
+    `block / wgmma_tiles(op)`, candidates from `64 * (block % tiles)`.
+
+    Inlined into the kernel: a wgmma chain that crosses a call is
+    serialized (ptxas advisory C7510).
+    """
     comptime heads = op.num_heads
     comptime depth = op.depth
     comptime kp = wgmma_depth[depth]()
@@ -312,7 +317,7 @@ def index_wgmma_phase(
         return
     var row, t, b = tile.row, tile.t, tile.request
     var bound, j0 = tile.bound, tile.first
-    if phase == 2 * chunks:
+    comptime if phase == 2 * chunks:
         var j = j0 + thread
         if thread >= WGMMA_TILE or j >= bound:
             return
@@ -324,13 +329,11 @@ def index_wgmma_phase(
             total * op.k_scales[unsafe_offset=candidate_at(op, b, j).scale]
         )
         return
-    var chunk = phase // 2
-    if phase % 2 == 1:
-        comptime for c in range(chunks):
-            if chunk == c:
-                multiply_chunk[c](s, thread, op, t)
+    comptime chunk = phase // 2
+    comptime if phase % 2 == 1:
+        multiply_chunk[chunk](s, thread, op, t)
         return
-    if chunk == 0:
+    comptime if chunk == 0:
         for u in range(thread, WGMMA_TILE * units, WGMMA_THREADS):
             var m = u // units
             var j = j0 + m
@@ -383,6 +386,16 @@ struct WgmmaScore[Op: type_of(IndexTopK)](GpuKernel):
         return op.work.candidates
 
     @staticmethod
-    def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
+    @always_inline
+    def run_phase[
+        phase: Int
+    ](
+        block: Int,
+        thread: Int,
+        mut state: Self.State,
+        mut lane: Lane,
+        s: Shared,
+        op: Self.Operands,
+    ):
         """`index_wgmma_phase`."""
-        index_wgmma_phase(phase, block, thread, s, op)
+        index_wgmma_phase[phase](block, thread, s, op)

@@ -6,8 +6,10 @@
 JSON object per kernel, a line each, to `<out_dir>/manifest.jsonl`: the op,
 kernel and config, the instance's parameters, and the launch facts of the
 kernel's declaration (`gpu_kernel.GpuKernel`): the entry symbol's prefix,
-threads per block, shared words, phases, the grid rule and the bytes the
-host passes (`host_bytes`). A score kernel's row also carries what it
+threads per block, shared words (the most a block uses, the scratch of its
+block collectives included: `block_shared_words`) and whether they are
+sized at launch (`dynamic_shared`: the code then declares none), phases,
+the grid rule and the bytes the host passes (`host_bytes`). A score kernel's row also carries what it
 computes per candidate (`column_flops`, `pads_columns`, `flops_peak`), for
 the rooflines' issue bounds.
 
@@ -20,7 +22,12 @@ from std.sys import argv, get_defined_string
 
 from kernels.compress import CompressKernel, CompressOperands
 from kernels.expand_topk import ExpandTopKKernel, ExpandTopKOperands
-from kernels.gpu_kernel import GpuKernel, host_bytes, kernel_code
+from kernels.gpu_kernel import (
+    GpuKernel,
+    block_shared_words,
+    host_bytes,
+    kernel_code,
+)
 from kernels.index_gpu import PlanKernel, SelectKernel
 from kernels.index_operands import IndexOperands
 from kernels.index_scorers import GPU_SCORERS, ScoreKernel, scorer_targets
@@ -110,7 +117,9 @@ struct Manifest(Movable):
             '", "block_threads": ',
             K.block_threads,
             ', "shared_words": ',
-            K.shared_words,
+            block_shared_words[K](),
+            ', "dynamic_shared": ',
+            "true" if K.dynamic_shared else "false",
             ', "phases": ',
             K.phases,
             ', "grid": {"rows": ',

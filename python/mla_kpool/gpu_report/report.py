@@ -157,6 +157,10 @@ def kernel_rows(
         else:
             facts = _amd_facts(path, kernel["entry"])
         row = {**kernel, "arch": arch, **facts}
+        if kernel.get("dynamic_shared") and row["shared_bytes"] is not None:
+            # Sized at launch: the code declares none; the most a launch
+            # asks is the declaration's.
+            row["shared_bytes"] += 4 * kernel["shared_words"]
         row["asm"] = f"{out_dir.name}/{kernel['asm']}"
         add_occupancy(row)
         rows.append(row)
@@ -167,8 +171,7 @@ def param_mismatches(rows: list[Row]) -> list[str]:
     """One message per kernel whose parameter block is not the host's bytes.
 
     A kernel takes its operand struct by value: the bytes the host copies
-    (``host_bytes``: ``size_of`` the struct, plus 8 for a phased kernel's
-    phase count) must be the parameter block the compiled kernel reads
+    (``host_bytes``: ``size_of`` the struct) must be the parameter block the compiled kernel reads
     (``param_bytes``), or the kernel reads fields at the wrong offsets.
     """
     return [
