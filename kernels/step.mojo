@@ -32,14 +32,14 @@ GPU launches. The prefix sum of pool counts is the only dependency across
 requests: a compress row must know which request owns it. Two launches on
 one stream, which the stream orders:
 
-1. `kpool_step_scan_kernel`, one thread: the serial scan writing
-   `pool_row_offsets`. Without shared memory or a barrier (neither of
-   which the emulated grid can check) a block-wide scan still leaves the
-   last request's offset depending on every count, the same critical path
-   as one thread, plus contention; a faster scan needs either a barrier or
-   a third launch (per-chunk sums, then bases). At serving batches (up to a
-   few hundred requests) the scan is a few hundred simple iterations, less
-   than a launch costs, so it stays one thread.
+1. `kpool_step_scan_kernel`, one block of `SCAN_THREADS` threads writing
+   `pool_row_offsets`: each thread sums the pool counts of a contiguous
+   run of requests, a block exclusive prefix sum (`block_phases`) gives
+   each run its start, and each thread writes its run's offsets. The
+   critical path is a run and the collective, not the batch (a run is one
+   request up to a batch of 1024). The CPU path scans serially
+   (`scan_pool_rows`); the two agree bit for bit (64-bit sums, stored
+   modulo 2^32).
 2. `kpool_step_kernel`, `batch + total_tokens // kpool` blocks. Block
    `b < batch` closes request `b` and then seeds it: the thread that pools
    channel `ch` from the ring is the one that later overwrites channel `ch`
@@ -64,7 +64,7 @@ from .operands import (
     expect_shape,
     expect_target,
 )
-from .block_phases import Shared
+from .block_phases import BLOCK_EXCLUSIVE_SUM, NO_COLLECTIVE, Lane, Shared
 from .gpu_kernel import GpuKernel, launch_kernel
 from .parallel import cpu_for_each_range, gpu_block_width
 from .ragged import Field, full_pools, read_index
@@ -237,10 +237,43 @@ def step_cpu(op: Step):
     cpu_for_each_range(parts, work, run_parts)
 
 
-def step_scan_thread(block: Int, thread: Int, op: Step):
-    """The one GPU thread of launch 1: `scan_pool_rows` (see the module)."""
-    if block == 0 and thread == 0:
-        scan_pool_rows(op)
+comptime SCAN_THREADS = 1024
+"""Threads of the scan launch's one block: a run of requests each."""
+
+
+@always_inline
+def _scan_run(thread: Int, batch: Int) -> Tuple[Int, Int]:
+    """Thread `thread`'s contiguous run of requests `[lo, hi)` in the scan."""
+    var per = (batch + SCAN_THREADS - 1) // SCAN_THREADS
+    var lo = min(thread * per, batch)
+    return (lo, min(lo + per, batch))
+
+
+def step_scan_phase[
+    phase: Int
+](thread: Int, mut lane: Lane, op: Step):
+    """One thread of launch 1 (see the module), phase `phase`.
+
+    Phase 0: the thread offers the 64-bit sum of its run's pool counts to
+    the block's exclusive prefix sum. Phase 1: from that prefix it writes
+    `pool_row_offsets[b + 1]` for each request `b` of its run (modulo
+    2^32, as `scan_pool_rows`), thread 0 also `pool_row_offsets[0] = 0`.
+    """
+    var run = _scan_run(thread, op.close.call.batch)
+    comptime if phase == 0:
+        var total: UInt64 = 0
+        for b in range(run[0], run[1]):
+            total += UInt64(step_pool_count(op, b))
+        lane.offer(total)
+    else:
+        var total = lane.result()
+        if thread == 0:
+            op.pool_row_offsets[unsafe_offset=0] = 0
+        for b in range(run[0], run[1]):
+            total += UInt64(step_pool_count(op, b))
+            op.pool_row_offsets[unsafe_offset=b + 1] = UInt32(
+                total & 0xFFFFFFFF
+            )
 
 
 def step_thread(block: Int, thread: Int, op: Step):
@@ -262,11 +295,12 @@ def step_thread(block: Int, thread: Int, op: Step):
 
 
 struct StepScanKernel[Op: type_of(Step)](GpuKernel):
-    """The step's launch 1: one thread scans the batch."""
+    """The step's launch 1: one block scans the batch (`step_scan_phase`)."""
 
     comptime Operands = Self.Op
     comptime name = "kpool_step_scan_kernel"
-    comptime block_threads = 1
+    comptime block_threads = SCAN_THREADS
+    comptime phases = 2
     comptime grid_rows = "1"
 
     @staticmethod
@@ -275,9 +309,23 @@ struct StepScanKernel[Op: type_of(Step)](GpuKernel):
         return 1
 
     @staticmethod
-    def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
-        """`step_scan_thread`."""
-        step_scan_thread(block, thread, op)
+    def collective(phase: Int) -> Int:
+        """A block exclusive prefix sum of the runs' counts after phase 0."""
+        return BLOCK_EXCLUSIVE_SUM if phase == 0 else NO_COLLECTIVE
+
+    @staticmethod
+    def run_phase[
+        phase: Int
+    ](
+        block: Int,
+        thread: Int,
+        mut state: Self.State,
+        mut lane: Lane,
+        s: Shared,
+        op: Self.Operands,
+    ):
+        """`step_scan_phase`."""
+        step_scan_phase[phase](thread, lane, op)
 
 
 struct StepKernel[Op: type_of(Step)](GpuKernel):

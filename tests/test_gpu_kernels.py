@@ -4,14 +4,15 @@ The Mojo test compiles each writer's GPU kernel to PTX for sm_90a and
 sm_100a and to AMDGCN for gfx942 (no GPU needed), checks the launch shape
 helpers the kernels index by, and unit-tests the emulated grid (every
 thread once, and the launch shapes a GPU refuses refused).
-tests/mojo/test_block_phases.mojo checks the phased kernels' emulation (a
-block sum over a barrier, a missing barrier, an unwritten word, a
-write-after-read and an index past the shared words all refused) and
-compiles a phased kernel for the three targets;
-tests/mojo/test_index_select.mojo runs the indexer's GPU top-k select
-through that emulation against a plain sort of every candidate's rank key,
-and must fail with a planted off-by-one in its radix bucket or with either
-of two of its barriers left out.
+tests/mojo/test_block_phases.mojo checks the kernel model's emulation
+(phases and shared memory, atomics, per-thread state, collectives, shared
+memory sized at launch, blocks meeting through global memory, each with
+its planted faults refused) and compiles its kernels for the three
+targets; tests/mojo/test_index_select.mojo runs the indexer's GPU top-k
+select through that emulation against a plain sort of every candidate's
+rank key, and must fail with a planted off-by-one in its radix bucket, a
+histogram counted without atomics, a histogram cleared while counted, or
+a thread that offers nothing to a collective.
 """
 
 from __future__ import annotations
@@ -69,32 +70,38 @@ def _planted_fault_fails(
 #: what the failing run must say).
 SELECT_MUTANTS = [
     (
-        # The digit fixed is the bucket below the one that holds the k-th key.
+        # The digit fixed is the bucket below the one that holds the k-th
+        # key: the collect then places pairs on each other's slots or past
+        # them, which the shared-word stamps see before the output does.
         "radix_bucket_off_by_one",
-        "(UInt32(b) << UInt32(shift))",
-        "(UInt32(b - 1) << UInt32(shift))",
-        r"slot \d+: got",
+        "var digit = UInt32(RADIX_BUCKETS - 1 - thread)",
+        "var digit = UInt32(RADIX_BUCKETS - 2 - thread)",
+        r"slot \d+: got|missing barrier|out of range|before any thread wrote",
     ),
     (
-        # The first threads prefix their group's counts in the phase that
-        # writes them: right in the emulation's thread order, so only the
-        # shared-word stamps see it.
-        "prefix_without_barrier",
-        "        _count_run(thread, s, scores, bound, m, take_all)\n",
-        "        _count_run(thread, s, scores, bound, m, take_all)\n"
-        "        if thread < _WARPS:\n"
-        "            _prefix_group(thread, s)\n",
+        # The histogram counted with a plain read-modify-write: right in the
+        # emulation's one-thread-at-a-time order, so only the shared-word
+        # stamps see two threads adding to one bucket.
+        "count_without_atomics",
+        "_ = s.atomic_add(hist + digit, 1)",
+        "s.store(hist + digit, s.load(hist + digit) + 1)",
         "missing barrier",
     ),
     (
-        # The bucket totals are added up in the phase that writes the
-        # partial sums they add: again right in the emulation's order.
-        "totals_without_barrier",
-        "            _sum_columns(thread, s)\n",
-        "            _sum_columns(thread, s)\n"
-        "            if thread < _COUNTED:\n"
-        "                _sum_partials(thread, s)\n",
-        "missing barrier",
+        # The histogram a pass counts into is cleared in that pass, while
+        # other threads add to it.
+        "clear_the_counted_histogram",
+        "comptime other = _HIST + ((p + 1) % 2) * RADIX_BUCKETS",
+        "comptime other = hist",
+        r"one of them atomic \(a race\)|missing barrier",
+    ),
+    (
+        # A thread with nothing to collect offers nothing to the prefix sum:
+        # on a GPU its lane would hold a stale value.
+        "collect_without_an_offer",
+        "    lane.offer(above << 32 | ties)",
+        "    if above + ties > 0:\n        lane.offer(above << 32 | ties)",
+        "offered no value to the collective",
     ),
 ]
 

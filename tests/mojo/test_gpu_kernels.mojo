@@ -4,8 +4,8 @@ Runs without a GPU (`mojo run -I . tests/mojo/test_gpu_kernels.mojo`);
 `tests/test_gpu_kernels.py` runs it under pytest. The launch shape is the
 contract the kernels' indexing relies on: one block per request (ring_close,
 seed_tail) or per output row (compress), `min(head_dim, 1024)` threads; the
-fused step launches one thread for the scan, then a block per request and
-per output row; expand_topk launches a block per token row of one warp
+fused step launches one block of 1024 threads for the scan, then a block
+per request and per output row; expand_topk launches a block per token row of one warp
 (fewer threads for rows narrower than 32 columns).
 """
 
@@ -111,8 +111,9 @@ def test_block_threads() raises:
         ].block_threads,
         96,
     )
-    # The fused step: one thread scans, then a block per request and row.
-    assert_equal(StepScanKernel[Step].block_threads, 1)
+    # The fused step: one block of 1024 threads scans (a block prefix sum,
+    # so whole warps), then a block per request and row.
+    assert_equal(StepScanKernel[Step].block_threads, 1024)
     assert_equal(StepKernel[WideStep].block_threads, 1024)
     # expand_topk: one warp per token row (MAX's width 2051), fewer threads
     # for rows narrower than a warp.
