@@ -49,14 +49,15 @@ from .index_plan import row_plan
 from .index_scorers import SIMT, ScoreKernel
 from .index_select import (
     SELECT_THREADS,
-    Row,
+    SelectCall,
     SelectState,
-    row_cache_words,
     select_collective,
     select_max_words,
     select_phase,
     select_phases,
     select_shared_words,
+    select_slices,
+    split_words,
 )
 from .ragged import Ptr
 
@@ -80,15 +81,17 @@ def index_plan_thread(block: Int, thread: Int, op: IndexTopK):
     op.work.plan[unsafe_offset=2 * t + 1] = Int64(plan.bound)
 
 
-def select_row(block: Int, op: IndexTopK) -> Row:
-    """Window row `block`'s scores, bound, row cache and output ids."""
-    var t = op.work.first_row + block
+def select_row(row: Int, op: IndexTopK) -> SelectCall:
+    """Window row `row`'s scores, bound, split words and output ids."""
+    var t = op.work.first_row + row
     var b = Int(op.work.plan[unsafe_offset=2 * t])
     var bound = Int(op.work.plan[unsafe_offset=2 * t + 1]) if b >= 0 else 0
-    return Row(
-        op.work.scores.unsafe_offset(block * op.work.candidates),
+    return SelectCall(
+        op.work.scores.unsafe_offset(row * op.work.candidates),
         bound,
-        row_cache_words(op.work.candidates),
+        op.work.candidates,
+        op.work.slices,
+        op.work.split.unsafe_offset(row * split_words(op.work.slices, op.k)),
         op.output.unsafe_offset(t * op.k),
     )
 
@@ -125,11 +128,17 @@ struct SelectKernel[Op: type_of(IndexTopK)](GpuKernel):
     comptime dynamic_shared = True
     comptime phases = select_phases(Self.Op.k)
     comptime grid_rows = "window_rows"
+    comptime grid_columns = "select_slices"
 
     @staticmethod
     def rows(op: Self.Operands) -> Int:
         """Rows of the window."""
         return op.work.rows
+
+    @staticmethod
+    def columns(op: Self.Operands) -> Int:
+        """Blocks per row (`index_select.select_slices`)."""
+        return op.work.slices
 
     @staticmethod
     def launch_shared_words(op: Self.Operands) -> Int:
@@ -152,9 +161,11 @@ struct SelectKernel[Op: type_of(IndexTopK)](GpuKernel):
         s: Shared,
         op: Self.Operands,
     ):
-        """`select_phase` on window row `block`."""
+        """`select_phase` on window row `block / slices`, its slice
+        `block % slices`."""
+        var slices = op.work.slices
         select_phase[phase, Self.Op.k](
-            thread, state, lane, s, select_row(block, op)
+            thread, state, lane, s, select_row(block // slices, op), block % slices
         )
 
 
@@ -170,6 +181,7 @@ def index_top_k_gpu[
     op_in: IndexTopK,
     plan: Ptr[DType.int64],
     scores: Ptr[DType.float32],
+    split: Ptr[DType.uint32],
     candidates: Int,
     window: Int,
     ctx: DeviceContext,
@@ -186,6 +198,8 @@ def index_top_k_gpu[
         op_in: The call (its workspace is set here).
         plan: `[2 * T]` int64 device workspace.
         scores: `[window * candidates]` float32 device workspace.
+        split: `[window * split_words(slices, k)]` uint32 device
+            workspace, zero (`slices = select_slices(candidates, T, k)`).
         candidates: The most candidates a row can see (a workspace row).
         window: Rows per window (`window_rows`).
         ctx: Device context (unused when emulated).
@@ -197,6 +211,8 @@ def index_top_k_gpu[
     var op = op_in
     op.work.plan = plan
     op.work.scores = scores
+    op.work.split = split
+    op.work.slices = select_slices(candidates, op.total_tokens, op.k)
     op.work.candidates = candidates
     comptime Op = type_of(op)
     launch_kernel[PlanKernel[Op], emulate](op, ctx)

@@ -47,6 +47,11 @@ struct IndexWorkspace[origin: MutOrigin](Copyable, TrivialRegisterPassable):
     """`[2 * T]` each row's request and bound (`index_gpu`)."""
     var scores: Field[DType.float32, Self.origin]
     """`[window, candidates]` score workspace."""
+    var split: Field[DType.uint32, Self.origin]
+    """`[window, split_words(slices, k)]` the split select's words (zero
+    before the first window; each row's last block re-zeroes its counter)."""
+    var slices: Int
+    """Blocks each row's select is split over (`select_slices`)."""
     var candidates: Int
     """The most candidates a row can see: a workspace row."""
     var first_row: Int
@@ -61,6 +66,8 @@ def no_workspace() -> IndexWorkspace[MutAnyOrigin]:
     return IndexWorkspace[MutAnyOrigin](
         Ptr[DType.int64](unsafe_from_address=none),
         Ptr[DType.float32](unsafe_from_address=none),
+        Ptr[DType.uint32](unsafe_from_address=none),
+        1,
         0,
         0,
         0,

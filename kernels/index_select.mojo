@@ -55,9 +55,16 @@ words (51,216 bytes) for k 512 at the GLM-5-Next decode shape, past the
 from std.bit import log2_floor, next_power_of_two
 from std.math import max, min
 
-from .block_phases import BLOCK_EXCLUSIVE_SUM, NO_COLLECTIVE, Lane, Shared
+from .block_phases import (
+    BLOCK_EXCLUSIVE_SUM,
+    BLOCK_MAX,
+    NO_COLLECTIVE,
+    Lane,
+    Shared,
+    arrive,
+)
 from .index_rank import score_order
-from .ragged import Field
+from .ragged import Field, Ptr
 
 
 comptime SELECT_THREADS = 512
@@ -85,14 +92,53 @@ with that prefix the top k still takes."""
 comptime _PAIRS = _STATE + 2
 """The pairs' keys (`sort_width(k)` words), then their ids."""
 
-# The phases: load, 3 per pass, count-and-offer, scatter, the sort steps,
-# then the write.
+comptime SPLIT_ROWS = 128
+"""A window of fewer rows than this splits each row over several blocks."""
+
+comptime MAX_SLICES = 8
+"""The most blocks a row is split over."""
+
+# The phases of picking a row's top k into the pairs (unsorted): load, 3
+# per pass, count-and-offer, scatter. A block picks from its slice, then
+# (a split row's last block to arrive) from the slices' picks, then sorts.
 comptime _LOAD = 0
 comptime _FIRST_PASS = 1
 comptime _PASS_PHASES = 3
 comptime _COLLECT = _FIRST_PASS + _PASSES * _PASS_PHASES
 comptime _SCATTER = _COLLECT + 1
-comptime _FIRST_SORT_STEP = _SCATTER + 1
+comptime PICK_PHASES = _SCATTER + 1
+"""Phases of one pick."""
+comptime _PUBLISH = PICK_PHASES
+comptime _ARRIVE = _PUBLISH + 1
+comptime _MERGE = _ARRIVE + 1
+comptime _FIRST_SORT_STEP = _MERGE + PICK_PHASES
+
+
+def select_slices(candidates: Int, total_tokens: Int, k: Int) -> Int:
+    """Blocks each row's select is split over: 1 unless the call has few
+    rows (`SPLIT_ROWS`), then as many as give each slice at least `4 k`
+    candidates and let the merge keep every slice's pick in shared memory,
+    at most `MAX_SLICES` (`mla_kpool._limits.select_slices` is the Python
+    twin).
+
+    Args:
+        candidates: The workspace's row width (the longest row).
+        total_tokens: Query rows of the call.
+        k: Ids per output row.
+    """
+    if total_tokens >= SPLIT_ROWS:
+        return 1
+    return max(
+        1, min(MAX_SLICES, candidates // (4 * k), CACHE_WORDS // (2 * k))
+    )
+
+
+def split_words(slices: Int, k: Int) -> Int:
+    """`UInt32` words of the split workspace per window row: an arrival
+    counter, each slice's pick count, keys and ids (none unsplit)."""
+    if slices <= 1:
+        return 0
+    return 1 + slices * (1 + 2 * k)
 
 
 @always_inline
@@ -116,7 +162,8 @@ def _sort_steps(k: Int) -> Int:
 
 
 def select_phases(k: Int) -> Int:
-    """Phases of the select for `k`: load, passes, collect, sort, write.
+    """Phases of the select for `k`: a pick, publish, arrive, a pick of the
+    picks, the sort steps and the write.
 
     Args:
         k: Ids per output row, `1 ..= TOP_K_LIMIT`.
@@ -124,18 +171,30 @@ def select_phases(k: Int) -> Int:
     return _FIRST_SORT_STEP + _sort_steps(k) + 1
 
 
-def select_collective(phase: Int) -> Int:
-    """The collective after `phase`: a block exclusive prefix sum after
-    each pass's offer and after the collect's count.
-
-    Args:
-        phase: The phase.
-    """
+def _pick_collective(phase: Int) -> Int:
+    """The collective after pick phase `phase`: a block exclusive prefix sum
+    after each pass's offer and after the collect's count."""
     if phase == _COLLECT:
         return BLOCK_EXCLUSIVE_SUM
     var p = phase - _FIRST_PASS
     if 0 <= p < _PASSES * _PASS_PHASES and p % _PASS_PHASES == 1:
         return BLOCK_EXCLUSIVE_SUM
+    return NO_COLLECTIVE
+
+
+def select_collective(phase: Int) -> Int:
+    """The collective after `phase`: the picks' prefix sums, and a block
+    maximum after the arrival (which block of a split row is last).
+
+    Args:
+        phase: The phase.
+    """
+    if phase < PICK_PHASES:
+        return _pick_collective(phase)
+    if phase == _ARRIVE:
+        return BLOCK_MAX
+    if _MERGE <= phase < _MERGE + PICK_PHASES:
+        return _pick_collective(phase - _MERGE)
     return NO_COLLECTIVE
 
 
@@ -178,38 +237,46 @@ struct SelectState(Copyable, Defaultable, TrivialRegisterPassable):
     """How many keys with that prefix the top k still takes."""
     var count: UInt32
     """This thread's bucket count, from its offer to its decision."""
+    var pairs: UInt32
+    """Pairs the last pick placed: `min(k, bound)` of its row."""
+    var merging: Bool
+    """Whether this block is a split row's last to arrive (it merges)."""
 
     def __init__(out self):
         """Before the first pass."""
         self.prefix = 0
         self.need = 0
         self.count = 0
-
-
-comptime Row = SelectRow[MutAnyOrigin]
-"""The row a select phase receives."""
+        self.pairs = 0
+        self.merging = False
 
 
 @fieldwise_init
 struct SelectRow[origin: MutOrigin](Copyable, TrivialRegisterPassable):
-    """One block's row: its scores, bound, row cache and output.
+    """What one pick reads: a slice of a row's scores, or the slices' picks.
 
     Parameters:
         origin: Origin of the pointers (`MutAnyOrigin`, as `Row`).
     """
 
     var scores: Field[DType.float32, Self.origin]
-    """The row's scores, `bound` of them."""
+    """The slice's scores, `bound` of them (unread for a merge)."""
     var bound: Int
-    """Candidates of the row (ids `0 ..< bound`), at least 0."""
+    """Candidates of the pick, at least 0."""
+    var first: Int
+    """The id of the slice's first candidate."""
     var cache: Int
     """Words of row cache this launch has (`select_shared_words`)."""
-    var ids: Field[DType.int32, Self.origin]
-    """The row's `k` output ids."""
+    var split: Field[DType.uint32, Self.origin]
+    """The window row's split words (`split_words`); read by a merge."""
+    var slices: Int
+    """Blocks the row is split over; a merge reads their picks."""
+    var merge: Bool
+    """Whether this pick reads the slices' picks, not scores."""
 
     @always_inline
     def cached(self) -> Bool:
-        """Whether the row's keys are in shared memory."""
+        """Whether the pick's keys are in shared memory."""
         return self.bound <= self.cache
 
     @always_inline
@@ -218,6 +285,107 @@ struct SelectRow[origin: MutOrigin](Copyable, TrivialRegisterPassable):
         if self.cached():
             return s.load(_base_words(k) + j)
         return score_order(self.scores[unsafe_offset=j])
+
+    @always_inline
+    def id[k: Int](self, s: Shared, j: Int) -> UInt32:
+        """Candidate `j`'s id: its place in the row, or (a merge) the id the
+        slices' picks hold, kept after the keys in the cache."""
+        if self.merge:
+            return s.load(_base_words(k) + self.slices * k + j)
+        return UInt32(self.first + j)
+
+
+comptime Row = SelectRow[MutAnyOrigin]
+"""The pick a select phase receives."""
+
+
+@fieldwise_init
+struct WindowRow[origin: MutOrigin](Copyable, TrivialRegisterPassable):
+    """A window row's select: its scores, split words and output.
+
+    Parameters:
+        origin: Origin of the pointers (`MutAnyOrigin`, as `SelectCall`).
+    """
+
+    var scores: Field[DType.float32, Self.origin]
+    """The row's scores, `bound` of them."""
+    var bound: Int
+    """Candidates of the row (ids `0 ..< bound`), at least 0."""
+    var width: Int
+    """The workspace's row width (the longest row)."""
+    var slices: Int
+    """Blocks the row is split over (`select_slices`)."""
+    var split: Field[DType.uint32, Self.origin]
+    """The row's `split_words(slices, k)` words, zero before the launch
+    (unread unsplit)."""
+    var ids: Field[DType.int32, Self.origin]
+    """The row's `k` output ids."""
+
+
+comptime SelectCall = WindowRow[MutAnyOrigin]
+"""The window row a select block receives."""
+
+
+def slice_row(
+    scores: Field[DType.float32, MutAnyOrigin],
+    bound: Int,
+    width: Int,
+    slice: Int,
+    slices: Int,
+    split: Field[DType.uint32, MutAnyOrigin],
+) -> Row:
+    """Block `slice`'s pick of a row of `bound` candidates: ids `slice * L
+    ..< (slice + 1) * L`, `L = ceil(width / slices)`.
+
+    Args:
+        scores: The row's scores.
+        bound: Candidates of the row.
+        width: The workspace's row width.
+        slice: The block's slice, `0 ..< slices`.
+        slices: `select_slices` of the call.
+        split: The window row's split words.
+    """
+    var per = (width + slices - 1) // slices
+    var first = min(slice * per, bound)
+    return Row(
+        scores.unsafe_offset(first),
+        min(bound - first, per),
+        first,
+        row_cache_words(width),
+        split,
+        slices,
+        False,
+    )
+
+
+def merge_row(
+    width: Int,
+    slices: Int,
+    split: Field[DType.uint32, MutAnyOrigin],
+    merging: Bool,
+) -> Row:
+    """The last block's pick of the slices' picks (none in other blocks).
+
+    Args:
+        width: The workspace's row width.
+        slices: `select_slices` of the call.
+        split: The window row's split words.
+        merging: Whether this block merges.
+    """
+    var none = 0
+    var bound = 0
+    if merging:
+        for v in range(slices):
+            bound += Int(split[unsafe_offset=1 + v])
+    return Row(
+        Ptr[DType.float32](unsafe_from_address=none),
+        bound,
+        0,
+        row_cache_words(width),
+        split,
+        slices,
+        True,
+    )
 
 
 @always_inline
@@ -233,9 +401,17 @@ def select_phase[
     mut state: SelectState,
     mut lane: Lane,
     s: Shared,
-    row: Row,
+    whole: SelectCall,
+    slice: Int,
 ):
-    """One thread's share of phase `phase` of one row's select.
+    """One thread's share of phase `phase` of a block's select.
+
+    Phases `0 ..< PICK_PHASES` pick the top `k` of the block's slice of the
+    row (`whole`, all of it when unsplit) into the pairs. A split row's
+    block then publishes its pick to the split words and arrives; the last
+    to arrive picks the top `k` of the picks (`merge_row`) while the others
+    idle, and sorts and writes the output. An unsplit row's block sorts
+    and writes its own pick.
 
     Parameters:
         phase: The phase, `0 ..< select_phases(k)`.
@@ -246,7 +422,88 @@ def select_phase[
         state: The thread's registers.
         lane: The thread's lane in the collectives (`select_collective`).
         s: The block's shared words (`select_shared_words`).
-        row: The block's row.
+        whole: The window row.
+        slice: The block's slice of the row, `0 ..< whole.slices`.
+    """
+    var split = whole.slices > 1
+    comptime if phase < PICK_PHASES:
+        var row = slice_row(
+            whole.scores,
+            whole.bound,
+            whole.width,
+            slice,
+            whole.slices,
+            whole.split,
+        )
+        _pick_phase[phase, k](thread, state, lane, s, row)
+    elif phase == _PUBLISH:
+        if split:
+            var m = Int(state.pairs)
+            var keys = whole.split.unsafe_offset(1 + whole.slices + slice * k)
+            var at = keys.unsafe_offset(whole.slices * k)
+            for i in range(thread, m, SELECT_THREADS):
+                keys[unsafe_offset=i] = s.load(_PAIRS + i)
+                at[unsafe_offset=i] = s.load(_PAIRS + sort_width(k) + i)
+            if thread == 0:
+                whole.split[unsafe_offset=1 + slice] = UInt32(m)
+    elif phase == _ARRIVE:
+        var last: UInt64 = 0
+        if split and thread == 0:
+            var before = arrive(whole.split)
+            last = 1 if Int(before) == whole.slices - 1 else 0
+        lane.offer(last)
+    elif phase < _FIRST_SORT_STEP:
+        comptime p = phase - _MERGE
+        comptime if p == 0:
+            state.merging = lane.result() != 0
+            if state.merging and thread == 0:
+                # Every slice has arrived: ready for the next window.
+                whole.split[unsafe_offset=0] = 0
+        if state.merging:
+            var row = merge_row(
+                whole.width, whole.slices, whole.split, state.merging
+            )
+            _pick_phase[p, k](thread, state, lane, s, row)
+        elif _pick_collective(p) != NO_COLLECTIVE:
+            lane.offer(0)
+    else:
+        if split and not state.merging:
+            return
+        comptime if phase < select_phases(k) - 1:
+            _bitonic_step[k](
+                thread, phase - _FIRST_SORT_STEP, s, Int(state.pairs)
+            )
+            return
+        var m = Int(state.pairs)
+        for i in range(thread, k, SELECT_THREADS):
+            var id = Int32(-1)
+            if i < m:
+                id = Int32(s.load(_PAIRS + sort_width(k) + i))
+            whole.ids[unsafe_offset=i] = id
+
+
+def _pick_phase[
+    phase: Int, k: Int
+](
+    thread: Int,
+    mut state: SelectState,
+    mut lane: Lane,
+    s: Shared,
+    row: Row,
+):
+    """One thread's share of phase `phase` of a pick of `row`'s top `k`
+    into the pairs (module docs, steps 1-3).
+
+    Parameters:
+        phase: The phase, `0 ..< PICK_PHASES`.
+        k: Ids per output row.
+
+    Args:
+        thread: The thread.
+        state: The thread's registers.
+        lane: The thread's lane in the collectives (`_pick_collective`).
+        s: The block's shared words.
+        row: The pick's candidates.
     """
     comptime assert (
         RADIX_BUCKETS <= SELECT_THREADS
@@ -257,12 +514,16 @@ def select_phase[
     comptime if phase == _LOAD:
         if thread < RADIX_BUCKETS:
             s.store(_HIST + thread, 0)
-        if row.cached():
+        if row.merge:
+            _gather_picks[k](thread, s, row)
+        elif row.cached():
             for j in range(thread, row.bound, SELECT_THREADS):
                 s.store(
                     _base_words(k) + j, score_order(row.scores[unsafe_offset=j])
                 )
+        state.prefix = 0
         state.need = UInt32(m)
+        state.pairs = UInt32(m)
     elif phase < _COLLECT:
         comptime p = (phase - _FIRST_PASS) // _PASS_PHASES
         comptime step = (phase - _FIRST_PASS) % _PASS_PHASES
@@ -278,16 +539,33 @@ def select_phase[
             _decide[p](thread, state, lane, s, take_all)
     elif phase == _COLLECT:
         _count_run[k](thread, state, lane, s, row, take_all)
-    elif phase == _SCATTER:
-        _scatter_run[k](thread, state, lane, s, row, m, take_all)
-    elif phase < select_phases(k) - 1:
-        _bitonic_step[k](thread, phase - _FIRST_SORT_STEP, s, m)
     else:
-        for i in range(thread, k, SELECT_THREADS):
-            var id = Int32(-1)
-            if i < m:
-                id = Int32(s.load(_PAIRS + sort_width(k) + i))
-            row.ids[unsafe_offset=i] = id
+        _scatter_run[k](thread, state, lane, s, row, m, take_all)
+
+
+def _gather_picks[k: Int](thread: Int, s: Shared, row: Row):
+    """A merge's load: the slices' picks, in slice order, into the cache
+    (keys, then ids after `slices * k` words).
+
+    Each slice's pick holds its keys above its own threshold, then its ties,
+    each in id order, and the slices cover ascending ids: so among equal
+    keys, the order here is id order, which the pick's tie rule (the
+    lowest places) needs.
+    """
+    var cache = _base_words(k)
+    var counts = row.split.unsafe_offset(1)
+    var keys = row.split.unsafe_offset(1 + row.slices)
+    var picked = keys.unsafe_offset(row.slices * k)
+    var start = 0
+    for v in range(row.slices):
+        var count = Int(counts[unsafe_offset=v])
+        for i in range(thread, count, SELECT_THREADS):
+            s.store(cache + start + i, keys[unsafe_offset=v * k + i])
+            s.store(
+                cache + row.slices * k + start + i,
+                picked[unsafe_offset=v * k + i],
+            )
+        start += count
 
 
 def _decide[
@@ -443,7 +721,7 @@ def _scatter_run[
             tie += 1
         if slot >= 0:
             s.store(_PAIRS + slot, key)
-            s.store(_PAIRS + sort_width(k) + slot, UInt32(j))
+            s.store(_PAIRS + sort_width(k) + slot, row.id[k](s, j))
     # Padding ranks after every pair: key 0 (no score), the largest id.
     for i in range(m + thread, next_power_of_two(max(m, 1)), SELECT_THREADS):
         s.store(_PAIRS + i, 0)

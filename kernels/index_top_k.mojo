@@ -55,6 +55,7 @@ from .index_gpu import index_top_k_gpu, window_rows
 from .index_operands import TOP_K_LIMIT, IndexOperands, no_workspace
 from .index_plan import scored_prefix
 from .index_scorers import AUTO, check_scorer, scorer_kernel
+from .index_select import select_slices, split_words
 from .operands import ANY, dims, expect_shape, expect_target
 
 
@@ -314,6 +315,12 @@ struct MLAKPoolIndexTopK:
             // rows_per_candidate
         )
         var window = window_rows(candidates, total_tokens)
+        # The split select's words: none unless rows are split (at least a
+        # word, so the buffer is never empty).
+        var split_size = max(
+            window * split_words(select_slices(candidates, total_tokens, k), k),
+            1,
+        )
 
         @always_inline
         @__parameter
@@ -359,11 +366,19 @@ struct MLAKPoolIndexTopK:
             elif emulate_gpu:
                 var plan = List[Int64](length=2 * total_tokens, fill=0)
                 var work = List[Float32](length=window * candidates, fill=0.0)
+                var split = List[UInt32](length=split_size, fill=0)
                 index_top_k_gpu[True, kernel](
-                    op, scratch(plan), scratch(work), candidates, window, ctx
+                    op,
+                    scratch(plan),
+                    scratch(work),
+                    scratch(split),
+                    candidates,
+                    window,
+                    ctx,
                 )
                 _ = plan^  # the launches used them through pointers
                 _ = work^
+                _ = split^
             else:
                 var plan = ctx.enqueue_create_buffer[DType.int64](
                     2 * total_tokens
@@ -377,11 +392,17 @@ struct MLAKPoolIndexTopK:
                 var work_ptr = work.unsafe_ptr().unsafe_origin_cast[
                     MutAnyOrigin
                 ]()
+                var split = ctx.enqueue_create_buffer[DType.uint32](split_size)
+                ctx.enqueue_memset(split, 0)
+                var split_ptr = split.unsafe_ptr().unsafe_origin_cast[
+                    MutAnyOrigin
+                ]()
                 index_top_k_gpu[False, kernel](
-                    op, plan_ptr, work_ptr, candidates, window, ctx
+                    op, plan_ptr, work_ptr, split_ptr, candidates, window, ctx
                 )
                 _ = plan^  # freed in stream order, after the launches
                 _ = work^
+                _ = split^
 
         comptime if kpool > 1 and depth % kpool == 0:
             if spread:

@@ -24,14 +24,14 @@ from kernels.index_rank import rank_key
 from kernels.index_select import (
     CACHE_WORDS,
     SELECT_THREADS,
-    Row,
+    SelectCall,
     SelectState,
-    row_cache_words,
     select_collective,
     select_max_words,
     select_phase,
     select_phases,
     select_shared_words,
+    split_words,
 )
 from kernels.operands import KernelOperands
 from kernels.ragged import Field, Ptr
@@ -50,21 +50,24 @@ def _expected(scores: List[Float32], bound: Int, k: Int) -> List[Int32]:
 
 @fieldwise_init
 struct SelectOperands[origin: MutOrigin](KernelOperands):
-    """A batch of rows: scores at a row stride, bounds, output ids."""
+    """A batch of rows: scores at a row stride, bounds, output ids, and the
+    split select's words."""
 
     var scores: Field[DType.float32, Self.origin]
     var ids: Field[DType.int32, Self.origin]
     var bounds: Field[DType.int64, Self.origin]
+    var split: Field[DType.uint32, Self.origin]
     var rows: Int
     var width: Int
+    var slices: Int
 
 
 comptime Select = SelectOperands[MutAnyOrigin]
 
 
 struct SelectTest[k: Int](GpuKernel):
-    """The select over a batch of rows, a block each, as the op declares it
-    (`index_gpu.SelectKernel`) but on this file's operands."""
+    """The select over a batch of rows, `slices` blocks each, as the op
+    declares it (`index_gpu.SelectKernel`) but on this file's operands."""
 
     comptime Operands = Select
     comptime State = SelectState
@@ -74,10 +77,15 @@ struct SelectTest[k: Int](GpuKernel):
     comptime dynamic_shared = True
     comptime phases = select_phases(Self.k)
     comptime grid_rows = "rows"
+    comptime grid_columns = "slices"
 
     @staticmethod
     def rows(op: Select) -> Int:
         return op.rows
+
+    @staticmethod
+    def columns(op: Select) -> Int:
+        return op.slices
 
     @staticmethod
     def launch_shared_words(op: Select) -> Int:
@@ -98,19 +106,22 @@ struct SelectTest[k: Int](GpuKernel):
         s: Shared,
         op: Select,
     ):
-        var row = Row(
-            op.scores.unsafe_offset(b * op.width),
-            Int(op.bounds[unsafe_offset=b]),
-            row_cache_words(op.width),
-            op.ids.unsafe_offset(b * Self.k),
+        var r = b // op.slices
+        var row = SelectCall(
+            op.scores.unsafe_offset(r * op.width),
+            Int(op.bounds[unsafe_offset=r]),
+            op.width,
+            op.slices,
+            op.split.unsafe_offset(r * split_words(op.slices, Self.k)),
+            op.ids.unsafe_offset(r * Self.k),
         )
-        select_phase[phase, Self.k](t, state, lane, s, row)
+        select_phase[phase, Self.k](t, state, lane, s, row, b % op.slices)
 
 
 def _select[
     k: Int
-](rows: List[List[Float32]]) raises -> List[List[Int32]]:
-    """Every row through the emulated select; one block per row."""
+](rows: List[List[Float32]], slices: Int) raises -> List[List[Int32]]:
+    """Every row through the emulated select; `slices` blocks per row."""
     var width = 1
     for r in rows:
         width = max(width, len(r))
@@ -123,18 +134,27 @@ def _select[
     var bounds = List[Int64]()
     for r in rows:
         bounds.append(Int64(len(r)))
+    var split = List[UInt32](
+        length=max(len(rows) * split_words(slices, k), 1), fill=0
+    )
     emulate_kernel[SelectTest[k]](
         Select(
             flat.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
             out.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
             bounds.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+            split.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
             len(rows),
             width,
+            slices,
         ),
-        len(rows),
+        len(rows) * slices,
     )
+    # Each row's last block re-zeroed its arrival counter.
+    for i in range(len(rows)):
+        assert_equal(split[i * split_words(slices, k)], 0)
     _ = flat^  # the kernel read it through a pointer
     _ = bounds^
+    _ = split^
     var result = List[List[Int32]]()
     for i in range(len(rows)):
         var row = List[Int32]()
@@ -144,8 +164,8 @@ def _select[
     return result^
 
 
-def _check[k: Int](rows: List[List[Float32]]) raises:
-    var got = _select[k](rows)
+def _check[k: Int](rows: List[List[Float32]], slices: Int = 1) raises:
+    var got = _select[k](rows, slices)
     for i in range(len(rows)):
         var want = _expected(rows[i], len(rows[i]), k)
         ref row = got[i]
@@ -156,6 +176,8 @@ def _check[k: Int](rows: List[List[Float32]]) raises:
                     i,
                     " (bound ",
                     len(rows[i]),
+                    ", slices ",
+                    slices,
                     ", k ",
                     k,
                     ") slot ",
@@ -303,6 +325,28 @@ def test_rows_in_and_past_the_row_cache() raises:
     rows.append(_random(1, 0))
     rows.append(List[Float32]())
     _check[512](rows)
+
+
+def test_rows_split_over_blocks() raises:
+    """Rows of a few requests, each split over blocks whose picks the last
+    to arrive merges: bounds that leave slices empty or short, ties across
+    slices (the lowest ids must win), NaN, and slice counts that do not
+    divide the row."""
+    seed(10)
+    var nan = Float32(0.0) / Float32(0.0)
+    var rows = List[List[Float32]]()
+    rows.append(_random(8192, 0))
+    rows.append(_random(8192, 40))  # ties inside and across every slice
+    rows.append(_random(5000, 0))  # the last slices short or empty
+    rows.append(_random(2049, 0))
+    rows.append(_random(600, 0))  # bound near k: slices empty
+    rows.append(List[Float32](length=8000, fill=nan))
+    rows.append(_random(1, 0))
+    rows.append(List[Float32]())
+    _check[512](rows, 4)
+    _check[512](rows, 3)
+    _check[100](rows, 8)
+    _check[2048](rows, 2)
 
 
 def test_the_select_compiles_for_every_target() raises:
