@@ -446,7 +446,9 @@ def gpu_collective[
     lane.fresh = True
 
 
-def _warp_result(kind: Int, values: List[UInt64], lo: Int, hi: Int, l: Int) -> UInt64:
+def _warp_result(
+    kind: Int, values: List[UInt64], lo: Int, hi: Int, l: Int
+) -> UInt64:
     """Lane `l`'s result of warp collective `kind` over `values[lo:hi]`."""
     var result: UInt64 = 0
     if kind == WARP_BROADCAST:

@@ -165,7 +165,12 @@ struct SelectKernel[Op: type_of(IndexTopK)](GpuKernel):
         `block % slices`."""
         var slices = op.work.slices
         select_phase[phase, Self.Op.k](
-            thread, state, lane, s, select_row(block // slices, op), block % slices
+            thread,
+            state,
+            lane,
+            s,
+            select_row(block // slices, op),
+            block % slices,
         )
 
 

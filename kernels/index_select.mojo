@@ -484,13 +484,7 @@ def select_phase[
 
 def _pick_phase[
     phase: Int, k: Int
-](
-    thread: Int,
-    mut state: SelectState,
-    mut lane: Lane,
-    s: Shared,
-    row: Row,
-):
+](thread: Int, mut state: SelectState, mut lane: Lane, s: Shared, row: Row,):
     """One thread's share of phase `phase` of a pick of `row`'s top `k`
     into the pairs (module docs, steps 1-3).
 
@@ -570,13 +564,7 @@ def _gather_picks[k: Int](thread: Int, s: Shared, row: Row):
 
 def _decide[
     p: Int
-](
-    thread: Int,
-    state: SelectState,
-    mut lane: Lane,
-    s: Shared,
-    take_all: Bool,
-):
+](thread: Int, state: SelectState, mut lane: Lane, s: Shared, take_all: Bool,):
     """Pass `p`'s decision: the thread whose bucket holds the `need`-th key
     records the prefix with that bucket's digit and the keys still needed.
 
@@ -601,13 +589,7 @@ def _decide[
 
 def _count[
     k: Int, p: Int
-](
-    thread: Int,
-    mut state: SelectState,
-    s: Shared,
-    row: Row,
-    take_all: Bool,
-):
+](thread: Int, mut state: SelectState, s: Shared, row: Row, take_all: Bool,):
     """Pass `p`'s count: this thread's keys that match the prefix, by digit.
 
     Pass `p > 0` first takes the state the previous pass's decision

@@ -249,9 +249,7 @@ def _scan_run(thread: Int, batch: Int) -> Tuple[Int, Int]:
     return (lo, min(lo + per, batch))
 
 
-def step_scan_phase[
-    phase: Int
-](thread: Int, mut lane: Lane, op: Step):
+def step_scan_phase[phase: Int](thread: Int, mut lane: Lane, op: Step):
     """One thread of launch 1 (see the module), phase `phase`.
 
     Phase 0: the thread offers the 64-bit sum of its run's pool counts to

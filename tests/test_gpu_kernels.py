@@ -103,6 +103,15 @@ SELECT_MUTANTS = [
         "    if above + ties > 0:\n        lane.offer(above << 32 | ties)",
         "offered no value to the collective",
     ),
+    (
+        # A split row's first slice merges instead of its last to arrive:
+        # the shuffled block order runs it before some of the others, so
+        # it merges picks that are not there yet.
+        "merge_by_block_order",
+        "last = 1 if Int(before) == whole.slices - 1 else 0",
+        "last = 1 if slice == 0 else 0",
+        r"slot \d+: got",
+    ),
 ]
 
 

@@ -5,11 +5,11 @@ index_top_k's top-k limit (``mla_kpool._limits.MAX_TOP_K``, the kernels'
 (``_index_op.TENSOR_MAX_DEPTH``, the kernels' ``TENSOR_MAX_DEPTH``), the
 scorer names and the GPU family of each tensor scorer (``_index_op.SCORERS``
 and ``_TENSOR_ARCH``, the kernels' ``AUTO`` / ``GPU_SCORERS`` and
-``scorer_gpu``), and the GPU path's workspace and windows
-(``_limits.GPU_WORKSPACE_BYTES`` / ``window_rows``, the bench's counts).
-The Mojo side is read from the kernel source the package loads
-(:data:`mla_kpool.KERNELS`), with no compile, except the windows, which
-``tests/mojo/window_rows_probe.mojo`` prints.
+``scorer_gpu``), and the GPU path's workspace, windows and split select
+(``_limits.GPU_WORKSPACE_BYTES`` / ``window_rows`` / ``select_slices``, the
+bench's counts). The Mojo side is read from the kernel source the package
+loads (:data:`mla_kpool.KERNELS`), with no compile, except the windows and
+the split, which ``tests/mojo/window_rows_probe.mojo`` prints.
 """
 
 from __future__ import annotations
@@ -187,4 +187,9 @@ def test_the_kernels_windows_match_python():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [int(x) for x in proc.stdout.split()]
     assert lines[0] == _limits.GPU_WORKSPACE_BYTES
-    assert lines[1:] == [_limits.window_rows(c, t) for c, t in cases]
+    windows = [_limits.window_rows(c, t) for c, t in cases]
+    slices = [
+        _limits.select_slices(c, t, k) for c, t in cases for k in (1, 512, 2048)
+    ]
+    assert lines[1:] == windows + slices
+    assert max(slices) == 8 and 2 in slices  # the cases reach a split

@@ -1,4 +1,4 @@
-"""index_top_k's limits, written once in Python: top k, GPU workspace.
+"""index_top_k's limits, written once in Python: top k, GPU workspace, split.
 
 A leaf module (it imports nothing) so that :mod:`mla_kpool.reference`,
 written from the contract, can take the limit the contract states without
@@ -30,3 +30,16 @@ def window_rows(candidates: int, total_tokens: int) -> int:
     """
     per_row = max(candidates, 1) * 4
     return max(1, min(total_tokens, GPU_WORKSPACE_BYTES // per_row))
+
+
+def select_slices(candidates: int, total_tokens: int, k: int) -> int:
+    """Blocks each row's select is split over on a GPU.
+
+    One for a call of at least 128 rows; for fewer, as many as give each
+    slice at least ``4 k`` candidates and keep every slice's pick (``2 k``
+    words) in a row cache of 8,192 words, at most 8 (``select_slices`` in
+    kernels/index_select.mojo).
+    """
+    if total_tokens >= 128:
+        return 1
+    return max(1, min(8, candidates // (4 * k), 8192 // (2 * k)))

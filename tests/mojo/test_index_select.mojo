@@ -355,7 +355,11 @@ def test_the_select_compiles_for_every_target() raises:
         kernel_code[SelectTest[2048], "sm_100a"](),
     ]:
         assert_true(".entry index_select_" in asm, "no kernel entry")
-        for what in ["bar.sync", "atom.relaxed.sys.shared.add.u32", "shfl.sync"]:
+        for what in [
+            "bar.sync",
+            "atom.relaxed.sys.shared.add.u32",
+            "shfl.sync",
+        ]:
             assert_true(what in asm, String("no ", what, " in the PTX"))
         assert_true(".extern .shared" in asm, "no dynamic shared memory")
     var amd = kernel_code[SelectTest[512], "gfx942"]()

@@ -1,12 +1,14 @@
 """Prints the GPU path's workspace and windows, for tests/test_kernel_constants.py.
 
 `mojo run -I <root> window_rows_probe.mojo C0 T0 C1 T1 ...` prints
-`GPU_WORKSPACE_BYTES`, then `window_rows(Ci, Ti)` a line each.
+`GPU_WORKSPACE_BYTES`, then `window_rows(Ci, Ti)` a line each, then
+`select_slices(Ci, Ti, k)` for k 1, 512 and 2048, a line each.
 """
 
 from std.sys import argv
 
 from kernels.index_gpu import GPU_WORKSPACE_BYTES, window_rows
+from kernels.index_select import select_slices
 
 
 def main() raises:
@@ -15,4 +17,9 @@ def main() raises:
     var i = 1
     while i + 1 < len(args):
         print(window_rows(Int(args[i]), Int(args[i + 1])))
+        i += 2
+    i = 1
+    while i + 1 < len(args):
+        for k in [1, 512, 2048]:
+            print(select_slices(Int(args[i]), Int(args[i + 1]), k))
         i += 2

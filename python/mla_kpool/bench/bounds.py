@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from .._limits import GPU_WORKSPACE_BYTES, window_rows
+from .._limits import GPU_WORKSPACE_BYTES, select_slices, window_rows
 from ..gpu_specs import gpu_spec, lower_bound_seconds
 from . import index as bench_index
 from . import workload as bench_workload
@@ -174,6 +174,7 @@ def index_workload(
             "candidates": candidates,
             "window_rows": window,
             "windows": -(-tokens // window),
+            "select_slices": select_slices(candidates, tokens, shape.top_k),
         },
     }
 

@@ -171,8 +171,9 @@ def param_mismatches(rows: list[Row]) -> list[str]:
     """One message per kernel whose parameter block is not the host's bytes.
 
     A kernel takes its operand struct by value: the bytes the host copies
-    (``host_bytes``: ``size_of`` the struct) must be the parameter block the compiled kernel reads
-    (``param_bytes``), or the kernel reads fields at the wrong offsets.
+    (``host_bytes``: ``size_of`` the struct) must be the parameter block
+    the compiled kernel reads (``param_bytes``), or the kernel reads fields
+    at the wrong offsets.
     """
     return [
         f"{r['arch']} {r['op']}/{r['kernel']} [{r['config']}] ({r['entry']}): "
