@@ -411,8 +411,9 @@ def test_rooflines_grids_come_from_the_kernels_declarations(report: Report):
     # the launches the kernels' docs describe. GLM-5-Next decode (16 rows
     # of 8,192 candidates): a plan block of 256 rows; simt tiles of 256
     # candidates (its 32 x 128 query: 4 waves of 64); wgmma tiles of 64;
-    # a select block per row. The step at batch 4096: one scan thread,
-    # then a block per request and per output row (2 per request).
+    # the select's 16 rows split over 4 blocks each (slices of 2,048
+    # candidates, 4 k). The step at batch 4096: one scan block, then a
+    # block per request and per output row (2 per request).
     rows = {
         (r["workload"], r["gpu"]): r["kernels"] for r in report.doc["rooflines"]
     }
@@ -421,15 +422,16 @@ def test_rooflines_grids_come_from_the_kernels_declarations(report: Report):
         ("plan", 1, 256),
         ("score_simt", 16 * 8192 // 256, 256),
         ("score_wgmma", 16 * 8192 // 64, 128),
-        ("select", 16, 512),
+        ("select", 16 * 4, 512),
     ]
-    # DeepSeek-V3.2's 64 x 128 query: 8 waves, 512 threads.
+    # DeepSeek-V3.2's 64 x 128 query: 8 waves, 512 threads; k 2048 splits
+    # its select in 2 (the merge keeps 2 x 2,048 picks in 8,192 words).
     ds = rows["deepseek-v3.2-decode", "MI300X"]
     assert [(k["kernel"], k["grid"], k["block_threads"]) for k in ds] == [
         ("plan", 1, 256),
         ("score_simt", 16 * 32768 // 512, 512),
         ("score_mfma", 16 * 32768 // 64, 256),
-        ("select", 16, 512),
+        ("select", 16 * 2, 512),
     ]
     step = rows["step-b4096", "B200"]
     assert [(k["kernel"], k["grid"]) for k in step] == [

@@ -16,6 +16,7 @@ from max.gpu.host import DeviceContext
 from kernels.gpu_kernel import launch_kernel
 from kernels.index_operands import IndexOperands, IndexWorkspace
 from kernels.index_scorers import ScoreKernel
+from kernels.ragged import Ptr
 
 comptime ROWS = 2
 """Query rows of the call."""
@@ -81,6 +82,7 @@ struct ExactCall[H: Int, D: Int](Movable):
 
     def op(mut self) -> ExactOp[Self.H, Self.D]:
         """The operand struct over this call's tensors (valid while it is)."""
+        var none = 0  # the split select's words: a scorer never reads them
         return ExactOp[Self.H, Self.D](
             output=self.output.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
             q=self.q.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
@@ -117,6 +119,8 @@ struct ExactCall[H: Int, D: Int](Movable):
                 scores=self.scores.unsafe_ptr().unsafe_origin_cast[
                     MutAnyOrigin
                 ](),
+                split=Ptr[DType.uint32](unsafe_from_address=none),
+                slices=1,
                 candidates=CANDIDATES,
                 first_row=0,
                 rows=ROWS,

@@ -151,7 +151,11 @@ def _select[
     )
     # Each row's last block re-zeroed its arrival counter.
     for i in range(len(rows)):
-        assert_equal(split[i * split_words(slices, k)], 0)
+        assert_equal(
+            split[i * split_words(slices, k)],
+            0,
+            String("row ", i, ": its last block left the arrival counter set"),
+        )
     _ = flat^  # the kernel read it through a pointer
     _ = bounds^
     _ = split^
