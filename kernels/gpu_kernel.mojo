@@ -17,9 +17,11 @@ ceil(columns / columns_per_block)` blocks on the x axis, `rows` and
 `columns` being counts of the call that the declaration names
 (`grid_rows`, `grid_columns`: `"batch"`, `"tokens"`, `"window_rows"`,
 `"candidates"`, ... or `"1"`) and computes (`rows`, `columns`). A kernel
-whose blocks do not share memory has `shared_words = 0` and one phase and
-runs as `parallel.gpu_kernel`; the others as
-`block_phases.gpu_phased_kernel`.
+whose threads do not cooperate has `shared_words = 0` and one phase and
+runs as `parallel.gpu_kernel`; the others as `gpu_block_kernel` (phases
+unrolled at compile time, per-thread `State`, collectives, static or
+dynamic shared memory), emulated by `emulate_kernel`
+([docs/kernels.md](../docs/kernels.md) says how to write one).
 """
 
 from max.gpu import barrier, block_idx, thread_idx

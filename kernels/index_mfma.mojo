@@ -34,7 +34,7 @@ a NaN key byte makes that candidate's score NaN, a NaN query byte the
 whole row's (through a flag per thread in shared memory), as in the FP32
 scorers.
 
-Phases (`block_phases.launch_phased`):
+Phases (`gpu_kernel.gpu_block_kernel`):
 
 - `0`: each wave issues `ceil(H / 16) * S` MFMAs; per head chunk, each
   lane scales its 4 registers by 4, applies the NaN-keeping ReLU and the

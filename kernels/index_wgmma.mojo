@@ -12,7 +12,7 @@ K in steps of 32 (rounded up, the padding zero). This is how DeepGEMM's
 SM90 `fp8_paged_mqa_logits` lays the product out (64 keys as M per
 warpgroup, heads as N); the code here is this package's own.
 
-Phases (`block_phases.launch_phased`), for chunk `c` of `C`:
+Phases (`gpu_kernel.gpu_block_kernel`), for chunk `c` of `C`:
 
 - `2c`: the block copies the chunk's query heads (and, for `c = 0`, the
   tile's keys) as e4m3fn bytes into shared memory, K-major, in the

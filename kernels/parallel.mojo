@@ -8,9 +8,10 @@ thread's work. `launch` runs a thread body over a grid: on a GPU as
 named after it, so a profile says which op ran), which calls the body with
 `block_idx.x` and `thread_idx.x`; emulated, through `emulate_grid`, which
 calls the same body on the CPU for every block and thread of the launch.
-Kernels whose threads share a block's memory run through
-`block_phases.launch_phased` instead; an op launches either through its
-kernel's declaration (`gpu_kernel.launch_kernel`).
+Kernels whose threads cooperate (phases, shared memory, collectives) run
+as `gpu_kernel.gpu_block_kernel` and `gpu_kernel.emulate_kernel` instead;
+an op launches either through its kernel's declaration
+(`gpu_kernel.launch_kernel`).
 Emulation therefore tests each thread's indexing and arithmetic, but not
 how the operands reach a GPU (a by-value copy of the struct's bytes into
 the kernel's argument buffer, which `KernelOperands` constrains at compile
@@ -118,7 +119,7 @@ def emulate_grid[
     memory ordering between threads. It is exact for kernels whose threads
     never communicate, which holds for every writer in this package; a
     kernel whose threads share memory is written as phases and emulated
-    by `block_phases.emulate_phases` instead.
+    by `gpu_kernel.emulate_kernel` instead.
 
     Args:
         kernel: Name of the kernel, for launch-shape errors.

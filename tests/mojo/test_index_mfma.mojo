@@ -1,7 +1,7 @@
 """The MFMA scorer's phases on the emulated grid, exact.
 
 Two query rows of one request score 70 and 40 candidates (the last tile
-partly empty) through `emulate_phases`, every shared-memory access
+partly empty) through `emulate_kernel`, every shared-memory access
 checked, at two shapes: 40 heads (three head chunks, the last 8 heads
 padding) of depth 48 (two instructions per chunk, lane groups 2 and 3
 partly and wholly padding), and 16 heads of depth 132 (five

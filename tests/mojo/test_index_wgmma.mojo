@@ -2,7 +2,7 @@
 
 Two query rows of one request score 70 and 40 candidates (the last tile
 partly empty; `exact_scorer_call.mojo`) with 72 heads (two products: 64 heads, then 8) of depth 48
-(padded to 64 bytes of K), through `emulate_phases`, every shared-memory
+(padded to 64 bytes of K), through `emulate_kernel`, every shared-memory
 access checked. Inputs are small integers in e4m3fn and the weights and
 scales small powers of two, so every score is exact in float32 whatever
 the order of the sums, and each must equal the host's product exactly.
