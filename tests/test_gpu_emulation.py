@@ -76,7 +76,7 @@ MUTANTS = [
         # or non-zero rows where nothing closed (the fused step runs this
         # thread body too).
         "ring_close_thread_stride",
-        "ring_close.mojo",
+        "writers/ring_close.mojo",
         "range(thread, head_dim, stride)",
         "range(thread, head_dim, stride * 2)",
         lambda runner: rc.check_step_mixed_batch(runner, WIDE, MUTANT_SEED),
@@ -87,7 +87,7 @@ MUTANTS = [
         # The owner search looks one output row ahead: the last row of each
         # request's span goes to the next request, which has no such pool.
         "compress_owner_off_by_one",
-        "compress.mojo",
+        "writers/compress.mojo",
         "last_span_at(op.pool_row_offsets, op.call.batch, row)",
         "last_span_at(op.pool_row_offsets, op.call.batch, row + 1)",
         lambda runner: rc.check_step_mixed_batch(runner, MAIN, MUTANT_SEED),
@@ -98,7 +98,7 @@ MUTANTS = [
         # Without the launcher's guard an empty batch launches an empty
         # grid, which a GPU refuses and the emulator refuses the same way.
         "launch_missing_empty_grid_guard",
-        "parallel.mojo",
+        "model/parallel.mojo",
         "    if grid == 0:\n        return\n",
         "",
         _empty_batch,

@@ -123,7 +123,7 @@ SELECT_MUTANTS = [
 def test_index_select_planted_faults_fail(mutant, tmp_path: Path):
     _planted_fault_fails(
         mutant,
-        "index_select.mojo",
+        "index/gpu/index_select.mojo",
         "tests/mojo/test_index_select.mojo",
         tmp_path,
     )
@@ -189,7 +189,10 @@ WGMMA_MUTANTS = [
 )
 def test_wgmma_scorer_planted_faults_fail(mutant, tmp_path: Path):
     _planted_fault_fails(
-        mutant, "index_wgmma.mojo", "tests/mojo/test_index_wgmma.mojo", tmp_path
+        mutant,
+        "index/gpu/index_wgmma.mojo",
+        "tests/mojo/test_index_wgmma.mojo",
+        tmp_path,
     )
 
 
@@ -261,5 +264,8 @@ MFMA_MUTANTS = [
 )
 def test_mfma_scorer_planted_faults_fail(mutant, tmp_path: Path):
     _planted_fault_fails(
-        mutant, "index_mfma.mojo", "tests/mojo/test_index_mfma.mojo", tmp_path
+        mutant,
+        "index/gpu/index_mfma.mojo",
+        "tests/mojo/test_index_mfma.mojo",
+        tmp_path,
     )

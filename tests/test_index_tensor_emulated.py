@@ -4,9 +4,10 @@
 own phases on the host: the tiles and fragments it loads, the descriptors
 it builds, the accumulator registers it reads, with the instruction itself
 computed by a host model written from the ISA's tables
-(``kernels/wgmma_model.mojo`` from the PTX ISA, ``kernels/mfma_model.mojo``
-from AMD's CDNA3 tables; checked against them in tests/mojo). Each case is
-checked against the float64 oracle within that scorer's error bound
+(``kernels/index/gpu/wgmma_model.mojo`` from the PTX ISA,
+``kernels/index/gpu/mfma_model.mojo`` from AMD's CDNA3 tables; checked
+against them in tests/mojo). Each case is checked against the float64
+oracle within that scorer's error bound
 (``mla_kpool.reference.index_tolerance``), and ties must still go to the
 lowest ids. The corpus is the index cases whose emulation stays small
 (every shape but the 262,144-pool and 4,096-row ones), plus rows shorter

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import operator
 import re
+from pathlib import Path
 
 from kpool_cases import mojo_run, needs_mojo
 from mla_kpool import KERNELS, _index_op, _limits
@@ -32,15 +33,25 @@ _OPS = {
 }
 
 
+def _kernel_files() -> dict[str, Path]:
+    """Every kernel module under ``kernels/``, by file name (the names are
+    unique across its folders; the packages' ``__init__.mojo`` hold only
+    docstrings)."""
+    files = [p for p in KERNELS.rglob("*.mojo") if p.name != "__init__.mojo"]
+    by_name = {p.name: p for p in files}
+    assert len(by_name) == len(files), "two kernel files share a name"
+    return dict(sorted(by_name.items()))
+
+
 def kernel_code(name: str) -> str:
-    """``kernels/<name>``'s code: docstrings and comments blanked."""
-    text = (KERNELS / name).read_text()
+    """Kernel file ``name``'s code: docstrings and comments blanked."""
+    text = _kernel_files()[name].read_text()
     return _COMMENT.sub("", _DOCSTRING.sub('""', text))
 
 
 def all_kernel_code() -> dict[str, str]:
     """Every kernel file's code, by file name."""
-    return {p.name: kernel_code(p.name) for p in sorted(KERNELS.glob("*.mojo"))}
+    return {name: kernel_code(name) for name in _kernel_files()}
 
 
 def _int_expr(node: ast.expr) -> int:

@@ -118,19 +118,23 @@ def site(wheel: Path) -> Path:
 
 @pytest.mark.parametrize(("source", "dest"), MOJO_TREES)
 def test_wheel_carries_mojo_sources(wheel: Path, source: str, dest: str):
-    sources = sorted((REPO / source).glob("*.mojo"))
+    root = REPO / source
+    sources = sorted(root.rglob("*.mojo"))
     assert sources
     if not source.endswith("gpu_report"):
-        assert REPO / source / "__init__.mojo" in sources, "not a Mojo package"
+        # The package and each of its folders (kernels/model, ...).
+        folders = {p.parent for p in sources}
+        assert all(f / "__init__.mojo" in sources for f in folders), folders
+    names = {p: f"{dest}/{p.relative_to(root).as_posix()}" for p in sources}
     with zipfile.ZipFile(wheel) as zf:
         shipped = {
             n
             for n in zf.namelist()
             if n.startswith(dest + "/") and n.endswith(".mojo")
         }
-        assert shipped == {f"{dest}/{p.name}" for p in sources}
-        for path in sources:
-            assert zf.read(f"{dest}/{path.name}") == path.read_bytes(), path
+        assert shipped == set(names.values())
+        for path, name in names.items():
+            assert zf.read(name) == path.read_bytes(), path
 
 
 def test_wheel_carries_every_python_module(wheel: Path):

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 #: Largest ``top_k`` of index_top_k: MAX's limit for its indexer (the
 #: capacity of its bounded top-k), and ours (``TOP_K_LIMIT`` in
-#: kernels/index_operands.mojo).
+#: kernels/index/index_operands.mojo).
 MAX_TOP_K = 2048
 
 #: Scores workspace of one index_top_k call on a GPU, 256 MiB
-#: (``GPU_WORKSPACE_BYTES`` in kernels/index_gpu.mojo): the op scores its
-#: rows in windows of as many rows as this holds.
+#: (``GPU_WORKSPACE_BYTES`` in kernels/index/gpu/index_gpu.mojo): the op
+#: scores its rows in windows of as many rows as this holds.
 GPU_WORKSPACE_BYTES = 1 << 28
 
 
@@ -26,7 +26,7 @@ def window_rows(candidates: int, total_tokens: int) -> int:
 
     As many float32 workspace rows of ``candidates`` scores as
     :data:`GPU_WORKSPACE_BYTES` holds, at least one, at most
-    ``total_tokens`` (``window_rows`` in kernels/index_gpu.mojo).
+    ``total_tokens`` (``window_rows`` in kernels/index/gpu/index_gpu.mojo).
     """
     per_row = max(candidates, 1) * 4
     return max(1, min(total_tokens, GPU_WORKSPACE_BYTES // per_row))
@@ -38,7 +38,7 @@ def select_slices(candidates: int, total_tokens: int, k: int) -> int:
     One for a call of at least 128 rows; for fewer, as many as give each
     slice at least ``4 k`` candidates and keep every slice's pick (``2 k``
     words) in a row cache of 8,192 words, at most 8 (``select_slices`` in
-    kernels/index_select.mojo).
+    kernels/index/gpu/index_select.mojo).
     """
     if total_tokens >= 128:
         return 1

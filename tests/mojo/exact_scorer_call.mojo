@@ -10,13 +10,13 @@ exactly, and every score past a row's bound to stay unwritten.
 
 from std.testing import assert_equal
 
-from kernels.index_fp8 import decode_e4m3
+from kernels.index.index_fp8 import decode_e4m3
 from max.gpu.host import DeviceContext
 
-from kernels.gpu_kernel import launch_kernel
-from kernels.index_operands import IndexOperands, IndexWorkspace
-from kernels.index_scorers import ScoreKernel
-from kernels.ragged import Ptr
+from kernels.model.gpu_kernel import launch_kernel
+from kernels.index.index_operands import IndexOperands, IndexWorkspace
+from kernels.index.index_scorers import ScoreKernel
+from kernels.model.ragged import Ptr
 
 comptime ROWS = 2
 """Query rows of the call."""

@@ -18,14 +18,14 @@ The values themselves are checked against the NumPy oracle in Python.
 from max.gpu.host import DeviceContext
 from std.testing import TestSuite, assert_equal, assert_true
 
-from kernels.expand_topk import (
+from kernels.writers.expand_topk import (
     ExpandTopKKernel,
     ExpandTopKOperands,
     expand_topk_cpu,
     row_width,
 )
-from kernels.gpu_kernel import launch_kernel
-from kernels.ragged import Ptr
+from kernels.model.gpu_kernel import launch_kernel
+from kernels.model.ragged import Ptr
 
 comptime SENTINEL = Int32(0x5A5A5A5A)
 comptime GUARD = 67

@@ -12,20 +12,20 @@ per request and per output row; expand_topk launches a block per token row of on
 from max.gpu.host import DeviceContext
 from std.testing import TestSuite, assert_equal, assert_true
 
-from kernels.block_phases import Shared
-from kernels.compress import CompressKernel, CompressOperands
-from kernels.expand_topk import ExpandTopKKernel, ExpandTopKOperands, row_width
-from kernels.gpu_kernel import (
+from kernels.model.block_phases import Shared
+from kernels.writers.compress import CompressKernel, CompressOperands
+from kernels.writers.expand_topk import ExpandTopKKernel, ExpandTopKOperands, row_width
+from kernels.model.gpu_kernel import (
     GpuKernel,
     grid_blocks,
     kernel_code,
     launch_kernel,
 )
-from kernels.operands import KernelOperands
-from kernels.parallel import check_launch, emulate_grid
-from kernels.ring_close import RingCloseKernel, RingCloseOperands
-from kernels.seed_tail import SeedTailKernel, SeedTailOperands
-from kernels.step import StepKernel, StepOperands, StepScanKernel
+from kernels.model.operands import KernelOperands
+from kernels.model.parallel import check_launch, emulate_grid
+from kernels.writers.ring_close import RingCloseKernel, RingCloseOperands
+from kernels.writers.seed_tail import SeedTailKernel, SeedTailOperands
+from kernels.writers.step import StepKernel, StepOperands, StepScanKernel
 
 comptime U32 = DType.uint32
 comptime BF16 = DType.bfloat16

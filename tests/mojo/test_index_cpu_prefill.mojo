@@ -15,7 +15,7 @@ from std.math import abs, max
 from std.memory import bitcast
 from std.testing import TestSuite, assert_equal, assert_true
 
-from kernels.index_cpu_block import (
+from kernels.index.cpu.index_cpu_block import (
     PREFILL_HEADS,
     PREFILL_TILE,
     bf16_pairs,
@@ -27,10 +27,10 @@ from kernels.index_cpu_block import (
     transpose_tile_pairs,
     use_pairs,
 )
-from kernels.index_fp8 import decode_e4m3
-from kernels.index_cpu_score import score_tile, scratch
-from kernels.index_operands import padded_heads_of
-from kernels.index_rank import (
+from kernels.index.index_fp8 import decode_e4m3
+from kernels.index.cpu.index_cpu_score import score_tile, scratch
+from kernels.index.index_operands import padded_heads_of
+from kernels.index.index_rank import (
     keep_best,
     kth_best,
     offer_pool,

@@ -17,11 +17,11 @@ from std.testing import TestSuite, assert_equal, assert_false, assert_true
 
 from asm_fields import amdhsa_field
 
-from kernels.gpu_kernel import kernel_code
-from kernels.index_fp8 import decode_e4m3
-from kernels.index_gpu_score import SimtScore
-from kernels.index_gpu_shape import SCORE_THREADS, score_threads, tile_words
-from kernels.index_operands import IndexOperands
+from kernels.model.gpu_kernel import kernel_code
+from kernels.index.index_fp8 import decode_e4m3
+from kernels.index.gpu.index_gpu_score import SimtScore
+from kernels.index.gpu.index_gpu_shape import SCORE_THREADS, score_threads, tile_words
+from kernels.index.index_operands import IndexOperands
 
 comptime U32 = DType.uint32
 comptime Glm = IndexOperands[

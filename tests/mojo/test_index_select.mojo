@@ -18,10 +18,10 @@ from std.math import min
 from std.random import random_float64, random_ui64, seed
 from std.testing import TestSuite, assert_equal, assert_true
 
-from kernels.block_phases import Lane, Shared
-from kernels.gpu_kernel import GpuKernel, emulate_kernel, kernel_code
-from kernels.index_rank import rank_key
-from kernels.index_select import (
+from kernels.model.block_phases import Lane, Shared
+from kernels.model.gpu_kernel import GpuKernel, emulate_kernel, kernel_code
+from kernels.index.index_rank import rank_key
+from kernels.index.gpu.index_select import (
     CACHE_WORDS,
     SELECT_THREADS,
     SelectCall,
@@ -33,8 +33,8 @@ from kernels.index_select import (
     select_shared_words,
     split_words,
 )
-from kernels.operands import KernelOperands
-from kernels.ragged import Field, Ptr
+from kernels.model.operands import KernelOperands
+from kernels.model.ragged import Field, Ptr
 
 
 def _expected(scores: List[Float32], bound: Int, k: Int) -> List[Int32]:

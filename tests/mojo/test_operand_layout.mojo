@@ -10,14 +10,14 @@ from max.gpu.host import DeviceContext
 from std.sys import size_of
 from std.testing import TestSuite, assert_equal
 
-from kernels.compress import CompressOperands
-from kernels.expand_topk import ExpandTopKOperands
-from kernels.operands import KernelOperands, kernel_words
-from kernels.parallel import launch
-from kernels.ragged import Field
-from kernels.ring_close import RingCloseOperands
-from kernels.seed_tail import SeedTailOperands
-from kernels.step import StepOperands
+from kernels.writers.compress import CompressOperands
+from kernels.writers.expand_topk import ExpandTopKOperands
+from kernels.model.operands import KernelOperands, kernel_words
+from kernels.model.parallel import launch
+from kernels.model.ragged import Field
+from kernels.writers.ring_close import RingCloseOperands
+from kernels.writers.seed_tail import SeedTailOperands
+from kernels.writers.step import StepOperands
 
 comptime U32 = DType.uint32
 comptime I64 = DType.int64

@@ -35,11 +35,11 @@ from std.sys import has_accelerator
 from std.sys.info import is_nvidia_gpu
 from std.testing import TestSuite, assert_equal, assert_true
 
-from kernels.block_phases import Shared
-from kernels.index_fp8 import decode_e4m3
-from kernels.index_wgmma import CORE_BYTES, descriptor, tile_byte
-from kernels.ragged import Ptr
-from kernels.wgmma_model import (
+from kernels.model.block_phases import Shared
+from kernels.index.index_fp8 import decode_e4m3
+from kernels.index.gpu.index_wgmma import CORE_BYTES, descriptor, tile_byte
+from kernels.model.ragged import Ptr
+from kernels.index.gpu.wgmma_model import (
     accumulator_element,
     decode_descriptor,
     kmajor_byte,

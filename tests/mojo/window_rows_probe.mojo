@@ -7,8 +7,8 @@
 
 from std.sys import argv
 
-from kernels.index_gpu import GPU_WORKSPACE_BYTES, window_rows
-from kernels.index_select import select_slices
+from kernels.index.gpu.index_gpu import GPU_WORKSPACE_BYTES, window_rows
+from kernels.index.gpu.index_select import select_slices
 
 
 def main() raises:

@@ -20,20 +20,20 @@ launches (`kernel_code`), for the scorers the target builds
 
 from std.sys import argv, get_defined_string
 
-from kernels.compress import CompressKernel, CompressOperands
-from kernels.expand_topk import ExpandTopKKernel, ExpandTopKOperands
-from kernels.gpu_kernel import (
+from kernels.writers.compress import CompressKernel, CompressOperands
+from kernels.writers.expand_topk import ExpandTopKKernel, ExpandTopKOperands
+from kernels.model.gpu_kernel import (
     GpuKernel,
     block_shared_words,
     host_bytes,
     kernel_code,
 )
-from kernels.index_gpu import PlanKernel, SelectKernel
-from kernels.index_operands import IndexOperands
-from kernels.index_scorers import GPU_SCORERS, ScoreKernel, scorer_targets
-from kernels.ring_close import RingCloseKernel, RingCloseOperands
-from kernels.seed_tail import SeedTailKernel, SeedTailOperands
-from kernels.step import StepKernel, StepOperands, StepScanKernel
+from kernels.index.gpu.index_gpu import PlanKernel, SelectKernel
+from kernels.index.index_operands import IndexOperands
+from kernels.index.index_scorers import GPU_SCORERS, ScoreKernel, scorer_targets
+from kernels.writers.ring_close import RingCloseKernel, RingCloseOperands
+from kernels.writers.seed_tail import SeedTailKernel, SeedTailOperands
+from kernels.writers.step import StepKernel, StepOperands, StepScanKernel
 
 comptime ARCH = get_defined_string["MLA_KPOOL_ARCH", "sm_90a"]()
 """The target, from `-D MLA_KPOOL_ARCH=...`."""

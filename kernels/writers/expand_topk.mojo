@@ -41,7 +41,7 @@ from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
 from std.math import iota, max, min
 
-from .operands import (
+from ..model.operands import (
     ANY,
     KernelOperands,
     dims,
@@ -49,10 +49,10 @@ from .operands import (
     expect_shape,
     expect_target,
 )
-from .block_phases import Shared
-from .gpu_kernel import GpuKernel, launch_kernel
-from .parallel import cpu_for_each_range
-from .ragged import Field, Ptr, last_span_at, read_index, token_span
+from ..model.block_phases import Shared
+from ..model.gpu_kernel import GpuKernel, launch_kernel
+from ..model.parallel import cpu_for_each_range
+from ..model.ragged import Field, Ptr, last_span_at, read_index, token_span
 
 comptime POSITION_LIMIT = 1 << 31
 """Most positions a query may see: its newest one must fit int32."""

@@ -11,7 +11,7 @@ Every function here is device-safe: no allocation, no raising.
 from std.math import ceildiv
 
 from .index_operands import IndexTopK
-from .ragged import Ptr, read_index
+from ..model.ragged import Ptr, read_index
 
 
 @always_inline

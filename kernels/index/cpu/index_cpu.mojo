@@ -19,11 +19,11 @@ from std.sys import num_physical_cores
 
 from .index_cpu_prefill import CPU_PREFILL_MIN_ROWS, keep_top_k_prefill
 from .index_cpu_score import decode_candidates, scratch, score_tile
-from .index_fp8 import decode_row
-from .index_operands import IndexTopK
-from .index_plan import candidate_bound, request_span
-from .index_rank import keep_best, offer_tile, write_row
-from .ragged import Ptr, read_index
+from ..index_fp8 import decode_row
+from ..index_operands import IndexTopK
+from ..index_plan import candidate_bound, request_span
+from ..index_rank import keep_best, offer_tile, write_row
+from ...model.ragged import Ptr, read_index
 
 
 comptime CPU_ROW_CHUNK = 16

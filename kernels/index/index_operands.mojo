@@ -9,8 +9,8 @@ how the offsets and pages are read is in `index_plan.mojo`.
 from std.math import ceildiv
 from std.sys import simd_width_of
 
-from .operands import KernelOperands
-from .ragged import Field, Ptr
+from ..model.operands import KernelOperands
+from ..model.ragged import Field, Ptr
 
 
 comptime TOP_K_LIMIT = 2048

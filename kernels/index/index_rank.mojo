@@ -12,7 +12,7 @@ them best first (`write_row`, an LSD radix sort).
 from std.builtin.sort import sort
 from std.memory import bitcast, stack_allocation
 
-from .ragged import Ptr
+from ..model.ragged import Ptr
 
 
 @always_inline

@@ -11,7 +11,7 @@ all read these.
 from std.bit import next_power_of_two
 from std.math import ceildiv, max, min
 
-from .index_operands import IndexTopK
+from ..index_operands import IndexTopK
 
 
 comptime SCORE_THREADS = 128

@@ -55,7 +55,7 @@ words (51,216 bytes) for k 512 at the GLM-5-Next decode shape, past the
 from std.bit import log2_floor, next_power_of_two
 from std.math import max, min
 
-from .block_phases import (
+from ...model.block_phases import (
     BLOCK_EXCLUSIVE_SUM,
     BLOCK_MAX,
     NO_COLLECTIVE,
@@ -63,8 +63,8 @@ from .block_phases import (
     Shared,
     arrive,
 )
-from .index_rank import score_order
-from .ragged import Field, Ptr
+from ..index_rank import score_order
+from ...model.ragged import Field, Ptr
 
 
 comptime SELECT_THREADS = 512

@@ -13,9 +13,9 @@ key's scale, and write a float32 workspace row.
 
 from std.math import ceildiv
 
-from .block_phases import Shared
-from .gpu_kernel import GpuKernel
-from .index_fp8 import decode_e4m3_gpu
+from ...model.block_phases import Shared
+from ...model.gpu_kernel import GpuKernel
+from ..index_fp8 import decode_e4m3_gpu
 from .index_gpu_shape import (
     key_chunk,
     padded_heads_pow2,
@@ -26,9 +26,9 @@ from .index_gpu_shape import (
     tile_words,
     tiled_scorer,
 )
-from .index_operands import IndexTopK
-from .index_plan import CacheSlot, page_bases
-from .ragged import Ptr
+from ..index_operands import IndexTopK
+from ..index_plan import CacheSlot, page_bases
+from ...model.ragged import Ptr
 
 
 @always_inline

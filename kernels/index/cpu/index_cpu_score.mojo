@@ -9,15 +9,15 @@ ReLU and the head weights applied in registers).
 from std.math import max
 from std.memory import stack_allocation
 
-from .index_fp8 import decode_row
-from .index_operands import (
+from ..index_fp8 import decode_row
+from ..index_operands import (
     F32_WIDTH,
     IndexTopK,
     head_vectors_of,
     padded_heads_of,
 )
-from .index_plan import page_bases
-from .ragged import Ptr
+from ..index_plan import page_bases
+from ...model.ragged import Ptr
 
 
 @always_inline

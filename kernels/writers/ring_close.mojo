@@ -21,7 +21,7 @@ from extensibility import InputTensor, OutputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 
-from .operands import (
+from ..model.operands import (
     KernelOperands,
     dims,
     expect_offsets,
@@ -30,9 +30,9 @@ from .operands import (
     expect_shape,
     expect_target,
 )
-from .block_phases import Shared
-from .gpu_kernel import GpuKernel, launch_kernel
-from .parallel import cpu_for_each_range, gpu_block_width
+from ..model.block_phases import Shared
+from ..model.gpu_kernel import GpuKernel, launch_kernel
+from ..model.parallel import cpu_for_each_range, gpu_block_width
 from .pooling import (
     PoolMembers,
     PoolSegments,
@@ -40,7 +40,7 @@ from .pooling import (
     pool_channels,
     zero_row,
 )
-from .ragged import (
+from ..model.ragged import (
     Field,
     RaggedCall,
     Ring,

@@ -50,13 +50,13 @@ from max.gpu.host import DeviceContext
 from std.math import max, min
 from std.utils.index import IndexList
 
-from .index_cpu import index_top_k_cpu, scratch
-from .index_gpu import index_top_k_gpu, window_rows
+from .cpu.index_cpu import index_top_k_cpu, scratch
+from .gpu.index_gpu import index_top_k_gpu, window_rows
 from .index_operands import TOP_K_LIMIT, IndexOperands, no_workspace
 from .index_plan import scored_prefix
 from .index_scorers import AUTO, check_scorer, scorer_kernel
-from .index_select import select_slices, split_words
-from .operands import ANY, dims, expect_shape, expect_target
+from .gpu.index_select import select_slices, split_words
+from ..model.operands import ANY, dims, expect_shape, expect_target
 
 
 def block_stride_of(

@@ -30,11 +30,11 @@ from .index_cpu_block import (
     use_pairs,
 )
 from .index_cpu_score import decode_candidates, scratch
-from .index_fp8 import decode_row
-from .index_operands import F32_WIDTH, IndexTopK
-from .index_plan import candidate_bound
-from .index_rank import keep_best, offer_pool
-from .ragged import Ptr
+from ..index_fp8 import decode_row
+from ..index_operands import F32_WIDTH, IndexTopK
+from ..index_plan import candidate_bound
+from ..index_rank import keep_best, offer_pool
+from ...model.ragged import Ptr
 
 
 comptime CPU_PREFILL_MIN_ROWS = 4

@@ -52,11 +52,11 @@ from std.memory import bitcast
 from std.sys import inlined_assembly
 from std.sys.info import is_nvidia_gpu
 
-from .block_phases import Lane, Shared
-from .gpu_kernel import GpuKernel
+from ...model.block_phases import Lane, Shared
+from ...model.gpu_kernel import GpuKernel
 from .index_gpu_score import candidate_at, candidate_tile, is_aligned
-from .index_operands import IndexTopK
-from .ragged import Ptr
+from ..index_operands import IndexTopK
+from ...model.ragged import Ptr
 from .wgmma_model import WGMMA_FP8_K, wgmma_e4m3_model
 
 

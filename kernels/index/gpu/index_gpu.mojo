@@ -42,11 +42,11 @@ first. It has run on an NVIDIA H200 (docs/performance.md).
 from max.gpu.host import DeviceContext
 from std.math import ceildiv, max, min
 
-from .block_phases import Lane, Shared
-from .gpu_kernel import GpuKernel, launch_kernel
-from .index_operands import IndexTopK
-from .index_plan import row_plan
-from .index_scorers import SIMT, ScoreKernel
+from ...model.block_phases import Lane, Shared
+from ...model.gpu_kernel import GpuKernel, launch_kernel
+from ..index_operands import IndexTopK
+from ..index_plan import row_plan
+from ..index_scorers import SIMT, ScoreKernel
 from .index_select import (
     SELECT_THREADS,
     SelectCall,
@@ -59,7 +59,7 @@ from .index_select import (
     select_slices,
     split_words,
 )
-from .ragged import Ptr
+from ...model.ragged import Ptr
 
 
 comptime GPU_WORKSPACE_BYTES = 1 << 28

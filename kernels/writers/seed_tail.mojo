@@ -21,7 +21,7 @@ from max.gpu.host import DeviceContext
 from std.algorithm import vectorize
 from std.sys import simd_width_of
 
-from .operands import (
+from ..model.operands import (
     KernelOperands,
     dims,
     expect_offsets,
@@ -30,10 +30,10 @@ from .operands import (
     expect_shape,
     expect_target,
 )
-from .block_phases import Shared
-from .gpu_kernel import GpuKernel, launch_kernel
-from .parallel import cpu_for_each_range, gpu_block_width
-from .ragged import (
+from ..model.block_phases import Shared
+from ..model.gpu_kernel import GpuKernel, launch_kernel
+from ..model.parallel import cpu_for_each_range, gpu_block_width
+from ..model.ragged import (
     Field,
     Ptr,
     RaggedCall,

@@ -60,10 +60,10 @@ from std.math import ceildiv, min
 from std.memory import bitcast
 from std.sys.info import is_amd_gpu
 
-from .block_phases import Shared
-from .gpu_kernel import GpuKernel
+from ...model.block_phases import Shared
+from ...model.gpu_kernel import GpuKernel
 from .index_gpu_score import candidate_at, candidate_tile, is_aligned
-from .index_operands import IndexTopK
+from ..index_operands import IndexTopK
 from .mfma_model import (
     MFMA_ACC,
     MFMA_K,
@@ -72,7 +72,7 @@ from .mfma_model import (
     MFMA_N,
     mfma_f32_16x16x32_fp8_model,
 )
-from .ragged import Ptr
+from ...model.ragged import Ptr
 
 
 comptime MFMA_TILE = 64

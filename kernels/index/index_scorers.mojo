@@ -14,10 +14,10 @@ MI300X `amdgpu:gfx942`), so a GPU builds only the scorer it runs.
 
 from std.sys.info import _accelerator_arch
 
-from .index_gpu_score import TENSOR_MAX_DEPTH, SimtScore, tensor_fits
-from .index_mfma import MfmaScore
+from .gpu.index_gpu_score import TENSOR_MAX_DEPTH, SimtScore, tensor_fits
+from .gpu.index_mfma import MfmaScore
 from .index_operands import IndexTopK
-from .index_wgmma import WgmmaScore
+from .gpu.index_wgmma import WgmmaScore
 
 
 comptime AUTO = "auto"

@@ -27,7 +27,7 @@ from std.algorithm import vectorize
 from std.sys import PrefetchOptions, prefetch, simd_width_of, size_of
 from std.utils.numerics import nan, neg_inf
 
-from .ragged import Ptr
+from ..model.ragged import Ptr
 
 comptime ACCUM = DType.float32
 """Scores, weights and sums are float32 whatever the key dtype."""

@@ -56,7 +56,7 @@ from max.gpu.host import DeviceContext
 from std.sys import num_physical_cores
 
 from .compress import CompressOperands, compress_rows, compress_thread
-from .operands import (
+from ..model.operands import (
     KernelOperands,
     dims,
     expect_offsets,
@@ -64,10 +64,10 @@ from .operands import (
     expect_shape,
     expect_target,
 )
-from .block_phases import BLOCK_EXCLUSIVE_SUM, NO_COLLECTIVE, Lane, Shared
-from .gpu_kernel import GpuKernel, launch_kernel
-from .parallel import cpu_for_each_range, gpu_block_width
-from .ragged import Field, full_pools, read_index
+from ..model.block_phases import BLOCK_EXCLUSIVE_SUM, NO_COLLECTIVE, Lane, Shared
+from ..model.gpu_kernel import GpuKernel, launch_kernel
+from ..model.parallel import cpu_for_each_range, gpu_block_width
+from ..model.ragged import Field, full_pools, read_index
 from .ring_close import (
     RingCloseOperands,
     close_requests,

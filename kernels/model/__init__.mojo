@@ -1,0 +1,12 @@
+"""The kernel model: how every GPU kernel of the package is declared,
+launched on a GPU and emulated on the host.
+
+`gpu_kernel` holds the declaration (`GpuKernel`), the launcher, the GPU
+entry of a cooperative kernel and its emulation; `block_phases` what a
+phase touches besides registers (shared memory and its race stamps,
+atomics, collectives, blocks meeting through global memory); `parallel`
+kernels whose threads never communicate and the CPU's parallel ranges;
+`operands` the operand structs' contract and the ops' shape checks;
+`ragged` the pointer types and the ragged-batch helpers every op reads
+through. docs/kernels.md says how to write a kernel.
+"""
