@@ -64,7 +64,12 @@ from ..model.operands import (
     expect_shape,
     expect_target,
 )
-from ..model.block_phases import BLOCK_EXCLUSIVE_SUM, NO_COLLECTIVE, Lane, Shared
+from ..model.block_phases import (
+    BLOCK_EXCLUSIVE_SUM,
+    NO_COLLECTIVE,
+    Lane,
+    Shared,
+)
 from ..model.gpu_kernel import GpuKernel, launch_kernel
 from ..model.parallel import cpu_for_each_range, gpu_block_width
 from ..model.ragged import Field, full_pools, read_index

@@ -1,0 +1,422 @@
+"""A pick: one block's top `k` of a row's scores (or of the picks of a
+split row's blocks) into shared memory, unsorted: the load, radix select
+and collect of the GPU select (`index_select` has the whole select and its
+docs: the split, the sort, the output).
+
+A pick runs `PICK_PHASES` phases of the kernel model (`model/block_phases`):
+the load (a row of at most `CACHE_WORDS` keys into shared memory), 4 radix
+passes of 8 bits (count with shared atomics, offer the bucket counts to a
+block exclusive prefix sum, decide the k-th key's bucket), the collect's
+count (a block exclusive prefix sum of each thread's counts above and at
+the k-th key) and its scatter of the (key, id) pairs.
+
+**Shared memory** (words from 0): two radix histograms (2 x 256), the
+state (prefix, need), the pairs' keys and ids (2 x `sort_width(k)`), then
+the row cache (`row_cache_words`).
+"""
+
+from std.bit import next_power_of_two
+from std.math import max, min
+
+from ...model.block_phases import (
+    BLOCK_EXCLUSIVE_SUM,
+    NO_COLLECTIVE,
+    Lane,
+    Shared,
+)
+from ...model.ragged import Field
+from ..index_rank import score_order
+
+
+comptime SELECT_THREADS = 512
+"""Threads per row block: 16 warps, 8 wave64."""
+
+
+comptime DIGIT_BITS = 8
+"""Bits of the key fixed per radix pass."""
+
+
+comptime RADIX_BUCKETS = 1 << DIGIT_BITS
+"""Buckets of one digit."""
+
+
+comptime _PASSES = 32 // DIGIT_BITS
+"""Radix passes over a 32-bit key."""
+
+
+comptime CACHE_WORDS = 8192
+"""The longest row kept in shared memory (32 KiB of keys)."""
+
+
+comptime _HIST = 0
+"""Pass `p` counts digit `d` at `_HIST + (p % 2) * RADIX_BUCKETS + d`."""
+
+
+comptime _STATE = _HIST + 2 * RADIX_BUCKETS
+"""(prefix, need): the bits of the k-th key fixed so far, and how many keys
+with that prefix the top k still takes."""
+
+
+comptime PAIRS = _STATE + 2
+"""The pairs' keys (`sort_width(k)` words), then their ids."""
+
+
+# The phases of a pick: load, 3 per pass, count-and-offer, scatter.
+comptime _LOAD = 0
+
+
+comptime _FIRST_PASS = 1
+
+
+comptime _PASS_PHASES = 3
+
+
+comptime _COLLECT = _FIRST_PASS + _PASSES * _PASS_PHASES
+
+
+comptime _SCATTER = _COLLECT + 1
+
+
+comptime PICK_PHASES = _SCATTER + 1
+"""Phases of one pick."""
+
+
+@always_inline
+def sort_width(k: Int) -> Int:
+    """The pairs' area: the smallest power of two at least `k`.
+
+    Args:
+        k: Ids per output row.
+    """
+    return next_power_of_two(k)
+
+
+def pick_collective(phase: Int) -> Int:
+    """The collective after pick phase `phase`: a block exclusive prefix sum
+    after each pass's offer and after the collect's count."""
+    if phase == _COLLECT:
+        return BLOCK_EXCLUSIVE_SUM
+    var p = phase - _FIRST_PASS
+    if 0 <= p < _PASSES * _PASS_PHASES and p % _PASS_PHASES == 1:
+        return BLOCK_EXCLUSIVE_SUM
+    return NO_COLLECTIVE
+
+
+def cache_start(k: Int) -> Int:
+    """Shared words before the row cache: histograms, state, pairs."""
+    return PAIRS + 2 * sort_width(k)
+
+
+def row_cache_words(candidates: Int) -> Int:
+    """Words of row cache for rows of `candidates` columns.
+
+    Args:
+        candidates: The workspace's row width (the longest row).
+    """
+    return min(max(candidates, 0), CACHE_WORDS)
+
+
+@fieldwise_init
+struct SelectState(Copyable, Defaultable, TrivialRegisterPassable):
+    """What a select thread keeps in registers across the barriers."""
+
+    var prefix: UInt32
+    """The bits of the k-th key fixed so far (then the k-th key)."""
+    var need: UInt32
+    """How many keys with that prefix the top k still takes."""
+    var count: UInt32
+    """This thread's bucket count, from its offer to its decision."""
+    var pairs: UInt32
+    """Pairs the last pick placed: `min(k, bound)` of its row."""
+    var merging: Bool
+    """Whether this block is a split row's last to arrive (it merges)."""
+
+    def __init__(out self):
+        """Before the first pass."""
+        self.prefix = 0
+        self.need = 0
+        self.count = 0
+        self.pairs = 0
+        self.merging = False
+
+
+@fieldwise_init
+struct SelectRow[origin: MutOrigin](Copyable, TrivialRegisterPassable):
+    """What one pick reads: a slice of a row's scores, or the slices' picks.
+
+    Parameters:
+        origin: Origin of the pointers (`MutAnyOrigin`, as `Row`).
+    """
+
+    var scores: Field[DType.float32, Self.origin]
+    """The slice's scores, `bound` of them (unread for a merge)."""
+    var bound: Int
+    """Candidates of the pick, at least 0."""
+    var first: Int
+    """The id of the slice's first candidate."""
+    var cache: Int
+    """Words of row cache this launch has (`select_shared_words`)."""
+    var split: Field[DType.uint32, Self.origin]
+    """The window row's split words (`split_words`); read by a merge."""
+    var slices: Int
+    """Blocks the row is split over; a merge reads their picks."""
+    var merge: Bool
+    """Whether this pick reads the slices' picks, not scores."""
+
+    @always_inline
+    def cached(self) -> Bool:
+        """Whether the pick's keys are in shared memory."""
+        return self.bound <= self.cache
+
+    @always_inline
+    def key[k: Int](self, s: Shared, j: Int) -> UInt32:
+        """Candidate `j`'s key, from the cache or from global memory."""
+        if self.cached():
+            return s.load(cache_start(k) + j)
+        return score_order(self.scores[unsafe_offset=j])
+
+    @always_inline
+    def id[k: Int](self, s: Shared, j: Int) -> UInt32:
+        """Candidate `j`'s id: its place in the row, or (a merge) the id the
+        slices' picks hold, kept after the keys in the cache."""
+        if self.merge:
+            return s.load(cache_start(k) + self.slices * k + j)
+        return UInt32(self.first + j)
+
+
+comptime Row = SelectRow[MutAnyOrigin]
+"""The pick a select phase receives."""
+
+
+@always_inline
+def _shift(p: Int) -> Int:
+    """The lowest bit of pass `p`'s digit."""
+    return 32 - DIGIT_BITS * (p + 1)
+
+
+def pick_phase[
+    phase: Int, k: Int
+](thread: Int, mut state: SelectState, mut lane: Lane, s: Shared, row: Row,):
+    """One thread's share of phase `phase` of a pick of `row`'s top `k`
+    into the pairs (module docs, steps 1-3).
+
+    Parameters:
+        phase: The phase, `0 ..< PICK_PHASES`.
+        k: Ids per output row.
+
+    Args:
+        thread: The thread.
+        state: The thread's registers.
+        lane: The thread's lane in the collectives (`pick_collective`).
+        s: The block's shared words.
+        row: The pick's candidates.
+    """
+    comptime assert (
+        RADIX_BUCKETS <= SELECT_THREADS
+    ), "a bucket per thread in the offer"
+    var m = min(k, row.bound)
+    # Every candidate is taken: no radix passes, no threshold.
+    var take_all = row.bound <= k
+    comptime if phase == _LOAD:
+        if thread < RADIX_BUCKETS:
+            s.store(_HIST + thread, 0)
+        if row.merge:
+            _gather_picks[k](thread, s, row)
+        elif row.cached():
+            for j in range(thread, row.bound, SELECT_THREADS):
+                s.store(
+                    cache_start(k) + j, score_order(row.scores[unsafe_offset=j])
+                )
+        state.prefix = 0
+        state.need = UInt32(m)
+        state.pairs = UInt32(m)
+    elif phase < _COLLECT:
+        comptime p = (phase - _FIRST_PASS) // _PASS_PHASES
+        comptime step = (phase - _FIRST_PASS) % _PASS_PHASES
+        comptime hist = _HIST + (p % 2) * RADIX_BUCKETS
+        comptime if step == 0:
+            _count[k, p](thread, state, s, row, take_all)
+        elif step == 1:
+            state.count = 0
+            if thread < RADIX_BUCKETS and not take_all:
+                state.count = s.load(hist + RADIX_BUCKETS - 1 - thread)
+            lane.offer(UInt64(state.count))
+        else:
+            _decide[p](thread, state, lane, s, take_all)
+    elif phase == _COLLECT:
+        _count_run[k](thread, state, lane, s, row, take_all)
+    else:
+        _scatter_run[k](thread, state, lane, s, row, m, take_all)
+
+
+def _gather_picks[k: Int](thread: Int, s: Shared, row: Row):
+    """A merge's load: the slices' picks, in slice order, into the cache
+    (keys, then ids after `slices * k` words).
+
+    Each slice's pick holds its keys above its own threshold, then its ties,
+    each in id order, and the slices cover ascending ids: so among equal
+    keys, the order here is id order, which the pick's tie rule (the
+    lowest places) needs.
+    """
+    var cache = cache_start(k)
+    var counts = row.split.unsafe_offset(1)
+    var keys = row.split.unsafe_offset(1 + row.slices)
+    var picked = keys.unsafe_offset(row.slices * k)
+    var start = 0
+    for v in range(row.slices):
+        var count = Int(counts[unsafe_offset=v])
+        for i in range(thread, count, SELECT_THREADS):
+            s.store(cache + start + i, keys[unsafe_offset=v * k + i])
+            s.store(
+                cache + row.slices * k + start + i,
+                picked[unsafe_offset=v * k + i],
+            )
+        start += count
+
+
+def _decide[
+    p: Int
+](thread: Int, state: SelectState, mut lane: Lane, s: Shared, take_all: Bool,):
+    """Pass `p`'s decision: the thread whose bucket holds the `need`-th key
+    records the prefix with that bucket's digit and the keys still needed.
+
+    Parameters:
+        p: The pass.
+
+    Args:
+        thread: The thread; bucket `255 - thread` is its own.
+        state: The thread's registers (its bucket's count).
+        lane: The offer's result: matching keys in higher buckets.
+        s: The block's shared words.
+        take_all: Whether every candidate is taken (nothing to decide).
+    """
+    if thread >= RADIX_BUCKETS or take_all:
+        return
+    var above = UInt32(lane.result())
+    if above < state.need and state.need <= above + state.count:
+        var digit = UInt32(RADIX_BUCKETS - 1 - thread)
+        s.store(_STATE, state.prefix | (digit << UInt32(_shift(p))))
+        s.store(_STATE + 1, state.need - above)
+
+
+def _count[
+    k: Int, p: Int
+](thread: Int, mut state: SelectState, s: Shared, row: Row, take_all: Bool,):
+    """Pass `p`'s count: this thread's keys that match the prefix, by digit.
+
+    Pass `p > 0` first takes the state the previous pass's decision
+    recorded; the other histogram is cleared for the next pass.
+
+    Parameters:
+        k: Ids per output row.
+        p: The pass.
+
+    Args:
+        thread: The thread.
+        state: The thread's registers.
+        s: The block's shared words.
+        row: The block's row.
+        take_all: Whether every candidate is taken (nothing to count).
+    """
+    comptime hist = _HIST + (p % 2) * RADIX_BUCKETS
+    comptime other = _HIST + ((p + 1) % 2) * RADIX_BUCKETS
+    if thread < RADIX_BUCKETS:
+        s.store(other + thread, 0)
+    if take_all:
+        return
+    comptime if p > 0:
+        state.prefix = s.load(_STATE)
+        state.need = s.load(_STATE + 1)
+    comptime shift = _shift(p)
+    # The bits above this pass's digit (none in pass 0).
+    comptime mask = UInt32(
+        (UInt64(0xFFFFFFFF) << UInt64(shift + DIGIT_BITS)) & 0xFFFFFFFF
+    )
+    for j in range(thread, row.bound, SELECT_THREADS):
+        var key = row.key[k](s, j)
+        if key & mask == state.prefix:
+            var digit = Int((key >> UInt32(shift)) & (RADIX_BUCKETS - 1))
+            _ = s.atomic_add(hist + digit, 1)
+
+
+@always_inline
+def _run(thread: Int, bound: Int) -> Tuple[Int, Int]:
+    """Thread `thread`'s contiguous run of ids `[lo, hi)` in the collect."""
+    var per = (bound + SELECT_THREADS - 1) // SELECT_THREADS
+    var lo = min(thread * per, bound)
+    return (lo, min(lo + per, bound))
+
+
+@always_inline
+def _selected(key: UInt32, threshold: UInt32, take_all: Bool) -> Int:
+    """2 above the k-th key (or any key when all are taken), 1 at it, 0."""
+    if take_all or key > threshold:
+        return 2
+    return 1 if key == threshold else 0
+
+
+def _count_run[
+    k: Int
+](
+    thread: Int,
+    mut state: SelectState,
+    mut lane: Lane,
+    s: Shared,
+    row: Row,
+    take_all: Bool,
+):
+    """Takes the k-th key `K` and `need`, then offers this run's counts of
+    keys above `K` (high 32 bits) and at it (low 32 bits)."""
+    if not take_all:
+        state.prefix = s.load(_STATE)
+        state.need = s.load(_STATE + 1)
+    var above: UInt64 = 0
+    var ties: UInt64 = 0
+    var run = _run(thread, row.bound)
+    for j in range(run[0], run[1]):
+        var kind = _selected(row.key[k](s, j), state.prefix, take_all)
+        if kind == 2:
+            above += 1
+        elif kind == 1:
+            ties += 1
+    lane.offer(above << 32 | ties)
+
+
+def _scatter_run[
+    k: Int
+](
+    thread: Int,
+    state: SelectState,
+    mut lane: Lane,
+    s: Shared,
+    row: Row,
+    m: Int,
+    take_all: Bool,
+):
+    """Writes this thread's selected pairs, and pads the pairs to the sort's
+    width: the keys above `K` first, in id order; the `need` lowest ids at
+    `K` after all `m - need` of them."""
+    var before = lane.result()
+    var at = Int(before >> 32)
+    var tie = Int(before & 0xFFFFFFFF)
+    var need = 0 if take_all else Int(state.need)
+    var above_total = m - need
+    var run = _run(thread, row.bound)
+    for j in range(run[0], run[1]):
+        var key = row.key[k](s, j)
+        var kind = _selected(key, state.prefix, take_all)
+        var slot = -1
+        if kind == 2:
+            slot = at
+            at += 1
+        elif kind == 1:
+            if tie < need:
+                slot = above_total + tie
+            tie += 1
+        if slot >= 0:
+            s.store(PAIRS + slot, key)
+            s.store(PAIRS + sort_width(k) + slot, row.id[k](s, j))
+    # Padding ranks after every pair: key 0 (no score), the largest id.
+    for i in range(m + thread, next_power_of_two(max(m, 1)), SELECT_THREADS):
+        s.store(PAIRS + i, 0)
+        s.store(PAIRS + sort_width(k) + i, 0xFFFFFFFF)
