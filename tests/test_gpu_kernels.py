@@ -121,9 +121,15 @@ SELECT_MUTANTS = [
     "mutant", SELECT_MUTANTS, ids=[m[0] for m in SELECT_MUTANTS]
 )
 def test_index_select_planted_faults_fail(mutant, tmp_path: Path):
+    # The split and merge live in index_select.mojo, a pick in index_pick.
+    kernel = (
+        "index_select"
+        if mutant[0] == "merge_by_block_order"
+        else ("index_pick")
+    )
     _planted_fault_fails(
         mutant,
-        "index/gpu/index_select.mojo",
+        f"index/gpu/{kernel}.mojo",
         "tests/mojo/test_index_select.mojo",
         tmp_path,
     )
