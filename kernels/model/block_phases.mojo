@@ -48,7 +48,7 @@ access between two barriers.
 from max.gpu import WARP_SIZE, barrier
 from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
-from std.atomic import Atomic, Ordering
+from std.atomic import Atomic, Ordering, fence
 from std.math import ceildiv, max
 from std.memory import bitcast
 from std.sys import is_gpu
@@ -124,8 +124,16 @@ def is_block_collective(kind: Int) -> Bool:
 
 def collective_scratch_words(threads: Int) -> Int:
     """Shared words a block collective of `threads` threads uses after the
-    kernel's own: two per warp (a 64-bit partial), warps of 32 lanes."""
-    return 2 * ceildiv(threads, 32)
+    kernel's own: two per warp (a 64-bit partial), warps of 32 lanes, and
+    one to align the partials to 8 bytes after an odd count of words."""
+    return 2 * ceildiv(threads, 32) + 1
+
+
+@always_inline
+def scratch_start(words: Int) -> Int:
+    """The word the block collectives' scratch starts at after `words` of
+    the kernel's own: the next even word (the partials are 64-bit)."""
+    return words + words % 2
 
 
 @always_inline
@@ -393,7 +401,7 @@ def gpu_collective[
     """Runs collective `kind` on a GPU: every thread of the block calls it.
 
     Block collectives use `collective_scratch_words(threads)` words at
-    `scratch` and a barrier; the phase's barrier after them keeps the next
+    `scratch` (from an even word: `scratch_start`) and a barrier; the phase's barrier after them keeps the next
     collective from overwriting words still being read.
 
     Parameters:
@@ -615,6 +623,30 @@ def block_order(grid: Int) -> List[Int]:
         order[i] = order[j]
         order[j] = moved
     return order^
+
+
+@always_inline
+def publish_fence():
+    """Orders this thread's global writes before a later `arrive` of its
+    block (a release fence): each thread that wrote a block's part calls it
+    before the barrier that precedes the arrival."""
+    fence[Ordering.RELEASE]()
+
+
+@always_inline
+def read_published(ptr: Pointer[UInt32, MutAnyOrigin], i: Int) -> UInt32:
+    """Word `i` another block published: a strong (relaxed) load, served
+    from the L2 cache rather than a stale line of this SM's L1. The last
+    block to `arrive` reads the others' parts this way, after an acquire
+    fence (`acquire_fence`)."""
+    return Atomic.load[ordering=Ordering.RELAXED](ptr.unsafe_offset(i))
+
+
+@always_inline
+def acquire_fence():
+    """Orders the arrival the block observed (through its barrier) before
+    this thread's reads of the other blocks' parts."""
+    fence[Ordering.ACQUIRE]()
 
 
 @always_inline

@@ -40,6 +40,7 @@ from .block_phases import (
     block_order,
     check_lanes,
     collective_scratch_words,
+    scratch_start,
     emulate_collective,
     gpu_collective,
     is_block_collective,
@@ -328,7 +329,10 @@ def gpu_block_kernel[name: StaticString, K: GpuKernel](op: K.Operands):
         comptime kind = K.collective(p)
         comptime if kind != NO_COLLECTIVE:
             gpu_collective[kind](
-                lane, t, K.block_threads, words.unsafe_offset(size)
+                lane,
+                t,
+                K.block_threads,
+                words.unsafe_offset(scratch_start(size)),
             )
         comptime if p + 1 < K.phases:
             barrier()

@@ -359,10 +359,16 @@ def test_the_select_compiles_for_every_target() raises:
         kernel_code[SelectTest[2048], "sm_100a"](),
     ]:
         assert_true(".entry index_select_" in asm, "no kernel entry")
+        # Barriers, the histogram's shared atomics, the block collectives'
+        # shuffles; the split's arrival, its release and acquire fences and
+        # the strong loads of the other blocks' picks.
         for what in [
             "bar.sync",
             "atom.relaxed.sys.shared.add.u32",
             "shfl.sync",
+            "atom.acq_rel",
+            "fence.",
+            "ld.relaxed.sys.global",
         ]:
             assert_true(what in asm, String("no ", what, " in the PTX"))
         assert_true(".extern .shared" in asm, "no dynamic shared memory")

@@ -23,6 +23,7 @@ from ...model.block_phases import (
     NO_COLLECTIVE,
     Lane,
     Shared,
+    read_published,
 )
 from ...model.ragged import Field
 from ..index_rank import score_order
@@ -256,20 +257,22 @@ def _gather_picks[k: Int](thread: Int, s: Shared, row: Row):
     Each slice's pick holds its keys above its own threshold, then its ties,
     each in id order, and the slices cover ascending ids: so among equal
     keys, the order here is id order, which the pick's tie rule (the
-    lowest places) needs.
+    lowest places) needs. Other blocks wrote them: they are read with
+    strong loads (`read_published`).
     """
     var cache = cache_start(k)
-    var counts = row.split.unsafe_offset(1)
-    var keys = row.split.unsafe_offset(1 + row.slices)
-    var picked = keys.unsafe_offset(row.slices * k)
+    var keys = 1 + row.slices
+    var picked = keys + row.slices * k
     var start = 0
     for v in range(row.slices):
-        var count = Int(counts[unsafe_offset=v])
+        var count = Int(read_published(row.split, 1 + v))
         for i in range(thread, count, SELECT_THREADS):
-            s.store(cache + start + i, keys[unsafe_offset=v * k + i])
+            s.store(
+                cache + start + i, read_published(row.split, keys + v * k + i)
+            )
             s.store(
                 cache + row.slices * k + start + i,
-                picked[unsafe_offset=v * k + i],
+                read_published(row.split, picked + v * k + i),
             )
         start += count
 

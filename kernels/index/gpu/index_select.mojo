@@ -70,7 +70,10 @@ from ...model.block_phases import (
     NO_COLLECTIVE,
     Lane,
     Shared,
+    acquire_fence,
     arrive,
+    publish_fence,
+    read_published,
 )
 from ...model.ragged import Field, Ptr
 from .index_pick import (
@@ -263,7 +266,7 @@ def merge_row(
     var bound = 0
     if merging:
         for v in range(slices):
-            bound += Int(split[unsafe_offset=1 + v])
+            bound += Int(read_published(split, 1 + v))
     return Row(
         Ptr[DType.float32](unsafe_from_address=none),
         bound,
@@ -327,6 +330,7 @@ def select_phase[
                 at[unsafe_offset=i] = s.load(PAIRS + sort_width(k) + i)
             if thread == 0:
                 whole.split[unsafe_offset=1 + slice] = UInt32(m)
+            publish_fence()
     elif phase == _ARRIVE:
         var last: UInt64 = 0
         if split and thread == 0:
@@ -337,6 +341,8 @@ def select_phase[
         comptime p = phase - _MERGE
         comptime if p == 0:
             state.merging = lane.result() != 0
+            if state.merging:
+                acquire_fence()
             if state.merging and thread == 0:
                 # Every slice has arrived: ready for the next window.
                 whole.split[unsafe_offset=0] = 0
