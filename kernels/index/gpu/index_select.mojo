@@ -56,10 +56,10 @@ picks is how they fill a GPU with few rows.
 **Shared memory** (`select_shared_words`, sized at launch): two
 histograms (2 x 256 words), the state (2 words), the pairs (2 x
 `sort_width(k)` words), the row cache (the workspace's row width, at most
-`CACHE_WORDS`), and the block collectives' 32 words: 9,762 words (39,048
-bytes) for k 512 at the GLM-5-Next decode shape, 12,834 (51,336 bytes,
-past the 48 KiB of static shared memory, within an MI300X workgroup's
-64 KiB) for k 2048.
+`CACHE_WORDS`), and the block collectives' 33 words (16 64-bit partials
+from an even word): 9,763 words (39,052 bytes) for k 512 at the
+GLM-5-Next decode shape, 12,835 (51,340 bytes, past the 48 KiB of static
+shared memory, within an MI300X workgroup's 64 KiB) for k 2048.
 """
 
 from std.bit import log2_floor, next_power_of_two
