@@ -20,8 +20,8 @@ ceil(columns / columns_per_block)` blocks on the x axis, `rows` and
 whose threads do not cooperate has `shared_words = 0` and one phase and
 runs as `parallel.gpu_kernel`; the others as `gpu_block_kernel` (phases
 unrolled at compile time, per-thread `State`, collectives, static or
-dynamic shared memory), emulated by `emulate_kernel`
-([docs/kernels.md](../docs/kernels.md) says how to write one).
+dynamic shared memory), emulated by `emulate_kernel` (docs/kernels.md
+says how to write one).
 """
 
 from max.gpu import barrier, block_idx, thread_idx
@@ -40,10 +40,10 @@ from .block_phases import (
     block_order,
     check_lanes,
     collective_scratch_words,
-    scratch_start,
     emulate_collective,
     gpu_collective,
     is_block_collective,
+    scratch_start,
     shadow_words,
     violation,
 )
@@ -197,6 +197,9 @@ def _check_declaration[K: GpuKernel]():
             comptime assert (
                 K.block_threads % 64 == 0
             ), "a kernel with collectives has whole warps of 64 lanes"
+            comptime assert (
+                p + 1 < K.phases
+            ), "a collective runs between phases: none after the last"
     comptime assert (
         K.dynamic_shared or 4 * block_shared_words[K]() <= STATIC_SHARED_BYTES
     ), "static shared memory stops at 48 KiB: declare dynamic_shared"
@@ -225,6 +228,7 @@ def emulate_kernel[K: GpuKernel](op: K.Operands, grid: Int) raises:
             access or collective that breaks the model, naming the block,
             phase, thread(s) and word.
     """
+    _check_declaration[K]()
     comptime threads = K.block_threads
     check_launch(K.name, grid, threads)
     var size = K.launch_shared_words(op)
