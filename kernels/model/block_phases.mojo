@@ -49,9 +49,10 @@ from max.gpu import WARP_SIZE, barrier
 from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
 from std.atomic import Atomic, Ordering, fence
-from std.math import ceildiv, max
+from std.bit import log2_floor
+from std.math import ceildiv, max, min
 from std.memory import bitcast
-from std.sys import is_gpu
+from std.sys import is_amd_gpu, is_gpu, is_nvidia_gpu
 
 comptime Shared = BlockShared[MutAnyOrigin]
 """The view a phased body receives."""
@@ -134,6 +135,28 @@ def scratch_start(words: Int) -> Int:
     """The word the block collectives' scratch starts at after `words` of
     the kernel's own: the next even word (the partials are 64-bit)."""
     return words + words % 2
+
+
+@always_inline
+def _block_scope() -> StaticString:
+    """The atomics' scope for shared memory: the block (`.cta` in PTX)."""
+    comptime if is_nvidia_gpu():
+        return "block"
+    elif is_amd_gpu():
+        return "workgroup"
+    return ""
+
+
+@always_inline
+def _gpu_scope() -> StaticString:
+    """The scope of blocks meeting through global memory: the GPU (`.gpu`
+    in PTX, the agent on AMD), not the system a fence would otherwise
+    wait for."""
+    comptime if is_nvidia_gpu():
+        return "device"
+    elif is_amd_gpu():
+        return "agent"
+    return ""
 
 
 @always_inline
@@ -294,7 +317,9 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
                 return 0
             self._check_atomic(i)
         comptime if is_gpu():
-            return Atomic.fetch_add[ordering=Ordering.RELAXED](
+            return Atomic[UInt32, scope=_block_scope()].fetch_add[
+                ordering=Ordering.RELAXED
+            ](
                 self.words.unsafe_offset(i).unsafe_address_space_cast[
                     AddressSpace.SHARED
                 ](),
@@ -312,7 +337,9 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
                 return
             self._check_atomic(i)
         comptime if is_gpu():
-            _ = Atomic.max[ordering=Ordering.RELAXED](
+            _ = Atomic[UInt32, scope=_block_scope()].max[
+                ordering=Ordering.RELAXED
+            ](
                 self.words.unsafe_offset(i).unsafe_address_space_cast[
                     AddressSpace.SHARED
                 ](),
@@ -342,7 +369,7 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         return (
             self.words.unsafe_offset(i)
             .unsafe_bitcast[Float32]()
-            .unsafe_load[width=width](0)
+            .unsafe_load[width=width, alignment=min(4 * width, 16)](0)
         )
 
     @always_inline
@@ -390,6 +417,22 @@ struct Lane(Copyable, Defaultable, TrivialRegisterPassable):
 
 
 @always_inline
+def _butterfly[largest: Bool](x: UInt64) -> UInt64:
+    """The sum (or the largest) of the warp's values, in every lane: a
+    butterfly of `shuffle_xor`s, so no lane depends on the reduction a
+    library version leaves where (a `shuffle_down` tree gives lane 0
+    alone the whole)."""
+    var y = x
+    comptime for i in range(log2_floor(WARP_SIZE)):
+        var other = warp.shuffle_xor(y, UInt32(1 << i))
+        comptime if largest:
+            y = max(y, other)
+        else:
+            y += other
+    return y
+
+
+@always_inline
 def gpu_collective[
     kind: Int
 ](
@@ -417,9 +460,9 @@ def gpu_collective[
     var lanes = warp_lanes()
     var y: UInt64
     comptime if kind == WARP_SUM or kind == BLOCK_SUM:
-        y = warp.sum(x)
+        y = _butterfly[False](x)
     elif kind == WARP_MAX or kind == BLOCK_MAX:
-        y = warp.max(x)
+        y = _butterfly[True](x)
     elif kind == WARP_EXCLUSIVE_SUM:
         y = warp.prefix_sum[exclusive=True](x)
     elif kind == BLOCK_EXCLUSIVE_SUM:
@@ -429,7 +472,7 @@ def gpu_collective[
     else:
         comptime assert kind == WARP_BALLOT, "unknown collective"
         var bit = UInt64(1) << UInt64(thread % lanes)
-        y = warp.sum(bit if x != 0 else UInt64(0))
+        y = _butterfly[False](bit if x != 0 else UInt64(0))
     comptime if is_block_collective(kind):
         var w = thread // lanes
         var partials = scratch.unsafe_bitcast[UInt64]()
@@ -630,7 +673,7 @@ def publish_fence():
     """Orders this thread's global writes before a later `arrive` of its
     block (a release fence): each thread that wrote a block's part calls it
     before the barrier that precedes the arrival."""
-    fence[Ordering.RELEASE]()
+    fence[Ordering.RELEASE, scope=_gpu_scope()]()
 
 
 @always_inline
@@ -639,14 +682,16 @@ def read_published(ptr: Pointer[UInt32, MutAnyOrigin], i: Int) -> UInt32:
     from the L2 cache rather than a stale line of this SM's L1. The last
     block to `arrive` reads the others' parts this way, after an acquire
     fence (`acquire_fence`)."""
-    return Atomic.load[ordering=Ordering.RELAXED](ptr.unsafe_offset(i))
+    return Atomic[UInt32, scope=_gpu_scope()].load[ordering=Ordering.RELAXED](
+        ptr.unsafe_offset(i)
+    )
 
 
 @always_inline
 def acquire_fence():
     """Orders the arrival the block observed (through its barrier) before
     this thread's reads of the other blocks' parts."""
-    fence[Ordering.ACQUIRE]()
+    fence[Ordering.ACQUIRE, scope=_gpu_scope()]()
 
 
 @always_inline
@@ -662,4 +707,6 @@ def arrive(counter: Pointer[UInt32, MutAnyOrigin]) -> UInt32:
     Args:
         counter: A word in global memory, zero before the launch.
     """
-    return Atomic.fetch_add[ordering=Ordering.ACQUIRE_RELEASE](counter, 1)
+    return Atomic[UInt32, scope=_gpu_scope()].fetch_add[
+        ordering=Ordering.ACQUIRE_RELEASE
+    ](counter, 1)

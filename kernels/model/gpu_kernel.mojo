@@ -53,6 +53,10 @@ from .parallel import check_launch, gpu_kernel, launch
 comptime STATIC_SHARED_BYTES = 48 * 1024
 """The most static shared memory a block may declare (both targets)."""
 
+comptime PORTABLE_SHARED_BYTES = 64 * 1024
+"""The most shared memory a block may use on every target: an MI300X
+workgroup's LDS (an H100 or H200 allows 227 KiB)."""
+
 
 struct NoState(Copyable, Defaultable, TrivialRegisterPassable):
     """The per-thread state of a kernel that keeps none across barriers."""
@@ -203,6 +207,9 @@ def _check_declaration[K: GpuKernel]():
     comptime assert (
         K.dynamic_shared or 4 * block_shared_words[K]() <= STATIC_SHARED_BYTES
     ), "static shared memory stops at 48 KiB: declare dynamic_shared"
+    comptime assert (
+        4 * block_shared_words[K]() <= PORTABLE_SHARED_BYTES
+    ), "a block's shared memory must fit an MI300X workgroup's 64 KiB"
 
 
 def emulate_kernel[K: GpuKernel](op: K.Operands, grid: Int) raises:

@@ -359,18 +359,22 @@ def test_the_select_compiles_for_every_target() raises:
         kernel_code[SelectTest[2048], "sm_100a"](),
     ]:
         assert_true(".entry index_select_" in asm, "no kernel entry")
-        # Barriers, the histogram's shared atomics, the block collectives'
-        # shuffles; the split's arrival, its release and acquire fences and
-        # the strong loads of the other blocks' picks.
+        # Barriers, the histogram's block-scope shared atomics, the block
+        # collectives' shuffles (the maximum a butterfly, so every lane has
+        # it); the split's GPU-scope arrival, fences and strong loads of the
+        # other blocks' picks.
         for what in [
             "bar.sync",
-            "atom.relaxed.sys.shared.add.u32",
-            "shfl.sync",
-            "atom.acq_rel",
+            "atom.relaxed.cta.shared.add.u32",
+            "shfl.sync.up",
+            "shfl.sync.bfly",
+            "atom.acq_rel.gpu",
             "fence.",
-            "ld.relaxed.sys.global",
+            "ld.relaxed.gpu.global",
         ]:
             assert_true(what in asm, String("no ", what, " in the PTX"))
+        for what in ["shfl.sync.down", ".sys"]:
+            assert_true(what not in asm, String(what, " in the PTX"))
         assert_true(".extern .shared" in asm, "no dynamic shared memory")
     var amd = kernel_code[SelectTest[512], "gfx942"]()
     for what in ["s_barrier", "ds_add_u32"]:

@@ -11,7 +11,7 @@ global memory. Both apply the NaN-keeping ReLU, the head weights and the
 key's scale, and write a float32 workspace row.
 """
 
-from std.math import ceildiv
+from std.math import ceildiv, min
 
 from ...model.block_phases import Shared
 from ...model.gpu_kernel import GpuKernel
@@ -228,10 +228,11 @@ def shared_f32x[width: Int](s: Shared, i: Int) -> SIMD[DType.float32, width]:
     """
     if s.checked:
         return _checked_f32x[width](s, i)
+    # The alignment makes it one vector load (without it LLVM splits it).
     return (
         s.words.unsafe_offset(i)
         .unsafe_bitcast[Float32]()
-        .unsafe_load[width=width](0)
+        .unsafe_load[width=width, alignment=min(4 * width, 16)](0)
     )
 
 
