@@ -95,6 +95,7 @@ comptime _KIND_WRITE_RACE = 2
 comptime _KIND_UNWRITTEN = 3
 comptime _KIND_OUT_OF_RANGE = 4
 comptime _KIND_MIXED_ATOMIC = 5
+comptime _KIND_UNWRITTEN_ATOMIC = 6
 
 comptime _SHADOWS = 3
 """Stamps per shared word: last write, reads, atomics."""
@@ -249,9 +250,9 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
                 Int64(self.phase + 1) << 32
             ) | _MANY
 
-    def _check_defined(self, i: Int):
+    def _check_defined(self, i: Int, kind: Int = _KIND_UNWRITTEN):
         if self.shadow[unsafe_offset=i] == _NONE:
-            self._report(_KIND_UNWRITTEN, i, -1)
+            self._report(kind, i, -1)
 
     def _check_atomics(self, i: Int):
         var atomic = self.shadow[unsafe_offset=2 * self.size + i]
@@ -277,7 +278,7 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         self.shadow[unsafe_offset=i] = _stamp(self.phase, self.thread)
 
     def _check_atomic(self, i: Int):
-        self._check_defined(i)
+        self._check_defined(i, _KIND_UNWRITTEN_ATOMIC)
         var written = self.shadow[unsafe_offset=i]
         var read = self.shadow[unsafe_offset=self.size + i]
         if self._other(written):
@@ -606,7 +607,10 @@ def violation(
     """The emulation's message for the violation recorded in `report`."""
     var kind = Int(report[unsafe_offset=0])
     var word = report[unsafe_offset=1]
-    var other = report[unsafe_offset=3]
+    # A stamp several threads share names no one thread.
+    var other = String("thread ", report[unsafe_offset=3])
+    if report[unsafe_offset=3] >= _MANY - 1:
+        other = "several threads"
     var place = String(
         kernel,
         ": block ",
@@ -622,14 +626,21 @@ def violation(
         return String(
             place, " read shared word ", word, " before any thread wrote it"
         )
+    if kind == _KIND_UNWRITTEN_ATOMIC:
+        return String(
+            place,
+            " used shared word ",
+            word,
+            " atomically before any thread wrote it",
+        )
     if kind == _KIND_MIXED_ATOMIC:
         return String(
             place,
             " mixed a plain access of shared word ",
             word,
-            " with thread ",
+            " with that of ",
             other,
-            "'s in the same phase, one of them atomic (a race)",
+            " in the same phase, one of them atomic (a race)",
         )
     var what = "read" if kind == _KIND_READ_RACE else "wrote"
     return String(
@@ -638,7 +649,7 @@ def violation(
         what,
         " shared word ",
         word,
-        " that thread ",
+        " that ",
         other,
         " used in the same phase (a missing barrier)",
     )

@@ -198,9 +198,10 @@ def block_shared_words[K: GpuKernel]() -> Int:
 def _check_declaration[K: GpuKernel]():
     comptime for p in range(K.phases):
         comptime if K.collective(p) != NO_COLLECTIVE:
-            comptime assert (
-                K.block_threads % 64 == 0
-            ), "a kernel with collectives has whole warps of 64 lanes"
+            comptime assert K.block_threads % 64 == 0, (
+                "a kernel with collectives needs block_threads a multiple of"
+                " 64 (whole warps on every target)"
+            )
             comptime assert (
                 p + 1 < K.phases
             ), "a collective runs between phases: none after the last"
@@ -236,6 +237,7 @@ def emulate_kernel[K: GpuKernel](op: K.Operands, grid: Int) raises:
             phase, thread(s) and word.
     """
     _check_declaration[K]()
+    check_kernel_layout[K.Operands]()
     comptime threads = K.block_threads
     check_launch(K.name, grid, threads)
     var size = K.launch_shared_words(op)

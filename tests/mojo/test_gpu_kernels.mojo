@@ -14,7 +14,11 @@ from std.testing import TestSuite, assert_equal, assert_true
 
 from kernels.model.block_phases import Shared
 from kernels.writers.compress import CompressKernel, CompressOperands
-from kernels.writers.expand_topk import ExpandTopKKernel, ExpandTopKOperands, row_width
+from kernels.writers.expand_topk import (
+    ExpandTopKKernel,
+    ExpandTopKOperands,
+    row_width,
+)
 from kernels.model.gpu_kernel import (
     GpuKernel,
     grid_blocks,

@@ -8,7 +8,8 @@ heads x 128 dims, whose query is too large for shared memory (untiled),
 no GPU needed,
 and checks the PTX: no local memory (spills or a stack array), FP8 keys
 decoded by the hardware's `cvt.rn.f16x2.e4m3x2`, keys read 16 bytes per
-load; and the gfx942 code: no scratch. Register counts and occupancy need
+load, the tiled scorers' query read from shared memory 16 bytes per load;
+and the gfx942 code: no scratch. Register counts and occupancy need
 ptxas (`mla_kpool gpu-report`). Run: `mojo run -I . <this file>`.
 """
 
@@ -20,7 +21,11 @@ from asm_fields import amdhsa_field
 from kernels.model.gpu_kernel import kernel_code
 from kernels.index.index_fp8 import decode_e4m3
 from kernels.index.gpu.index_gpu_score import SimtScore
-from kernels.index.gpu.index_gpu_shape import SCORE_THREADS, score_threads, tile_words
+from kernels.index.gpu.index_gpu_shape import (
+    SCORE_THREADS,
+    score_threads,
+    tile_words,
+)
 from kernels.index.index_operands import IndexOperands
 
 comptime U32 = DType.uint32
@@ -72,6 +77,16 @@ def _check_ptx_all[arch: StaticString]() raises:
     _check_ptx(asm[0], arch, "tiled 32x128")
     _check_ptx(asm[1], arch, "tiled 64x128")
     _check_ptx(asm[2], arch, "untiled 128x128")
+    # The tiled scorers read their query from shared memory 16 bytes per
+    # load (`v4.b32` or `v2.b64`): a vector load split into scalars would
+    # show 4-byte `ld.shared.f32` or `ld.shared.b32`.
+    for i in range(2):
+        assert_true(
+            "ld.shared.v4" in asm[i] or "ld.shared.v2.b64" in asm[i],
+            String(arch, ": no 16-byte ld.shared"),
+        )
+        for scalar in ["ld.shared.f32", "ld.shared.b32"]:
+            assert_false(scalar in asm[i], String(arch, ": ", scalar))
 
 
 def test_scorers_ptx_sm_90a() raises:
