@@ -45,44 +45,36 @@ compute-sanitizer racecheck): shadow state per shared word, checked at each
 access between two barriers.
 """
 
-from max.gpu import WARP_SIZE, barrier
 from max.gpu.memory import AddressSpace
-from max.gpu.primitives import warp
 from std.atomic import Atomic, Ordering, fence
-from std.bit import log2_floor
-from std.math import ceildiv, max, min
+from std.math import max
 from std.memory import bitcast
 from std.sys import is_amd_gpu, is_gpu, is_nvidia_gpu
 
+# The collectives, for the kernels that import them with the shared view.
+from .collectives import (
+    BLOCK_EXCLUSIVE_SUM,
+    BLOCK_MAX,
+    BLOCK_SUM,
+    EMULATED_WARP,
+    NO_COLLECTIVE,
+    WARP_BALLOT,
+    WARP_BROADCAST,
+    WARP_EXCLUSIVE_SUM,
+    WARP_MAX,
+    WARP_SUM,
+    Lane,
+    check_lanes,
+    collective_scratch_words,
+    emulate_collective,
+    gpu_collective,
+    is_block_collective,
+    scratch_start,
+    warp_lanes,
+)
+
 comptime Shared = BlockShared[MutAnyOrigin]
 """The view a phased body receives."""
-
-comptime EMULATED_WARP = 32
-"""Lanes of a warp in the emulation (an NVIDIA warp)."""
-
-comptime MAX_WARPS = 32
-"""Warps of the largest block (1024 threads of 32 lanes): the words a block
-collective keeps per warp bound its scratch."""
-
-# The collectives a phase may end with (`GpuKernel.collective`).
-comptime NO_COLLECTIVE = 0
-comptime WARP_SUM = 1
-"""Every lane gets the sum of its warp's values."""
-comptime WARP_MAX = 2
-"""Every lane gets the largest value of its warp."""
-comptime WARP_EXCLUSIVE_SUM = 3
-"""Lane `l` gets the sum of lanes `0 ..< l` of its warp."""
-comptime WARP_BROADCAST = 4
-"""Every lane gets lane 0's value."""
-comptime WARP_BALLOT = 5
-"""Every lane gets bit `l` set for each lane `l` of its warp whose value is
-not zero."""
-comptime BLOCK_SUM = 6
-"""Every thread gets the sum of the block's values."""
-comptime BLOCK_MAX = 7
-"""Every thread gets the largest value of the block."""
-comptime BLOCK_EXCLUSIVE_SUM = 8
-"""Thread `t` gets the sum of threads `0 ..< t`."""
 
 comptime _NONE: Int64 = 0
 """A stamp no access has set."""
@@ -108,34 +100,6 @@ thread, the other thread, phase."""
 def shadow_words(shared_words: Int) -> Int:
     """`Int64` words of the emulation's shadow of `shared_words` words."""
     return _SHADOWS * shared_words + REPORT_WORDS
-
-
-@always_inline
-def warp_lanes() -> Int:
-    """Lanes of a warp: the target's on a GPU, `EMULATED_WARP` emulated."""
-    comptime if is_gpu():
-        return WARP_SIZE
-    return EMULATED_WARP
-
-
-@always_inline
-def is_block_collective(kind: Int) -> Bool:
-    """Whether collective `kind` spans the block (it needs scratch words)."""
-    return kind >= BLOCK_SUM
-
-
-def collective_scratch_words(threads: Int) -> Int:
-    """Shared words a block collective of `threads` threads uses after the
-    kernel's own: two per warp (a 64-bit partial), warps of 32 lanes, and
-    one to align the partials to 8 bytes after an odd count of words."""
-    return 2 * ceildiv(threads, 32) + 1
-
-
-@always_inline
-def scratch_start(words: Int) -> Int:
-    """The word the block collectives' scratch starts at after `words` of
-    the kernel's own: the next even word (the partials are 64-bit)."""
-    return words + words % 2
 
 
 @always_inline
@@ -377,228 +341,6 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
     def store_f32(self, i: Int, value: Float32):
         """Stores `value`'s bit pattern in word `i`."""
         self.store(i, bitcast[DType.uint32, 1](value))
-
-
-struct Lane(Copyable, Defaultable, TrivialRegisterPassable):
-    """A thread's value in the collective after a phase, then its result.
-
-    A phase whose kernel declares a collective after it (`GpuKernel.
-    collective`) must `offer` a value in every thread; the next phases read
-    the result with `result()`. On a GPU the flags are never read, and the
-    compiler drops them; emulated they find a lane that offered nothing
-    (its value would be stale or undefined on a GPU) and a result read
-    where no collective gave one.
-    """
-
-    var value: UInt64
-    var offered: Bool
-    var fresh: Bool
-    var stale_read: Bool
-
-    def __init__(out self):
-        """A lane that has offered nothing and holds no result."""
-        self.value = 0
-        self.offered = False
-        self.fresh = False
-        self.stale_read = False
-
-    @always_inline
-    def offer(mut self, value: UInt64):
-        """This thread's value for the collective after this phase."""
-        self.value = value
-        self.offered = True
-        self.fresh = False
-
-    @always_inline
-    def result(mut self) -> UInt64:
-        """The last collective's result for this thread."""
-        if not self.fresh:
-            self.stale_read = True
-        return self.value
-
-
-@always_inline
-def _butterfly[largest: Bool](x: UInt64) -> UInt64:
-    """The sum (or the largest) of the warp's values, in every lane: a
-    butterfly of `shuffle_xor`s, so no lane depends on the reduction a
-    library version leaves where (a `shuffle_down` tree gives lane 0
-    alone the whole)."""
-    var y = x
-    comptime for i in range(log2_floor(WARP_SIZE)):
-        var other = warp.shuffle_xor(y, UInt32(1 << i))
-        comptime if largest:
-            y = max(y, other)
-        else:
-            y += other
-    return y
-
-
-@always_inline
-def gpu_collective[
-    kind: Int
-](
-    mut lane: Lane,
-    thread: Int,
-    threads: Int,
-    scratch: Pointer[UInt32, MutAnyOrigin],
-):
-    """Runs collective `kind` on a GPU: every thread of the block calls it.
-
-    Block collectives use `collective_scratch_words(threads)` words at
-    `scratch` (from an even word: `scratch_start`) and a barrier; the phase's barrier after them keeps the next
-    collective from overwriting words still being read.
-
-    Parameters:
-        kind: The collective (`WARP_SUM` ... `BLOCK_EXCLUSIVE_SUM`).
-
-    Args:
-        lane: The thread's lane: its offered value becomes its result.
-        thread: The thread.
-        threads: Threads of the block.
-        scratch: The block's scratch words (block collectives only).
-    """
-    var x = lane.value
-    var lanes = warp_lanes()
-    var y: UInt64
-    comptime if kind == WARP_SUM or kind == BLOCK_SUM:
-        y = _butterfly[False](x)
-    elif kind == WARP_MAX or kind == BLOCK_MAX:
-        y = _butterfly[True](x)
-    elif kind == WARP_EXCLUSIVE_SUM:
-        y = warp.prefix_sum[exclusive=True](x)
-    elif kind == BLOCK_EXCLUSIVE_SUM:
-        y = warp.prefix_sum[exclusive=False](x)
-    elif kind == WARP_BROADCAST:
-        y = warp.broadcast(x)
-    else:
-        comptime assert kind == WARP_BALLOT, "unknown collective"
-        var bit = UInt64(1) << UInt64(thread % lanes)
-        y = _butterfly[False](bit if x != 0 else UInt64(0))
-    comptime if is_block_collective(kind):
-        var w = thread // lanes
-        var partials = scratch.unsafe_bitcast[UInt64]()
-        if thread % lanes == lanes - 1 or thread == threads - 1:
-            partials[unsafe_offset=w] = y
-        barrier()
-        var before: UInt64 = 0
-        var all: UInt64 = 0
-        for v in range(ceildiv(threads, lanes)):
-            var partial = partials[unsafe_offset=v]
-            comptime if kind == BLOCK_MAX:
-                all = max(all, partial)
-            else:
-                all += partial
-                if v < w:
-                    before += partial
-        comptime if kind == BLOCK_EXCLUSIVE_SUM:
-            y = before + y - x
-        else:
-            y = all
-    lane.value = y
-    lane.fresh = True
-
-
-def _warp_result(
-    kind: Int, values: List[UInt64], lo: Int, hi: Int, l: Int
-) -> UInt64:
-    """Lane `l`'s result of warp collective `kind` over `values[lo:hi]`."""
-    var result: UInt64 = 0
-    if kind == WARP_BROADCAST:
-        return values[lo]
-    for i in range(lo, hi):
-        if kind == WARP_MAX:
-            result = max(result, values[i])
-        elif kind == WARP_BALLOT:
-            if values[i] != 0:
-                result |= UInt64(1) << UInt64(i - lo)
-        elif kind == WARP_SUM or i < l:
-            result += values[i]
-    return result
-
-
-def emulate_collective(
-    kernel: StaticString,
-    kind: Int,
-    block: Int,
-    phase: Int,
-    mut lanes: List[Lane],
-) raises:
-    """Runs collective `kind` over a block's lanes, on the CPU.
-
-    Args:
-        kernel: Name of the kernel, for messages.
-        kind: The collective.
-        block: The block, for messages.
-        phase: The phase it follows, for messages.
-        lanes: The block's lanes, thread by thread.
-
-    Raises:
-        Error: Naming the first thread that offered no value.
-    """
-    var n = len(lanes)
-    var values = List[UInt64](capacity=n)
-    for t in range(n):
-        if not lanes[t].offered:
-            raise Error(
-                kernel,
-                ": block ",
-                block,
-                " phase ",
-                phase,
-                " thread ",
-                t,
-                " offered no value to the collective after the phase (its"
-                " lane would be stale on a GPU)",
-            )
-        values.append(lanes[t].value)
-    var results = List[UInt64](length=n, fill=0)
-    if is_block_collective(kind):
-        var sum: UInt64 = 0
-        var most: UInt64 = 0
-        for t in range(n):
-            results[t] = sum
-            sum += values[t]
-            most = max(most, values[t])
-        if kind != BLOCK_EXCLUSIVE_SUM:
-            for t in range(n):
-                results[t] = most if kind == BLOCK_MAX else sum
-    else:
-        for lo in range(0, n, EMULATED_WARP):
-            var hi = min(lo + EMULATED_WARP, n)
-            for t in range(lo, hi):
-                results[t] = _warp_result(kind, values, lo, hi, t)
-    for t in range(n):
-        lanes[t].value = results[t]
-        lanes[t].offered = False
-        lanes[t].fresh = True
-
-
-def check_lanes(
-    kernel: StaticString, block: Int, phase: Int, lanes: List[Lane]
-) raises:
-    """Fails the launch if a thread read a result no collective gave it.
-
-    Args:
-        kernel: Name of the kernel, for messages.
-        block: The block.
-        phase: The phase just run.
-        lanes: The block's lanes.
-
-    Raises:
-        Error: Naming the first such thread.
-    """
-    for t in range(len(lanes)):
-        if lanes[t].stale_read:
-            raise Error(
-                kernel,
-                ": block ",
-                block,
-                " phase ",
-                phase,
-                " thread ",
-                t,
-                " read a collective result that no collective gave it",
-            )
 
 
 def violation(
