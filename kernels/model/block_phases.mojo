@@ -13,14 +13,11 @@ touches besides its state:
   `store_f32`), with plain loads and stores and **atomics** (`atomic_add`,
   `atomic_max`: relaxed, through `std.atomic.Atomic` on the shared address
   space on a GPU).
-- **`Lane`**: the thread's value in a **collective** that runs after a
-  phase (`GpuKernel.collective(p)`): warp sum, max, exclusive prefix sum,
-  broadcast of lane 0, ballot, and block sum, max and exclusive prefix
-  sum. On a GPU they are MAX's warp primitives (`max.gpu.primitives.warp`,
-  shuffles) and, for the block ones, a word per warp in shared memory
-  after the kernel's own words. The warp is the target's (32 lanes on
-  NVIDIA, 64 on AMD); emulated it is `EMULATED_WARP`, so a kernel reads its
-  width from `warp_lanes()`, never from a constant.
+- **`Lane`** (in `collectives`, re-exported here with the collective
+  kinds): the thread's value in a **collective** that runs after a phase
+  (`GpuKernel.collective(p)`).
+- **Blocks that meet through global memory**: `publish_fence`, `arrive`,
+  `acquire_fence`, `read_published`, at GPU scope.
 
 **The emulation** runs a block's phase `p` for every thread (in
 descending order) before phase `p + 1`, which is exact for
