@@ -297,3 +297,19 @@ def check_lanes(
                 t,
                 " read a collective result that no collective gave it",
             )
+
+
+@always_inline
+def thread_run(thread: Int, threads: Int, count: Int) -> Tuple[Int, Int]:
+    """Thread `thread`'s contiguous run `[lo, hi)` of `count` items split
+    over `threads`: the runs in thread order, so a block exclusive prefix
+    sum of what each thread counts in its run places the runs in item order.
+
+    Args:
+        thread: The thread, `0 ..< threads`.
+        threads: Threads sharing the items.
+        count: Items, at least 0.
+    """
+    var per = ceildiv(count, threads)
+    var lo = min(thread * per, count)
+    return (lo, min(lo + per, count))

@@ -213,6 +213,26 @@ def _check_declaration[K: GpuKernel]():
     ), "a block's shared memory must fit an MI300X workgroup's 64 KiB"
 
 
+def launch_words[K: GpuKernel](op: K.Operands) raises -> Int:
+    """`K.launch_shared_words(op)`, checked against the declared most.
+
+    Raises:
+        Error: Naming the kernel, if the launch asks for fewer than 0 or
+            more than `K.shared_words` words (on a GPU as emulated).
+    """
+    var size = K.launch_shared_words(op)
+    if size < 0 or size > K.shared_words:
+        raise Error(
+            K.name,
+            ": launch_shared_words=",
+            size,
+            " outside 0..",
+            K.shared_words,
+            " (the declared shared_words)",
+        )
+    return size
+
+
 def emulate_kernel[K: GpuKernel](op: K.Operands, grid: Int) raises:
     """Runs a phased kernel for every block, phase and thread, on the CPU.
 
@@ -240,16 +260,7 @@ def emulate_kernel[K: GpuKernel](op: K.Operands, grid: Int) raises:
     check_kernel_layout[K.Operands]()
     comptime threads = K.block_threads
     check_launch(K.name, grid, threads)
-    var size = K.launch_shared_words(op)
-    if size < 0 or size > K.shared_words:
-        raise Error(
-            K.name,
-            ": launch_shared_words=",
-            size,
-            " outside 0..",
-            K.shared_words,
-            " (the declared shared_words)",
-        )
+    var size = launch_words[K](op)
     var words = List[UInt32](length=max(size, 1), fill=0)
     var shadow = List[Int64](length=shadow_words(size), fill=0)
     var word_ptr = words.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
@@ -351,9 +362,9 @@ def gpu_block_kernel[name: StaticString, K: GpuKernel](op: K.Operands):
             barrier()
 
 
-def _dynamic_bytes[K: GpuKernel](op: K.Operands) -> Int:
+def _dynamic_bytes[K: GpuKernel](op: K.Operands) raises -> Int:
     """Bytes of dynamic shared memory `K`'s launch for `op` asks for."""
-    return 4 * (K.launch_shared_words(op) + scratch_words[K]())
+    return 4 * (launch_words[K](op) + scratch_words[K]())
 
 
 def launch_kernel[

@@ -70,6 +70,7 @@ from ..model.block_phases import (
     Lane,
     Shared,
 )
+from ..model.collectives import thread_run
 from ..model.gpu_kernel import GpuKernel, launch_kernel
 from ..model.parallel import cpu_for_each_range, gpu_block_width
 from ..model.ragged import Field, full_pools, read_index
@@ -246,14 +247,6 @@ comptime SCAN_THREADS = 1024
 """Threads of the scan launch's one block: a run of requests each."""
 
 
-@always_inline
-def _scan_run(thread: Int, batch: Int) -> Tuple[Int, Int]:
-    """Thread `thread`'s contiguous run of requests `[lo, hi)` in the scan."""
-    var per = (batch + SCAN_THREADS - 1) // SCAN_THREADS
-    var lo = min(thread * per, batch)
-    return (lo, min(lo + per, batch))
-
-
 def step_scan_phase[phase: Int](thread: Int, mut lane: Lane, op: Step):
     """One thread of launch 1 (see the module), phase `phase`.
 
@@ -262,7 +255,7 @@ def step_scan_phase[phase: Int](thread: Int, mut lane: Lane, op: Step):
     `pool_row_offsets[b + 1]` for each request `b` of its run (modulo
     2^32, as `scan_pool_rows`), thread 0 also `pool_row_offsets[0] = 0`.
     """
-    var run = _scan_run(thread, op.close.call.batch)
+    var run = thread_run(thread, SCAN_THREADS, op.close.call.batch)
     comptime if phase == 0:
         var total: UInt64 = 0
         for b in range(run[0], run[1]):

@@ -25,6 +25,7 @@ from ...model.block_phases import (
     Shared,
     read_published,
 )
+from ...model.collectives import thread_run
 from ...model.ragged import Field
 from ..index_rank import score_order
 
@@ -115,6 +116,34 @@ def row_cache_words(candidates: Int) -> Int:
         candidates: The workspace's row width (the longest row).
     """
     return min(max(candidates, 0), CACHE_WORDS)
+
+
+def split_words(slices: Int, k: Int) -> Int:
+    """`UInt32` words of the split workspace per window row: an arrival
+    counter, each slice's pick count (`split_count`), keys (`split_keys`)
+    and ids (`split_ids`); none unsplit."""
+    if slices <= 1:
+        return 0
+    return 1 + slices * (1 + 2 * k)
+
+
+@always_inline
+def split_count(slice: Int) -> Int:
+    """The word of a split row's words that holds slice `slice`'s pick count
+    (word 0 is the arrival counter)."""
+    return 1 + slice
+
+
+@always_inline
+def split_keys(slices: Int, k: Int, slice: Int) -> Int:
+    """The first word of slice `slice`'s `k` pick keys."""
+    return 1 + slices + slice * k
+
+
+@always_inline
+def split_ids(slices: Int, k: Int, slice: Int) -> Int:
+    """The first word of slice `slice`'s `k` pick ids (after every key)."""
+    return split_keys(slices, k, slices + slice)
 
 
 @fieldwise_init
@@ -261,18 +290,16 @@ def _gather_picks[k: Int](thread: Int, s: Shared, row: Row):
     strong loads (`read_published`).
     """
     var cache = cache_start(k)
-    var keys = 1 + row.slices
-    var picked = keys + row.slices * k
     var start = 0
     for v in range(row.slices):
-        var count = Int(read_published(row.split, 1 + v))
+        var count = Int(read_published(row.split, split_count(v)))
+        var keys = split_keys(row.slices, k, v)
+        var ids = split_ids(row.slices, k, v)
         for i in range(thread, count, SELECT_THREADS):
-            s.store(
-                cache + start + i, read_published(row.split, keys + v * k + i)
-            )
+            s.store(cache + start + i, read_published(row.split, keys + i))
             s.store(
                 cache + row.slices * k + start + i,
-                read_published(row.split, picked + v * k + i),
+                read_published(row.split, ids + i),
             )
         start += count
 
@@ -343,14 +370,6 @@ def _count[
 
 
 @always_inline
-def _run(thread: Int, bound: Int) -> Tuple[Int, Int]:
-    """Thread `thread`'s contiguous run of ids `[lo, hi)` in the collect."""
-    var per = (bound + SELECT_THREADS - 1) // SELECT_THREADS
-    var lo = min(thread * per, bound)
-    return (lo, min(lo + per, bound))
-
-
-@always_inline
 def _selected(key: UInt32, threshold: UInt32, take_all: Bool) -> Int:
     """2 above the k-th key (or any key when all are taken), 1 at it, 0."""
     if take_all or key > threshold:
@@ -375,7 +394,7 @@ def _count_run[
         state.need = s.load(_STATE + 1)
     var above: UInt64 = 0
     var ties: UInt64 = 0
-    var run = _run(thread, row.bound)
+    var run = thread_run(thread, SELECT_THREADS, row.bound)
     for j in range(run[0], run[1]):
         var kind = _selected(row.key[k](s, j), state.prefix, take_all)
         if kind == 2:
@@ -404,7 +423,7 @@ def _scatter_run[
     var tie = Int(before & 0xFFFFFFFF)
     var need = 0 if take_all else Int(state.need)
     var above_total = m - need
-    var run = _run(thread, row.bound)
+    var run = thread_run(thread, SELECT_THREADS, row.bound)
     for j in range(run[0], run[1]):
         var key = row.key[k](s, j)
         var kind = _selected(key, state.prefix, take_all)

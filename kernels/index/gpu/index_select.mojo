@@ -88,6 +88,10 @@ from .index_pick import (
     pick_phase,
     row_cache_words,
     sort_width,
+    split_count,
+    split_ids,
+    split_keys,
+    split_words,
 )
 
 
@@ -128,14 +132,6 @@ def select_slices(candidates: Int, total_tokens: Int, k: Int) -> Int:
     return max(
         1, min(MAX_SLICES, candidates // (4 * k), CACHE_WORDS // (2 * k))
     )
-
-
-def split_words(slices: Int, k: Int) -> Int:
-    """`UInt32` words of the split workspace per window row: an arrival
-    counter, each slice's pick count, keys and ids (none unsplit)."""
-    if slices <= 1:
-        return 0
-    return 1 + slices * (1 + 2 * k)
 
 
 def _sort_steps(k: Int) -> Int:
@@ -266,7 +262,7 @@ def merge_row(
     var bound = 0
     if merging:
         for v in range(slices):
-            bound += Int(read_published(split, 1 + v))
+            bound += Int(read_published(split, split_count(v)))
     return Row(
         Ptr[DType.float32](unsafe_from_address=none),
         bound,
@@ -323,13 +319,17 @@ def select_phase[
     elif phase == _PUBLISH:
         if split:
             var m = Int(state.pairs)
-            var keys = whole.split.unsafe_offset(1 + whole.slices + slice * k)
-            var at = keys.unsafe_offset(whole.slices * k)
+            var keys = whole.split.unsafe_offset(
+                split_keys(whole.slices, k, slice)
+            )
+            var ids = whole.split.unsafe_offset(
+                split_ids(whole.slices, k, slice)
+            )
             for i in range(thread, m, SELECT_THREADS):
                 keys[unsafe_offset=i] = s.load(PAIRS + i)
-                at[unsafe_offset=i] = s.load(PAIRS + sort_width(k) + i)
+                ids[unsafe_offset=i] = s.load(PAIRS + sort_width(k) + i)
             if thread == 0:
-                whole.split[unsafe_offset=1 + slice] = UInt32(m)
+                whole.split[unsafe_offset=split_count(slice)] = UInt32(m)
             publish_fence()
     elif phase == _ARRIVE:
         var last: UInt64 = 0
