@@ -146,6 +146,12 @@ MALFORMED = [
         [3, 4, 5, 6, 7, 8],
     ),
     (replace(BASE, name="offsets-past-T", offsets=(0, 3, 5, 12)), [5, 6, 7, 8]),
+    # Well formed, but the last request ends before T: no request holds
+    # rows 7 and 8.
+    (
+        replace(BASE, name="rows-past-the-last-end", offsets=(0, 3, 5, 7)),
+        [7, 8],
+    ),
     (
         replace(
             BASE,
@@ -153,6 +159,14 @@ MALFORMED = [
             tweaks=(_bad_lookup("lookup_table", 0, 2, 10**6),),
         ),
         [0, 1, 2],
+    ),
+    (
+        replace(
+            BASE,
+            name="middle-request-page-past-arena",
+            tweaks=(_bad_lookup("lookup_table", 1, 0, 10**6),),
+        ),
+        [3, 4],
     ),
     (
         replace(

@@ -1,10 +1,12 @@
 """Which rows `index_top_k` scores, and where their keys lie (CPU and GPU).
 
 Metadata is not trusted. `scored_prefix` walks the offsets while they are
-well formed (the CPU path once per call, the GPU's plan launch once per
-row through `row_plan`); `request_span` decides whether a request is
-scored at all; `candidate_bound` is the candidates a row sees; and
-`page_bases` is where a page's keys and scales start for `layer_idx`.
+well formed (`end_well_formed`: the CPU path once per call; the GPU's
+plan launch checks them a block per request, `index_gpu.plan_phase`);
+`request_span` decides whether a request is scored at all (`span_pages`,
+`page_in_arenas`: the GPU plan's threads share the pages);
+`candidate_bound` is the candidates a row sees; and `page_bases` is where
+a page's keys and scales start for `layer_idx`.
 Every function here is device-safe: no allocation, no raising.
 """
 
@@ -39,16 +41,6 @@ struct RequestSpan(Copyable, TrivialRegisterPassable):
 
 
 @fieldwise_init
-struct RowPlan(Copyable, TrivialRegisterPassable):
-    """A query row's request and candidate bound (`request` -1: all `-1`)."""
-
-    var request: Int
-    """The row's request, or -1."""
-    var bound: Int
-    """Candidates the row sees (0 when `request` is -1)."""
-
-
-@fieldwise_init
 struct CacheSlot(Copyable, TrivialRegisterPassable):
     """Where a cache row lies: its key's first byte and its scale."""
 
@@ -58,36 +50,50 @@ struct CacheSlot(Copyable, TrivialRegisterPassable):
     """Element offset into `k_scales`."""
 
 
+def span_pages(op: IndexTopK, b: Int, cache_length: Int, n: Int) -> Int:
+    """Pages request `b`'s last row needs (`cache_length >= 0`, `n` rows),
+    or -1 when that is past either lookup table."""
+    if n == 0:
+        return 0
+    var rows = (
+        candidate_bound[op.kpool, op.causal](cache_length, n, n - 1)
+        * op.rows_per_candidate
+    )
+    var pages = ceildiv(rows, op.page_size)
+    if pages > op.key_pages or pages > op.scale_pages:
+        return -1
+    return pages
+
+
+@always_inline
+def page_in_arenas(op: IndexTopK, b: Int, page: Int) -> Bool:
+    """Whether request `b`'s page `page` names a block inside `k_blocks`
+    and one inside `k_scales` (the page is inside both lookup tables)."""
+    var block = read_index(op.k_lookup_table, b * op.key_pages + page)
+    var scale_block = read_index(
+        op.k_scales_lookup_table, b * op.scale_pages + page
+    )
+    return 0 <= block < op.key_blocks and 0 <= scale_block < op.scale_blocks
+
+
 def request_span(op: IndexTopK, b: Int) -> RequestSpan:
     """Request `b`'s rows `[start, start + n)`, its cache length, and whether to score it.
 
     Scored when its cache length is non-negative and every page its last
-    row needs is inside both lookup tables and names a block inside
-    `k_blocks` and `k_scales`. `b` must be below `op.scored_requests`
-    (well-formed offsets).
+    row needs is inside both lookup tables (`span_pages`) and names a
+    block inside `k_blocks` and `k_scales` (`page_in_arenas`). `b` must be
+    below `op.scored_requests` (well-formed offsets).
     """
     var start = read_index(op.input_row_offsets, b)
     var n = read_index(op.input_row_offsets, b + 1) - start
     var c = read_index(op.k_cache_lengths, b)
     if c < 0:
         return RequestSpan(start, n, c, False)
-    if n == 0:
-        return RequestSpan(start, n, c, True)
-    var rows = (
-        candidate_bound[op.kpool, op.causal](c, n, n - 1)
-        * op.rows_per_candidate
-    )
-    var pages = ceildiv(rows, op.page_size)
-    if pages > op.key_pages or pages > op.scale_pages:
+    var pages = span_pages(op, b, c, n)
+    if pages < 0:
         return RequestSpan(start, n, c, False)
     for page in range(pages):
-        var block = read_index(op.k_lookup_table, b * op.key_pages + page)
-        var scale_block = read_index(
-            op.k_scales_lookup_table, b * op.scale_pages + page
-        )
-        if block < 0 or block >= op.key_blocks:
-            return RequestSpan(start, n, c, False)
-        if scale_block < 0 or scale_block >= op.scale_blocks:
+        if not page_in_arenas(op, b, page):
             return RequestSpan(start, n, c, False)
     return RequestSpan(start, n, c, True)
 
@@ -107,23 +113,18 @@ def page_bases(op: IndexTopK, b: Int, page: Int) -> CacheSlot:
 
 def scored_prefix[
     dtype: DType
-](
-    offsets: Ptr[dtype], batch: Int, total_tokens: Int, row: Int = Int.MAX
-) -> Int:
+](offsets: Ptr[dtype], batch: Int, total_tokens: Int) -> Int:
     """Requests `0 .. r - 1` whose offsets are well formed; returns `r`.
 
     Well formed: `offsets[0] == 0`, non-decreasing, and at most
-    `total_tokens`, up to and including `offsets[r]`. The walk stops early
-    after the request that holds `row` (whose end is past `row`), so that
-    request is `r - 1` whenever `row < offsets[r]`; with the default `row`
-    it walks every well-formed request. Device-safe: no allocation, no
-    raising.
+    `total_tokens`, up to and including `offsets[r]` (the GPU's plan
+    launch checks the same per request, `plan_phase`). Device-safe: no
+    allocation, no raising.
 
     Args:
         offsets: `[batch + 1]` query row offsets.
         batch: Requests `B`.
         total_tokens: Query rows `T`.
-        row: A query row to stop at (`row_plan`), or none.
 
     Returns:
         The number of requests walked, all of them well formed.
@@ -131,39 +132,16 @@ def scored_prefix[
     if read_index(offsets, 0) != 0:
         return 0
     for b in range(batch):
-        var end = read_index(offsets, b + 1)
-        if end < read_index(offsets, b) or end > total_tokens:
+        if not end_well_formed(offsets, b, total_tokens):
             return b
-        if end > row:
-            return b + 1
     return batch
 
 
-def row_plan(op: IndexTopK, t: Int) -> RowPlan:
-    """Row `t`'s request and bound, or `(-1, 0)` for an all `-1` row.
-
-    The CPU path's rule, by the same walk (`scored_prefix`): requests are
-    scored while the offsets are well formed (the first is 0, then
-    non-decreasing and at most `T`), and a request is skipped when
-    `request_span` says so. Device-safe (the GPU's plan launch).
-    """
-    var walked = scored_prefix(
-        op.input_row_offsets, op.scored_requests, op.total_tokens, t
-    )
-    if walked == 0:
-        return RowPlan(-1, 0)
-    var b = walked - 1
-    # The walk passed the requests before `b` because their ends were not
-    # past `t`: `t` is at or after `b`'s start, so it is `b`'s row exactly
-    # when it is before `b`'s end.
-    if t >= read_index(op.input_row_offsets, b + 1):
-        return RowPlan(-1, 0)
-    var span = request_span(op, b)
-    if not span.scored:
-        return RowPlan(-1, 0)
-    return RowPlan(
-        b,
-        candidate_bound[op.kpool, op.causal](
-            span.cache_length, span.n, t - span.start
-        ),
-    )
+@always_inline
+def end_well_formed[
+    dtype: DType
+](offsets: Ptr[dtype], b: Int, total_tokens: Int) -> Bool:
+    """Whether request `b`'s end, `offsets[b + 1]`, is at least its start
+    and at most `total_tokens`."""
+    var end = read_index(offsets, b + 1)
+    return read_index(offsets, b) <= end <= total_tokens

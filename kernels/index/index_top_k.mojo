@@ -304,7 +304,7 @@ struct MLAKPoolIndexTopK:
             return
         comptime on_cpu = target == "cpu" and not emulate_gpu
         var offsets = input_row_offsets.unsafe_ptr()
-        # The GPU path reads the offsets on the device (`index_plan.row_plan`).
+        # The GPU path reads the offsets on the device (`index_gpu.plan_phase`).
         var scored = batch
         comptime if on_cpu:
             scored = scored_prefix(offsets, batch, total_tokens)

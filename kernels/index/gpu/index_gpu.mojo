@@ -6,12 +6,13 @@ Each launch is a kernel declaration (`gpu_kernel.GpuKernel`): `PlanKernel`,
 the scorer's (`index_scorers.ScoreKernel`: `SimtScore`, `WgmmaScore`,
 `MfmaScore`) and `SelectKernel`.
 
-1. **Plan** (`index_plan_thread`, a thread per query row, through
-   `index_plan.row_plan`): the row's request and bound, or `-1` when the
-   contract makes the row all `-1` (offsets malformed before it, a
-   negative cache length, a page past a lookup table or an arena). The
-   offsets are read on the device: nothing of the call's metadata goes to
-   the host.
+1. **Plan** (`plan_phase`, a block per request, two phases): each row's
+   request and bound, or `-1` when the contract makes the row all `-1`
+   (offsets malformed before it, a negative cache length, a page past a
+   lookup table or an arena). The block's threads share the checks of
+   the offsets before the request and of its pages, a block sum counts
+   what failed, then they write the request's rows. The offsets are read
+   on the device: nothing of the call's metadata goes to the host.
 2. **Score** (`index_gpu_score.index_score_phase`, a block per (row, tile of
    `score_threads` candidates), two phases): the row's FP8 query decoded
    once into shared memory, then a thread per candidate reads its key's
@@ -42,10 +43,15 @@ first. It has run on an NVIDIA H200 (docs/performance.md).
 from max.gpu.host import DeviceContext
 from std.math import ceildiv, max, min
 
-from ...model.block_phases import Lane, Shared
+from ...model.block_phases import BLOCK_SUM, NO_COLLECTIVE, Lane, Shared
 from ...model.gpu_kernel import GpuKernel, launch_kernel
 from ..index_operands import IndexTopK
-from ..index_plan import row_plan
+from ..index_plan import (
+    candidate_bound,
+    end_well_formed,
+    page_in_arenas,
+    span_pages,
+)
 from ..index_scorers import SIMT, ScoreKernel
 from .index_select import (
     SELECT_THREADS,
@@ -59,7 +65,7 @@ from .index_select import (
     select_slices,
     split_words,
 )
-from ...model.ragged import Ptr
+from ...model.ragged import Ptr, read_index
 
 
 comptime GPU_WORKSPACE_BYTES = 1 << 28
@@ -68,17 +74,102 @@ comptime GPU_WORKSPACE_BYTES = 1 << 28
 (tests/test_kernel_constants.py checks they agree)."""
 
 comptime PLAN_THREADS = 256
-"""Threads per block of the plan launch (a row each)."""
+"""Threads per block of the plan launch (a request per block)."""
 
 
-def index_plan_thread(block: Int, thread: Int, op: IndexTopK):
-    """Writes row `block * PLAN_THREADS + thread`'s plan: request, bound."""
-    var t = block * PLAN_THREADS + thread
-    if t >= op.total_tokens:
+def _write_plan(op: IndexTopK, first: Int, end: Int, thread: Int, b: Int):
+    """Rows `[first, end)` planned as all `-1` (`b` -1) or as request `b`'s
+    rows from its first, `first` (their bounds by `candidate_bound`)."""
+    var c = 0
+    var n = 0
+    if b >= 0:
+        c = read_index(op.k_cache_lengths, b)
+        n = end - first
+    for t in range(first + thread, end, PLAN_THREADS):
+        var bound = 0
+        if b >= 0:
+            bound = candidate_bound[op.kpool, op.causal](c, n, t - first)
+        op.work.plan[unsafe_offset=2 * t] = Int64(b)
+        op.work.plan[unsafe_offset=2 * t + 1] = Int64(bound)
+
+
+def plan_phase[
+    phase: Int
+](block: Int, thread: Int, mut lane: Lane, op: IndexTopK):
+    """Block `b`'s share of the plan: request `b`'s rows, and the rows no
+    request holds where `b` is the one that knows them.
+
+    The rule of the CPU path (`index_plan.scored_prefix`, `request_span`),
+    a request per block: request `b`'s rows are planned when the offsets
+    are well formed up to its end (`end_well_formed` for every request
+    through `b`, `offsets[0] == 0`), and scored when its cache length is
+    non-negative and every page it needs is in both tables and arenas.
+    Rows past the last well-formed end are all `-1`, written by the block
+    of the first malformed request (block 0 when `offsets[0] != 0`) or by
+    the last request's block. With no requests block 0 writes every row.
+
+    Phase 0: each thread checks its share of the ends before `b` and of
+    `b`'s pages and offers the failures (before `b` in the high 32 bits,
+    `b`'s own in the low) to a block sum. Phase 1: the rows are written.
+
+    Parameters:
+        phase: 0 or 1.
+
+    Args:
+        block: The request `b` (0 with no requests).
+        thread: The thread, `0 ..< PLAN_THREADS`.
+        lane: The thread's lane in the block sum after phase 0.
+        op: The call.
+    """
+    var b = block
+    var batch = op.scored_requests
+    var offsets = op.input_row_offsets
+    var tokens = op.total_tokens
+    if b >= batch:
+        # No requests: every row is all -1 (`scored_prefix` walks none).
+        comptime if phase == 0:
+            lane.offer(0)
+        else:
+            _write_plan(op, 0, tokens, thread, -1)
         return
-    var plan = row_plan(op, t)
-    op.work.plan[unsafe_offset=2 * t] = Int64(plan.request)
-    op.work.plan[unsafe_offset=2 * t + 1] = Int64(plan.bound)
+    var own = end_well_formed(offsets, b, tokens)
+    comptime if phase == 0:
+        var before: UInt64 = 0
+        if thread == 0 and read_index(offsets, 0) != 0:
+            before = 1
+        for i in range(thread, b, PLAN_THREADS):
+            if not end_well_formed(offsets, i, tokens):
+                before = 1
+        var unscored: UInt64 = 0
+        if own:
+            var start = read_index(offsets, b)
+            var n = read_index(offsets, b + 1) - start
+            var c = read_index(op.k_cache_lengths, b)
+            var pages = span_pages(op, b, c, n) if c >= 0 else -1
+            if pages < 0:
+                unscored = 1
+            for page in range(thread, max(pages, 0), PLAN_THREADS):
+                if not page_in_arenas(op, b, page):
+                    unscored = 1
+        lane.offer(before << 32 | unscored)
+    else:
+        var failed = lane.result()
+        if failed >> 32 != 0:
+            # Offsets malformed before `b`: an earlier block writes these
+            # rows; block 0 here means `offsets[0] != 0`, so no row is
+            # any request's.
+            if b == 0:
+                _write_plan(op, 0, tokens, thread, -1)
+            return
+        var start = read_index(offsets, b)
+        if not own:
+            _write_plan(op, start, tokens, thread, -1)
+            return
+        var end = read_index(offsets, b + 1)
+        var scored = (failed & 0xFFFFFFFF) == 0
+        _write_plan(op, start, end, thread, b if scored else -1)
+        if b == batch - 1:
+            _write_plan(op, end, tokens, thread, -1)
 
 
 def select_row(row: Int, op: IndexTopK) -> SelectCall:
@@ -97,23 +188,37 @@ def select_row(row: Int, op: IndexTopK) -> SelectCall:
 
 
 struct PlanKernel[Op: type_of(IndexTopK)](GpuKernel):
-    """Launch 1: a thread per query row writes its plan (`index_plan_thread`)."""
+    """Launch 1: a block per request writes its rows' plans (`plan_phase`)."""
 
     comptime Operands = Self.Op
     comptime name = "mla_kpool_index_plan_kernel"
     comptime block_threads = PLAN_THREADS
-    comptime grid_rows = "tokens"
-    comptime rows_per_block = PLAN_THREADS
+    comptime phases = 2
+    comptime grid_rows = "batch"
 
     @staticmethod
     def rows(op: Self.Operands) -> Int:
-        """Query rows `T`."""
-        return op.total_tokens
+        """Requests `B` (one block with none)."""
+        return max(op.scored_requests, 1)
 
     @staticmethod
-    def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
-        """`index_plan_thread`."""
-        index_plan_thread(block, thread, op)
+    def collective(phase: Int) -> Int:
+        """A block sum of the failed checks after phase 0."""
+        return BLOCK_SUM if phase == 0 else NO_COLLECTIVE
+
+    @staticmethod
+    def run_phase[
+        phase: Int
+    ](
+        block: Int,
+        thread: Int,
+        mut state: Self.State,
+        mut lane: Lane,
+        s: Shared,
+        op: Self.Operands,
+    ):
+        """`plan_phase`."""
+        plan_phase[phase](block, thread, lane, op)
 
 
 struct SelectKernel[Op: type_of(IndexTopK)](GpuKernel):
