@@ -11,8 +11,9 @@ its planted faults refused) and compiles its kernels for the three
 targets; tests/mojo/test_index_select.mojo runs the indexer's GPU top-k
 select through that emulation against a plain sort of every candidate's
 rank key, and must fail with a planted off-by-one in its radix bucket, a
-histogram counted without atomics, a histogram cleared while counted, or
-a thread that offers nothing to a collective.
+histogram counted without atomics, a histogram cleared while counted, a
+rank sort that orders ties by descending id, or a thread that offers
+nothing to a collective.
 """
 
 from __future__ import annotations
@@ -113,7 +114,19 @@ SELECT_MUTANTS = [
         "last = 1 if slice == 0 else 0",
         r"slot \d+: got|left the arrival counter set",
     ),
+    (
+        # The rank sort orders ties by descending id: the output has the
+        # right ids in the wrong order wherever scores tie.
+        "rank_ties_by_descending_id",
+        "return UInt64(key) << 32 | UInt64(~id)",
+        "return UInt64(key) << 32 | UInt64(id)",
+        r"slot \d+: got",
+    ),
 ]
+
+#: The mutants planted in index_select.mojo (the split, merge and sort);
+#: the others are a pick's, in index_pick.mojo.
+_IN_SELECT = ("merge_by_block_order", "rank_ties_by_descending_id")
 
 
 @needs_mojo
@@ -121,12 +134,7 @@ SELECT_MUTANTS = [
     "mutant", SELECT_MUTANTS, ids=[m[0] for m in SELECT_MUTANTS]
 )
 def test_index_select_planted_faults_fail(mutant, tmp_path: Path):
-    # The split and merge live in index_select.mojo, a pick in index_pick.
-    kernel = (
-        "index_select"
-        if mutant[0] == "merge_by_block_order"
-        else ("index_pick")
-    )
+    kernel = "index_select" if mutant[0] in _IN_SELECT else "index_pick"
     _planted_fault_fails(
         mutant,
         f"index/gpu/{kernel}.mojo",

@@ -39,13 +39,18 @@ row's top `k` into shared memory, unsorted.
    threshold, then its ties, slices in id order: among equal keys, id
    order), re-zeroes the counter, and goes on alone. At GLM-5-Next's
    decode (16 rows of 8,192 candidates, k 512) that is 4 blocks per row.
-5. **Bitonic sort** of the `m` pairs padded to `S = next_power_of_two(m)`
-   by key descending, id ascending: the compare-exchange steps of stages
-   up to `S` (the steps of larger stages, up to `sort_width(k)`, do
-   nothing), then a phase writes the ids (then `-1`).
+5. **Sort** by key descending, id ascending, and write the ids (then
+   `-1`). For `k <= RANK_SORT_K` one phase ranks by counting: a thread
+   per pair counts the pairs that rank before it (every thread reads the
+   same pair at once, a broadcast) and writes its id at that rank, no
+   barrier between. For a larger `k`, a bitonic sort of the `m` pairs
+   padded to `S = next_power_of_two(m)`: the compare-exchange steps of
+   stages up to `S` (the steps of larger stages, up to `sort_width(k)`,
+   do nothing), then a phase writes the ids.
 
 Grid: `select_slices` blocks per row, on the x axis (2^31 - 1 blocks).
-Radix select and bitonic sort are the textbook GPU methods (Alabi et al.,
+Radix select, bitonic sort and ranking by counting are the textbook GPU
+methods (Alabi et al.,
 "Fast k-selection algorithms for graphics processing units", 2012;
 Batcher's bitonic sorter, 1968); a wide first digit counted with shared
 atomics and refined only inside the bucket that holds the k-th key is how
@@ -103,6 +108,12 @@ comptime MAX_SLICES = 8
 """The most blocks a row is split over."""
 
 
+comptime RANK_SORT_K = 512
+"""The largest `k` whose pairs are sorted by ranking (one phase of `m`
+compares per pair) rather than by a bitonic sort (`log2(k) (log2(k) +
+1) / 2` phases, a barrier each): GLM-5-Next's 512 takes 1 phase, not 45."""
+
+
 comptime _PUBLISH = PICK_PHASES
 
 
@@ -135,11 +146,14 @@ def select_slices(candidates: Int, total_tokens: Int, k: Int) -> Int:
 
 
 def _sort_steps(k: Int) -> Int:
-    """Compare-exchange phases of the bitonic sort of `sort_width(k)` pairs.
+    """Compare-exchange phases of the bitonic sort of `sort_width(k)` pairs
+    (none when `k <= RANK_SORT_K`: the write ranks them).
 
     Args:
         k: Ids per output row.
     """
+    if k <= RANK_SORT_K:
+        return 0
     var n = log2_floor(sort_width(k))
     return n * (n + 1) // 2
 
@@ -362,11 +376,54 @@ def select_phase[
             )
             return
         var m = Int(state.pairs)
+        comptime if k <= RANK_SORT_K:
+            _rank_write[k](thread, s, m, whole.ids)
+            return
         for i in range(thread, k, SELECT_THREADS):
             var id = Int32(-1)
             if i < m:
                 id = Int32(s.load(PAIRS + sort_width(k) + i))
             whole.ids[unsafe_offset=i] = id
+
+
+@always_inline
+def _packed(key: UInt32, id: UInt32) -> UInt64:
+    """A pair as one number that is larger the earlier the pair ranks: key
+    in the high half, the id's complement in the low (distinct ids make it
+    a strict order)."""
+    return UInt64(key) << 32 | UInt64(~id)
+
+
+def _rank_write[
+    k: Int
+](thread: Int, s: Shared, m: Int, ids: Field[DType.int32, MutAnyOrigin]):
+    """Writes each of the `m` pairs' id at its rank, then `-1` up to `k`.
+
+    A pair's rank is the number of pairs that rank before it: each thread
+    takes pairs `i = thread, thread + SELECT_THREADS, ..` and compares them
+    with all `m` (the threads of a warp read the same pair at once). The
+    ranks are distinct, so every output place is written once.
+
+    Parameters:
+        k: Ids per output row, at most `RANK_SORT_K`.
+
+    Args:
+        thread: The thread.
+        s: The block's shared words (the pairs).
+        m: Pairs selected, `min(k, bound)`.
+        ids: The row's `k` output ids.
+    """
+    comptime id_at = PAIRS + sort_width(k)
+    for i in range(thread, m, SELECT_THREADS):
+        var id = s.load(id_at + i)
+        var mine = _packed(s.load(PAIRS + i), id)
+        var rank = 0
+        for j in range(m):
+            if _packed(s.load(PAIRS + j), s.load(id_at + j)) > mine:
+                rank += 1
+        ids[unsafe_offset=rank] = Int32(id)
+    for i in range(m + thread, k, SELECT_THREADS):
+        ids[unsafe_offset=i] = -1
 
 
 @always_inline
