@@ -33,6 +33,7 @@ MOJO_TREES = [
     "kernels",
     "python/mla_kpool/bench_noop",
     "python/mla_kpool/gpu_report",
+    "benchmarks/peers",
 ]
 
 #: Executables a task may call -> the dependency that installs them.

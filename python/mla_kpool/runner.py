@@ -180,6 +180,10 @@ class Runner:
             store[key] = self._session.load(graph)
         return store[key]
 
+    def load(self, graph: Graph) -> Model:
+        """Compiles any graph in this runner's session (a peer's, say)."""
+        return self._session.load(graph)
+
     def has_model(self, key: ModelKey | IndexKey) -> bool:
         """Whether this runner holds a compiled model for ``key`` already.
 
