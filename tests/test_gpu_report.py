@@ -409,7 +409,7 @@ def test_wgmma_scorer_bound_is_near_the_fp8_roofline_on_hopper(report: Report):
 def test_rooflines_grids_come_from_the_kernels_declarations(report: Report):
     # The manifest's grid rules, evaluated on the workloads' counts, give
     # the launches the kernels' docs describe. GLM-5-Next decode (16 rows
-    # of 8,192 candidates): a plan block of 256 rows; simt tiles of 256
+    # of 8,192 candidates): a plan block per request; simt tiles of 256
     # candidates (its 32 x 128 query: 4 waves of 64); wgmma tiles of 64;
     # the select's 16 rows split over 4 blocks each (slices of 2,048
     # candidates, 4 k). The step at batch 4096: one scan block, then a
@@ -419,7 +419,7 @@ def test_rooflines_grids_come_from_the_kernels_declarations(report: Report):
     }
     decode = rows["glm5-next-decode", "H200"]
     assert [(k["kernel"], k["grid"], k["block_threads"]) for k in decode] == [
-        ("plan", 1, 256),
+        ("plan", 16, 256),
         ("score_simt", 16 * 8192 // 256, 256),
         ("score_wgmma", 16 * 8192 // 64, 128),
         ("select", 16 * 4, 512),
@@ -428,7 +428,7 @@ def test_rooflines_grids_come_from_the_kernels_declarations(report: Report):
     # its select in 2 (the merge keeps 2 x 2,048 picks in 8,192 words).
     ds = rows["deepseek-v3.2-decode", "MI300X"]
     assert [(k["kernel"], k["grid"], k["block_threads"]) for k in ds] == [
-        ("plan", 1, 256),
+        ("plan", 16, 256),
         ("score_simt", 16 * 32768 // 512, 512),
         ("score_mfma", 16 * 32768 // 64, 256),
         ("select", 16 * 2, 512),
