@@ -12,8 +12,8 @@ targets; tests/mojo/test_index_select.mojo runs the indexer's GPU top-k
 select through that emulation against a plain sort of every candidate's
 rank key, and must fail with a planted off-by-one in its radix bucket, a
 histogram counted without atomics, a histogram cleared while counted, a
-rank sort that orders ties by descending id, or a thread that offers
-nothing to a collective.
+rank sort that ranks in reverse, or a thread that offers nothing to a
+collective.
 """
 
 from __future__ import annotations
@@ -115,18 +115,18 @@ SELECT_MUTANTS = [
         r"slot \d+: got|left the arrival counter set",
     ),
     (
-        # The rank sort orders ties by descending id: the output has the
-        # right ids in the wrong order wherever scores tie.
-        "rank_ties_by_descending_id",
-        "return UInt64(key) << 32 | UInt64(~id)",
-        "return UInt64(key) << 32 | UInt64(id)",
+        # The rank sort counts the pairs ranked after each pair, not
+        # before: the right ids, in reverse order.
+        "rank_in_reverse",
+        "if ordered_rank_key(s.load(PAIRS + j), s.load(id_at + j)) > mine:",
+        "if ordered_rank_key(s.load(PAIRS + j), s.load(id_at + j)) < mine:",
         r"slot \d+: got",
     ),
 ]
 
 #: The mutants planted in index_select.mojo (the split, merge and sort);
 #: the others are a pick's, in index_pick.mojo.
-_IN_SELECT = ("merge_by_block_order", "rank_ties_by_descending_id")
+_IN_SELECT = ("merge_by_block_order", "rank_in_reverse")
 
 
 @needs_mojo

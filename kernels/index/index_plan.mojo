@@ -50,9 +50,9 @@ struct CacheSlot(Copyable, TrivialRegisterPassable):
     """Element offset into `k_scales`."""
 
 
-def span_pages(op: IndexTopK, b: Int, cache_length: Int, n: Int) -> Int:
-    """Pages request `b`'s last row needs (`cache_length >= 0`, `n` rows),
-    or -1 when that is past either lookup table."""
+def span_pages(op: IndexTopK, cache_length: Int, n: Int) -> Int:
+    """Pages a request's last row needs (`cache_length >= 0`, `n` rows), or
+    -1 when that is past either lookup table."""
     if n == 0:
         return 0
     var rows = (
@@ -89,7 +89,7 @@ def request_span(op: IndexTopK, b: Int) -> RequestSpan:
     var c = read_index(op.k_cache_lengths, b)
     if c < 0:
         return RequestSpan(start, n, c, False)
-    var pages = span_pages(op, b, c, n)
+    var pages = span_pages(op, c, n)
     if pages < 0:
         return RequestSpan(start, n, c, False)
     for page in range(pages):

@@ -38,7 +38,14 @@ def rank_key(score: Float32, id: Int) -> UInt64:
     `2^32 - 1 - id`, so equal scores rank the lower id higher. Ids are
     below 2^31: the output is int32.
     """
-    return (UInt64(score_order(score)) << 32) | UInt64(0xFFFFFFFF - id)
+    return ordered_rank_key(score_order(score), UInt32(id))
+
+
+@always_inline
+def ordered_rank_key(order: UInt32, id: UInt32) -> UInt64:
+    """`rank_key` of a score already in `score_order` form (the GPU
+    select keeps its pairs so)."""
+    return (UInt64(order) << 32) | UInt64(~id)
 
 
 def sift_down(keys: Ptr[DType.uint64], size: Int, pos: Int):

@@ -145,7 +145,7 @@ def plan_phase[
             var start = read_index(offsets, b)
             var n = read_index(offsets, b + 1) - start
             var c = read_index(op.k_cache_lengths, b)
-            var pages = span_pages(op, b, c, n) if c >= 0 else -1
+            var pages = span_pages(op, c, n) if c >= 0 else -1
             if pages < 0:
                 unscored = 1
             for page in range(thread, max(pages, 0), PLAN_THREADS):

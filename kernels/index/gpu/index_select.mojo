@@ -81,6 +81,7 @@ from ...model.block_phases import (
     read_published,
 )
 from ...model.ragged import Field, Ptr
+from ..index_rank import ordered_rank_key
 from .index_pick import (
     CACHE_WORDS,
     PAIRS,
@@ -386,23 +387,16 @@ def select_phase[
             whole.ids[unsafe_offset=i] = id
 
 
-@always_inline
-def _packed(key: UInt32, id: UInt32) -> UInt64:
-    """A pair as one number that is larger the earlier the pair ranks: key
-    in the high half, the id's complement in the low (distinct ids make it
-    a strict order)."""
-    return UInt64(key) << 32 | UInt64(~id)
-
-
 def _rank_write[
     k: Int
 ](thread: Int, s: Shared, m: Int, ids: Field[DType.int32, MutAnyOrigin]):
     """Writes each of the `m` pairs' id at its rank, then `-1` up to `k`.
 
     A pair's rank is the number of pairs that rank before it: each thread
-    takes pairs `i = thread, thread + SELECT_THREADS, ..` and compares them
-    with all `m` (the threads of a warp read the same pair at once). The
-    ranks are distinct, so every output place is written once.
+    takes pairs `i = thread, thread + SELECT_THREADS, ..` and compares
+    their `ordered_rank_key`s with all `m` (the threads of a warp read the
+    same pair at once). Ids are distinct, so the ranks are, and every
+    output place is written once.
 
     Parameters:
         k: Ids per output row, at most `RANK_SORT_K`.
@@ -416,10 +410,10 @@ def _rank_write[
     comptime id_at = PAIRS + sort_width(k)
     for i in range(thread, m, SELECT_THREADS):
         var id = s.load(id_at + i)
-        var mine = _packed(s.load(PAIRS + i), id)
+        var mine = ordered_rank_key(s.load(PAIRS + i), id)
         var rank = 0
         for j in range(m):
-            if _packed(s.load(PAIRS + j), s.load(id_at + j)) > mine:
+            if ordered_rank_key(s.load(PAIRS + j), s.load(id_at + j)) > mine:
                 rank += 1
         ids[unsafe_offset=rank] = Int32(id)
     for i in range(m + thread, k, SELECT_THREADS):
@@ -429,7 +423,7 @@ def _rank_write[
 @always_inline
 def _after(key_a: UInt32, id_a: UInt32, key_b: UInt32, id_b: UInt32) -> Bool:
     """Whether pair a ranks after pair b (lower key, or equal and higher id)."""
-    return key_a < key_b or (key_a == key_b and id_a > id_b)
+    return ordered_rank_key(key_a, id_a) < ordered_rank_key(key_b, id_b)
 
 
 @always_inline
