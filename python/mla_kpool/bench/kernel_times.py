@@ -47,8 +47,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from max.dtype import DType
+from max.graph import DeviceRef, Graph, TensorType, ops
 
+from .._paths import compiled_kernels
 from .._sysinfo import command_line, git_commit
+from . import (
+    HEAD_DIM,
+    _synced,
+    bounds,
+    index,
+    index_call,
+    make_runners,
+    model_call,
+    time_calls,
+    workload,
+)
 
 __all__ = [
     "CALLS",
@@ -69,11 +83,11 @@ CALLS = 20
 WARMUP = 3
 #: index_top_k's launches by a word of their kernels' names.
 INDEX_LAUNCHES = {"plan": "index_plan", "score": "score", "select": "select"}
-#: Workloads (name in the JSON -> (phase, shape name)).
+#: Workloads (name in the JSON -> (phase, shape)).
 INDEX_WORKLOADS = {
-    "glm5next-decode": ("decode", "glm5next"),
-    "glm5next-prefill": ("prefill", "glm5next"),
-    "dsv32-decode": ("decode", "dsv32"),
+    "glm5next-decode": ("decode", index.GLM5_NEXT),
+    "glm5next-prefill": ("prefill", index.GLM5_NEXT),
+    "dsv32-decode": ("decode", bounds.DEEPSEEK_V32),
 }
 WRITER_OPS = ("ring_close", "compress", "seed_tail", "expand_topk")
 WRITER_BATCHES = (64, 4096)
@@ -116,7 +130,7 @@ def split_calls(events: Iterable[dict[str, Any]], calls: int) -> list[Kernels]:
 
 def call_kernel_us(per_call: list[Kernels]) -> float:
     """Median over calls of a call's summed kernel time (microseconds)."""
-    return float(np.median([sum(us for _, us in call) for call in per_call]))
+    return phase_us(per_call, "")
 
 
 def phase_us(per_call: list[Kernels], word: str) -> float:
@@ -151,8 +165,6 @@ def profile_calls(fn: Callable[[], None], calls: int = CALLS) -> list[Kernels]:
 
 def _graph_us(*fns: Callable[[], None]) -> list[float]:
     """Median ``Model.execute`` microseconds of each, alternated."""
-    from . import time_calls
-
     return [float(np.median(t)) for t in time_calls(*fns, warmup=WARMUP)]
 
 
@@ -163,33 +175,30 @@ class Run:
         self.us: dict[str, float] = {}
         self.errors: dict[str, str] = {}
 
+    def fail(self, name: str, error: Exception) -> None:
+        """Keeps why ``name`` could not be timed."""
+        self.errors[name] = f"{type(error).__name__}: {error}"
+
     def kernels(self, name: str, fn: Callable[[], None]) -> list[Kernels]:
         """``fn``'s kernels per call, or ``[]`` with the error kept."""
         try:
             return profile_calls(fn)
         except (ImportError, ValueError) as error:
-            self.errors[name] = f"{type(error).__name__}: {error}"
+            self.fail(name, error)
             return []
-
-
-def _index_shape(name: str) -> Any:
-    from . import bounds, index
-
-    return index.GLM5_NEXT if name == "glm5next" else bounds.DEEPSEEK_V32
 
 
 def _index_items(run: Run, runner: Any, compile_only: bool) -> None:
     """index_top_k's launches and MAX's select per workload."""
-    from . import index, index_call
-
     for name, (phase, shape) in INDEX_WORKLOADS.items():
-        w = index.make_index_workload(phase, _index_shape(shape))
+        w = index.make_index_workload(phase, shape)
         call = index_call(runner, w)
         key = f"index.{name}"
+        doc = bounds.index_workload(key, *index.INDEX_PHASES[phase], shape)
         try:
-            select = _max_select(runner, w)
+            select = _max_select(runner, doc)
         except Exception as error:  # noqa: BLE001 (kept in the JSON)
-            run.errors[f"{key}.max_select"] = f"{type(error).__name__}: {error}"
+            run.fail(f"{key}.max_select", error)
             select = None
         if compile_only:
             continue
@@ -211,11 +220,6 @@ def max_select_graph(k: int, device: Any) -> Any:
     ``device`` (a ``DeviceRef``); output ``[rows, k]`` int32. On a CPU the
     op raises when run (MAX's select is GPU code).
     """
-    from max.dtype import DType
-    from max.graph import Graph, TensorType, ops
-
-    from .._paths import compiled_kernels
-
     with Graph(
         f"max_select_k{k}",
         input_types=[
@@ -235,34 +239,22 @@ def max_select_graph(k: int, device: Any) -> Any:
     return g
 
 
-def _max_select(runner: Any, w: Any) -> Callable[[], None]:
-    """MAX's select on seeded normal scores shaped as ``w``'s rows.
+def _max_select(runner: Any, doc: dict[str, Any]) -> Callable[[], None]:
+    """MAX's select on seeded normal scores shaped as a workload's rows.
 
-    The rows' count, width (the workspace's) and bounds are ``w``'s; the
-    output is checked once against a NumPy sort of the same rows.
+    ``doc`` (:func:`.bounds.index_workload`) gives the rows' bounds, width
+    (``candidates``, the workspace's) and ``k``; the output is checked
+    once against a NumPy sort of the same rows.
     """
-    from max.graph import DeviceRef
-
-    from . import index
-
-    offsets = w.input_row_offsets
-    lengths = w.cache.cache_lengths
-    seen = index.bounds(offsets, lengths, w.shape.kpool, w.shape.causal)
-    k = w.shape.top_k
-    per_candidate = w.shape.depth // w.shape.width
-    width = w.cache.lookup_table.shape[1] * w.shape.page_size // per_candidate
+    seen = doc["row_bounds"]
+    k = doc["params"]["k"]
     rng = np.random.default_rng(3)
-    scores = rng.standard_normal((len(seen), width), np.float32)
+    scores = rng.standard_normal((len(seen), doc["candidates"]), np.float32)
     model = runner.load(max_select_graph(k, DeviceRef.GPU()))
     args = [runner.to_device(scores), runner.to_device(seen.astype(np.int32))]
     got = runner.read(model.execute(*args)[0])
     check_select(got, scores, seen, k)
-
-    def call() -> None:
-        model.execute(*args)
-        runner.device.synchronize()
-
-    return call
+    return _synced(runner, model, args)
 
 
 def check_select(
@@ -288,14 +280,8 @@ def _writer_items(
     runners: dict[str, Any], compile_only: bool, run: Run
 ) -> None:
     """The four writers at each batch; the step against MAX's three ops."""
-    from . import HEAD_DIM, bounds, model_call, workload
-
-    todo = [
-        (op, batch) for op in (*WRITER_OPS, "step") for batch in WRITER_BATCHES
-    ]
-    for op, batch in todo:
-        if op == "step" and batch != 4096:
-            continue
+    todo = [(op, batch) for op in WRITER_OPS for batch in WRITER_BATCHES]
+    for op, batch in [*todo, ("step", 4096)]:
         dtype = workload.EXPAND_DTYPE if op == "expand_topk" else "bfloat16"
         case = workload.Case(op, dtype, batch, 4, HEAD_DIM, "gpu")
         w = workload.make_workload(case)
@@ -310,8 +296,7 @@ def _writer_items(
         if op == "step":
             mine = f"{key}.kernel"
             bound = bounds.bound_seconds(
-                bounds.WORKLOADS["step-b4096"],
-                runners["ours"].device.model_name,
+                f"step-b{batch}", runners["ours"].device.model_name
             )
             if bound is not None:
                 run.us[f"{key}.bound"] = bound * 1e6
@@ -329,8 +314,6 @@ ITEMS = ("index", "writers")
 
 def run_items(items: Iterable[str], compile_only: bool = False) -> Run:
     """Builds (and unless ``compile_only`` times) the items' graphs."""
-    from . import make_runners
-
     runners = make_runners("gpu")
     run = Run()
     for item in items:
