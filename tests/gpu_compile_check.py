@@ -11,8 +11,8 @@ By default it builds one graph on ``DeviceRef.GPU()`` holding the whole op (a
 ``kpool_step``, both the fused ``mla_kpool.step`` and the three-op form:
 ring_close, pool_row_offsets, compress, seed_tail; bfloat16, kpool 4,
 head_dim 128), a float32 ``ring_close`` and fused step with kpool 128 and
-head_dim 1088 (above the 1024-thread block limit) and a float16 ``compress``
-(kpool 16, head_dim 32), and asks MAX to compile it for the target. Nothing
+head_dim 4100 (1,025 threads of 4 channels: above the 1024-thread block
+limit) and a float16 ``compress`` (kpool 16, head_dim 32), and asks MAX to compile it for the target. Nothing
 runs. On success it prints :data:`MARKER` followed by the target. A CPU graph
 never reaches GPU-only constraints (``Int`` captured in a kernel closure is
 not ``DevicePassable``, say); this does. ``KERNELS_DIR`` (default
@@ -139,11 +139,11 @@ def _whole_op_graph(kernels: Path, arch: str = ""):
         tensor(u32, ["offsets"]),
         tensor(u32, ["batch"]),
         tensor(u32, ["batch"]),
-        # ring_close, float32, kpool 128, head_dim 1088 (> 1024 threads).
-        BufferType(f32, ["wide_slots", 2, 128, 1088], gpu),
-        tensor(f32, ["wide_tokens", 1088]),
-        tensor(f32, ["wide_tokens", 1088]),
-        tensor(f32, [128, 1088]),
+        # ring_close, float32, kpool 128, head_dim 4100 (> 1024 threads).
+        BufferType(f32, ["wide_slots", 2, 128, 4100], gpu),
+        tensor(f32, ["wide_tokens", 4100]),
+        tensor(f32, ["wide_tokens", 4100]),
+        tensor(f32, [128, 4100]),
         # compress, float16, kpool 16, head_dim 32.
         tensor(f16, ["h_tokens", 32]),
         tensor(f16, ["h_tokens", 32]),

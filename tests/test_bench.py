@@ -440,6 +440,27 @@ def test_run_info_names_the_accelerator_on_gpu():
     assert cpu["command"] == _sysinfo.command_line(sys.argv)
 
 
+def test_cpu_isa_reads_the_flags(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nflags\t\t: fpu sse avx avx2 fma bmi2\n"
+        "processor\t: 1\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\n"
+    )
+    # The first CPU's flags; AVX-512 named by avx512f, not by avx alone.
+    assert _sysinfo.cpu_isa(info) == ["AVX2", "FMA"]
+    info.write_text("flags : avx2 fma avx512f avx512_bf16 amx_tile amx_bf16\n")
+    assert _sysinfo.cpu_isa(info) == [
+        "AVX2",
+        "FMA",
+        "AVX-512",
+        "AVX512-BF16",
+        "AMX",
+    ]
+    info.write_text("Processor : ARMv8\nFeatures : fp asimd\n")
+    assert _sysinfo.cpu_isa(info) == []
+    assert _sysinfo.cpu_isa(tmp_path / "missing") == []
+
+
 def test_time_calls_settles_before_each_round():
     # Each round's first call starts at least ``settle`` after the previous
     # round's last call ended; the second follows at once; warm-up rounds

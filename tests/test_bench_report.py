@@ -29,6 +29,8 @@ RECORDS = [
         "p10_us": 30000.0,
         "p90_us": 35210.0,
         "device_name": "AMD EPYC 9R14",
+        "cpu_model": "AMD EPYC 9R14",
+        "cpu_isa": ["AVX2", "FMA", "AVX-512", "AVX512-BF16"],
         "cores": 2,
         "max_version": "26.7.0",
         "mojo_version": "1.2.0",
@@ -67,7 +69,8 @@ def test_markdown_prints_the_table_and_its_legend(tmp_path, capsys, no_runner):
     assert main(["bench", "--markdown", str(path)]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[:2] == [
-        "Measured on AMD EPYC 9R14 (2 cores), MAX 26.7.0, Mojo 1.2.0, "
+        "Measured on AMD EPYC 9R14 (2 cores; AVX2, FMA, AVX-512,"
+        " AVX512-BF16), MAX 26.7.0, Mojo 1.2.0, "
         "commit 0123456789ab with local changes: "
         "`python -m mla_kpool bench --quick`.",
         "",

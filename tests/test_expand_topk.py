@@ -497,7 +497,7 @@ def test_fuzz_guarded(
 def test_output_guards_and_emulated_grid_in_mojo() -> None:
     """tests/mojo/test_expand_topk.mojo: guarded outputs, CPU == GPU grid."""
     output = run_mojo_suite("tests/mojo/test_expand_topk.mojo")
-    assert "4 tests run: 4 passed" in output, output
+    assert "5 tests run: 5 passed" in output, output
 
 
 # --------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import ring_close_cases as rc
+import test_expand_topk as texp
 from kpool_cases import BF16, MAIN, STEP_CONFIGS, Config
 from mla_kpool import KERNELS
 from mla_kpool.runner import Runner
@@ -34,10 +35,15 @@ from mla_kpool.runner import Runner
 #: freed buffers, and the suite runs the same test on good kernels).
 MUTANT_SEED = 0xBAD5EED
 
-#: The step configuration whose head (1088 channels) is wider than a block
-#: (1024 threads), so each thread strides over a second channel.
-WIDE = Config(BF16, 2, 1088)
+#: The step configuration whose head (1089 channels: odd, so a channel a
+#: thread) is wider than a block (1024 threads), so threads stride over a
+#: second channel.
+WIDE = Config(BF16, 2, 1089)
 assert WIDE in STEP_CONFIGS
+
+
+def _expand_decode(runner: Runner) -> None:
+    texp._run(runner, next(c for c in texp.CASES if c.name == "decode_valid"))
 
 
 def _empty_batch(runner: Runner) -> None:
@@ -70,18 +76,30 @@ class Mutant:
 
 MUTANTS = [
     Mutant(
-        # Threads skip every other block-width of channels: with 1088
-        # channels and 1024 threads, channels 1024..1087 are never written,
-        # so they hold whatever the output buffer held: wrong pooled keys,
-        # or non-zero rows where nothing closed (the fused step runs this
-        # thread body too).
-        "ring_close_thread_stride",
-        "writers/ring_close.mojo",
-        "range(thread, head_dim, stride)",
-        "range(thread, head_dim, stride * 2)",
+        # Threads skip every other stride of channels: with 1089 channels
+        # and 1024 threads, channels 1024..1088 are never written, so they
+        # hold whatever the output buffer held: wrong pooled keys, or
+        # non-zero rows where nothing closed (the fused step pools through
+        # the same loop).
+        "writer_channel_stride",
+        "writers/pooling.mojo",
+        "range(lane.first, head_dim, lane.stride)",
+        "range(lane.first, head_dim, lane.stride * 2)",
         lambda runner: rc.check_step_mixed_batch(runner, WIDE, MUTANT_SEED),
         AssertionError,
         "pooled|closed_pool -1 are not exactly zero",
+    ),
+    Mutant(
+        # Blocks overlap instead of taking rows_per_block rows each: the
+        # rows past the first block's few are never written (float32 x 128
+        # channels: 32 threads a row, two rows a block).
+        "writer_rows_per_block",
+        "writers/gpu_rows.mojo",
+        "block * rows + thread // threads",
+        "block + thread // threads",
+        lambda runner: rc.check_step_mixed_batch(runner, MAIN, MUTANT_SEED),
+        AssertionError,
+        "pooled|closed_pool|compressed pools|first_pool",
     ),
     Mutant(
         # The owner search looks one output row ahead: the last row of each
@@ -93,6 +111,17 @@ MUTANTS = [
         lambda runner: rc.check_step_mixed_batch(runner, MAIN, MUTANT_SEED),
         AssertionError,
         "compressed pools",
+    ),
+    Mutant(
+        # Every thread compacts its valid ids from slot 0 instead of from
+        # its exclusive prefix: the threads' writes collide in one phase.
+        "expand_topk_prefix_ignored",
+        "writers/expand_topk.mojo",
+        "var at = Int(lane.result())",
+        "var at = 0",
+        _expand_decode,
+        ValueError,
+        "kpool_expand_topk_kernel",
     ),
     Mutant(
         # Without the launcher's guard an empty batch launches an empty

@@ -412,8 +412,10 @@ def test_rooflines_grids_come_from_the_kernels_declarations(report: Report):
     # of 8,192 candidates): a plan block per request; simt tiles of 256
     # candidates (its 32 x 128 query: 4 waves of 64); wgmma tiles of 64;
     # the select's 16 rows split over 4 blocks each (slices of 2,048
-    # candidates, 4 k). The step at batch 4096: one scan block, then a
-    # block per request and per output row (2 per request).
+    # candidates, 4 k). The step at batch 4096: one scan block, then its
+    # requests and output rows (2 per request), 4 rows a block (16
+    # threads of 8 bfloat16 channels a row). expand_topk: a block of 256
+    # threads per token row.
     rows = {
         (r["workload"], r["gpu"]): r["kernels"] for r in report.doc["rooflines"]
     }
@@ -434,10 +436,19 @@ def test_rooflines_grids_come_from_the_kernels_declarations(report: Report):
         ("select", 16 * 2, 512),
     ]
     step = rows["step-b4096", "B200"]
-    assert [(k["kernel"], k["grid"]) for k in step] == [
-        ("scan", 1),
-        ("main", 3 * 4096),
+    assert [(k["kernel"], k["grid"], k["block_threads"]) for k in step] == [
+        ("scan", 1, 1024),
+        ("main", 3 * 4096 // 4, 64),
     ]
+    for batch in (1, 64, 4096):
+        close = rows[f"ring_close-b{batch}", "H200"]
+        assert [(k["grid"], k["block_threads"]) for k in close] == [
+            ((batch + 3) // 4, 64)
+        ]
+        expand = rows[f"expand_topk-b{batch}", "H200"]
+        assert [(k["grid"], k["block_threads"]) for k in expand] == [
+            (batch, 256)
+        ]
 
 
 NVDISASM = tools.find_nvdisasm()

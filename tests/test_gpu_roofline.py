@@ -231,8 +231,9 @@ def test_bench_case_workloads_match_the_named_ones():
 def test_format_rooflines_has_a_row_per_result():
     results = roofline.rooflines([])
     table = roofline.format_rooflines(results).splitlines()
-    assert len(table) == 2 + len(results) == 2 + 5 * 4
-    assert table[2].startswith("| step-b64 | H200 |")
+    # 4 GPUs x (3 steps, 4 writers at 3 batches, 3 indexer workloads).
+    assert len(table) == 2 + len(results) == 2 + 18 * 4
+    assert table[2].startswith("| step-b1 | H200 |")
     # No kernel rows: no fills, and the table says so.
     assert table[0].endswith("| resident blocks from |")
     assert all(line.endswith("| - | no kernel rows |") for line in table[2:])

@@ -3,7 +3,7 @@
 Two families, both on every device (``runner`` fixture):
 
 - **Sweep** over the step models of ``STEP_CONFIGS`` (every key dtype, kpool
-  1 to 128, head_dim 1 to 1088): one mixed ragged batch per configuration
+  1 to 128, head_dim 1 to 1089): one mixed ragged batch per configuration
   through the whole (fused) step. ``ring_pooled``/``ring_closed_pool``
   are the closing writer's outputs; the step's compressed pools and the
   ring it leaves behind are checked too, which also shows the pending pool

@@ -9,7 +9,7 @@ their own test files; this file checks that the fused op is the three-op
 step, which a wrong ordering of close and seed inside it would break.
 
 - **Streams** (``STREAM_CASES``): on each device, a few configurations
-  covering every key dtype, kpool 1, 2, 4 and 16, head_dim 32, 128 and 1088
+  covering every key dtype, kpool 1, 2, 4 and 16, head_dim 32, 128 and 1089
   (wider than a GPU block) and a ring of three pools. Each runs a seeded
   stream of calls on two rings, one per path, with ring slots reused
   across calls, random ragged batches and, in some calls, bad metadata
@@ -121,7 +121,7 @@ class StreamCase:
 STREAM_CASES = [
     StreamCase(MAIN, 4, emulated=True),
     StreamCase(MAIN, 12, emulated=True),
-    StreamCase(Config(BF16, 2, 1088), 2, emulated=True),
+    StreamCase(Config(BF16, 2, 1089), 2, emulated=True),
     StreamCase(Config(F16, 16, 32), 16, emulated=False),
     StreamCase(Config(F32, 1, 32), 1, emulated=False),
 ]

@@ -32,8 +32,15 @@ from ..model.operands import (
 )
 from ..model.block_phases import Shared
 from ..model.gpu_kernel import GpuKernel, launch_kernel
-from ..model.parallel import cpu_for_each_range, gpu_block_width
-from .pooling import PoolMembers, cpu_pool_row, pool_channels, zero_row
+from ..model.parallel import cpu_for_each_range
+from .gpu_rows import (
+    RowLane,
+    gpu_aligned,
+    gpu_rows_per_block,
+    gpu_writer_threads,
+    row_lane,
+)
+from .pooling import PoolMembers, cpu_pool_row, gpu_pool_row, zero_row
 from ..model.ragged import (
     Field,
     RaggedCall,
@@ -167,18 +174,16 @@ def compress_cpu(op: Compress):
     )
 
 
-def compress_thread(block: Int, thread: Int, op: Compress):
-    """One GPU thread of compress: output row `block`, channels from `thread`.
+def compress_lane(lane: RowLane, op: Compress):
+    """One GPU thread of compress: its channels of output row `lane.row`.
 
-    Block `i` finds the owner of output row `i` by binary search over
-    `pool_row_offsets` and writes that row: the owner's pool, or zeros when
-    no request owns it. Thread `t` writes channels `t`, `t + W`, ... with
-    `W = gpu_block_width[head_dim]()`. `launch` runs it on a GPU or
-    emulated.
+    Finds the owner of the row by binary search over `pool_row_offsets`
+    and writes the thread's channels (`gpu_rows.row_lane`) of the owner's
+    pool, or zeros when no request owns the row. The caller skips rows
+    past `out_rows`.
     """
     comptime head_dim = op.head_dim
-    comptime stride = gpu_block_width[head_dim]()
-    var row = block
+    var row = lane.row
     var first = pool_row_of(
         op,
         owner(
@@ -186,27 +191,33 @@ def compress_thread(block: Int, thread: Int, op: Compress):
         ),
         row,
     )
-    var dest = op.pooled.unsafe_offset(row * head_dim)
-    var members = PoolMembers[op.dtype].new_rows(
-        op.call.k, op.call.gate, max(first, 0) * head_dim
+    gpu_pool_row[op.dtype, op.kpool, head_dim](
+        lane,
+        PoolMembers[op.dtype].new_rows(
+            op.call.k, op.call.gate, max(first, 0) * head_dim
+        ),
+        op.ape,
+        op.pooled.unsafe_offset(row * head_dim),
+        first >= 0,
+        gpu_aligned(
+            Int(op.call.k) | Int(op.call.gate) | Int(op.ape) | Int(op.pooled)
+        ),
     )
-    for ch in range(thread, head_dim, stride):
-        if first < 0:
-            dest[unsafe_offset=ch] = 0
-        else:
-            dest[unsafe_offset=ch] = pool_channels[op.dtype, 1, op.kpool](
-                members, op.ape, head_dim, ch
-            )
 
 
 struct CompressKernel[Op: type_of(Compress)](GpuKernel):
-    """The compress launch: a block per output row, a thread per channel (at
-    most 1024)."""
+    """The compress launch: `gpu_rows.gpu_rows_per_block` output rows per
+    block, 16 bytes of channels per thread."""
 
     comptime Operands = Self.Op
     comptime name = "kpool_compress_kernel"
-    comptime block_threads = gpu_block_width[Self.Op.head_dim]()
+    comptime block_threads = gpu_writer_threads[
+        Self.Op.dtype, Self.Op.head_dim
+    ]()
     comptime grid_rows = "out_rows"
+    comptime rows_per_block = gpu_rows_per_block[
+        Self.Op.dtype, Self.Op.head_dim
+    ]()
 
     @staticmethod
     def rows(op: Self.Operands) -> Int:
@@ -215,8 +226,10 @@ struct CompressKernel[Op: type_of(Compress)](GpuKernel):
 
     @staticmethod
     def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
-        """`compress_thread`."""
-        compress_thread(block, thread, op)
+        """`compress_lane` for the thread's output row, if any."""
+        var lane = row_lane[op.dtype, op.head_dim](block, thread)
+        if lane.row < op.out_rows:
+            compress_lane(lane, op)
 
 
 @extensibility.register("mo.mla.kpool.compress")

@@ -39,7 +39,7 @@ nothing is ever read or written out of bounds.
 import extensibility
 from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
-from std.math import iota, max, min
+from std.math import ceildiv, iota, max, min
 
 from ..model.operands import (
     ANY,
@@ -49,7 +49,13 @@ from ..model.operands import (
     expect_shape,
     expect_target,
 )
-from ..model.block_phases import Shared
+from ..model.block_phases import (
+    BLOCK_EXCLUSIVE_SUM,
+    NO_COLLECTIVE,
+    Lane,
+    Shared,
+)
+from ..model.collectives import thread_run
 from ..model.gpu_kernel import GpuKernel, launch_kernel
 from ..model.parallel import cpu_for_each_range
 from ..model.ragged import Field, Ptr, last_span_at, read_index, token_span
@@ -57,13 +63,19 @@ from ..model.ragged import Field, Ptr, last_span_at, read_index, token_span
 comptime POSITION_LIMIT = 1 << 31
 """Most positions a query may see: its newest one must fit int32."""
 
-comptime GPU_EXPAND_BLOCK = 32
-"""Threads per token row of the GPU kernel: one warp.
+comptime GPU_EXPAND_THREADS = 256
+"""Most threads per block of the GPU kernel (a block per token row)."""
 
-Packing needs, for every selected id, the count of valid ids before it.
-Threads that never communicate (what `emulate_grid` can run) must each scan
-the whole row for that, so the scan is kept to one warp per row: its lanes
-read each id together (one broadcast load) and share out the columns.
+comptime GPU_EXPAND_SHARED_IDS = 8192
+"""Most selected ids a row compacts in shared memory (32 KiB); rows of
+more take the warp kernel (`ExpandTopKWarpKernel`)."""
+
+comptime GPU_EXPAND_WARP = 32
+"""Threads per block of the warp kernel: one warp.
+
+Its threads never communicate, so each scans the whole row for the count
+of valid ids before each id; its lanes read each id together (one
+broadcast load) and share out the columns.
 """
 
 comptime CPU_STORE_WIDTH = 16
@@ -152,6 +164,12 @@ def query_visible(op: ExpandTopK, row: Int) -> Int:
 
 
 @always_inline
+def _valid(p: Int, complete: Int) -> Bool:
+    """Whether pool id `p` expands: a complete pool the query sees."""
+    return p >= 0 and p < complete
+
+
+@always_inline
 def store_run[count: Int](dest: Ptr[DType.int32], first: Int):
     """Stores the `count` positions `first, first + 1, ...` at `dest`."""
     comptime full = count // CPU_STORE_WIDTH
@@ -182,7 +200,7 @@ def cpu_expand_row[
     var col = 0
     for j in range(pool_topk):
         var p = read_index(ids, j)
-        if p >= 0 and p < complete:
+        if _valid(p, complete):
             store_run[kpool](dest.unsafe_offset(col), p * kpool)
             col += kpool
     comptime if always_select_tail:
@@ -219,32 +237,143 @@ def expand_topk_cpu(op: ExpandTopK):
 
 
 @always_inline
-def gpu_expand_width[width: Int]() -> Int:
-    """Threads per block of the GPU kernel: a warp, fewer for narrow rows.
+def gpu_expand_threads[pool_topk: Int]() -> Int:
+    """Threads per block of the compacting kernel: the row's ids a thread
+    each, in multiples of 64 (whole warps on every target, as a block
+    collective needs), at most `GPU_EXPAND_THREADS`."""
+    return min(max(ceildiv(pool_topk, 64) * 64, 64), GPU_EXPAND_THREADS)
 
-    At least 1, the stride of every thread's column loop, even for rows of
-    no columns (which are never launched).
 
-    Parameters:
-        width: Output columns per token row (`row_width`).
+struct ExpandState(Copyable, Defaultable, TrivialRegisterPassable):
+    """What an expand_topk thread keeps across the barriers."""
+
+    var visible: Int
+    """Positions the row's query sees (`query_visible`)."""
+    var count: Int
+    """Valid ids in the thread's run."""
+
+    def __init__(out self):
+        """Before phase 0."""
+        self.visible = 0
+        self.count = 0
+
+
+def expand_topk_phase[
+    phase: Int
+](
+    row: Int,
+    thread: Int,
+    mut state: ExpandState,
+    mut lane: Lane,
+    s: Shared,
+    op: ExpandTopK,
+):
+    """One thread of the compacting kernel: token row `row`, phase `phase`.
+
+    A stream compaction (a block prefix sum of valid-id counts, as in
+    CUB's `BlockScan`-based select), then coalesced stores:
+
+    - phase 0: the thread counts the valid ids of its contiguous run of the
+      row (`collectives.thread_run`) and offers the count to the block's
+      exclusive prefix sum;
+    - phase 1: from that prefix it writes its valid ids, in order, to
+      shared words `prefix ..`; the last thread writes the row's valid
+      total to word `pool_topk`;
+    - phase 2: thread `i` writes columns `i, i + T, ...`: column `c` below
+      `total * kpool` is member `c % kpool` of compacted id `c / kpool`,
+      then the tail's positions, then `-1`.
     """
-    return max(min(width, GPU_EXPAND_BLOCK), 1)
+    comptime kpool = op.kpool
+    comptime pool_topk = op.pool_topk
+    comptime width = op.width
+    comptime threads = gpu_expand_threads[pool_topk]()
+    var ids = op.pool_ids.unsafe_offset(row * pool_topk)
+    var run = thread_run(thread, threads, pool_topk)
+    comptime if phase == 0:
+        state.visible = query_visible(op, row)
+        var complete = state.visible // kpool
+        var count = 0
+        for j in range(run[0], run[1]):
+            if _valid(read_index(ids, j), complete):
+                count += 1
+        state.count = count
+        lane.offer(UInt64(count))
+    elif phase == 1:
+        var complete = state.visible // kpool
+        var at = Int(lane.result())
+        for j in range(run[0], run[1]):
+            var p = read_index(ids, j)
+            if _valid(p, complete):
+                s.store(at, UInt32(p))
+                at += 1
+        if thread == threads - 1:
+            s.store(pool_topk, UInt32(at))
+    else:
+        var filled = Int(s.load(pool_topk)) * kpool
+        var partial = 0
+        comptime if op.always_select_tail:
+            partial = state.visible % kpool
+        var dest = op.positions.unsafe_offset(row * width)
+        for col in range(thread, width, threads):
+            var value = Int32(-1)
+            if col < filled:
+                value = Int32(Int(s.load(col // kpool)) * kpool + col % kpool)
+            elif col < filled + partial:
+                value = Int32(state.visible - partial + col - filled)
+            dest[unsafe_offset=col] = value
 
 
-def expand_topk_thread(block: Int, thread: Int, op: ExpandTopK):
-    """One GPU thread of expand_topk: token row `block`, every W-th column.
+struct ExpandTopKKernel[Op: type_of(ExpandTopK)](GpuKernel):
+    """The expand_topk launch for rows of at most `GPU_EXPAND_SHARED_IDS`
+    ids: a block per token row compacts its valid ids in shared memory and
+    writes the row with coalesced stores (`expand_topk_phase`)."""
 
-    Block `t` writes output row `t`; thread `i` of its `W =
-    gpu_expand_width[width]()` threads writes columns `i`, `i + W`, ...
-    Every thread walks the row's ids in selection order, counting the
-    columns the valid ones fill, and writes the positions that land in its
-    columns; then its tail columns, then `-1`. The threads never
-    communicate, so the result does not depend on their order. `launch`
-    runs it on a GPU or emulated.
+    comptime Operands = Self.Op
+    comptime State = ExpandState
+    comptime name = "kpool_expand_topk_kernel"
+    comptime block_threads = gpu_expand_threads[Self.Op.pool_topk]()
+    comptime shared_words = Self.Op.pool_topk + 1
+    comptime phases = 3
+    comptime grid_rows = "tokens"
+
+    @staticmethod
+    def rows(op: Self.Operands) -> Int:
+        """Token rows (none when rows have no columns)."""
+        return op.total_tokens if Self.Op.width > 0 else 0
+
+    @staticmethod
+    def collective(phase: Int) -> Int:
+        """The block's exclusive prefix sum of the runs' counts after
+        phase 0."""
+        return BLOCK_EXCLUSIVE_SUM if phase == 0 else NO_COLLECTIVE
+
+    @staticmethod
+    def run_phase[
+        phase: Int
+    ](
+        block: Int,
+        thread: Int,
+        mut state: Self.State,
+        mut lane: Lane,
+        s: Shared,
+        op: Self.Operands,
+    ):
+        """`expand_topk_phase`."""
+        expand_topk_phase[phase](block, thread, state, lane, s, op)
+
+
+def expand_topk_warp_thread(block: Int, thread: Int, op: ExpandTopK):
+    """One thread of the warp kernel: token row `block`, every 32nd column.
+
+    Thread `i` of the warp writes columns `i`, `i + 32`, ... Every thread
+    walks the row's ids in selection order, counting the columns the valid
+    ones fill, and writes the positions that land in its columns; then its
+    tail columns, then `-1`. The threads never communicate, so the result
+    does not depend on their order.
     """
     comptime kpool = op.kpool
     comptime width = op.width
-    comptime stride = gpu_expand_width[width]()
+    comptime stride = GPU_EXPAND_WARP
     var row = block
     var visible = query_visible(op, row)
     var complete = visible // kpool
@@ -254,7 +383,7 @@ def expand_topk_thread(block: Int, thread: Int, op: ExpandTopK):
     var filled = 0
     for j in range(op.pool_topk):
         var p = read_index(ids, j)
-        if p >= 0 and p < complete:
+        if _valid(p, complete):
             filled += kpool
             # Column `col` holds member `col - (filled - kpool)` of pool p.
             while col < filled:
@@ -272,24 +401,36 @@ def expand_topk_thread(block: Int, thread: Int, op: ExpandTopK):
         col += stride
 
 
-struct ExpandTopKKernel[Op: type_of(ExpandTopK)](GpuKernel):
-    """The expand_topk launch: a block per token row, a warp (fewer threads
-    for narrow rows); rows of no columns launch nothing."""
+struct ExpandTopKWarpKernel[Op: type_of(ExpandTopK)](GpuKernel):
+    """The expand_topk launch for rows of more than `GPU_EXPAND_SHARED_IDS`
+    ids: a warp per token row (`expand_topk_warp_thread`)."""
 
     comptime Operands = Self.Op
-    comptime name = "kpool_expand_topk_kernel"
-    comptime block_threads = gpu_expand_width[Self.Op.width]()
+    comptime name = "kpool_expand_topk_warp_kernel"
+    comptime block_threads = GPU_EXPAND_WARP
     comptime grid_rows = "tokens"
 
     @staticmethod
     def rows(op: Self.Operands) -> Int:
-        """Token rows (none when rows have no columns)."""
-        return op.total_tokens if Self.Op.width > 0 else 0
+        """Token rows."""
+        return op.total_tokens
 
     @staticmethod
     def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
-        """`expand_topk_thread`."""
-        expand_topk_thread(block, thread, op)
+        """`expand_topk_warp_thread`."""
+        expand_topk_warp_thread(block, thread, op)
+
+
+def launch_expand_topk[
+    emulate_gpu: Bool
+](op: ExpandTopK, ctx: DeviceContext) raises:
+    """Launches the GPU kernel for `op`'s row width (on a GPU, or emulated):
+    `ExpandTopKKernel` up to `GPU_EXPAND_SHARED_IDS` ids a row, else
+    `ExpandTopKWarpKernel`."""
+    comptime if op.pool_topk <= GPU_EXPAND_SHARED_IDS:
+        launch_kernel[ExpandTopKKernel[type_of(op)], emulate_gpu](op, ctx)
+    else:
+        launch_kernel[ExpandTopKWarpKernel[type_of(op)], emulate_gpu](op, ctx)
 
 
 @extensibility.register("mo.mla.kpool.expand_topk")
@@ -392,5 +533,4 @@ struct MLAKPoolExpandTopK:
         comptime if target == "cpu" and not emulate_gpu:
             expand_topk_cpu(op)
         else:
-
-            launch_kernel[ExpandTopKKernel[type_of(op)], emulate_gpu](op, ctx)
+            launch_expand_topk[emulate_gpu](op, ctx)

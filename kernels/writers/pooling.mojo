@@ -22,11 +22,20 @@ point), q >= `split` from this call's rows of `k` and `gate`. A pool made
 only of this call's rows (`compress`) has `split = 0`.
 """
 
+from max.gpu.memory import AddressSpace
 from std.math import exp, isnan
 from std.algorithm import vectorize
-from std.sys import PrefetchOptions, prefetch, simd_width_of, size_of
+from std.sys import (
+    PrefetchOptions,
+    align_of,
+    prefetch,
+    is_gpu,
+    simd_width_of,
+    size_of,
+)
 from std.utils.numerics import nan, neg_inf
 
+from .gpu_rows import RowLane, access_alignment, gpu_channel_width
 from ..model.ragged import Ptr
 
 comptime ACCUM = DType.float32
@@ -48,7 +57,10 @@ def cpu_pool_width[dtype: DType]() -> Int:
 
 @always_inline
 def _member[
-    dtype: DType, width: Int
+    dtype: DType,
+    width: Int,
+    key_alignment: Int = align_of[Scalar[dtype]](),
+    ape_alignment: Int = align_of[Float32](),
 ](
     key: Pointer[Scalar[dtype], _],
     gate: Pointer[Scalar[dtype], _],
@@ -56,11 +68,49 @@ def _member[
     member_offset: Int,
     ape_offset: Int,
 ) -> Tuple[SIMD[ACCUM, width], SIMD[ACCUM, width]]:
-    """Loads one member's (score, key) for `width` channels, in float32."""
-    var score = gate.unsafe_load[width=width](member_offset).cast[
-        ACCUM
-    ]() + ape.unsafe_load[width=width](ape_offset)
-    var value = key.unsafe_load[width=width](member_offset).cast[ACCUM]()
+    """Loads one member's (score, key) for `width` channels, in float32.
+
+    The alignments are what the loads may claim (the GPU writers' 16-byte
+    accesses); the defaults are the elements' own. On a GPU the loads go
+    through the global address space: a member row is picked at run time
+    from the ring or this call's rows, and through that choice the
+    compiler no longer sees that both are global (generic loads).
+    """
+    comptime if is_gpu():
+        return _load_member[dtype, width, key_alignment, ape_alignment](
+            key.unsafe_address_space_cast[AddressSpace.GLOBAL](),
+            gate.unsafe_address_space_cast[AddressSpace.GLOBAL](),
+            ape.unsafe_address_space_cast[AddressSpace.GLOBAL](),
+            member_offset,
+            ape_offset,
+        )
+    return _load_member[dtype, width, key_alignment, ape_alignment](
+        key, gate, ape, member_offset, ape_offset
+    )
+
+
+@always_inline
+def _load_member[
+    dtype: DType,
+    width: Int,
+    key_alignment: Int,
+    ape_alignment: Int,
+](
+    key: Pointer[Scalar[dtype], ...],
+    gate: Pointer[Scalar[dtype], ...],
+    ape: Pointer[Float32, ...],
+    member_offset: Int,
+    ape_offset: Int,
+) -> Tuple[SIMD[ACCUM, width], SIMD[ACCUM, width]]:
+    """`_member`'s loads, in the pointers' address space."""
+    var score = gate.unsafe_load[width=width, alignment=key_alignment](
+        member_offset
+    ).cast[ACCUM]() + ape.unsafe_load[width=width, alignment=ape_alignment](
+        ape_offset
+    )
+    var value = key.unsafe_load[width=width, alignment=key_alignment](
+        member_offset
+    ).cast[ACCUM]()
     return (score, value)
 
 
@@ -171,7 +221,11 @@ def _pooled[
 
 @always_inline
 def pool_channels[
-    dtype: DType, width: Int, kpool: Int
+    dtype: DType,
+    width: Int,
+    kpool: Int,
+    key_alignment: Int = align_of[Scalar[dtype]](),
+    ape_alignment: Int = align_of[Float32](),
 ](
     members: PoolMembers[dtype],
     ape: Ptr[DType.float32],
@@ -182,8 +236,10 @@ def pool_channels[
 
     Parameters:
         dtype: Key and gate dtype (float32, bfloat16 or float16).
-        width: Channels pooled at once (1 on GPU: a thread per channel).
+        width: Channels pooled at once (`gpu_channel_width`).
         kpool: Tokens per pool.
+        key_alignment: Alignment the key and gate loads may claim.
+        ape_alignment: Alignment the ape loads may claim.
 
     Args:
         members: Where the pool's members are.
@@ -198,7 +254,7 @@ def pool_channels[
     var peak = SIMD[ACCUM, width](neg_inf[ACCUM]())
     for q in range(kpool):
         var m = members.row(q, row_stride)
-        var member = _member[dtype, width](
+        var member = _member[dtype, width, key_alignment, ape_alignment](
             m[0], m[1], ape, m[2] + ch, q * row_stride + ch
         )
         peak = max(peak, member[0])
@@ -208,11 +264,82 @@ def pool_channels[
     var undefined = SIMD[DType.bool, width](fill=False)
     for q in range(kpool):
         var m = members.row(q, row_stride)
-        var member = _member[dtype, width](
+        var member = _member[dtype, width, key_alignment, ape_alignment](
             m[0], m[1], ape, m[2] + ch, q * row_stride + ch
         )
         _accumulate(member[0], member[1], peak, total, acc, undefined)
     return _pooled[dtype](total, acc, undefined)
+
+
+@always_inline
+def _gpu_pool_row[
+    dtype: DType,
+    kpool: Int,
+    head_dim: Int,
+    key_alignment: Int,
+    ape_alignment: Int,
+](
+    lane: RowLane,
+    members: PoolMembers[dtype],
+    ape: Ptr[DType.float32],
+    dest: Ptr[dtype],
+    pooled: Bool,
+):
+    """`gpu_pool_row` with the loads' and stores' alignments fixed."""
+    comptime width = gpu_channel_width[dtype, head_dim]()
+    for ch in range(lane.first, head_dim, lane.stride):
+        var value = SIMD[dtype, width](0)
+        if pooled:
+            value = pool_channels[
+                dtype, width, kpool, key_alignment, ape_alignment
+            ](members, ape, head_dim, ch)
+        dest.unsafe_store[width=width, alignment=key_alignment](ch, value)
+
+
+@always_inline
+def gpu_pool_row[
+    dtype: DType, kpool: Int, head_dim: Int
+](
+    lane: RowLane,
+    members: PoolMembers[dtype],
+    ape: Ptr[DType.float32],
+    dest: Ptr[dtype],
+    pooled: Bool,
+    aligned: Bool,
+):
+    """One GPU thread's channels of one pooled row (`gpu_rows.row_lane`).
+
+    Parameters:
+        dtype: Key dtype.
+        kpool: Tokens per pool.
+        head_dim: Channels per key (also the member row stride).
+
+    Args:
+        lane: The thread's channels (`first`, `first + stride`, ...).
+        members: Where the pool's members are.
+        ape: `[kpool, head_dim]` float32 within-pool position embedding.
+        dest: The output row.
+        pooled: Whether the row is a pool (else zeros, members unread).
+        aligned: Whether every operand base is 16-byte aligned
+            (`gpu_aligned`): 16-byte accesses, else element accesses.
+    """
+    comptime width = gpu_channel_width[dtype, head_dim]()
+    if aligned:
+        _gpu_pool_row[
+            dtype,
+            kpool,
+            head_dim,
+            access_alignment[dtype, width](),
+            access_alignment[DType.float32, width](),
+        ](lane, members, ape, dest, pooled)
+    else:
+        _gpu_pool_row[
+            dtype,
+            kpool,
+            head_dim,
+            align_of[Scalar[dtype]](),
+            align_of[Float32](),
+        ](lane, members, ape, dest, pooled)
 
 
 @always_inline

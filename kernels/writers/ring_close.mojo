@@ -32,12 +32,19 @@ from ..model.operands import (
 )
 from ..model.block_phases import Shared
 from ..model.gpu_kernel import GpuKernel, launch_kernel
-from ..model.parallel import cpu_for_each_range, gpu_block_width
+from ..model.parallel import cpu_for_each_range
+from .gpu_rows import (
+    RowLane,
+    gpu_aligned,
+    gpu_rows_per_block,
+    gpu_writer_threads,
+    row_lane,
+)
 from .pooling import (
     PoolMembers,
     PoolSegments,
     cpu_pool_row,
-    pool_channels,
+    gpu_pool_row,
     zero_row,
 )
 from ..model.ragged import (
@@ -269,38 +276,55 @@ def ring_close_cpu(op: RingClose):
     )
 
 
-def ring_close_thread(block: Int, thread: Int, op: RingClose):
-    """One GPU thread of ring_close: request `block`, channels from `thread`.
+def ring_close_lane(lane: RowLane, op: RingClose):
+    """One GPU thread of ring_close: its channels of request `lane.row`.
 
-    Block `b` closes request `b`; thread `t` pools channels `t`, `t + W`,
-    `t + 2W`, ... with `W = gpu_block_width[head_dim]()` threads per block,
-    so a head wider than 1024 channels is still covered. Thread 0 writes
+    The thread's request and channels are `gpu_rows.row_lane`'s (16 bytes
+    of channels per thread, several requests per block); the caller skips
+    rows past the batch. The request's first thread writes
     `closed_pool[b]`. A request with nothing to close writes -1 and zeros
-    and never touches the ring. `launch` runs it on a GPU or emulated.
+    and never touches the ring.
     """
     comptime head_dim = op.head_dim
-    comptime stride = gpu_block_width[head_dim]()
-    var plan = plan_close(block, op)
-    var row = op.pooled.unsafe_offset(block * head_dim)
-    if thread == 0:
-        op.closed_pool[unsafe_offset=block] = Int32(plan.pool)
-    for ch in range(thread, head_dim, stride):
-        if plan.pool < 0:
-            row[unsafe_offset=ch] = 0
-        else:
-            row[unsafe_offset=ch] = pool_channels[op.dtype, 1, op.kpool](
-                plan.members, op.ape, head_dim, ch
-            )
+    var plan = plan_close(lane.row, op)
+    if lane.first == 0:
+        op.closed_pool[unsafe_offset=lane.row] = Int32(plan.pool)
+    gpu_pool_row[op.dtype, op.kpool, head_dim](
+        lane,
+        plan.members,
+        op.ape,
+        op.pooled.unsafe_offset(lane.row * head_dim),
+        plan.pool >= 0,
+        ring_close_aligned(op),
+    )
+
+
+@always_inline
+def ring_close_aligned(op: RingClose) -> Bool:
+    """Whether every tensor ring_close reads or writes by row is 16-byte
+    aligned (`gpu_rows.gpu_aligned`)."""
+    return gpu_aligned(
+        Int(op.call.k)
+        | Int(op.call.gate)
+        | Int(op.ring.tail)
+        | Int(op.ape)
+        | Int(op.pooled)
+    )
 
 
 struct RingCloseKernel[Op: type_of(RingClose)](GpuKernel):
-    """The ring_close launch: a block per request, a thread per channel (at
-    most 1024, striding over wider heads)."""
+    """The ring_close launch: `gpu_rows.gpu_rows_per_block` requests per
+    block, 16 bytes of channels per thread."""
 
     comptime Operands = Self.Op
     comptime name = "kpool_ring_close_kernel"
-    comptime block_threads = gpu_block_width[Self.Op.head_dim]()
+    comptime block_threads = gpu_writer_threads[
+        Self.Op.dtype, Self.Op.head_dim
+    ]()
     comptime grid_rows = "batch"
+    comptime rows_per_block = gpu_rows_per_block[
+        Self.Op.dtype, Self.Op.head_dim
+    ]()
 
     @staticmethod
     def rows(op: Self.Operands) -> Int:
@@ -309,8 +333,10 @@ struct RingCloseKernel[Op: type_of(RingClose)](GpuKernel):
 
     @staticmethod
     def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
-        """`ring_close_thread`."""
-        ring_close_thread(block, thread, op)
+        """`ring_close_lane` for the thread's request, if any."""
+        var lane = row_lane[op.dtype, op.head_dim](block, thread)
+        if lane.row < op.call.batch:
+            ring_close_lane(lane, op)
 
 
 @extensibility.register("mo.mla.kpool.ring_close")

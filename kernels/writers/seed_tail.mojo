@@ -32,7 +32,15 @@ from ..model.operands import (
 )
 from ..model.block_phases import Shared
 from ..model.gpu_kernel import GpuKernel, launch_kernel
-from ..model.parallel import cpu_for_each_range, gpu_block_width
+from ..model.parallel import cpu_for_each_range
+from .gpu_rows import (
+    RowLane,
+    copy_channels,
+    gpu_aligned,
+    gpu_rows_per_block,
+    gpu_writer_threads,
+    row_lane,
+)
 from ..model.ragged import (
     Field,
     Ptr,
@@ -169,36 +177,48 @@ def seed_tail_cpu(op: SeedTail):
     )
 
 
-def seed_tail_thread(block: Int, thread: Int, op: SeedTail):
-    """One GPU thread of seed_tail: request `block`, channels from `thread`.
+def seed_tail_lane(lane: RowLane, op: SeedTail):
+    """One GPU thread of seed_tail: its channels of request `lane.row`.
 
-    Block `b` stashes request `b`'s trailing positions; thread `t` copies
-    channels `t`, `t + W`, ... of each (`W = gpu_block_width[head_dim]()`).
-    `launch` runs it on a GPU or emulated.
+    Copies the thread's channels (`gpu_rows.row_lane`) of each of the
+    request's trailing positions into its ring slot; the caller skips rows
+    past the batch.
     """
     comptime head_dim = op.head_dim
-    comptime stride = gpu_block_width[head_dim]()
-    var stash = plan_stash(block, op)
+    var stash = plan_stash(lane.row, op)
+    var aligned = gpu_aligned(
+        Int(op.call.k) | Int(op.call.gate) | Int(op.ring.tail)
+    )
     for pos in range(stash.lo, stash.hi):
         var src = (stash.first_row + pos - stash.lo) * head_dim
         var dst = (pos % op.ring.ring_len) * head_dim
-        for ch in range(thread, head_dim, stride):
-            stash.ring_key[unsafe_offset=dst + ch] = op.call.k[
-                unsafe_offset=src + ch
-            ]
-            stash.ring_gate[unsafe_offset=dst + ch] = op.call.gate[
-                unsafe_offset=src + ch
-            ]
+        copy_channels[op.dtype, head_dim](
+            lane,
+            stash.ring_key.unsafe_offset(dst),
+            op.call.k.unsafe_offset(src),
+            aligned,
+        )
+        copy_channels[op.dtype, head_dim](
+            lane,
+            stash.ring_gate.unsafe_offset(dst),
+            op.call.gate.unsafe_offset(src),
+            aligned,
+        )
 
 
 struct SeedTailKernel[Op: type_of(SeedTail)](GpuKernel):
-    """The seed_tail launch: a block per request, a thread per channel (at
-    most 1024)."""
+    """The seed_tail launch: `gpu_rows.gpu_rows_per_block` requests per
+    block, 16 bytes of channels per thread."""
 
     comptime Operands = Self.Op
     comptime name = "kpool_seed_tail_kernel"
-    comptime block_threads = gpu_block_width[Self.Op.head_dim]()
+    comptime block_threads = gpu_writer_threads[
+        Self.Op.dtype, Self.Op.head_dim
+    ]()
     comptime grid_rows = "batch"
+    comptime rows_per_block = gpu_rows_per_block[
+        Self.Op.dtype, Self.Op.head_dim
+    ]()
 
     @staticmethod
     def rows(op: Self.Operands) -> Int:
@@ -207,8 +227,10 @@ struct SeedTailKernel[Op: type_of(SeedTail)](GpuKernel):
 
     @staticmethod
     def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
-        """`seed_tail_thread`."""
-        seed_tail_thread(block, thread, op)
+        """`seed_tail_lane` for the thread's request, if any."""
+        var lane = row_lane[op.dtype, op.head_dim](block, thread)
+        if lane.row < op.call.batch:
+            seed_tail_lane(lane, op)
 
 
 @extensibility.register("mo.mla.kpool.seed_tail")

@@ -26,7 +26,7 @@ The op holds ring_close's operand struct (built by the same constructor as
 ring_close's) and derives compress's and seed_tail's from it, and runs the
 writers' code on them, so the paths cannot drift apart: the CPU path runs
 `close_requests`, `compress_rows` and `seed_requests` over ranges, the GPU
-path runs `ring_close_thread`, `seed_tail_thread` and `compress_thread`.
+path runs `ring_close_lane`, `seed_tail_lane` and `compress_lane`.
 
 GPU launches. The prefix sum of pool counts is the only dependency across
 requests: a compress row must know which request owns it. Two launches on
@@ -40,13 +40,14 @@ one stream, which the stream orders:
    request up to a batch of 1024). The CPU path scans serially
    (`scan_pool_rows`); the two agree bit for bit (64-bit sums, stored
    modulo 2^32).
-2. `kpool_step_kernel`, `batch + total_tokens // kpool` blocks. Block
-   `b < batch` closes request `b` and then seeds it: the thread that pools
-   channel `ch` from the ring is the one that later overwrites channel `ch`
-   of that ring slot, so reading before writing needs no barrier. Block
+2. `kpool_step_kernel` over `batch + total_tokens // kpool` rows, several
+   per block (`gpu_rows`: 16 bytes of channels per thread). Row `b <
+   batch` closes request `b` and then seeds it: the thread that pools
+   channels `ch` from the ring is the one that later overwrites channels
+   `ch` of that ring slot, so reading before writing needs no barrier. Row
    `batch + i` writes output row `i`, finding its owner by binary search
    over the offsets launch 1 wrote. Folding the scan into this launch would
-   make every compress block redo it.
+   make every compress row redo it.
 """
 
 import extensibility
@@ -55,7 +56,7 @@ from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 from std.sys import num_physical_cores
 
-from .compress import CompressOperands, compress_rows, compress_thread
+from .compress import CompressOperands, compress_lane, compress_rows
 from ..model.operands import (
     KernelOperands,
     dims,
@@ -72,15 +73,21 @@ from ..model.block_phases import (
 )
 from ..model.collectives import thread_run
 from ..model.gpu_kernel import GpuKernel, launch_kernel
-from ..model.parallel import cpu_for_each_range, gpu_block_width
+from ..model.parallel import cpu_for_each_range
+from .gpu_rows import (
+    RowLane,
+    gpu_rows_per_block,
+    gpu_writer_threads,
+    row_lane,
+)
 from ..model.ragged import Field, full_pools, read_index
 from .ring_close import (
     RingCloseOperands,
     close_requests,
+    ring_close_lane,
     ring_close_operands,
-    ring_close_thread,
 )
-from .seed_tail import SeedTailOperands, seed_requests, seed_tail_thread
+from .seed_tail import SeedTailOperands, seed_requests, seed_tail_lane
 
 
 @fieldwise_init
@@ -275,19 +282,23 @@ def step_scan_phase[phase: Int](thread: Int, mut lane: Lane, op: Step):
 def step_thread(block: Int, thread: Int, op: Step):
     """One GPU thread of launch 2 (see the module): a request or a row.
 
-    Block `b < batch`: `ring_close_thread`, then `seed_tail_thread` (the
-    same channels, so each ring channel is read before the same thread
-    overwrites it) and, on thread 0, `first_pool[b]`. Block `batch + i`:
-    `compress_thread` for output row `i`.
+    Row `r < batch` of the launch's row space (`gpu_rows.row_lane`):
+    `ring_close_lane`, then `seed_tail_lane` (the same channels, so each
+    ring channel is read before the same thread overwrites it) and, on the
+    request's first thread, `first_pool[r]`. Row `batch + i`:
+    `compress_lane` for output row `i`.
     """
+    var lane = row_lane[op.dtype, op.head_dim](block, thread)
     var batch = op.close.call.batch
-    if block < batch:
-        ring_close_thread(block, thread, op.close)
-        seed_tail_thread(block, thread, seed_of(op))
-        if thread == 0:
-            write_first_pool(op, block)
-    else:
-        compress_thread(block - batch, thread, compress_of(op))
+    if lane.row < batch:
+        ring_close_lane(lane, op.close)
+        seed_tail_lane(lane, seed_of(op))
+        if lane.first == 0:
+            write_first_pool(op, lane.row)
+    elif lane.row < batch + op.out_rows:
+        compress_lane(
+            RowLane(lane.row - batch, lane.first, lane.stride), compress_of(op)
+        )
 
 
 struct StepScanKernel[Op: type_of(Step)](GpuKernel):
@@ -325,13 +336,18 @@ struct StepScanKernel[Op: type_of(Step)](GpuKernel):
 
 
 struct StepKernel[Op: type_of(Step)](GpuKernel):
-    """The step's launch 2: a block per request and output row, a thread per
-    channel (at most 1024)."""
+    """The step's launch 2: requests then output rows, as many per block as
+    `gpu_rows.gpu_rows_per_block`, 16 bytes of channels per thread."""
 
     comptime Operands = Self.Op
     comptime name = "kpool_step_kernel"
-    comptime block_threads = gpu_block_width[Self.Op.head_dim]()
+    comptime block_threads = gpu_writer_threads[
+        Self.Op.dtype, Self.Op.head_dim
+    ]()
     comptime grid_rows = "batch + out_rows"
+    comptime rows_per_block = gpu_rows_per_block[
+        Self.Op.dtype, Self.Op.head_dim
+    ]()
 
     @staticmethod
     def rows(op: Self.Operands) -> Int:

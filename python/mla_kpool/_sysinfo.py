@@ -49,6 +49,36 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+#: The instruction sets the CPU kernels choose between, by the Linux
+#: ``/proc/cpuinfo`` flag that announces each: the vector width and the
+#: prefill scorer's form follow them.
+CPU_ISA_FLAGS = (
+    ("AVX2", "avx2"),
+    ("FMA", "fma"),
+    ("AVX-512", "avx512f"),
+    ("AVX512-BF16", "avx512_bf16"),
+    ("AMX", "amx_tile"),
+)
+
+
+def cpu_isa(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+    """The vector instruction sets of :data:`CPU_ISA_FLAGS` the CPU has.
+
+    Read from the first ``flags`` line of Linux's ``/proc/cpuinfo``; an
+    empty list where there is none (another OS, or a non-x86 CPU).
+    """
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return []
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            flags = set(value.split())
+            return [name for name, flag in CPU_ISA_FLAGS if flag in flags]
+    return []
+
+
 def git_commit(package_dir: Path = _PACKAGE_DIR) -> tuple[str, bool] | None:
     """The commit of the checkout this package is imported from.
 
@@ -105,7 +135,8 @@ def run_info(
             .model_name``) when ``device`` is ``"gpu"``.
 
     Returns:
-        ``max_version``, ``mojo_version``, ``cpu_model``, ``cores``,
+        ``max_version``, ``mojo_version``, ``cpu_model``, ``cpu_isa``
+        (:func:`cpu_isa`), ``cores``,
         ``device_name`` (the accelerator's name on a GPU, else the CPU
         model), ``git_commit`` and ``git_dirty`` (``None`` outside a
         checkout) and ``command``.
@@ -116,6 +147,7 @@ def run_info(
         "max_version": package_version("max"),
         "mojo_version": package_version("mojo"),
         "cpu_model": cpu,
+        "cpu_isa": cpu_isa(),
         "cores": os.cpu_count() or 1,
         "device_name": accelerator_name if device == "gpu" else cpu,
         "git_commit": commit[0] if commit else None,

@@ -8,7 +8,7 @@ and checks, over seeded random calls with broken metadata mixed in:
 
 - the guards are untouched (no out-of-bounds write) and every output
   element was written (none still holds the sentinel);
-- the CPU kernel and the GPU kernel's threads (over `emulate_grid`) agree
+- the CPU kernel and the GPU kernel's threads (emulated) agree
   element for element, whatever the metadata;
 - each row is packed: non-negative positions, then only `-1`.
 
@@ -19,12 +19,12 @@ from max.gpu.host import DeviceContext
 from std.testing import TestSuite, assert_equal, assert_true
 
 from kernels.writers.expand_topk import (
-    ExpandTopKKernel,
+    GPU_EXPAND_SHARED_IDS,
     ExpandTopKOperands,
     expand_topk_cpu,
+    launch_expand_topk,
     row_width,
 )
-from kernels.model.gpu_kernel import launch_kernel
 from kernels.model.ragged import Ptr
 
 comptime SENTINEL = Int32(0x5A5A5A5A)
@@ -127,7 +127,7 @@ def _fuzz[
             )
         )
 
-        launch_kernel[ExpandTopKKernel[Op], True](
+        launch_expand_topk[True](
             Op(
                 _ptr(gpu).unsafe_offset(GUARD),
                 _ptr(ids),
@@ -187,6 +187,11 @@ def test_wide_pool_and_zero_width() raises:
     _fuzz[I32, U32, 128, 3, True](4, 100)
     # pool_topk 0 without the tail: rows of no columns, nothing to write.
     _fuzz[I32, U32, 2, 0, False](5, 50)
+
+
+def test_rows_past_the_shared_ids() raises:
+    # More ids a row than the compacting kernel holds: the warp kernel.
+    _fuzz[I32, U32, 1, GPU_EXPAND_SHARED_IDS + 1, False](6, 6)
 
 
 def main() raises:

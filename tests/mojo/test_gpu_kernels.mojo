@@ -15,8 +15,10 @@ from std.testing import TestSuite, assert_equal, assert_true
 from kernels.model.block_phases import Shared
 from kernels.writers.compress import CompressKernel, CompressOperands
 from kernels.writers.expand_topk import (
+    GPU_EXPAND_SHARED_IDS,
     ExpandTopKKernel,
     ExpandTopKOperands,
+    ExpandTopKWarpKernel,
     row_width,
 )
 from kernels.model.gpu_kernel import (
@@ -42,6 +44,9 @@ comptime SeedTail = SeedTailOperands[DType.float16, U32, U32, U32, 16, 64, Any]
 comptime Step = StepOperands[BF16, U32, U32, U32, 4, 128, Any]
 comptime WideStep = StepOperands[BF16, U32, U32, U32, 4, 1088, Any]
 comptime Expand = ExpandTopKOperands[DType.int32, U32, U32, 4, 512, True, Any]
+comptime ExpandWide = ExpandTopKOperands[
+    DType.int32, U32, U32, 1, GPU_EXPAND_SHARED_IDS + 1, False, Any
+]
 
 
 def _check_asm(asm: String, target: StaticString, name: StaticString) raises:
@@ -61,6 +66,7 @@ def _compile_all[arch: StaticString]() raises -> List[String]:
     out.append(kernel_code[StepScanKernel[Step], arch]())
     out.append(kernel_code[StepKernel[WideStep], arch]())
     out.append(kernel_code[ExpandTopKKernel[Expand], arch]())
+    out.append(kernel_code[ExpandTopKWarpKernel[ExpandWide], arch]())
     return out^
 
 
@@ -74,6 +80,7 @@ def test_ptx_sm_90a() raises:
     _check_asm(asm[3], "sm_90a", "kpool_step_scan_kernel_")
     _check_asm(asm[4], "sm_90a", "kpool_step_kernel_")
     _check_asm(asm[5], "sm_90a", "kpool_expand_topk_kernel_")
+    _check_asm(asm[6], "sm_90a", "kpool_expand_topk_warp_kernel_")
 
 
 def test_ptx_sm_100a() raises:
@@ -86,6 +93,7 @@ def test_ptx_sm_100a() raises:
     _check_asm(asm[3], "sm_100a", "kpool_step_scan_kernel_")
     _check_asm(asm[4], "sm_100a", "kpool_step_kernel_")
     _check_asm(asm[5], "sm_100a", "kpool_expand_topk_kernel_")
+    _check_asm(asm[6], "sm_100a", "kpool_expand_topk_warp_kernel_")
 
 
 def test_amdgcn_gfx942() raises:
@@ -95,40 +103,48 @@ def test_amdgcn_gfx942() raises:
 
 
 def test_block_threads() raises:
-    # A thread per channel up to 1024 (wider heads stride).
-    assert_equal(RingCloseKernel[RingClose].block_threads, 128)
-    assert_equal(
-        RingCloseKernel[
-            RingCloseOperands[BF16, U32, U32, U32, 4, 1088, Any]
-        ].block_threads,
-        1024,
-    )
-    assert_equal(
-        SeedTailKernel[
-            SeedTailOperands[BF16, U32, U32, U32, 1, 1, Any]
-        ].block_threads,
-        1,
-    )
-    assert_equal(
-        CompressKernel[
-            CompressOperands[BF16, U32, U32, U32, 4, 96, Any]
-        ].block_threads,
-        96,
-    )
+    # 16 bytes of channels a thread, rows packed into blocks of 64 threads,
+    # a row over 1024 threads' channels strides.
+    assert_equal(RingCloseKernel[RingClose].block_threads, 64)
+    assert_equal(RingCloseKernel[RingClose].rows_per_block, 4)
+    comptime Wide = RingCloseKernel[
+        RingCloseOperands[BF16, U32, U32, U32, 4, 1088, Any]
+    ]
+    assert_equal(Wide.block_threads, 136)
+    assert_equal(Wide.rows_per_block, 1)
+    comptime OddWide = RingCloseKernel[
+        RingCloseOperands[DType.float32, U32, U32, U32, 4, 2049, Any]
+    ]
+    assert_equal(OddWide.block_threads, 1024)
+    assert_equal(OddWide.rows_per_block, 1)
+    comptime Single = SeedTailKernel[
+        SeedTailOperands[BF16, U32, U32, U32, 1, 1, Any]
+    ]
+    assert_equal(Single.block_threads, 64)
+    assert_equal(Single.rows_per_block, 64)
+    # float16 x 96: 8 channels a thread, 12 threads a row, 5 rows a block.
+    comptime F16Rows = CompressKernel[
+        CompressOperands[DType.float16, U32, U32, U32, 4, 96, Any]
+    ]
+    assert_equal(F16Rows.block_threads, 60)
+    assert_equal(F16Rows.rows_per_block, 5)
     # The fused step: one block of 1024 threads scans (a block prefix sum,
-    # so whole warps), then a block per request and row.
+    # so whole warps), then rows of requests and pools.
     assert_equal(StepScanKernel[Step].block_threads, 1024)
-    assert_equal(StepKernel[WideStep].block_threads, 1024)
-    # expand_topk: one warp per token row (MAX's width 2051), fewer threads
-    # for rows narrower than a warp.
+    assert_equal(StepKernel[WideStep].block_threads, 136)
+    assert_equal(StepKernel[Step].rows_per_block, 4)
+    # expand_topk: a block per token row, an id a thread up to 256 threads,
+    # whole 64-thread groups; past the shared ids' limit a warp per row.
     assert_equal(row_width[4, 512, True](), 2051)
-    assert_equal(ExpandTopKKernel[Expand].block_threads, 32)
+    assert_equal(ExpandTopKKernel[Expand].block_threads, 256)
+    assert_equal(ExpandTopKKernel[Expand].shared_words, 513)
     assert_equal(
         ExpandTopKKernel[
             ExpandTopKOperands[DType.int32, U32, U32, 1, 8, True, Any]
         ].block_threads,
-        8,
+        64,
     )
+    assert_equal(ExpandTopKWarpKernel[ExpandWide].block_threads, 32)
 
 
 @fieldwise_init

@@ -7,6 +7,10 @@ The workloads (:data:`WORKLOADS`):
   times it (:mod:`mla_kpool.bench.workload`: each request brings
   ``2 * kpool`` tokens with ``kpool // 2`` pending, closes one pool,
   builds one and stashes ``kpool // 2`` tokens);
+- ``<op>-b1``, ``<op>-b64``, ``<op>-b4096`` for ``ring_close``,
+  ``compress``, ``seed_tail`` (bfloat16, head_dim 128, kpool 4) and
+  ``expand_topk`` (int32 ids, top 512, kpool 4), and ``step-b1``: each
+  writer alone on the bench's workload (:func:`writer_workload`);
 - ``glm5-next-decode``: GLM-5-Next's indexer (H 32, D 128, kpool 4, top
   512, rows of W 32, pages of 128 rows, causal), 16 requests of one new
   token after 32,767 cached (:data:`mla_kpool.bench.index.INDEX_PHASES`);
@@ -61,6 +65,7 @@ __all__ = [
     "step_flops",
     "step_workload",
     "workload_for_case",
+    "writer_workload",
 ]
 
 #: Scores workspace of one index_top_k call on a GPU (256 MiB, the op's
@@ -115,6 +120,42 @@ def step_workload(
         **counts,
         "head_dim": head_dim,
         "counts": dict(counts),
+    }
+
+
+def writer_workload(name: str, op: str, batch: int) -> dict[str, Any]:
+    """One writer op alone on the bench's workload at ``batch`` requests.
+
+    ``ring_close``, ``compress`` and ``seed_tail`` at bfloat16, head_dim
+    128, kpool 4; ``expand_topk`` on int32 ids, top 512, kpool 4, one
+    query row per request (:mod:`.workload`). ``flops``: the pooling's
+    (:data:`POOL_FLOPS_PER_MEMBER` per member and channel and a division)
+    for the ops that pool, else 0.
+
+    Returns:
+        ``name``, ``op``, ``params`` (as the kernel rows' ``params`` name
+        them), ``bytes`` (:func:`mla_kpool.bench.workload.op_bytes`),
+        ``flops``, ``counts``.
+    """
+    kpool, head_dim = 4, 128
+    dtype = "int32" if op == "expand_topk" else "bfloat16"
+    case = bench_workload.Case(op, dtype, batch, kpool, head_dim, "gpu")
+    _, new = bench_workload.tokens_per_request(op, kpool)
+    tokens = batch * new
+    pools = {"ring_close": batch, "compress": tokens // kpool}.get(op, 0)
+    counts = {"batch": batch, "tokens": tokens, "out_rows": tokens // kpool}
+    params: dict[str, Any] = (
+        {"pool_ids": dtype, "kpool": kpool, "pool_topk": 512}
+        if op == "expand_topk"
+        else {"dtype": dtype, "kpool": kpool, "head_dim": head_dim}
+    )
+    return {
+        "name": name,
+        "op": op,
+        "params": params,
+        "bytes": bench_workload.op_bytes(case),
+        "flops": pools * head_dim * (POOL_FLOPS_PER_MEMBER * kpool + 1),
+        "counts": counts,
     }
 
 
@@ -185,13 +226,25 @@ DEEPSEEK_V32 = bench_index.IndexShape(
 )
 
 
+#: The batches each writer's workload is documented at: one request, a
+#: decode batch, a large batch.
+WRITER_BATCHES = (1, 64, 4096)
+
+
 def _workloads() -> dict[str, dict[str, Any]]:
     decode = bench_index.INDEX_PHASES["decode"]
     prefill = bench_index.INDEX_PHASES["prefill"]
     glm = bench_index.GLM5_NEXT
+    writers = [
+        writer_workload(f"{op}-b{batch}", op, batch)
+        for op in ("ring_close", "compress", "seed_tail", "expand_topk")
+        for batch in WRITER_BATCHES
+    ]
     named = [
+        step_workload("step-b1", 1, "bfloat16", 4, 128),
         step_workload("step-b64", 64, "bfloat16", 4, 128),
         step_workload("step-b4096", 4096, "bfloat16", 4, 128),
+        *writers,
         index_workload("glm5-next-decode", *decode, glm),
         index_workload("glm5-next-prefill", *prefill, glm),
         index_workload("deepseek-v3.2-decode", *decode, DEEPSEEK_V32),

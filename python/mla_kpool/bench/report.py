@@ -368,11 +368,14 @@ def median_records(runs: list[list[Record]]) -> list[Record]:
 def _provenance(r: Record) -> str:
     """One sentence: where and how a record was measured.
 
-    Device, cores, versions, commit, NumPy's BLAS kernel (when a record
-    names it) and command.
+    Device, cores, the CPU's instruction sets (on a CPU), versions,
+    commit, NumPy's BLAS kernel (when a record names it) and command.
     """
-    cores = f" ({r['cores']} cores)" if r.get("cores") else ""
-    parts = [f"{r['device_name']}{cores}"] if r.get("device_name") else []
+    about = [f"{r['cores']} cores"] if r.get("cores") else []
+    if r.get("cpu_isa") and r.get("device_name") == r.get("cpu_model"):
+        about.append(", ".join(r["cpu_isa"]))
+    detail = f" ({'; '.join(about)})" if about else ""
+    parts = [f"{r['device_name']}{detail}"] if r.get("device_name") else []
     for key, name in (("max_version", "MAX"), ("mojo_version", "Mojo")):
         parts += [f"{name} {r[key]}"] if r.get(key) else []
     if r.get("git_commit"):
