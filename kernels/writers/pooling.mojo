@@ -190,16 +190,19 @@ def _accumulate[
     peak: SIMD[ACCUM, width],
     mut total: SIMD[ACCUM, width],
     mut acc: SIMD[ACCUM, width],
-    mut undefined: SIMD[DType.bool, width],
+    mut undefined: SIMD[ACCUM, width],
 ):
     """Adds one member to the softmax sums (pass 2), in member order.
 
     `max` skips NaN and CPU `exp(NaN)` is +inf, so a NaN shifted score (a
     NaN gate or ape, or inf - inf) is tracked in `undefined`, as a softmax
-    would propagate it.
+    would propagate it: a lane of `undefined` holds a NaN once any of its
+    shifted scores was NaN (0 before). A float32 vector, not a bool one:
+    AVX2 has no mask registers, and a bool vector kept across members
+    was packed to bytes and back at every member.
     """
     var shifted = score - peak
-    undefined = undefined | isnan(shifted)
+    undefined = isnan(shifted).select(shifted, undefined)
     var weight = exp(shifted)
     total += weight
     acc = weight.fma(value, acc)
@@ -211,12 +214,14 @@ def _pooled[
 ](
     total: SIMD[ACCUM, width],
     acc: SIMD[ACCUM, width],
-    undefined: SIMD[DType.bool, width],
+    undefined: SIMD[ACCUM, width],
 ) -> SIMD[dtype, width]:
     """The pooled key from the pass-2 sums, cast to the key dtype."""
-    return undefined.select(SIMD[ACCUM, width](nan[ACCUM]()), acc / total).cast[
-        dtype
-    ]()
+    return (
+        isnan(undefined)
+        .select(SIMD[ACCUM, width](nan[ACCUM]()), acc / total)
+        .cast[dtype]()
+    )
 
 
 @always_inline
@@ -261,7 +266,7 @@ def pool_channels[
     # Pass 2: weights and the weighted sum, members in order q = 0..kpool-1.
     var total = SIMD[ACCUM, width](0)
     var acc = SIMD[ACCUM, width](0)
-    var undefined = SIMD[DType.bool, width](fill=False)
+    var undefined = SIMD[ACCUM, width](0)
     for q in range(kpool):
         var m = members.row(q, row_stride)
         var member = _member[dtype, width, key_alignment, ape_alignment](
@@ -342,6 +347,14 @@ def gpu_pool_row[
         ](lane, members, ape, dest, pooled)
 
 
+comptime CPU_PREFETCH_POOL_BYTES = 16 * 1024
+"""Most key bytes of one pool that pass 1 prefetches for pass 2: a third of
+a 48 KiB L1 (half of a 32 KiB one). At kpool 128 x 128 float32 channels
+(64 KiB) the prefetched rows evicted one another: without the prefetch
+`ring_close` ran 1.2x faster (docs/performance.md); at kpool 4 (2 KiB) it
+gains a few percent."""
+
+
 @always_inline
 def cpu_chunk_width[dtype: DType, head_dim: Int]() -> Int:
     """Channels per SIMD step on CPU: a power of two dividing `head_dim`.
@@ -371,8 +384,10 @@ def cpu_pool_row[
     every channel's running maximum, weight sum and weighted sum kept in
     small stack arrays: each pass streams whole rows instead of hopping a
     row stride per channel chunk. Pass 1 prefetches each member's key row
-    for pass 2, and pass 2 prefetches the next pool's gate rows for its
-    pass 1, so the core rarely waits on memory (docs/performance.md).
+    for pass 2 when the pool's key rows fit `CPU_PREFETCH_POOL_BYTES` (a
+    larger pool's would evict one another before pass 2 reads them), and
+    pass 2 prefetches the next pool's gate rows for its pass 1, so the
+    core rarely waits on memory (docs/performance.md).
 
     Parameters:
         dtype: Key dtype.
@@ -391,17 +406,19 @@ def cpu_pool_row[
     comptime chunks = head_dim // width
     comptime line = 64 // size_of[dtype]()
     comptime prefetch_read = PrefetchOptions().for_read().high_locality()
+    comptime prefetch_keys = (
+        kpool * head_dim * size_of[dtype]() <= CPU_PREFETCH_POOL_BYTES
+    )
     var peak = Array[SIMD[ACCUM, width], chunks](fill=neg_inf[ACCUM]())
     var total = Array[SIMD[ACCUM, width], chunks](fill=0)
     var acc = Array[SIMD[ACCUM, width], chunks](fill=0)
-    var undefined = Array[SIMD[DType.bool, width], chunks](
-        fill=SIMD[DType.bool, width](fill=False)
-    )
+    var undefined = Array[SIMD[ACCUM, width], chunks](fill=0)
     # Pass 1: every channel's maximum score, member rows in order.
     for q in range(kpool):
         var m = members.row(q, head_dim)
-        for ch in range(0, head_dim, line):
-            prefetch[prefetch_read](m[0].unsafe_offset(m[2] + ch))
+        comptime if prefetch_keys:
+            for ch in range(0, head_dim, line):
+                prefetch[prefetch_read](m[0].unsafe_offset(m[2] + ch))
         for c in range(chunks):
             var ch = c * width
             var member = _member[dtype, width](

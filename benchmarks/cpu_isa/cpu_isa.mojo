@@ -1,0 +1,155 @@
+"""The CPU kernels' inner loops alone, for comparing instruction sets.
+
+Built twice by `cpu_isa.sh`: for the host and with `--target-cpu znver3`
+(AVX2 and FMA, no AVX-512), so one AVX-512 machine can run both code paths
+(the AVX2 build on another microarchitecture than an AVX2-only host's:
+a proxy, not that host's figure). Prints one line per measurement, the
+median of 7 timed calls:
+
+- `ring_close` on float32, head_dim 128, at kpool 128 (batch 1024) and
+  kpool 4 (batch 32768), both cores (`ring_close_cpu`), in GB/s of pool
+  members read (keys and gates);
+- the prefill scorer's register block (`score_head_block`, 32 heads,
+  depth 128) and the decode scorer (`score_tile`, 32 heads, depth 128, 64
+  candidates), one core, in GFLOP/s (2 per multiply-add).
+"""
+
+from std.time import perf_counter_ns
+
+from kernels.index.cpu.index_cpu_block import (
+    PREFILL_HEADS,
+    PREFILL_TILE,
+    PREFILL_VECTORS,
+    score_head_block,
+)
+from kernels.index.cpu.index_cpu_score import score_tile
+from kernels.index.index_operands import F32_WIDTH, padded_heads_of
+from kernels.model.ragged import Ptr, RaggedCall, Ring
+from kernels.writers.ring_close import RingCloseOperands, ring_close_cpu
+
+comptime F32 = DType.float32
+comptime U32 = DType.uint32
+comptime D = 128
+comptime H = 32
+comptime CALLS = 7
+
+
+def _ptr[dtype: DType](mut v: List[Scalar[dtype]]) -> Ptr[dtype]:
+    return v.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+
+
+def _spread(mut v: List[Float32], salt: Int):
+    for i in range(len(v)):
+        v[i] = Float32((i * 7919 + salt) % 2003 - 1001) / 1001.0
+
+
+def _median(mut times: List[Int]) -> Float64:
+    sort(times)
+    return Float64(times[len(times) // 2])
+
+
+def ring_close_gbps[kpool: Int](batch: Int) raises -> Float64:
+    """`ring_close_cpu`: half of each pool in the ring, half new rows."""
+    var pending = kpool // 2
+    var new = kpool - pending
+    var tail = List[Float32](length=batch * 2 * kpool * D, fill=0)
+    var k = List[Float32](length=batch * new * D, fill=0)
+    var gate = List[Float32](length=batch * new * D, fill=0)
+    _spread(tail, 1)
+    _spread(k, 2)
+    _spread(gate, 3)
+    var ape = List[Float32](length=kpool * D, fill=0)
+    var pooled = List[Float32](length=batch * D, fill=0)
+    var closed = List[Int32](length=batch, fill=0)
+    var offsets = List[UInt32]()
+    var cache = List[UInt32]()
+    var slots = List[UInt32]()
+    for b in range(batch + 1):
+        offsets.append(UInt32(b * new))
+    for b in range(batch):
+        cache.append(UInt32(1000 * kpool + pending))
+        slots.append(UInt32(b))
+    var op = RingCloseOperands[F32, U32, U32, U32, kpool, D, MutAnyOrigin](
+        _ptr(pooled),
+        _ptr(closed),
+        _ptr(ape),
+        RaggedCall[F32, U32, U32, MutAnyOrigin](
+            _ptr(k), _ptr(gate), _ptr(offsets), _ptr(cache), batch, batch * new
+        ),
+        Ring[F32, U32, MutAnyOrigin](_ptr(tail), _ptr(slots), batch, kpool),
+    )
+    var times = List[Int]()
+    for _ in range(CALLS):
+        var t0 = perf_counter_ns()
+        ring_close_cpu(op)
+        times.append(perf_counter_ns() - t0)
+    if closed[0] != 1000:
+        raise Error("ring_close closed pool ", closed[0], ", not 1000")
+    return Float64(batch * kpool * D * 4 * 2) / _median(times)
+
+
+def head_block_gflops() raises -> Float64:
+    """`score_head_block` over 16 rows of 32 heads, one key tile in L1."""
+    var rows = 16
+    var reps = 400
+    var q = List[Float32](length=rows * H * D, fill=0)
+    _spread(q, 4)
+    var w = List[Float32](length=rows * H, fill=0.5)
+    var keys = List[Float32](length=D * PREFILL_TILE, fill=0)
+    _spread(keys, 5)
+    var totals = List[Float32](length=PREFILL_TILE, fill=0)
+    var times = List[Int]()
+    for _ in range(CALLS):
+        var t0 = perf_counter_ns()
+        for _ in range(reps):
+            for r in range(rows):
+                for b in range(0, H, PREFILL_HEADS):
+                    score_head_block[D](
+                        _ptr(q).unsafe_offset((r * H + b) * D),
+                        _ptr(w).unsafe_offset(r * H + b),
+                        _ptr(keys),
+                        _ptr(totals),
+                    )
+        times.append(perf_counter_ns() - t0)
+    return 2.0 * Float64(reps * rows * H * D * PREFILL_TILE) / _median(times)
+
+
+def decode_tile_gflops() raises -> Float64:
+    """`score_tile`: one query row against 64 decoded candidates."""
+    comptime padded = padded_heads_of[H]()
+    var count = 64
+    var reps = 4000
+    var q = List[Float32](length=D * padded, fill=0)
+    _spread(q, 6)
+    var w = List[Float32](length=padded, fill=0.5)
+    var keys = List[Float32](length=(count + 8) * D, fill=0)
+    _spread(keys, 7)
+    var scales = List[Float32](length=count + 8, fill=1)
+    var scores = List[Float32](length=count + 8, fill=0)
+    var times = List[Int]()
+    for _ in range(CALLS):
+        var t0 = perf_counter_ns()
+        for _ in range(reps):
+            score_tile[H, D](
+                _ptr(q), _ptr(w), _ptr(keys), _ptr(scales), count, _ptr(scores)
+            )
+        times.append(perf_counter_ns() - t0)
+    return 2.0 * Float64(reps * count * H * D) / _median(times)
+
+
+def main() raises:
+    print(
+        "float32 lanes",
+        F32_WIDTH,
+        "| prefill block",
+        PREFILL_HEADS,
+        "heads x",
+        PREFILL_VECTORS,
+        "registers",
+    )
+    print(
+        "ring_close f32 kpool 128 batch 1024 GB/s", ring_close_gbps[128](1024)
+    )
+    print("ring_close f32 kpool 4 batch 32768 GB/s", ring_close_gbps[4](32768))
+    print("prefill head block GFLOP/s (1 core)", head_block_gflops())
+    print("decode score_tile GFLOP/s (1 core)", decode_tile_gflops())

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds benchmarks/cpu_isa/cpu_isa.mojo for this host and for AVX2 + FMA
+# alone (--target-cpu znver3: no AVX-512), runs each build RUNS times
+# (default 3), one after another. On an AVX-512 host the AVX2 build is a
+# proxy for an AVX2-only CPU (the same code path on another core design).
+# Run from the repository root with nothing else running:
+#   bash benchmarks/cpu_isa/cpu_isa.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT="$(mktemp -d "${TMPDIR:-/tmp}/cpu-isa.XXXXXX")"
+trap 'rm -rf "$OUT"' EXIT
+echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)," \
+  "flags: $(grep -m1 -o 'avx2\|avx512f\|avx512_bf16\|amx_tile' /proc/cpuinfo \
+  | sort -u | xargs)"
+mojo build -I . benchmarks/cpu_isa/cpu_isa.mojo -o "$OUT/host"
+mojo build -I . --target-cpu znver3 benchmarks/cpu_isa/cpu_isa.mojo -o "$OUT/avx2"
+for i in $(seq "${RUNS:-3}"); do
+  for build in host avx2; do
+    echo "== run $i, $build build"
+    "$OUT/$build"
+  done
+done
