@@ -6,14 +6,16 @@ Built twice by `cpu_isa.sh`: for the host and with `--target-cpu znver3`
 a proxy, not that host's figure). Prints one line per measurement, the
 median of 7 timed calls:
 
-- `ring_close` on float32, head_dim 128, at kpool 128 (batch 1024) and
-  kpool 4 (batch 32768), both cores (`ring_close_cpu`), in GB/s of pool
-  members read (keys and gates);
+- `ring_close` at head_dim 128 on float32 at kpool 128 (batch 1024) and
+  kpool 4 (batch 32768) and on bfloat16 at kpool 4 (batch 32768), both
+  cores (`ring_close_cpu`), in GB/s of pool members read (keys and
+  gates);
 - the prefill scorer's register block (`score_head_block`, 32 heads,
   depth 128) and the decode scorer (`score_tile`, 32 heads, depth 128, 64
   candidates), one core, in GFLOP/s (2 per multiply-add).
 """
 
+from std.sys import size_of
 from std.time import perf_counter_ns
 
 from kernels.index.cpu.index_cpu_block import (
@@ -43,23 +45,29 @@ def _spread(mut v: List[Float32], salt: Int):
         v[i] = Float32((i * 7919 + salt) % 2003 - 1001) / 1001.0
 
 
+def _keys[dtype: DType](count: Int, salt: Int) -> List[Scalar[dtype]]:
+    var out = List[Scalar[dtype]](length=count, fill=0)
+    for i in range(count):
+        out[i] = Scalar[dtype](
+            Float32((i * 7919 + salt) % 2003 - 1001) / 1001.0
+        )
+    return out^
+
+
 def _median(mut times: List[Int]) -> Float64:
     sort(times)
     return Float64(times[len(times) // 2])
 
 
-def ring_close_gbps[kpool: Int](batch: Int) raises -> Float64:
+def ring_close_gbps[dtype: DType, kpool: Int](batch: Int) raises -> Float64:
     """`ring_close_cpu`: half of each pool in the ring, half new rows."""
     var pending = kpool // 2
     var new = kpool - pending
-    var tail = List[Float32](length=batch * 2 * kpool * D, fill=0)
-    var k = List[Float32](length=batch * new * D, fill=0)
-    var gate = List[Float32](length=batch * new * D, fill=0)
-    _spread(tail, 1)
-    _spread(k, 2)
-    _spread(gate, 3)
+    var tail = _keys[dtype](batch * 2 * kpool * D, 1)
+    var k = _keys[dtype](batch * new * D, 2)
+    var gate = _keys[dtype](batch * new * D, 3)
     var ape = List[Float32](length=kpool * D, fill=0)
-    var pooled = List[Float32](length=batch * D, fill=0)
+    var pooled = List[Scalar[dtype]](length=batch * D, fill=0)
     var closed = List[Int32](length=batch, fill=0)
     var offsets = List[UInt32]()
     var cache = List[UInt32]()
@@ -69,14 +77,14 @@ def ring_close_gbps[kpool: Int](batch: Int) raises -> Float64:
     for b in range(batch):
         cache.append(UInt32(1000 * kpool + pending))
         slots.append(UInt32(b))
-    var op = RingCloseOperands[F32, U32, U32, U32, kpool, D, MutAnyOrigin](
+    var op = RingCloseOperands[dtype, U32, U32, U32, kpool, D, MutAnyOrigin](
         _ptr(pooled),
         _ptr(closed),
         _ptr(ape),
-        RaggedCall[F32, U32, U32, MutAnyOrigin](
+        RaggedCall[dtype, U32, U32, MutAnyOrigin](
             _ptr(k), _ptr(gate), _ptr(offsets), _ptr(cache), batch, batch * new
         ),
-        Ring[F32, U32, MutAnyOrigin](_ptr(tail), _ptr(slots), batch, kpool),
+        Ring[dtype, U32, MutAnyOrigin](_ptr(tail), _ptr(slots), batch, kpool),
     )
     var times = List[Int]()
     for _ in range(CALLS):
@@ -85,7 +93,7 @@ def ring_close_gbps[kpool: Int](batch: Int) raises -> Float64:
         times.append(perf_counter_ns() - t0)
     if closed[0] != 1000:
         raise Error("ring_close closed pool ", closed[0], ", not 1000")
-    return Float64(batch * kpool * D * 4 * 2) / _median(times)
+    return Float64(batch * kpool * D * size_of[dtype]() * 2) / _median(times)
 
 
 def head_block_gflops() raises -> Float64:
@@ -148,8 +156,16 @@ def main() raises:
         "registers",
     )
     print(
-        "ring_close f32 kpool 128 batch 1024 GB/s", ring_close_gbps[128](1024)
+        "ring_close float32 kpool 128 batch 1024 GB/s",
+        ring_close_gbps[F32, 128](1024),
     )
-    print("ring_close f32 kpool 4 batch 32768 GB/s", ring_close_gbps[4](32768))
+    print(
+        "ring_close float32 kpool 4 batch 32768 GB/s",
+        ring_close_gbps[F32, 4](32768),
+    )
+    print(
+        "ring_close bfloat16 kpool 4 batch 32768 GB/s",
+        ring_close_gbps[DType.bfloat16, 4](32768),
+    )
     print("prefill head block GFLOP/s (1 core)", head_block_gflops())
     print("decode score_tile GFLOP/s (1 core)", decode_tile_gflops())
