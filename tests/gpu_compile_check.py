@@ -12,8 +12,8 @@ By default it builds one graph on ``DeviceRef.GPU()`` holding the whole op (a
 ring_close, pool_row_offsets, compress, seed_tail; bfloat16, kpool 4,
 head_dim 128), a float32 ``ring_close`` and fused step with kpool 128 and
 head_dim 4100 (1,025 threads of 4 channels: above the 1024-thread block
-limit) and a float16 ``compress`` (kpool 16, head_dim 32), and asks MAX to compile it for the target. Nothing
-runs. On success it prints :data:`MARKER` followed by the target. A CPU graph
+limit) and a float16 ``compress`` (kpool 16, head_dim 32), and asks MAX to
+compile it for the target. Nothing runs. On success it prints :data:`MARKER` followed by the target. A CPU graph
 never reaches GPU-only constraints (``Int`` captured in a kernel closure is
 not ``DevicePassable``, say); this does. ``KERNELS_DIR`` (default
 ``mla_kpool.KERNELS``) lets a copy of the kernels with a planted bug be
