@@ -9,15 +9,15 @@ process-global and must be set before any device exists)::
 
 By default it builds one graph on ``DeviceRef.GPU()`` holding the whole op (a
 ``kpool_step``, both the fused ``mla_kpool.step`` and the three-op form:
-ring_close, pool_row_offsets, compress, seed_tail; bfloat16, kpool 4,
-head_dim 128), a float32 ``ring_close`` and fused step with kpool 128 and
-head_dim 4100 (1,025 threads of 4 channels: above the 1024-thread block
-limit) and a float16 ``compress`` (kpool 16, head_dim 32), and asks MAX to
-compile it for the target. Nothing runs. On success it prints :data:`MARKER` followed by the target. A CPU graph
-never reaches GPU-only constraints (``Int`` captured in a kernel closure is
-not ``DevicePassable``, say); this does. ``KERNELS_DIR`` (default
-``mla_kpool.KERNELS``) lets a copy of the kernels with a planted bug be
-checked to fail.
+ring_close, pool_row_offsets, compress, seed_tail; bfloat16, kpool 4, head_dim
+128), a float32 ``ring_close`` and fused step with kpool 128 and head_dim 4100
+(1,025 threads of 4 channels: above the 1024-thread block limit) and a float16
+``compress`` (kpool 16, head_dim 32), and asks MAX to compile it for the
+target. Nothing runs. On success it prints :data:`MARKER` followed by the
+target. A CPU graph never reaches GPU-only constraints (``Int`` captured in a
+kernel closure is not ``DevicePassable``, say); this does. ``KERNELS_DIR``
+(default ``mla_kpool.KERNELS``) lets a copy of the kernels with a planted bug
+be checked to fail.
 
 The default graph also holds an ``expand_topk`` in MAX's production shape
 (kpool 4, 512 pools, int32 ids, the step's metadata) and this package's
