@@ -3,14 +3,25 @@
 Runs without a GPU (`mojo run -I . tests/mojo/test_pooling.mojo`);
 `tests/test_pooling_units.py` runs it under pytest. The CPU's bfloat16
 conversion in vector integer ops (`to_key_dtype`) against the compiler's
-own float32 to bfloat16 cast, bit for bit.
+own float32 to bfloat16 cast, bit for bit; and the GPU writers' element
+accesses for tensors not 16-byte aligned (a view at an odd offset), which
+the suite's MAX buffers never reach, against the CPU path, emulated.
 """
 
 from std.math import iota
 from std.memory import bitcast
 from std.testing import TestSuite, assert_equal
 
+from max.gpu.host import DeviceContext
+
+from kernels.model.gpu_kernel import launch_kernel
+from kernels.model.ragged import Ptr, RaggedCall, Ring
 from kernels.writers.pooling import to_key_dtype
+from kernels.writers.ring_close import (
+    RingCloseKernel,
+    RingCloseOperands,
+    ring_close_cpu,
+)
 
 comptime W = 16
 
@@ -61,6 +72,81 @@ def test_float32_and_float16_are_plain_casts() raises:
     assert_equal(
         to_key_dtype[DType.float16, W](value), value.cast[DType.float16]()
     )
+
+
+comptime BF16 = DType.bfloat16
+comptime U32 = DType.uint32
+comptime KPOOL = 4
+comptime D = 128
+
+
+def _at[dtype: DType](mut v: List[Scalar[dtype]], skip: Int) -> Ptr[dtype]:
+    return v.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]().unsafe_offset(skip)
+
+
+def _values(count: Int, salt: Int) -> List[BFloat16]:
+    var out = List[BFloat16](length=count, fill=0)
+    for i in range(count):
+        out[i] = BFloat16(Float32((i * 7919 + salt) % 2003 - 1001) / 250.0)
+    return out^
+
+
+def _close_both(skip: Int) raises:
+    # batch 6: two pending members in the ring and two new rows each; one
+    # request with too few tokens (nothing to close). `skip` elements
+    # shift every bfloat16 tensor (1: 2 bytes, never 16-byte aligned).
+    var batch = 6
+    var tail = _values(batch * 2 * KPOOL * D + skip, 1)
+    var k = _values(batch * 2 * D + skip, 2)
+    var gate = _values(batch * 2 * D + skip, 3)
+    var ape = List[Float32](length=KPOOL * D, fill=0.25)
+    var offsets = List[UInt32]()
+    var cache = List[UInt32]()
+    var slots = List[UInt32]()
+    for b in range(batch + 1):
+        offsets.append(UInt32(b * 2 - (1 if b == batch else 0)))
+    for b in range(batch):
+        cache.append(UInt32(40 * KPOOL + 2))
+        slots.append(UInt32(b))
+    var cpu = List[BFloat16](length=batch * D + skip, fill=0)
+    var gpu = List[BFloat16](length=batch * D + skip, fill=0)
+    var cpu_closed = List[Int32](length=batch, fill=7)
+    var gpu_closed = List[Int32](length=batch, fill=7)
+    comptime Op = RingCloseOperands[BF16, U32, U32, U32, KPOOL, D, MutAnyOrigin]
+
+    var call = RaggedCall[BF16, U32, U32, MutAnyOrigin](
+        _at(k, skip),
+        _at(gate, skip),
+        _at(offsets, 0),
+        _at(cache, 0),
+        batch,
+        batch * 2 - 1,
+    )
+    var ring = Ring[BF16, U32, MutAnyOrigin](
+        _at(tail, skip), _at(slots, 0), batch, KPOOL
+    )
+    ring_close_cpu(
+        Op(_at(cpu, skip), _at(cpu_closed, 0), _at(ape, 0), call, ring)
+    )
+    launch_kernel[RingCloseKernel[Op], True](
+        Op(_at(gpu, skip), _at(gpu_closed, 0), _at(ape, 0), call, ring),
+        DeviceContext(api="cpu"),
+    )
+    for b in range(batch):
+        assert_equal(cpu_closed[b], gpu_closed[b], String("closed_pool ", b))
+    assert_equal(cpu_closed[0], 40, "request 0 closes pool 40")
+    assert_equal(cpu_closed[batch - 1], -1, "the last request cannot close")
+    for i in range(batch * D):
+        assert_equal(
+            bitcast[DType.uint16, 1](cpu[skip + i]),
+            bitcast[DType.uint16, 1](gpu[skip + i]),
+            String("pooled element ", i, ", shift ", skip),
+        )
+
+
+def test_gpu_element_accesses_match_the_cpu() raises:
+    _close_both(0)
+    _close_both(1)
 
 
 def main() raises:
