@@ -28,7 +28,8 @@ from std.sys import num_physical_cores
 from .operands import KernelOperands, check_kernel_layout
 
 comptime GPU_MAX_BLOCK = 1024
-"""Largest block the GPU writers launch; wider heads stride over channels."""
+"""Largest block a GPU launch accepts; a writer's row wider than this many
+threads' channels strides (`writers/gpu_rows`)."""
 
 comptime GPU_MAX_GRID = (1 << 31) - 1
 """Largest x-dimension grid a GPU launch accepts (CUDA's and HIP's limit)."""
@@ -39,15 +40,6 @@ comptime CPU_MIN_PARALLEL_MEMBERS = 1 << 17
 Inside a MAX graph, waking the runtime's worker threads costs about as
 much as pooling 100-200 pools of 4 x 128 channels on one core, so
 decode-sized calls stay on the calling thread (docs/performance.md)."""
-
-
-@always_inline
-def gpu_block_width[head_dim: Int]() -> Int:
-    """Threads per block of every GPU writer: one per channel, at most 1024.
-
-    A wider head keeps 1024 threads, each striding over the channels.
-    """
-    return min(head_dim, GPU_MAX_BLOCK)
 
 
 def cpu_for_each_range[
