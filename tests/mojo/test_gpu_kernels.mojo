@@ -2,11 +2,13 @@
 
 Runs without a GPU (`mojo run -I . tests/mojo/test_gpu_kernels.mojo`);
 `tests/test_gpu_kernels.py` runs it under pytest. The launch shape is the
-contract the kernels' indexing relies on: one block per request (ring_close,
-seed_tail) or per output row (compress), `min(head_dim, 1024)` threads; the
-fused step launches one block of 1024 threads for the scan, then a block
-per request and per output row; expand_topk launches a block per token row of one warp
-(fewer threads for rows narrower than 32 columns).
+contract the kernels' indexing relies on: ring_close, seed_tail and compress
+give a thread 16 bytes of a row's channels and pack whole rows into blocks
+of 64 threads (a row of more than 1024 threads' channels strides); the
+fused step launches one block of 1024 threads for the scan, then its
+requests and output rows the same way; expand_topk launches a block per
+token row, an id a thread up to 256 threads in whole 64-thread groups, and
+a warp per row past 8,192 ids.
 """
 
 from max.gpu.host import DeviceContext
