@@ -11,7 +11,8 @@ median of 7 timed calls:
   cores (`ring_close_cpu`), in GB/s of pool members read (keys and
   gates);
 - the prefill scorer's register block (`score_head_block`, 32 heads,
-  depth 128) and the decode scorer (`score_tile`, 32 heads, depth 128, 64
+  depth 128; and on AVX-512 BF16 its bfloat16 pair form, the one the op
+  runs there) and the decode scorer (`score_tile`, 32 heads, depth 128, 64
   candidates), one core, in GFLOP/s (2 per multiply-add).
 """
 
@@ -23,6 +24,8 @@ from kernels.index.cpu.index_cpu_block import (
     PREFILL_TILE,
     PREFILL_VECTORS,
     score_head_block,
+    score_head_block_pairs,
+    use_pairs,
 )
 from kernels.index.cpu.index_cpu_score import score_tile
 from kernels.index.index_operands import F32_WIDTH, padded_heads_of
@@ -122,6 +125,31 @@ def head_block_gflops() raises -> Float64:
     return 2.0 * Float64(reps * rows * H * D * PREFILL_TILE) / _median(times)
 
 
+def pair_block_gflops() raises -> Float64:
+    """`score_head_block_pairs` (AVX-512 BF16), as `head_block_gflops`."""
+    comptime words = D // 2
+    var rows = 16
+    var reps = 400
+    var q = List[UInt32](length=rows * H * words, fill=0x3F803F80)
+    var w = List[Float32](length=rows * H, fill=0.5)
+    var keys = List[UInt32](length=words * PREFILL_TILE, fill=0x3F003F00)
+    var totals = List[Float32](length=PREFILL_TILE, fill=0)
+    var times = List[Int]()
+    for _ in range(CALLS):
+        var t0 = perf_counter_ns()
+        for _ in range(reps):
+            for r in range(rows):
+                for b in range(0, H, PREFILL_HEADS):
+                    score_head_block_pairs[D](
+                        _ptr(q).unsafe_offset((r * H + b) * words),
+                        _ptr(w).unsafe_offset(r * H + b),
+                        _ptr(keys),
+                        _ptr(totals),
+                    )
+        times.append(perf_counter_ns() - t0)
+    return 2.0 * Float64(reps * rows * H * D * PREFILL_TILE) / _median(times)
+
+
 def decode_tile_gflops() raises -> Float64:
     """`score_tile`: one query row against 64 decoded candidates."""
     comptime padded = padded_heads_of[H]()
@@ -168,4 +196,9 @@ def main() raises:
         ring_close_gbps[DType.bfloat16, 4](32768),
     )
     print("prefill head block GFLOP/s (1 core)", head_block_gflops())
+    comptime if use_pairs[D]():
+        print(
+            "prefill pair block (AVX-512 BF16) GFLOP/s (1 core)",
+            pair_block_gflops(),
+        )
     print("decode score_tile GFLOP/s (1 core)", decode_tile_gflops())
