@@ -27,9 +27,9 @@ from kernels.index.cpu.index_cpu_block import (
     score_head_block_pairs,
     use_pairs,
 )
-from kernels.index.cpu.index_cpu_score import score_tile
+from kernels.index.cpu.index_cpu_score import score_tile, scratch
 from kernels.index.index_operands import F32_WIDTH, padded_heads_of
-from kernels.model.ragged import Ptr, RaggedCall, Ring
+from kernels.model.ragged import RaggedCall, Ring
 from kernels.writers.ring_close import RingCloseOperands, ring_close_cpu
 
 comptime F32 = DType.float32
@@ -39,16 +39,8 @@ comptime H = 32
 comptime CALLS = 7
 
 
-def _ptr[dtype: DType](mut v: List[Scalar[dtype]]) -> Ptr[dtype]:
-    return v.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-
-
-def _spread(mut v: List[Float32], salt: Int):
-    for i in range(len(v)):
-        v[i] = Float32((i * 7919 + salt) % 2003 - 1001) / 1001.0
-
-
 def _keys[dtype: DType](count: Int, salt: Int) -> List[Scalar[dtype]]:
+    """A deterministic spread of values in [-1, 1]."""
     var out = List[Scalar[dtype]](length=count, fill=0)
     for i in range(count):
         out[i] = Scalar[dtype](
@@ -81,13 +73,20 @@ def ring_close_gbps[dtype: DType, kpool: Int](batch: Int) raises -> Float64:
         cache.append(UInt32(1000 * kpool + pending))
         slots.append(UInt32(b))
     var op = RingCloseOperands[dtype, U32, U32, U32, kpool, D, MutAnyOrigin](
-        _ptr(pooled),
-        _ptr(closed),
-        _ptr(ape),
+        scratch(pooled),
+        scratch(closed),
+        scratch(ape),
         RaggedCall[dtype, U32, U32, MutAnyOrigin](
-            _ptr(k), _ptr(gate), _ptr(offsets), _ptr(cache), batch, batch * new
+            scratch(k),
+            scratch(gate),
+            scratch(offsets),
+            scratch(cache),
+            batch,
+            batch * new,
         ),
-        Ring[dtype, U32, MutAnyOrigin](_ptr(tail), _ptr(slots), batch, kpool),
+        Ring[dtype, U32, MutAnyOrigin](
+            scratch(tail), scratch(slots), batch, kpool
+        ),
     )
     var times = List[Int]()
     for _ in range(CALLS):
@@ -99,15 +98,15 @@ def ring_close_gbps[dtype: DType, kpool: Int](batch: Int) raises -> Float64:
     return Float64(batch * kpool * D * size_of[dtype]() * 2) / _median(times)
 
 
-def head_block_gflops() raises -> Float64:
-    """`score_head_block` over 16 rows of 32 heads, one key tile in L1."""
+def prefill_block_gflops[pairs: Bool]() raises -> Float64:
+    """`score_head_block` (or, with `pairs`, `score_head_block_pairs` on
+    AVX-512 BF16) over 16 rows of 32 heads, one key tile in L1."""
+    comptime words = D // 2 if pairs else D
     var rows = 16
     var reps = 400
-    var q = List[Float32](length=rows * H * D, fill=0)
-    _spread(q, 4)
+    var q = _keys[F32](rows * H * words, 4)
     var w = List[Float32](length=rows * H, fill=0.5)
-    var keys = List[Float32](length=D * PREFILL_TILE, fill=0)
-    _spread(keys, 5)
+    var keys = _keys[F32](words * PREFILL_TILE, 5)
     var totals = List[Float32](length=PREFILL_TILE, fill=0)
     var times = List[Int]()
     for _ in range(CALLS):
@@ -115,37 +114,19 @@ def head_block_gflops() raises -> Float64:
         for _ in range(reps):
             for r in range(rows):
                 for b in range(0, H, PREFILL_HEADS):
-                    score_head_block[D](
-                        _ptr(q).unsafe_offset((r * H + b) * D),
-                        _ptr(w).unsafe_offset(r * H + b),
-                        _ptr(keys),
-                        _ptr(totals),
-                    )
-        times.append(perf_counter_ns() - t0)
-    return 2.0 * Float64(reps * rows * H * D * PREFILL_TILE) / _median(times)
-
-
-def pair_block_gflops() raises -> Float64:
-    """`score_head_block_pairs` (AVX-512 BF16), as `head_block_gflops`."""
-    comptime words = D // 2
-    var rows = 16
-    var reps = 400
-    var q = List[UInt32](length=rows * H * words, fill=0x3F803F80)
-    var w = List[Float32](length=rows * H, fill=0.5)
-    var keys = List[UInt32](length=words * PREFILL_TILE, fill=0x3F003F00)
-    var totals = List[Float32](length=PREFILL_TILE, fill=0)
-    var times = List[Int]()
-    for _ in range(CALLS):
-        var t0 = perf_counter_ns()
-        for _ in range(reps):
-            for r in range(rows):
-                for b in range(0, H, PREFILL_HEADS):
-                    score_head_block_pairs[D](
-                        _ptr(q).unsafe_offset((r * H + b) * words),
-                        _ptr(w).unsafe_offset(r * H + b),
-                        _ptr(keys),
-                        _ptr(totals),
-                    )
+                    var head = scratch(q).unsafe_offset((r * H + b) * words)
+                    var weight = scratch(w).unsafe_offset(r * H + b)
+                    comptime if pairs:
+                        score_head_block_pairs[D](
+                            head.unsafe_bitcast[UInt32](),
+                            weight,
+                            scratch(keys).unsafe_bitcast[UInt32](),
+                            scratch(totals),
+                        )
+                    else:
+                        score_head_block[D](
+                            head, weight, scratch(keys), scratch(totals)
+                        )
         times.append(perf_counter_ns() - t0)
     return 2.0 * Float64(reps * rows * H * D * PREFILL_TILE) / _median(times)
 
@@ -155,11 +136,9 @@ def decode_tile_gflops() raises -> Float64:
     comptime padded = padded_heads_of[H]()
     var count = 64
     var reps = 4000
-    var q = List[Float32](length=D * padded, fill=0)
-    _spread(q, 6)
+    var q = _keys[F32](D * padded, 6)
     var w = List[Float32](length=padded, fill=0.5)
-    var keys = List[Float32](length=(count + 8) * D, fill=0)
-    _spread(keys, 7)
+    var keys = _keys[F32]((count + 8) * D, 7)
     var scales = List[Float32](length=count + 8, fill=1)
     var scores = List[Float32](length=count + 8, fill=0)
     var times = List[Int]()
@@ -167,7 +146,12 @@ def decode_tile_gflops() raises -> Float64:
         var t0 = perf_counter_ns()
         for _ in range(reps):
             score_tile[H, D](
-                _ptr(q), _ptr(w), _ptr(keys), _ptr(scales), count, _ptr(scores)
+                scratch(q),
+                scratch(w),
+                scratch(keys),
+                scratch(scales),
+                count,
+                scratch(scores),
             )
         times.append(perf_counter_ns() - t0)
     return 2.0 * Float64(reps * count * H * D) / _median(times)
@@ -195,10 +179,10 @@ def main() raises:
         "ring_close bfloat16 kpool 4 batch 32768 GB/s",
         ring_close_gbps[DType.bfloat16, 4](32768),
     )
-    print("prefill head block GFLOP/s (1 core)", head_block_gflops())
+    print("prefill head block GFLOP/s (1 core)", prefill_block_gflops[False]())
     comptime if use_pairs[D]():
         print(
             "prefill pair block (AVX-512 BF16) GFLOP/s (1 core)",
-            pair_block_gflops(),
+            prefill_block_gflops[True](),
         )
     print("decode score_tile GFLOP/s (1 core)", decode_tile_gflops())

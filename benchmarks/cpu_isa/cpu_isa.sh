@@ -11,9 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT="$(mktemp -d "${TMPDIR:-/tmp}/cpu-isa.XXXXXX")"
 trap 'rm -rf "$OUT"' EXIT
-echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)," \
-  "flags: $(grep -m1 -o 'avx2\|avx512f\|avx512_bf16\|amx_tile' /proc/cpuinfo \
-  | sort -u | xargs)"
+python -c "from mla_kpool._sysinfo import cpu_isa, cpu_model
+print('host:', cpu_model(), '(' + ', '.join(cpu_isa()) + ')')"
 mojo build -I . benchmarks/cpu_isa/cpu_isa.mojo -o "$OUT/host"
 mojo build -I . --target-cpu znver3 benchmarks/cpu_isa/cpu_isa.mojo -o "$OUT/avx2"
 for i in $(seq "${RUNS:-3}"); do

@@ -249,13 +249,10 @@ struct ExpandState(Copyable, Defaultable, TrivialRegisterPassable):
 
     var visible: Int
     """Positions the row's query sees (`query_visible`)."""
-    var count: Int
-    """Valid ids in the thread's run."""
 
     def __init__(out self):
         """Before phase 0."""
         self.visible = 0
-        self.count = 0
 
 
 def expand_topk_phase[
@@ -296,7 +293,6 @@ def expand_topk_phase[
         for j in range(run[0], run[1]):
             if _valid(read_index(ids, j), complete):
                 count += 1
-        state.count = count
         lane.offer(UInt64(count))
     elif phase == 1:
         var complete = state.visible // kpool

@@ -9,11 +9,11 @@ A pool of `kpool` consecutive tokens collapses to one key, channel by channel:
 a softmax over the pool's members q, computed in float32 with max
 subtraction (gates of magnitude 100 cannot overflow) and cast to the key
 dtype at the end. Every writer pools through this module (`pool_channels`
-on GPU, `cpu_pool_row` on CPU, the same arithmetic lane for lane), with
-the same member order and the same fused multiply-adds, each lane's
-channel computed alone whatever the SIMD width (16 bytes a GPU thread, a
-cache line a CPU step), so a pool comes out bitwise identical whichever
-writer builds it on a device (docs/ops.md, Numerics). NaN in a gate, ape or key reaches
+on GPU, `cpu_pool_row` on CPU, the same arithmetic lane for lane), with the
+same member order and the same fused multiply-adds, each lane's channel
+computed alone whatever the SIMD width (16 bytes a GPU thread, a cache line
+a CPU step), so a pool comes out bitwise identical whichever writer builds
+it on a device (docs/ops.md, Numerics). NaN in a gate, ape or key reaches
 only its own channel, as it does in a softmax.
 
 A pool's members come from two row segments, described by `PoolMembers`:

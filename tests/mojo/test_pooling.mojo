@@ -15,7 +15,8 @@ from std.testing import TestSuite, assert_equal
 from max.gpu.host import DeviceContext
 
 from kernels.model.gpu_kernel import launch_kernel
-from kernels.model.ragged import Ptr, RaggedCall, Ring
+from kernels.index.cpu.index_cpu_score import scratch
+from kernels.model.ragged import RaggedCall, Ring
 from kernels.writers.pooling import to_key_dtype
 from kernels.writers.ring_close import (
     RingCloseKernel,
@@ -80,10 +81,6 @@ comptime KPOOL = 4
 comptime D = 128
 
 
-def _at[dtype: DType](mut v: List[Scalar[dtype]], skip: Int) -> Ptr[dtype]:
-    return v.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]().unsafe_offset(skip)
-
-
 def _values(count: Int, salt: Int) -> List[BFloat16]:
     var out = List[BFloat16](length=count, fill=0)
     for i in range(count):
@@ -115,21 +112,33 @@ def _close_both(skip: Int) raises:
     comptime Op = RingCloseOperands[BF16, U32, U32, U32, KPOOL, D, MutAnyOrigin]
 
     var call = RaggedCall[BF16, U32, U32, MutAnyOrigin](
-        _at(k, skip),
-        _at(gate, skip),
-        _at(offsets, 0),
-        _at(cache, 0),
+        scratch(k).unsafe_offset(skip),
+        scratch(gate).unsafe_offset(skip),
+        scratch(offsets),
+        scratch(cache),
         batch,
         batch * 2 - 1,
     )
     var ring = Ring[BF16, U32, MutAnyOrigin](
-        _at(tail, skip), _at(slots, 0), batch, KPOOL
+        scratch(tail).unsafe_offset(skip), scratch(slots), batch, KPOOL
     )
     ring_close_cpu(
-        Op(_at(cpu, skip), _at(cpu_closed, 0), _at(ape, 0), call, ring)
+        Op(
+            scratch(cpu).unsafe_offset(skip),
+            scratch(cpu_closed),
+            scratch(ape),
+            call,
+            ring,
+        )
     )
     launch_kernel[RingCloseKernel[Op], True](
-        Op(_at(gpu, skip), _at(gpu_closed, 0), _at(ape, 0), call, ring),
+        Op(
+            scratch(gpu).unsafe_offset(skip),
+            scratch(gpu_closed),
+            scratch(ape),
+            call,
+            ring,
+        ),
         DeviceContext(api="cpu"),
     )
     for b in range(batch):
