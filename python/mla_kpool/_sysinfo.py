@@ -31,6 +31,23 @@ def package_version(name: str) -> str | None:
         return None
 
 
+def _cpuinfo_value(cpuinfo: Path, keys: tuple[str, ...]) -> str | None:
+    """The first non-empty value of one of ``keys`` in ``cpuinfo``.
+
+    A ``/proc/cpuinfo`` style file: the first CPU's line counts; ``None``
+    when there is no such line or no file.
+    """
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in keys and value.strip():
+            return value.strip()
+    return None
+
+
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The CPU's marketing name.
 
@@ -38,15 +55,12 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     kernels); elsewhere, or when it names nothing, ``platform.processor()``
     and finally ``platform.machine()``.
     """
-    try:
-        text = cpuinfo.read_text(errors="replace")
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("model name", "Processor") and value.strip():
-            return value.strip()
-    return platform.processor() or platform.machine() or "unknown"
+    return (
+        _cpuinfo_value(cpuinfo, ("model name", "Processor"))
+        or platform.processor()
+        or platform.machine()
+        or "unknown"
+    )
 
 
 #: The instruction sets the CPU kernels choose between, by the Linux
@@ -67,16 +81,8 @@ def cpu_isa(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
     Read from the first ``flags`` line of Linux's ``/proc/cpuinfo``; an
     empty list where there is none (another OS, or a non-x86 CPU).
     """
-    try:
-        text = cpuinfo.read_text(errors="replace")
-    except OSError:
-        return []
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            flags = set(value.split())
-            return [name for name, flag in CPU_ISA_FLAGS if flag in flags]
-    return []
+    flags = set((_cpuinfo_value(cpuinfo, ("flags",)) or "").split())
+    return [name for name, flag in CPU_ISA_FLAGS if flag in flags]
 
 
 def git_commit(package_dir: Path = _PACKAGE_DIR) -> tuple[str, bool] | None:

@@ -62,6 +62,7 @@ __all__ = [
     "WORKSPACE_BYTES",
     "bound_seconds",
     "index_workload",
+    "pool_flops",
     "step_flops",
     "step_workload",
     "workload_for_case",
@@ -75,6 +76,15 @@ WORKSPACE_BYTES = GPU_WORKSPACE_BYTES
 #: Flops per pooled member and channel of a writer: gate + ape, minus the
 #: max, exp (counted as one), the weight sum, the weighted key (mul, add).
 POOL_FLOPS_PER_MEMBER = 6
+
+
+def pool_flops(pools: int, kpool: int, head_dim: int) -> int:
+    """Flops of pooling ``pools`` pools of ``kpool`` members.
+
+    :data:`POOL_FLOPS_PER_MEMBER` per member and channel, and one division
+    per channel.
+    """
+    return pools * head_dim * (POOL_FLOPS_PER_MEMBER * kpool + 1)
 
 
 def step_flops(batch: int, kpool: int, head_dim: int) -> int:
@@ -93,8 +103,7 @@ def step_flops(batch: int, kpool: int, head_dim: int) -> int:
     Returns:
         The flops.
     """
-    pools = 2 * batch
-    return pools * head_dim * (POOL_FLOPS_PER_MEMBER * kpool + 1)
+    return pool_flops(2 * batch, kpool, head_dim)
 
 
 def step_workload(
@@ -129,8 +138,7 @@ def writer_workload(name: str, op: str, batch: int) -> dict[str, Any]:
     ``ring_close``, ``compress`` and ``seed_tail`` at bfloat16, head_dim
     128, kpool 4; ``expand_topk`` on int32 ids, top 512, kpool 4, one
     query row per request (:mod:`.workload`). ``flops``: the pooling's
-    (:data:`POOL_FLOPS_PER_MEMBER` per member and channel and a division)
-    for the ops that pool, else 0.
+    (:func:`pool_flops`) for the ops that pool, else 0.
 
     Returns:
         ``name``, ``op``, ``params`` (as the kernel rows' ``params`` name
@@ -154,7 +162,7 @@ def writer_workload(name: str, op: str, batch: int) -> dict[str, Any]:
         "op": op,
         "params": params,
         "bytes": bench_workload.op_bytes(case),
-        "flops": pools * head_dim * (POOL_FLOPS_PER_MEMBER * kpool + 1),
+        "flops": pool_flops(pools, kpool, head_dim),
         "counts": counts,
     }
 
