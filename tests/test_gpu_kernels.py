@@ -105,14 +105,39 @@ SELECT_MUTANTS = [
         "offered no value to the collective",
     ),
     (
-        # A split row's first slice merges instead of its last to arrive:
+        # A split row's first block selects instead of its last to arrive:
         # the shuffled block order runs it before some of the others, so
-        # it merges picks that are not there yet (and re-zeroes the
-        # arrival counter before they arrive).
-        "merge_by_block_order",
+        # it takes a histogram they have not added to yet (and re-zeroes
+        # the counter before they arrive).
+        "select_by_block_order",
         "last = 1 if Int(before) == whole.slices - 1 else 0",
         "last = 1 if slice == 0 else 0",
-        r"slot \d+: got|left the arrival counter set",
+        r"slot \d+: got|left its counter or histogram set|out of range",
+    ),
+    (
+        # The wide bucket recorded is the one above the m-th key's: fewer
+        # keys pass the filter than the recorded count, so the pick reads
+        # pairs nobody compacted, or misses keys.
+        "wide_bucket_off_by_one",
+        "s.store(WIDE_STATE, UInt32(top - i))",
+        "s.store(WIDE_STATE, UInt32(top - i + 1))",
+        r"slot \d+: got|before any thread wrote|out of range",
+    ),
+    (
+        # The compaction's count leaves out the m-th key's bucket, while
+        # its scatter keeps it: runs land on each other's places.
+        "filter_count_without_the_bucket",
+        "if _wide_digit(key) >= bucket:\n                    kept += 1",
+        "if _wide_digit(key) > bucket:\n                    kept += 1",
+        r"slot \d+: got|missing barrier|out of range|before any thread wrote",
+    ),
+    (
+        # The last block leaves the row's histogram as the launch left it:
+        # the next launch would count on top of it.
+        "histogram_left_for_the_next_launch",
+        "                whole.split[unsafe_offset=1 + i] = 0\n",
+        "",
+        "left its counter or histogram set",
     ),
     (
         # The rank sort counts the pairs ranked after each pair, not
@@ -124,9 +149,15 @@ SELECT_MUTANTS = [
     ),
 ]
 
-#: The mutants planted in index_select.mojo (the split, merge and sort);
-#: the others are a pick's, in index_pick.mojo.
-_IN_SELECT = ("merge_by_block_order", "rank_in_reverse")
+#: The mutants planted in index_select.mojo (the split and the sort); the
+#: others are a pick's, in index_pick.mojo.
+_IN_SELECT = (
+    "select_by_block_order",
+    "wide_bucket_off_by_one",
+    "filter_count_without_the_bucket",
+    "histogram_left_for_the_next_launch",
+    "rank_in_reverse",
+)
 
 
 @needs_mojo

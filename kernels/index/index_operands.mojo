@@ -48,7 +48,7 @@ struct IndexWorkspace[origin: MutOrigin](Copyable, TrivialRegisterPassable):
     var scores: Field[DType.float32, Self.origin]
     """`[window, candidates]` score workspace."""
     var split: Field[DType.uint32, Self.origin]
-    """`[window, split_words(slices, k)]` the split select's words (zero
+    """`[window, split_words(slices)]` the split select's words (zero
     before the first window; each row's last block re-zeroes its counter)."""
     var slices: Int
     """Blocks each row's select is split over (`select_slices`)."""

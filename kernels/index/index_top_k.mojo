@@ -318,7 +318,7 @@ struct MLAKPoolIndexTopK:
         # The split select's words: none unless rows are split (at least a
         # word, so the buffer is never empty).
         var split_size = max(
-            window * split_words(select_slices(candidates, total_tokens, k), k),
+            window * split_words(select_slices(candidates, total_tokens, k)),
             1,
         )
 

@@ -16,8 +16,9 @@ touches besides its state:
 - **`Lane`** (in `collectives`, re-exported here with the collective
   kinds): the thread's value in a **collective** that runs after a phase
   (`GpuKernel.collective(p)`).
-- **Blocks that meet through global memory**: `publish_fence`, `arrive`,
-  `acquire_fence`, `read_published`, at GPU scope.
+- **Blocks that meet through global memory**: `publish_add`,
+  `publish_fence`, `arrive`, `acquire_fence`, `read_published`, at GPU
+  scope.
 
 **The emulation** runs a block's phase `p` for every thread (in
 descending order) before phase `p + 1`, which is exact for
@@ -424,6 +425,24 @@ def publish_fence():
     block (a release fence): each thread that wrote a block's part calls it
     before the barrier that precedes the arrival."""
     fence[Ordering.RELEASE, scope=_gpu_scope()]()
+
+
+@always_inline
+def publish_add(ptr: Pointer[UInt32, MutAnyOrigin], i: Int, value: UInt32):
+    """Adds `value` to word `i` of global memory that several blocks add to
+    (a relaxed atomic at GPU scope: `atom.relaxed.gpu.global.add` on
+    NVIDIA). Like a plain write of a block's part, it is ordered before
+    the block's `arrive` by `publish_fence`, and the last block to arrive
+    reads the sum with `read_published`.
+
+    Args:
+        ptr: The words, in global memory.
+        i: The word.
+        value: What to add.
+    """
+    _ = Atomic[UInt32, scope=_gpu_scope()].fetch_add[
+        ordering=Ordering.RELAXED
+    ](ptr.unsafe_offset(i), value)
 
 
 @always_inline

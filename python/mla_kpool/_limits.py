@@ -35,11 +35,10 @@ def window_rows(candidates: int, total_tokens: int) -> int:
 def select_slices(candidates: int, total_tokens: int, k: int) -> int:
     """Blocks each row's select is split over on a GPU.
 
-    One for a call of at least 128 rows; for fewer, as many as give each
-    slice at least ``4 k`` candidates and keep every slice's pick (``2 k``
-    words) in a row cache of 8,192 words, at most 8 (``select_slices`` in
-    kernels/index/gpu/index_select.mojo).
+    One for a call of at least 128 rows or rows shorter than 4,096 and
+    ``4 k`` candidates; else one per 512 candidates, at most 16
+    (``select_slices`` in kernels/index/gpu/index_select.mojo).
     """
-    if total_tokens >= 128:
+    if total_tokens >= 128 or candidates < max(4096, 4 * k):
         return 1
-    return max(1, min(8, candidates // (4 * k), 8192 // (2 * k)))
+    return min(16, -(-candidates // 512))

@@ -112,7 +112,7 @@ struct SelectTest[k: Int](GpuKernel):
             Int(op.bounds[unsafe_offset=r]),
             op.width,
             op.slices,
-            op.split.unsafe_offset(r * split_words(op.slices, Self.k)),
+            op.split.unsafe_offset(r * split_words(op.slices)),
             op.ids.unsafe_offset(r * Self.k),
         )
         select_phase[phase, Self.k](t, state, lane, s, row, b % op.slices)
@@ -135,7 +135,7 @@ def _select[
     for r in rows:
         bounds.append(Int64(len(r)))
     var split = List[UInt32](
-        length=max(len(rows) * split_words(slices, k), 1), fill=0
+        length=max(len(rows) * split_words(slices), 1), fill=0
     )
     emulate_kernel[SelectTest[k]](
         Select(
@@ -149,12 +149,16 @@ def _select[
         ),
         len(rows) * slices,
     )
-    # Each row's last block re-zeroed its arrival counter.
-    for i in range(len(rows)):
+    # Each row's last block re-zeroed its arrival counter and histogram.
+    for i in range(len(split)):
         assert_equal(
-            split[i * split_words(slices, k)],
+            split[i],
             0,
-            String("row ", i, ": its last block left the arrival counter set"),
+            String(
+                "split word ",
+                i,
+                ": a row's last block left its counter or histogram set",
+            ),
         )
     _ = flat^  # the kernel read it through a pointer
     _ = bounds^
@@ -332,10 +336,11 @@ def test_rows_in_and_past_the_row_cache() raises:
 
 
 def test_rows_split_over_blocks() raises:
-    """Rows of a few requests, each split over blocks whose picks the last
-    to arrive merges: bounds that leave slices empty or short, ties across
-    slices (the lowest ids must win), NaN, and slice counts that do not
-    divide the row."""
+    """Rows of a few requests, each counted over blocks whose last to arrive
+    selects: bounds that leave slices empty or short, ties inside one wide
+    bucket and across slices (the lowest ids must win), NaN, slice counts
+    that do not divide the row, and rows from 0 to 8,192 candidates in one
+    launch."""
     seed(10)
     var nan = Float32(0.0) / Float32(0.0)
     var rows = List[List[Float32]]()
@@ -347,10 +352,54 @@ def test_rows_split_over_blocks() raises:
     rows.append(List[Float32](length=8000, fill=nan))
     rows.append(_random(1, 0))
     rows.append(List[Float32]())
+    _check[512](rows, 16)
     _check[512](rows, 4)
     _check[512](rows, 3)
     _check[100](rows, 8)
     _check[2048](rows, 2)
+
+
+def test_split_rows_around_the_wide_bucket() raises:
+    """A split row's last block compacts the keys in and above the wide
+    bucket of the m-th key: scores one bucket apart, many keys in that
+    bucket (past the row cache's pairs, so it picks over the whole row),
+    +0 and -0 at the threshold, NaN and infinities, and bounds around k."""
+    seed(11)
+    var nan = Float32(0.0) / Float32(0.0)
+    var inf = Float32(1.0) / Float32(0.0)
+    var rows = List[List[Float32]]()
+    # 300 keys at 1.0, the rest just below (1.0 - 2^-24: the bucket below,
+    # 1.0 sits at the bottom of its bucket).
+    var edge = List[Float32](length=8192, fill=Float32(0.99999994))
+    for i in range(0, 8192, 27):
+        edge[i] = 1.0
+    rows.append(edge^)
+    # Every key in one bucket: more than the cache's 4,096 pairs.
+    var narrow = List[Float32]()
+    for i in range(8192):
+        narrow.append(Float32(1.0 + Float64(i % 97) * 1.0e-6))
+    rows.append(narrow^)
+    # Signed zeros around the threshold, among negatives and NaN.
+    var zeros = List[Float32]()
+    for i in range(8192):
+        var x = Float32(-1.0 - Float64(i % 13))
+        if i % 9 == 0:
+            x = -0.0 if i % 2 else 0.0
+        elif i % 31 == 0:
+            x = nan
+        elif i % 1000 == 0:
+            x = inf
+        elif i % 1001 == 0:
+            x = -inf
+        zeros.append(x)
+    rows.append(zeros^)
+    rows.append(_random(511, 0))
+    rows.append(_random(512, 0))
+    rows.append(_random(513, 0))
+    rows.append(_random(4096, 0))
+    _check[512](rows, 16)
+    _check[1](rows, 16)
+    _check[2048](rows, 13)
 
 
 def test_the_select_compiles_for_every_target() raises:
@@ -361,14 +410,15 @@ def test_the_select_compiles_for_every_target() raises:
         assert_true(".entry index_select_" in asm, "no kernel entry")
         # Barriers, the histogram's block-scope shared atomics, the block
         # collectives' shuffles (the maximum a butterfly, so every lane has
-        # it); the split's GPU-scope arrival, fences and strong loads of the
-        # other blocks' picks.
+        # it); the split's GPU-scope histogram adds, arrival, fences and
+        # strong loads of the row's histogram.
         for what in [
             "bar.sync",
             "atom.relaxed.cta.shared.add.u32",
             "shfl.sync.up",
             "shfl.sync.bfly",
             "atom.acq_rel.gpu",
+            "atom.relaxed.gpu.global.add.u32",
             "fence.",
             "ld.relaxed.gpu.global",
         ]:

@@ -182,7 +182,7 @@ def select_row(row: Int, op: IndexTopK) -> SelectCall:
         bound,
         op.work.candidates,
         op.work.slices,
-        op.work.split.unsafe_offset(row * split_words(op.work.slices, op.k)),
+        op.work.split.unsafe_offset(row * split_words(op.work.slices)),
         op.output.unsafe_offset(t * op.k),
     )
 
@@ -308,7 +308,7 @@ def index_top_k_gpu[
         op_in: The call (its workspace is set here).
         plan: `[2 * T]` int64 device workspace.
         scores: `[window * candidates]` float32 device workspace.
-        split: `[window * split_words(slices, k)]` uint32 device
+        split: `[window * split_words(slices)]` uint32 device
             workspace, zero (`slices = select_slices(candidates, T, k)`).
         candidates: The most candidates a row can see (a workspace row).
         window: Rows per window (`window_rows`).

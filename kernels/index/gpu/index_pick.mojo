@@ -1,7 +1,7 @@
-"""A pick: one block's top `k` of a row's scores (or of the picks of a
-split row's blocks) into shared memory, unsorted: the load, radix select
-and collect of the GPU select (`index_select` has the whole select and its
-docs: the split, the sort, the output).
+"""A pick: one block's top `k` of a row's scores (or of the candidates a
+split row's last block compacted) into shared memory, unsorted: the load,
+radix select and collect of the GPU select (`index_select` has the whole
+select and its docs: the split, the sort, the output).
 
 A pick runs `PICK_PHASES` phases of the kernel model (`model/block_phases`):
 the load (a row of at most `CACHE_WORDS` keys into shared memory), 4 radix
@@ -11,8 +11,8 @@ count (a block exclusive prefix sum of each thread's counts above and at
 the k-th key) and its scatter of the (key, id) pairs.
 
 **Shared memory** (words from 0): two radix histograms (2 x 256), the
-state (prefix, need), the pairs' keys and ids (2 x `sort_width(k)`), then
-the row cache (`row_cache_words`).
+state (prefix, need), the split select's state (2 words), the pairs' keys
+and ids (2 x `sort_width(k)`), then the row cache (`row_cache_words`).
 """
 
 from std.bit import next_power_of_two
@@ -23,7 +23,6 @@ from ...model.block_phases import (
     NO_COLLECTIVE,
     Lane,
     Shared,
-    read_published,
 )
 from ...model.collectives import thread_run
 from ...model.ragged import Field
@@ -59,7 +58,12 @@ comptime _STATE = _HIST + 2 * RADIX_BUCKETS
 with that prefix the top k still takes."""
 
 
-comptime PAIRS = _STATE + 2
+comptime WIDE_STATE = _STATE + 2
+"""A split row's (threshold bucket, candidates at or above it): what its
+last block decided from the row's wide histogram (`index_select`)."""
+
+
+comptime PAIRS = WIDE_STATE + 2
 """The pairs' keys (`sort_width(k)` words), then their ids."""
 
 
@@ -118,34 +122,6 @@ def row_cache_words(candidates: Int) -> Int:
     return min(max(candidates, 0), CACHE_WORDS)
 
 
-def split_words(slices: Int, k: Int) -> Int:
-    """`UInt32` words of the split workspace per window row: an arrival
-    counter, each slice's pick count (`split_count`), keys (`split_keys`)
-    and ids (`split_ids`); none unsplit."""
-    if slices <= 1:
-        return 0
-    return 1 + slices * (1 + 2 * k)
-
-
-@always_inline
-def split_count(slice: Int) -> Int:
-    """The word of a split row's words that holds slice `slice`'s pick count
-    (word 0 is the arrival counter)."""
-    return 1 + slice
-
-
-@always_inline
-def split_keys(slices: Int, k: Int, slice: Int) -> Int:
-    """The first word of slice `slice`'s `k` pick keys."""
-    return 1 + slices + slice * k
-
-
-@always_inline
-def split_ids(slices: Int, k: Int, slice: Int) -> Int:
-    """The first word of slice `slice`'s `k` pick ids (after every key)."""
-    return split_keys(slices, k, slices + slice)
-
-
 @fieldwise_init
 struct SelectState(Copyable, Defaultable, TrivialRegisterPassable):
     """What a select thread keeps in registers across the barriers."""
@@ -158,8 +134,9 @@ struct SelectState(Copyable, Defaultable, TrivialRegisterPassable):
     """This thread's bucket count, from its offer to its decision."""
     var pairs: UInt32
     """Pairs the last pick placed: `min(k, bound)` of its row."""
-    var merging: Bool
-    """Whether this block is a split row's last to arrive (it merges)."""
+    var selects: Bool
+    """Whether this block selects its row: an unsplit row's block, or the
+    last of a split row's blocks to arrive."""
 
     def __init__(out self):
         """Before the first pass."""
@@ -167,36 +144,36 @@ struct SelectState(Copyable, Defaultable, TrivialRegisterPassable):
         self.need = 0
         self.count = 0
         self.pairs = 0
-        self.merging = False
+        self.selects = False
 
 
 @fieldwise_init
 struct SelectRow[origin: MutOrigin](Copyable, TrivialRegisterPassable):
-    """What one pick reads: a slice of a row's scores, or the slices' picks.
+    """What one pick reads: a slice of a row's scores, or candidates already
+    compacted into the row cache.
 
     Parameters:
         origin: Origin of the pointers (`MutAnyOrigin`, as `Row`).
     """
 
     var scores: Field[DType.float32, Self.origin]
-    """The slice's scores, `bound` of them (unread for a merge)."""
+    """The slice's scores, `bound` of them (unread when compacted)."""
     var bound: Int
     """Candidates of the pick, at least 0."""
     var first: Int
     """The id of the slice's first candidate."""
     var cache: Int
     """Words of row cache this launch has (`select_shared_words`)."""
-    var split: Field[DType.uint32, Self.origin]
-    """The window row's split words (`split_words`); read by a merge."""
-    var slices: Int
-    """Blocks the row is split over; a merge reads their picks."""
-    var merge: Bool
-    """Whether this pick reads the slices' picks, not scores."""
+    var compact: Bool
+    """Whether the candidates are in shared memory already: keys from the
+    row cache's first word, ids from `ids_at`, in id order."""
+    var ids_at: Int
+    """The shared word of a compacted pick's first id."""
 
     @always_inline
     def cached(self) -> Bool:
         """Whether the pick's keys are in shared memory."""
-        return self.bound <= self.cache
+        return self.compact or self.bound <= self.cache
 
     @always_inline
     def key[k: Int](self, s: Shared, j: Int) -> UInt32:
@@ -207,10 +184,10 @@ struct SelectRow[origin: MutOrigin](Copyable, TrivialRegisterPassable):
 
     @always_inline
     def id[k: Int](self, s: Shared, j: Int) -> UInt32:
-        """Candidate `j`'s id: its place in the row, or (a merge) the id the
-        slices' picks hold, kept after the keys in the cache."""
-        if self.merge:
-            return s.load(cache_start(k) + self.slices * k + j)
+        """Candidate `j`'s id: its place in the row, or (compacted) the id
+        kept beside its key."""
+        if self.compact:
+            return s.load(self.ids_at + j)
         return UInt32(self.first + j)
 
 
@@ -250,9 +227,7 @@ def pick_phase[
     comptime if phase == _LOAD:
         if thread < RADIX_BUCKETS:
             s.store(_HIST + thread, 0)
-        if row.merge:
-            _gather_picks[k](thread, s, row)
-        elif row.cached():
+        if row.cached() and not row.compact:
             for j in range(thread, row.bound, SELECT_THREADS):
                 s.store(
                     cache_start(k) + j, score_order(row.scores[unsafe_offset=j])
@@ -277,31 +252,6 @@ def pick_phase[
         _count_run[k](thread, state, lane, s, row, take_all)
     else:
         _scatter_run[k](thread, state, lane, s, row, m, take_all)
-
-
-def _gather_picks[k: Int](thread: Int, s: Shared, row: Row):
-    """A merge's load: the slices' picks, in slice order, into the cache
-    (keys, then ids after `slices * k` words).
-
-    Each slice's pick holds its keys above its own threshold, then its ties,
-    each in id order, and the slices cover ascending ids: so among equal
-    keys, the order here is id order, which the pick's tie rule (the
-    lowest places) needs. Other blocks wrote them: they are read with
-    strong loads (`read_published`).
-    """
-    var cache = cache_start(k)
-    var start = 0
-    for v in range(row.slices):
-        var count = Int(read_published(row.split, split_count(v)))
-        var keys = split_keys(row.slices, k, v)
-        var ids = split_ids(row.slices, k, v)
-        for i in range(thread, count, SELECT_THREADS):
-            s.store(cache + start + i, read_published(row.split, keys + i))
-            s.store(
-                cache + row.slices * k + start + i,
-                read_published(row.split, ids + i),
-            )
-        start += count
 
 
 def _decide[

@@ -1,4 +1,4 @@
-"""The GPU top-k select of the indexer: one block per score row.
+"""The GPU top-k select of the indexer: one block per score row, or several.
 
 Input: a row of float32 scores (candidate `j` at column `j`, `bound`
 candidates) in a workspace; output: the row's `m = min(k, bound)` ids in
@@ -31,14 +31,26 @@ row's top `k` into shared memory, unsorted.
    (key, id) pairs to their places: keys above `K` in id order, then the
    lowest-id `need` keys at `K` after all `m - need` of them. Ties are
    taken in id order because the runs are.
-4. **Split rows** (a call of fewer than `SPLIT_ROWS` rows, `select_slices`
-   blocks per row): each block picks from a slice of the row, publishes
-   its pick to a global workspace and arrives at the row's counter
-   (`block_phases.arrive`); a block maximum tells the last to arrive,
-   which picks the top `k` of the picks (keys above each slice's own
-   threshold, then its ties, slices in id order: among equal keys, id
-   order), re-zeroes the counter, and goes on alone. At GLM-5-Next's
-   decode (16 rows of 8,192 candidates, k 512) that is 4 blocks per row.
+4. **Split rows** (a call of fewer than `SPLIT_ROWS` rows, rows of at
+   least `SPLIT_MIN_CANDIDATES` and `4 k` candidates: `select_slices`
+   blocks per row, one per `SELECT_THREADS` candidates, at most
+   `MAX_SLICES`). Before the pick, the row's blocks count it together:
+   each block counts its slice's keys by their top `WIDE_BITS` bits (a
+   *wide digit*, 4,096 buckets) into a shared histogram with shared
+   atomics, adds the buckets it filled to the row's histogram in global
+   memory (`publish_add`), and arrives at the row's counter
+   (`block_phases.arrive`); a block maximum tells the last to arrive. That
+   block alone goes on: it takes the row's histogram (and re-zeroes it and
+   the counter for the next launch), finds by a block exclusive prefix sum
+   over the buckets, highest first, the bucket `B` that holds the m-th key
+   and how many keys `n` lie in `B` or above, and, if they fit in the row
+   cache, compacts those `n` (key, id) pairs into it in id order (a count
+   per thread's run, a prefix sum, a scatter): its pick then runs over
+   `n` candidates, not the row (at GLM-5-Next's decode, 16 rows of 8,192
+   candidates, k 512: 16 blocks per row, and about `k` plus one bucket's
+   keys left to pick). When they do not fit (ties or a narrow spread of
+   scores), it picks over the whole row. Blocks of unsplit rows skip these
+   phases.
 5. **Sort** by key descending, id ascending, and write the ids (then
    `-1`). For `k <= RANK_SORT_K` one phase ranks by counting: a thread
    per pair counts the pairs that rank before it (every thread reads the
@@ -55,38 +67,44 @@ methods (Alabi et al.,
 Batcher's bitonic sorter, 1968); a wide first digit counted with shared
 atomics and refined only inside the bucket that holds the k-th key is how
 the fast GPU top-k kernels count (FlashInfer's `RadixTopK`, MAX's
-`nn.topk_bitonic`), and a row split over blocks with a merge of their
-picks is how they fill a GPU with few rows.
+`nn.topk_bitonic`), and blocks of one row that merge their histograms in
+global memory is FlashInfer's multi-block radix top-k, here without a
+grid-wide barrier: the last block to arrive finishes the row alone.
 
 **Shared memory** (`select_shared_words`, sized at launch): two
-histograms (2 x 256 words), the state (2 words), the pairs (2 x
+histograms (2 x 256 words), the state (4 words), the pairs (2 x
 `sort_width(k)` words), the row cache (the workspace's row width, at most
-`CACHE_WORDS`), and the block collectives' 33 words (16 64-bit partials
-from an even word): 9,763 words (39,052 bytes) for k 512 at the
-GLM-5-Next decode shape, 12,835 (51,340 bytes, past the 48 KiB of static
-shared memory, within an MI300X workgroup's 64 KiB) for k 2048.
+`CACHE_WORDS`; a split row's wide histogram, then its compacted pairs,
+live there), and the block collectives' 33 words (16 64-bit partials from
+an even word): 9,765 words (39,060 bytes) for k 512 at the GLM-5-Next
+decode shape, 12,837 (51,348 bytes, past the 48 KiB of static shared
+memory, within an MI300X workgroup's 64 KiB) for k 2048.
 """
 
 from std.bit import log2_floor, next_power_of_two
-from std.math import max, min
+from std.math import ceildiv, max, min
 
 from ...model.block_phases import (
+    BLOCK_EXCLUSIVE_SUM,
     BLOCK_MAX,
     NO_COLLECTIVE,
     Lane,
     Shared,
     acquire_fence,
     arrive,
+    publish_add,
     publish_fence,
     read_published,
 )
-from ...model.ragged import Field, Ptr
-from ..index_rank import ordered_rank_key
+from ...model.collectives import thread_run
+from ...model.ragged import Field
+from ..index_rank import ordered_rank_key, score_order
 from .index_pick import (
     CACHE_WORDS,
     PAIRS,
     PICK_PHASES,
     SELECT_THREADS,
+    WIDE_STATE,
     Row,
     SelectState,
     cache_start,
@@ -94,19 +112,31 @@ from .index_pick import (
     pick_phase,
     row_cache_words,
     sort_width,
-    split_count,
-    split_ids,
-    split_keys,
-    split_words,
 )
 
 
 comptime SPLIT_ROWS = 128
-"""A window of fewer rows than this splits each row over several blocks."""
+"""A window of fewer rows than this splits each long row over blocks."""
 
 
-comptime MAX_SLICES = 8
+comptime MAX_SLICES = 16
 """The most blocks a row is split over."""
+
+
+comptime WIDE_BITS = 12
+"""Bits of a split row's first digit, counted by all its blocks."""
+
+
+comptime WIDE_BUCKETS = 1 << WIDE_BITS
+"""Buckets of the wide digit: 4,096 words, in the row cache."""
+
+
+comptime SPLIT_MIN_CANDIDATES = WIDE_BUCKETS
+"""The shortest workspace row that is split (its row cache holds the wide
+histogram)."""
+
+
+comptime _BUCKETS_PER_THREAD = WIDE_BUCKETS // SELECT_THREADS
 
 
 comptime RANK_SORT_K = 512
@@ -115,35 +145,68 @@ compares per pair) rather than by a bitonic sort (`log2(k) (log2(k) +
 1) / 2` phases, a barrier each): GLM-5-Next's 512 takes 1 phase, not 45."""
 
 
-comptime _PUBLISH = PICK_PHASES
+# The phases of a split row's count before the pick (steps 4).
+comptime _CLEAR = 0
 
 
-comptime _ARRIVE = _PUBLISH + 1
+comptime _COUNT = 1
 
 
-comptime _MERGE = _ARRIVE + 1
+comptime _FLUSH = 2
 
 
-comptime _FIRST_SORT_STEP = _MERGE + PICK_PHASES
+comptime _ARRIVE = 3
+
+
+comptime _TAKE = 4
+
+
+comptime _OFFER = 5
+
+
+comptime _DECIDE = 6
+
+
+comptime _FILTER = 7
+
+
+comptime _COMPACT = 8
+
+
+comptime _PICK = 9
+
+
+comptime _FIRST_SORT_STEP = _PICK + PICK_PHASES
 
 
 def select_slices(candidates: Int, total_tokens: Int, k: Int) -> Int:
     """Blocks each row's select is split over: 1 unless the call has few
-    rows (`SPLIT_ROWS`), then as many as give each slice at least `4 k`
-    candidates and let the merge keep every slice's pick in shared memory,
-    at most `MAX_SLICES` (`mla_kpool._limits.select_slices` is the Python
-    twin).
+    rows (`SPLIT_ROWS`) of at least `SPLIT_MIN_CANDIDATES` and `4 k`
+    candidates, then one per `SELECT_THREADS` candidates, at most
+    `MAX_SLICES` (`mla_kpool._limits.select_slices` is the Python twin).
 
     Args:
         candidates: The workspace's row width (the longest row).
         total_tokens: Query rows of the call.
         k: Ids per output row.
     """
-    if total_tokens >= SPLIT_ROWS:
+    if total_tokens >= SPLIT_ROWS or candidates < max(
+        SPLIT_MIN_CANDIDATES, 4 * k
+    ):
         return 1
-    return max(
-        1, min(MAX_SLICES, candidates // (4 * k), CACHE_WORDS // (2 * k))
-    )
+    return min(MAX_SLICES, ceildiv(candidates, SELECT_THREADS))
+
+
+def split_words(slices: Int) -> Int:
+    """`UInt32` words of the split workspace per window row: an arrival
+    counter and the row's wide histogram (`WIDE_BUCKETS`); none unsplit.
+
+    Args:
+        slices: `select_slices` of the call.
+    """
+    if slices <= 1:
+        return 0
+    return 1 + WIDE_BUCKETS
 
 
 def _sort_steps(k: Int) -> Int:
@@ -160,8 +223,8 @@ def _sort_steps(k: Int) -> Int:
 
 
 def select_phases(k: Int) -> Int:
-    """Phases of the select for `k`: a pick, publish, arrive, a pick of the
-    picks, the sort steps and the write.
+    """Phases of the select for `k`: a split row's count, a pick, the sort
+    steps and the write.
 
     Args:
         k: Ids per output row, `1 ..= TOP_K_LIMIT`.
@@ -170,18 +233,19 @@ def select_phases(k: Int) -> Int:
 
 
 def select_collective(phase: Int) -> Int:
-    """The collective after `phase`: the picks' prefix sums, and a block
-    maximum after the arrival (which block of a split row is last).
+    """The collective after `phase`: a block maximum after the arrival
+    (which block of a split row is last), block exclusive prefix sums over
+    the wide buckets and the compaction's runs, and the pick's.
 
     Args:
         phase: The phase.
     """
-    if phase < PICK_PHASES:
-        return pick_collective(phase)
     if phase == _ARRIVE:
         return BLOCK_MAX
-    if _MERGE <= phase < _MERGE + PICK_PHASES:
-        return pick_collective(phase - _MERGE)
+    if phase == _OFFER or phase == _FILTER:
+        return BLOCK_EXCLUSIVE_SUM
+    if _PICK <= phase < _FIRST_SORT_STEP:
+        return pick_collective(phase - _PICK)
     return NO_COLLECTIVE
 
 
@@ -217,7 +281,7 @@ struct WindowRow[origin: MutOrigin](Copyable, TrivialRegisterPassable):
     var slices: Int
     """Blocks the row is split over (`select_slices`)."""
     var split: Field[DType.uint32, Self.origin]
-    """The row's `split_words(slices, k)` words, zero before the launch
+    """The row's `split_words(slices)` words, zero before the launch
     (unread unsplit)."""
     var ids: Field[DType.int32, Self.origin]
     """The row's `k` output ids."""
@@ -227,66 +291,143 @@ comptime SelectCall = WindowRow[MutAnyOrigin]
 """The window row a select block receives."""
 
 
-def slice_row(
-    scores: Field[DType.float32, MutAnyOrigin],
-    bound: Int,
-    width: Int,
+@always_inline
+def _wide_digit(key: UInt32) -> Int:
+    """A key's bucket of the wide digit: its top `WIDE_BITS` bits."""
+    return Int(key >> UInt32(32 - WIDE_BITS))
+
+
+def _slice_of(whole: SelectCall, slice: Int) -> Tuple[Int, Int]:
+    """Block `slice`'s ids of a split row: `[slice * L, (slice + 1) * L)`
+    within the bound, `L = ceil(width / slices)`."""
+    var per = ceildiv(whole.width, whole.slices)
+    var first = min(slice * per, whole.bound)
+    return (first, min(whole.bound, first + per))
+
+
+def _capacity(whole: SelectCall) -> Int:
+    """Pairs the row cache holds: keys in its first half, ids after."""
+    return row_cache_words(whole.width) // 2
+
+
+def _pick_row(whole: SelectCall, s: Shared, k: Int) -> Row:
+    """What the selecting block picks from: a split row's compacted pairs
+    when they fit the row cache, else the whole row."""
+    var cache = row_cache_words(whole.width)
+    if whole.slices > 1:
+        var n = Int(s.load(WIDE_STATE + 1))
+        if n <= _capacity(whole):
+            return Row(
+                whole.scores,
+                n,
+                0,
+                cache,
+                True,
+                cache_start(k) + _capacity(whole),
+            )
+    return Row(whole.scores, whole.bound, 0, cache, False, 0)
+
+
+def _split_phase[
+    phase: Int, k: Int
+](
+    thread: Int,
+    mut state: SelectState,
+    mut lane: Lane,
+    s: Shared,
+    whole: SelectCall,
     slice: Int,
-    slices: Int,
-    split: Field[DType.uint32, MutAnyOrigin],
-) -> Row:
-    """Block `slice`'s pick of a row of `bound` candidates: ids `slice * L
-    ..< (slice + 1) * L`, `L = ceil(width / slices)`.
-
-    Args:
-        scores: The row's scores.
-        bound: Candidates of the row.
-        width: The workspace's row width.
-        slice: The block's slice, `0 ..< slices`.
-        slices: `select_slices` of the call.
-        split: The window row's split words.
-    """
-    var per = (width + slices - 1) // slices
-    var first = min(slice * per, bound)
-    return Row(
-        scores.unsafe_offset(first),
-        min(bound - first, per),
-        first,
-        row_cache_words(width),
-        split,
-        slices,
-        False,
-    )
-
-
-def merge_row(
-    width: Int,
-    slices: Int,
-    split: Field[DType.uint32, MutAnyOrigin],
-    merging: Bool,
-) -> Row:
-    """The last block's pick of the slices' picks (none in other blocks).
-
-    Args:
-        width: The workspace's row width.
-        slices: `select_slices` of the call.
-        split: The window row's split words.
-        merging: Whether this block merges.
-    """
-    var none = 0
-    var bound = 0
-    if merging:
-        for v in range(slices):
-            bound += Int(read_published(split, split_count(v)))
-    return Row(
-        Ptr[DType.float32](unsafe_from_address=none),
-        bound,
-        0,
-        row_cache_words(width),
-        split,
-        slices,
-        True,
-    )
+):
+    """Phase `phase` (`_CLEAR ..< _PICK`) of a split row's count and
+    compaction (module docs, step 4); for an unsplit row, only the
+    collectives' offers and `state.selects`."""
+    var split = whole.slices > 1
+    comptime wide = cache_start(k)
+    var m = min(k, whole.bound)
+    comptime if phase == _CLEAR:
+        if split:
+            for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
+                s.store(wide + i, 0)
+    elif phase == _COUNT:
+        if split:
+            var ids = _slice_of(whole, slice)
+            for j in range(ids[0] + thread, ids[1], SELECT_THREADS):
+                var key = score_order(whole.scores[unsafe_offset=j])
+                _ = s.atomic_add(wide + _wide_digit(key), 1)
+    elif phase == _FLUSH:
+        if split:
+            for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
+                var count = s.load(wide + i)
+                if count != 0:
+                    publish_add(whole.split, 1 + i, count)
+            publish_fence()
+    elif phase == _ARRIVE:
+        var last: UInt64 = 0
+        if split and thread == 0:
+            var before = arrive(whole.split)
+            last = 1 if Int(before) == whole.slices - 1 else 0
+        lane.offer(last)
+    elif phase == _TAKE:
+        state.selects = not split or lane.result() != 0
+        if split and state.selects:
+            acquire_fence()
+            for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
+                s.store(wide + i, read_published(whole.split, 1 + i))
+                # Every block has added its part: zero for the next launch.
+                whole.split[unsafe_offset=1 + i] = 0
+            if thread == 0:
+                whole.split[unsafe_offset=0] = 0
+                if m == 0:
+                    # No key is taken: no bucket, no candidate.
+                    s.store(WIDE_STATE, UInt32(WIDE_BUCKETS))
+                    s.store(WIDE_STATE + 1, 0)
+    elif phase == _OFFER:
+        # Thread t sums buckets from the top: `W - 1 - 8 t` down 8.
+        state.count = 0
+        if split and state.selects:
+            var top = WIDE_BUCKETS - 1 - _BUCKETS_PER_THREAD * thread
+            for i in range(_BUCKETS_PER_THREAD):
+                state.count += s.load(wide + top - i)
+        lane.offer(UInt64(state.count))
+    elif phase == _DECIDE:
+        if not (split and state.selects):
+            return
+        var above = Int(lane.result())
+        if above < m and m <= above + Int(state.count):
+            var top = WIDE_BUCKETS - 1 - _BUCKETS_PER_THREAD * thread
+            for i in range(_BUCKETS_PER_THREAD):
+                var count = Int(s.load(wide + top - i))
+                if above + count >= m:
+                    s.store(WIDE_STATE, UInt32(top - i))
+                    s.store(WIDE_STATE + 1, UInt32(above + count))
+                    break
+                above += count
+    elif phase == _FILTER:
+        var kept: UInt64 = 0
+        if split and state.selects and _pick_row(whole, s, k).compact:
+            var bucket = Int(s.load(WIDE_STATE))
+            var run = thread_run(thread, SELECT_THREADS, whole.bound)
+            for j in range(run[0], run[1]):
+                var key = score_order(whole.scores[unsafe_offset=j])
+                if _wide_digit(key) >= bucket:
+                    kept += 1
+        lane.offer(kept)
+    else:
+        comptime assert phase == _COMPACT
+        if not (split and state.selects):
+            return
+        var row = _pick_row(whole, s, k)
+        if not row.compact:
+            return
+        var bucket = Int(s.load(WIDE_STATE))
+        var at = Int(lane.result())
+        var run = thread_run(thread, SELECT_THREADS, whole.bound)
+        for j in range(run[0], run[1]):
+            var key = score_order(whole.scores[unsafe_offset=j])
+            if _wide_digit(key) >= bucket:
+                s.store(wide + at, key)
+                s.store(row.ids_at + at, UInt32(j))
+                at += 1
 
 
 def select_phase[
@@ -301,12 +442,12 @@ def select_phase[
 ):
     """One thread's share of phase `phase` of a block's select.
 
-    Phases `0 ..< PICK_PHASES` pick the top `k` of the block's slice of the
-    row (`whole`, all of it when unsplit) into the pairs. A split row's
-    block then publishes its pick to the split words and arrives; the last
-    to arrive picks the top `k` of the picks (`merge_row`) while the others
-    idle, and sorts and writes the output. An unsplit row's block sorts
-    and writes its own pick.
+    Phases `_CLEAR ..< _PICK` count a split row over its blocks and let the
+    last to arrive compact its candidates (nothing but the collectives'
+    offers for an unsplit row); the selecting block then picks the top
+    `k` (of the compacted candidates, or of the whole row) into the pairs,
+    sorts them and writes the output, while a split row's other blocks
+    idle.
 
     Parameters:
         phase: The phase, `0 ..< select_phases(k)`.
@@ -320,56 +461,16 @@ def select_phase[
         whole: The window row.
         slice: The block's slice of the row, `0 ..< whole.slices`.
     """
-    var split = whole.slices > 1
-    comptime if phase < PICK_PHASES:
-        var row = slice_row(
-            whole.scores,
-            whole.bound,
-            whole.width,
-            slice,
-            whole.slices,
-            whole.split,
-        )
-        pick_phase[phase, k](thread, state, lane, s, row)
-    elif phase == _PUBLISH:
-        if split:
-            var m = Int(state.pairs)
-            var keys = whole.split.unsafe_offset(
-                split_keys(whole.slices, k, slice)
-            )
-            var ids = whole.split.unsafe_offset(
-                split_ids(whole.slices, k, slice)
-            )
-            for i in range(thread, m, SELECT_THREADS):
-                keys[unsafe_offset=i] = s.load(PAIRS + i)
-                ids[unsafe_offset=i] = s.load(PAIRS + sort_width(k) + i)
-            if thread == 0:
-                whole.split[unsafe_offset=split_count(slice)] = UInt32(m)
-            publish_fence()
-    elif phase == _ARRIVE:
-        var last: UInt64 = 0
-        if split and thread == 0:
-            var before = arrive(whole.split)
-            last = 1 if Int(before) == whole.slices - 1 else 0
-        lane.offer(last)
+    comptime if phase < _PICK:
+        _split_phase[phase, k](thread, state, lane, s, whole, slice)
     elif phase < _FIRST_SORT_STEP:
-        comptime p = phase - _MERGE
-        comptime if p == 0:
-            state.merging = lane.result() != 0
-            if state.merging:
-                acquire_fence()
-            if state.merging and thread == 0:
-                # Every slice has arrived: ready for the next window.
-                whole.split[unsafe_offset=0] = 0
-        if state.merging:
-            var row = merge_row(
-                whole.width, whole.slices, whole.split, state.merging
-            )
-            pick_phase[p, k](thread, state, lane, s, row)
+        comptime p = phase - _PICK
+        if state.selects:
+            pick_phase[p, k](thread, state, lane, s, _pick_row(whole, s, k))
         elif pick_collective(p) != NO_COLLECTIVE:
             lane.offer(0)
     else:
-        if split and not state.merging:
+        if not state.selects:
             return
         comptime if phase < select_phases(k) - 1:
             _bitonic_step[k](
