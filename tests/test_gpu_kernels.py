@@ -147,6 +147,14 @@ SELECT_MUTANTS = [
         "if ordered_rank_key(s.load(PAIRS + j), s.load(id_at + j)) < mine:",
         r"slot \d+: got",
     ),
+    (
+        # The bitonic sort's compare-exchange keeps the wrong pair first in
+        # every block: a sequence in no order.
+        "bitonic_exchange_reversed",
+        "if _after(ka, ia, kb, ib) == ((i & size) == 0):",
+        "if _after(ka, ia, kb, ib) != ((i & size) == 0):",
+        r"slot \d+: got",
+    ),
 ]
 
 #: The mutants planted in index_select.mojo (the split and the sort); the
@@ -157,6 +165,7 @@ _IN_SELECT = (
     "filter_count_without_the_bucket",
     "histogram_left_for_the_next_launch",
     "rank_in_reverse",
+    "bitonic_exchange_reversed",
 )
 
 

@@ -6,12 +6,14 @@ Each case is a batch of score rows; every row's output must be the top
 candidate's `rank_key` (no radix, no bitonic). Cases: random scores, a
 bound below k, an empty row, more than 4,096 candidates tied at the k-th
 score, a row of only ties, NaN and signed zeros and infinities, k of 1 and
-of 3 (no power of two), bounds around the block's `SELECT_THREADS` and
-around k 2048 (below, at, one past, far past), thousands of ties and of
-NaN at the k-th place spread over many threads' runs, and a row of more
-than 262,144 candidates. The select kernel also compiles for sm_90a,
-sm_100a and gfx942.
-"""
+of 3 (no power of two), bounds around the block's `SELECT_THREADS`, around
+k 2048 and around the pairs the write ranks (below, at, one past, far
+past), thousands of ties and of NaN at the k-th place spread over many
+threads' runs, a row of more than 262,144 candidates, and rows split over
+up to 24 blocks: keys one wide bucket apart, more keys in one bucket than
+the row cache holds, signed zeros at the threshold, rows from 0 to 8,192
+candidates in one launch. The select kernel also compiles for sm_90a,
+sm_100a and gfx942."""
 
 from std.builtin.sort import sort
 from std.math import min
@@ -23,6 +25,7 @@ from kernels.model.gpu_kernel import GpuKernel, emulate_kernel, kernel_code
 from kernels.index.index_rank import rank_key
 from kernels.index.gpu.index_select import (
     CACHE_WORDS,
+    RANK_SORT_PAIRS,
     SELECT_THREADS,
     SelectCall,
     SelectState,
@@ -216,6 +219,8 @@ def test_random_rows_and_bounds() raises:
     rows.append(List[Float32]())  # bound 0: all -1
     rows.append(_random(512, 0))  # bound == k
     rows.append(_random(513, 0))
+    rows.append(_random(RANK_SORT_PAIRS, 0))  # the last m ranked
+    rows.append(_random(RANK_SORT_PAIRS + 1, 0))  # the first m sorted
     _check[512](rows)
 
 
@@ -352,7 +357,7 @@ def test_rows_split_over_blocks() raises:
     rows.append(List[Float32](length=8000, fill=nan))
     rows.append(_random(1, 0))
     rows.append(List[Float32]())
-    _check[512](rows, 16)
+    _check[512](rows, 24)
     _check[512](rows, 4)
     _check[512](rows, 3)
     _check[100](rows, 8)

@@ -33,7 +33,7 @@ row's top `k` into shared memory, unsorted.
    taken in id order because the runs are.
 4. **Split rows** (a call of fewer than `SPLIT_ROWS` rows, rows of at
    least `SPLIT_MIN_CANDIDATES` and `4 k` candidates: `select_slices`
-   blocks per row, one per `SELECT_THREADS` candidates, at most
+   blocks per row, one per `SLICE_CANDIDATES` candidates, at most
    `MAX_SLICES`). Before the pick, the row's blocks count it together:
    each block counts its slice's keys by their top `WIDE_BITS` bits (a
    *wide digit*, 4,096 buckets) into a shared histogram with shared
@@ -47,18 +47,21 @@ row's top `k` into shared memory, unsorted.
    cache, compacts those `n` (key, id) pairs into it in id order (a count
    per thread's run, a prefix sum, a scatter): its pick then runs over
    `n` candidates, not the row (at GLM-5-Next's decode, 16 rows of 8,192
-   candidates, k 512: 16 blocks per row, and about `k` plus one bucket's
+   candidates, k 512: 24 blocks per row, and about `k` plus one bucket's
    keys left to pick). When they do not fit (ties or a narrow spread of
    scores), it picks over the whole row. Blocks of unsplit rows skip these
    phases.
 5. **Sort** by key descending, id ascending, and write the ids (then
-   `-1`). For `k <= RANK_SORT_K` one phase ranks by counting: a thread
-   per pair counts the pairs that rank before it (every thread reads the
-   same pair at once, a broadcast) and writes its id at that rank, no
-   barrier between. For a larger `k`, a bitonic sort of the `m` pairs
-   padded to `S = next_power_of_two(m)`: the compare-exchange steps of
-   stages up to `S` (the steps of larger stages, up to `sort_width(k)`,
-   do nothing), then a phase writes the ids.
+   `-1`). Up to `RANK_SORT_PAIRS` pairs, one phase ranks by counting: a
+   thread per pair counts the pairs that rank before it (every thread
+   reads the same pair at once, a broadcast) and writes its id at that
+   rank, no barrier between. More pairs (`m` is known to the whole block
+   at run time), a bitonic sort of the `m` pairs padded to `S =
+   next_power_of_two(m)`: the compare-exchange steps of stages up to `S`
+   (the steps of larger stages, up to `sort_width(k)`, do nothing), then a
+   phase writes the ids. Ranking costs `m` compares a pair, the sort
+   about `log2(S)^2 / 2` compare-exchanges and a barrier each step: at
+   512 pairs that is 512 against 45.
 
 Grid: `select_slices` blocks per row, on the x axis (2^31 - 1 blocks).
 Radix select, bitonic sort and ranking by counting are the textbook GPU
@@ -119,8 +122,16 @@ comptime SPLIT_ROWS = 128
 """A window of fewer rows than this splits each long row over blocks."""
 
 
-comptime MAX_SLICES = 16
-"""The most blocks a row is split over."""
+comptime MAX_SLICES = 24
+"""The most blocks a row is split over: 16 rows (a decode call of 16
+requests) make 384 blocks, one wave of an H100's or H200's 132 SMs at 3
+select blocks each (its registers as compiled: `gpu-report`)."""
+
+
+comptime SLICE_CANDIDATES = 256
+"""Candidates per block of a split row, at least: half a block's threads.
+The count is the only part of a split row that its blocks share; the last
+block's compaction, pick and sort are the row's critical path."""
 
 
 comptime WIDE_BITS = 12
@@ -139,10 +150,12 @@ histogram)."""
 comptime _BUCKETS_PER_THREAD = WIDE_BUCKETS // SELECT_THREADS
 
 
-comptime RANK_SORT_K = 512
-"""The largest `k` whose pairs are sorted by ranking (one phase of `m`
-compares per pair) rather than by a bitonic sort (`log2(k) (log2(k) +
-1) / 2` phases, a barrier each): GLM-5-Next's 512 takes 1 phase, not 45."""
+comptime RANK_SORT_PAIRS = 256
+"""The most pairs sorted by ranking (one phase, `m` compares a pair) rather
+than by a bitonic sort (`log2(S) (log2(S) + 1) / 2` phases of a
+compare-exchange each, `S = next_power_of_two(m)`). An estimate of issue
+slots, unmeasured on a GPU: at 512 pairs ranking issues 512 compares a
+thread in 16 warps, the sort 45 steps in 8."""
 
 
 # The phases of a split row's count before the pick (steps 4).
@@ -182,7 +195,7 @@ comptime _FIRST_SORT_STEP = _PICK + PICK_PHASES
 def select_slices(candidates: Int, total_tokens: Int, k: Int) -> Int:
     """Blocks each row's select is split over: 1 unless the call has few
     rows (`SPLIT_ROWS`) of at least `SPLIT_MIN_CANDIDATES` and `4 k`
-    candidates, then one per `SELECT_THREADS` candidates, at most
+    candidates, then one per `SLICE_CANDIDATES` candidates, at most
     `MAX_SLICES` (`mla_kpool._limits.select_slices` is the Python twin).
 
     Args:
@@ -194,7 +207,7 @@ def select_slices(candidates: Int, total_tokens: Int, k: Int) -> Int:
         SPLIT_MIN_CANDIDATES, 4 * k
     ):
         return 1
-    return min(MAX_SLICES, ceildiv(candidates, SELECT_THREADS))
+    return min(MAX_SLICES, ceildiv(candidates, SLICE_CANDIDATES))
 
 
 def split_words(slices: Int) -> Int:
@@ -211,12 +224,12 @@ def split_words(slices: Int) -> Int:
 
 def _sort_steps(k: Int) -> Int:
     """Compare-exchange phases of the bitonic sort of `sort_width(k)` pairs
-    (none when `k <= RANK_SORT_K`: the write ranks them).
+    (none when `k <= RANK_SORT_PAIRS`: the write ranks them).
 
     Args:
         k: Ids per output row.
     """
-    if k <= RANK_SORT_K:
+    if k <= RANK_SORT_PAIRS:
         return 0
     var n = log2_floor(sort_width(k))
     return n * (n + 1) // 2
@@ -472,13 +485,13 @@ def select_phase[
     else:
         if not state.selects:
             return
-        comptime if phase < select_phases(k) - 1:
-            _bitonic_step[k](
-                thread, phase - _FIRST_SORT_STEP, s, Int(state.pairs)
-            )
-            return
         var m = Int(state.pairs)
-        comptime if k <= RANK_SORT_K:
+        var ranks = m <= RANK_SORT_PAIRS
+        comptime if phase < select_phases(k) - 1:
+            if not ranks:
+                _bitonic_step[k](thread, phase - _FIRST_SORT_STEP, s, m)
+            return
+        if ranks:
             _rank_write[k](thread, s, m, whole.ids)
             return
         for i in range(thread, k, SELECT_THREADS):
@@ -500,12 +513,12 @@ def _rank_write[
     output place is written once.
 
     Parameters:
-        k: Ids per output row, at most `RANK_SORT_K`.
+        k: Ids per output row.
 
     Args:
         thread: The thread.
         s: The block's shared words (the pairs).
-        m: Pairs selected, `min(k, bound)`.
+        m: Pairs selected, `min(k, bound)`, at most `RANK_SORT_PAIRS`.
         ids: The row's `k` output ids.
     """
     comptime id_at = PAIRS + sort_width(k)
