@@ -35,7 +35,7 @@ ARCHS = ["sm_90a", "sm_100a", "gfx942"]
 OPS = {"ring_close", "compress", "seed_tail", "step", "expand_topk"}
 OPS |= {"index_top_k"}
 INDEX_CONFIGS = {"glm5next-k512", "glm5next-k2048", "dsv32-k2048", "h128-k2048"}
-INDEX_KERNELS = {"plan", "score_simt", "select"}
+INDEX_KERNELS = {"plan", "score_simt", "select", "split_select"}
 #: The config whose query is too large for the tiled FP32 scorer.
 UNTILED = "h128-k2048"
 #: Kernels built only for the GPUs that run them: the tensor scorers.
@@ -214,6 +214,7 @@ def test_parameter_blocks_are_the_hosts_operand_bytes(report: Report):
         ("index_top_k", "score_wgmma"): 216,
         ("index_top_k", "score_mfma"): 216,
         ("index_top_k", "select"): 216,
+        ("index_top_k", "split_select"): 216,
     }
     for row in report.rows:
         assert row["host_bytes"] == sizes[row["op"], row["kernel"]], _name(row)
@@ -411,11 +412,12 @@ def test_rooflines_grids_come_from_the_kernels_declarations(report: Report):
     # the launches the kernels' docs describe. GLM-5-Next decode (16 rows
     # of 8,192 candidates): a plan block per request; simt tiles of 256
     # candidates (its 32 x 128 query: 4 waves of 64); wgmma tiles of 64;
-    # the select's 16 rows split over 4 blocks each (slices of 2,048
-    # candidates, 4 k). The step at batch 4096: one scan block, then its
-    # requests and output rows (2 per request), 4 rows a block (16
-    # threads of 8 bfloat16 channels a row). expand_topk: a block of 256
-    # threads per token row.
+    # the select's 16 rows split over 24 blocks each (a block per 256
+    # candidates, at most 24), by the split kernel; a prefill's 4,096 rows
+    # a block each, by the unsplit one. The step at batch 4096: one scan
+    # block, then its requests and output rows (2 per request), 4 rows a
+    # block (16 threads of 8 bfloat16 channels a row). expand_topk: a
+    # block of 256 threads per token row.
     rows = {
         (r["workload"], r["gpu"]): r["kernels"] for r in report.doc["rooflines"]
     }
@@ -424,17 +426,19 @@ def test_rooflines_grids_come_from_the_kernels_declarations(report: Report):
         ("plan", 16, 256),
         ("score_simt", 16 * 8192 // 256, 256),
         ("score_wgmma", 16 * 8192 // 64, 128),
-        ("select", 16 * 4, 512),
+        ("split_select", 16 * 24, 512),
     ]
-    # DeepSeek-V3.2's 64 x 128 query: 8 waves, 512 threads; k 2048 splits
-    # its select in 2 (the merge keeps 2 x 2,048 picks in 8,192 words).
+    # DeepSeek-V3.2's 64 x 128 query: 8 waves, 512 threads; its select
+    # splits the same way (32,768 candidates, at most 24 blocks a row).
     ds = rows["deepseek-v3.2-decode", "MI300X"]
     assert [(k["kernel"], k["grid"], k["block_threads"]) for k in ds] == [
         ("plan", 16, 256),
         ("score_simt", 16 * 32768 // 512, 512),
         ("score_mfma", 16 * 32768 // 64, 256),
-        ("select", 16 * 2, 512),
+        ("split_select", 16 * 24, 512),
     ]
+    prefill = rows["glm5-next-prefill", "H100"]
+    assert [(k["kernel"], k["grid"]) for k in prefill][-1] == ("select", 4096)
     step = rows["step-b4096", "B200"]
     assert [(k["kernel"], k["grid"], k["block_threads"]) for k in step] == [
         ("scan", 1, 1024),

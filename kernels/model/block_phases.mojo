@@ -440,9 +440,9 @@ def publish_add(ptr: Pointer[UInt32, MutAnyOrigin], i: Int, value: UInt32):
         i: The word.
         value: What to add.
     """
-    _ = Atomic[UInt32, scope=_gpu_scope()].fetch_add[
-        ordering=Ordering.RELAXED
-    ](ptr.unsafe_offset(i), value)
+    _ = Atomic[UInt32, scope=_gpu_scope()].fetch_add[ordering=Ordering.RELAXED](
+        ptr.unsafe_offset(i), value
+    )
 
 
 @always_inline

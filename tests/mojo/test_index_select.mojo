@@ -68,9 +68,10 @@ struct SelectOperands[origin: MutOrigin](KernelOperands):
 comptime Select = SelectOperands[MutAnyOrigin]
 
 
-struct SelectTest[k: Int](GpuKernel):
-    """The select over a batch of rows, `slices` blocks each, as the op
-    declares it (`index_gpu.SelectKernel`) but on this file's operands."""
+struct SelectTest[k: Int, split: Bool](GpuKernel):
+    """The select over a batch of rows, `slices` blocks each (`split`: more
+    than one), as the op declares it (`index_gpu.SelectKernel`) but on
+    this file's operands."""
 
     comptime Operands = Select
     comptime State = SelectState
@@ -78,7 +79,7 @@ struct SelectTest[k: Int](GpuKernel):
     comptime block_threads = SELECT_THREADS
     comptime shared_words = select_max_words(Self.k)
     comptime dynamic_shared = True
-    comptime phases = select_phases(Self.k)
+    comptime phases = select_phases(Self.k, Self.split)
     comptime grid_rows = "rows"
     comptime grid_columns = "slices"
 
@@ -96,7 +97,7 @@ struct SelectTest[k: Int](GpuKernel):
 
     @staticmethod
     def collective(phase: Int) -> Int:
-        return select_collective(phase)
+        return select_collective(phase, Self.split)
 
     @staticmethod
     def run_phase[
@@ -118,7 +119,9 @@ struct SelectTest[k: Int](GpuKernel):
             op.split.unsafe_offset(r * split_words(op.slices)),
             op.ids.unsafe_offset(r * Self.k),
         )
-        select_phase[phase, Self.k](t, state, lane, s, row, b % op.slices)
+        select_phase[phase, Self.k, Self.split](
+            t, state, lane, s, row, b % op.slices
+        )
 
 
 def _select[
@@ -140,18 +143,19 @@ def _select[
     var split = List[UInt32](
         length=max(len(rows) * split_words(slices), 1), fill=0
     )
-    emulate_kernel[SelectTest[k]](
-        Select(
-            flat.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
-            out.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
-            bounds.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
-            split.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
-            len(rows),
-            width,
-            slices,
-        ),
-        len(rows) * slices,
+    var op = Select(
+        flat.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+        out.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+        bounds.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+        split.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+        len(rows),
+        width,
+        slices,
     )
+    if slices > 1:
+        emulate_kernel[SelectTest[k, True]](op, len(rows) * slices)
+    else:
+        emulate_kernel[SelectTest[k, False]](op, len(rows))
     # Each row's last block re-zeroed its arrival counter and histogram.
     for i in range(len(split)):
         assert_equal(
@@ -409,8 +413,8 @@ def test_split_rows_around_the_wide_bucket() raises:
 
 def test_the_select_compiles_for_every_target() raises:
     for asm in [
-        kernel_code[SelectTest[512], "sm_90a"](),
-        kernel_code[SelectTest[2048], "sm_100a"](),
+        kernel_code[SelectTest[512, True], "sm_90a"](),
+        kernel_code[SelectTest[2048, True], "sm_100a"](),
     ]:
         assert_true(".entry index_select_" in asm, "no kernel entry")
         # Barriers, the histogram's block-scope shared atomics, the block
@@ -431,7 +435,11 @@ def test_the_select_compiles_for_every_target() raises:
         for what in ["shfl.sync.down", ".sys"]:
             assert_true(what not in asm, String(what, " in the PTX"))
         assert_true(".extern .shared" in asm, "no dynamic shared memory")
-    var amd = kernel_code[SelectTest[512], "gfx942"]()
+    # An unsplit launch has no count over blocks: no GPU-scope atomics.
+    var unsplit = kernel_code[SelectTest[512, False], "sm_90a"]()
+    assert_true(".entry index_select_" in unsplit, "no unsplit kernel entry")
+    assert_true(".gpu" not in unsplit, "GPU-scope accesses, unsplit")
+    var amd = kernel_code[SelectTest[512, True], "gfx942"]()
     for what in ["s_barrier", "ds_add_u32"]:
         assert_true(what in amd, String("no ", what, " in the AMDGCN"))
 

@@ -221,19 +221,22 @@ struct PlanKernel[Op: type_of(IndexTopK)](GpuKernel):
         plan_phase[phase](block, thread, lane, op)
 
 
-struct SelectKernel[Op: type_of(IndexTopK)](GpuKernel):
-    """Launch 3: a block per window row selects its top `k`
+struct SelectKernel[Op: type_of(IndexTopK), split: Bool](GpuKernel):
+    """Launch 3: a block per window row selects its top `k`, or (`split`)
+    `select_slices` blocks per row count it and the last selects
     (`index_select.select_phase`)."""
 
     comptime Operands = Self.Op
     comptime State = SelectState
-    comptime name = "mla_kpool_index_select_kernel"
+    comptime name = (
+        "mla_kpool_index_split_select_kernel" if Self.split else "mla_kpool_index_select_kernel"
+    )
     comptime block_threads = SELECT_THREADS
     comptime shared_words = select_max_words(Self.Op.k)
     comptime dynamic_shared = True
-    comptime phases = select_phases(Self.Op.k)
+    comptime phases = select_phases(Self.Op.k, Self.split)
     comptime grid_rows = "window_rows"
-    comptime grid_columns = "select_slices"
+    comptime grid_columns = "select_slices" if Self.split else "1"
 
     @staticmethod
     def rows(op: Self.Operands) -> Int:
@@ -253,7 +256,7 @@ struct SelectKernel[Op: type_of(IndexTopK)](GpuKernel):
     @staticmethod
     def collective(phase: Int) -> Int:
         """`select_collective`."""
-        return select_collective(phase)
+        return select_collective(phase, Self.split)
 
     @staticmethod
     def run_phase[
@@ -269,7 +272,7 @@ struct SelectKernel[Op: type_of(IndexTopK)](GpuKernel):
         """`select_phase` on window row `block / slices`, its slice
         `block % slices`."""
         var slices = op.work.slices
-        select_phase[phase, Self.Op.k](
+        select_phase[phase, Self.Op.k, Self.split](
             thread,
             state,
             lane,
@@ -332,5 +335,8 @@ def index_top_k_gpu[
         op.work.rows = min(window, op.total_tokens - first)
         comptime Score = ScoreKernel[scorer, Op]
         launch_kernel[Score, emulate](rebind[Score.Operands](op), ctx)
-        launch_kernel[SelectKernel[Op], emulate](op, ctx)
+        if op.work.slices > 1:
+            launch_kernel[SelectKernel[Op, True], emulate](op, ctx)
+        else:
+            launch_kernel[SelectKernel[Op, False], emulate](op, ctx)
         first += op.work.rows

@@ -189,9 +189,6 @@ comptime _COMPACT = 8
 comptime _PICK = 9
 
 
-comptime _FIRST_SORT_STEP = _PICK + PICK_PHASES
-
-
 def select_slices(candidates: Int, total_tokens: Int, k: Int) -> Int:
     """Blocks each row's select is split over: 1 unless the call has few
     rows (`SPLIT_ROWS`) of at least `SPLIT_MIN_CANDIDATES` and `4 k`
@@ -235,30 +232,40 @@ def _sort_steps(k: Int) -> Int:
     return n * (n + 1) // 2
 
 
-def select_phases(k: Int) -> Int:
-    """Phases of the select for `k`: a split row's count, a pick, the sort
-    steps and the write.
+@always_inline
+def _pick_start(split: Bool) -> Int:
+    """The first phase of the pick: after a split row's count."""
+    return _PICK if split else 0
+
+
+def select_phases(k: Int, split: Bool) -> Int:
+    """Phases of the select for `k`: a split row's count (`split` only), a
+    pick, the sort steps and the write.
 
     Args:
         k: Ids per output row, `1 ..= TOP_K_LIMIT`.
+        split: Whether the launch's rows are split (`select_slices > 1`).
     """
-    return _FIRST_SORT_STEP + _sort_steps(k) + 1
+    return _pick_start(split) + PICK_PHASES + _sort_steps(k) + 1
 
 
-def select_collective(phase: Int) -> Int:
-    """The collective after `phase`: a block maximum after the arrival
-    (which block of a split row is last), block exclusive prefix sums over
-    the wide buckets and the compaction's runs, and the pick's.
+def select_collective(phase: Int, split: Bool) -> Int:
+    """The collective after `phase`: for a split launch a block maximum
+    after the arrival (which block of a row is last) and block exclusive
+    prefix sums over the wide buckets and the compaction's runs; the
+    pick's.
 
     Args:
         phase: The phase.
+        split: Whether the launch's rows are split.
     """
-    if phase == _ARRIVE:
+    if split and phase == _ARRIVE:
         return BLOCK_MAX
-    if phase == _OFFER or phase == _FILTER:
+    if split and (phase == _OFFER or phase == _FILTER):
         return BLOCK_EXCLUSIVE_SUM
-    if _PICK <= phase < _FIRST_SORT_STEP:
-        return pick_collective(phase - _PICK)
+    var p = phase - _pick_start(split)
+    if 0 <= p < PICK_PHASES:
+        return pick_collective(p)
     return NO_COLLECTIVE
 
 
@@ -352,37 +359,32 @@ def _split_phase[
     slice: Int,
 ):
     """Phase `phase` (`_CLEAR ..< _PICK`) of a split row's count and
-    compaction (module docs, step 4); for an unsplit row, only the
-    collectives' offers and `state.selects`."""
-    var split = whole.slices > 1
+    compaction (module docs, step 4)."""
     comptime wide = cache_start(k)
     var m = min(k, whole.bound)
     comptime if phase == _CLEAR:
-        if split:
-            for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
-                s.store(wide + i, 0)
+        for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
+            s.store(wide + i, 0)
     elif phase == _COUNT:
-        if split:
-            var ids = _slice_of(whole, slice)
-            for j in range(ids[0] + thread, ids[1], SELECT_THREADS):
-                var key = score_order(whole.scores[unsafe_offset=j])
-                _ = s.atomic_add(wide + _wide_digit(key), 1)
+        var ids = _slice_of(whole, slice)
+        for j in range(ids[0] + thread, ids[1], SELECT_THREADS):
+            var key = score_order(whole.scores[unsafe_offset=j])
+            _ = s.atomic_add(wide + _wide_digit(key), 1)
     elif phase == _FLUSH:
-        if split:
-            for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
-                var count = s.load(wide + i)
-                if count != 0:
-                    publish_add(whole.split, 1 + i, count)
-            publish_fence()
+        for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
+            var count = s.load(wide + i)
+            if count != 0:
+                publish_add(whole.split, 1 + i, count)
+        publish_fence()
     elif phase == _ARRIVE:
         var last: UInt64 = 0
-        if split and thread == 0:
+        if thread == 0:
             var before = arrive(whole.split)
             last = 1 if Int(before) == whole.slices - 1 else 0
         lane.offer(last)
     elif phase == _TAKE:
-        state.selects = not split or lane.result() != 0
-        if split and state.selects:
+        state.selects = lane.result() != 0
+        if state.selects:
             acquire_fence()
             for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
                 s.store(wide + i, read_published(whole.split, 1 + i))
@@ -397,13 +399,13 @@ def _split_phase[
     elif phase == _OFFER:
         # Thread t sums buckets from the top: `W - 1 - 8 t` down 8.
         state.count = 0
-        if split and state.selects:
+        if state.selects:
             var top = WIDE_BUCKETS - 1 - _BUCKETS_PER_THREAD * thread
             for i in range(_BUCKETS_PER_THREAD):
                 state.count += s.load(wide + top - i)
         lane.offer(UInt64(state.count))
     elif phase == _DECIDE:
-        if not (split and state.selects):
+        if not state.selects:
             return
         var above = Int(lane.result())
         if above < m and m <= above + Int(state.count):
@@ -417,7 +419,7 @@ def _split_phase[
                 above += count
     elif phase == _FILTER:
         var kept: UInt64 = 0
-        if split and state.selects and _pick_row(whole, s, k).compact:
+        if state.selects and _pick_row(whole, s, k).compact:
             var bucket = Int(s.load(WIDE_STATE))
             var run = thread_run(thread, SELECT_THREADS, whole.bound)
             for j in range(run[0], run[1]):
@@ -427,7 +429,7 @@ def _split_phase[
         lane.offer(kept)
     else:
         comptime assert phase == _COMPACT
-        if not (split and state.selects):
+        if not state.selects:
             return
         var row = _pick_row(whole, s, k)
         if not row.compact:
@@ -444,7 +446,7 @@ def _split_phase[
 
 
 def select_phase[
-    phase: Int, k: Int
+    phase: Int, k: Int, split: Bool
 ](
     thread: Int,
     mut state: SelectState,
@@ -455,16 +457,17 @@ def select_phase[
 ):
     """One thread's share of phase `phase` of a block's select.
 
-    Phases `_CLEAR ..< _PICK` count a split row over its blocks and let the
-    last to arrive compact its candidates (nothing but the collectives'
-    offers for an unsplit row); the selecting block then picks the top
-    `k` (of the compacted candidates, or of the whole row) into the pairs,
-    sorts them and writes the output, while a split row's other blocks
-    idle.
+    A split launch's phases `_CLEAR ..< _PICK` count each row over its
+    blocks and let the last to arrive compact its candidates; the
+    selecting block (every block unsplit) then picks the top `k` (of the
+    compacted candidates, or of the whole row) into the pairs, sorts them
+    and writes the output, while a split row's other blocks idle.
 
     Parameters:
-        phase: The phase, `0 ..< select_phases(k)`.
+        phase: The phase, `0 ..< select_phases(k, split)`.
         k: Ids per output row, `1 ..= TOP_K_LIMIT`.
+        split: Whether rows are split over blocks (`whole.slices > 1`;
+            an unsplit launch has no count phases).
 
     Args:
         thread: The thread, `0 ..< SELECT_THREADS`.
@@ -474,22 +477,24 @@ def select_phase[
         whole: The window row.
         slice: The block's slice of the row, `0 ..< whole.slices`.
     """
-    comptime if phase < _PICK:
+    comptime first_sort_step = _pick_start(split) + PICK_PHASES
+    var selects = not split or state.selects
+    comptime if split and phase < _PICK:
         _split_phase[phase, k](thread, state, lane, s, whole, slice)
-    elif phase < _FIRST_SORT_STEP:
-        comptime p = phase - _PICK
-        if state.selects:
+    elif phase < first_sort_step:
+        comptime p = phase - _pick_start(split)
+        if selects:
             pick_phase[p, k](thread, state, lane, s, _pick_row(whole, s, k))
         elif pick_collective(p) != NO_COLLECTIVE:
             lane.offer(0)
     else:
-        if not state.selects:
+        if not selects:
             return
         var m = Int(state.pairs)
         var ranks = m <= RANK_SORT_PAIRS
-        comptime if phase < select_phases(k) - 1:
+        comptime if phase < select_phases(k, split) - 1:
             if not ranks:
-                _bitonic_step[k](thread, phase - _FIRST_SORT_STEP, s, m)
+                _bitonic_step[k](thread, phase - first_sort_step, s, m)
             return
         if ranks:
             _rank_write[k](thread, s, m, whole.ids)

@@ -206,6 +206,8 @@ def index_workload(
             "depth": shape.depth,
             "k": shape.top_k,
             "kpool": shape.kpool,
+            # Which select kernel runs: rows split over blocks or not.
+            "split": select_slices(candidates, tokens, shape.top_k) > 1,
         },
         "bytes": bench_index.index_bytes(offsets, lengths, shape),
         "flops": bench_index.score_flops(offsets, lengths, shape),

@@ -162,7 +162,7 @@ def _index[
     H: Int, D: Int, K: Int, P: Int, S: Bool
 ](mut m: Manifest, config: String) raises:
     comptime Op = Index[H, D, K, P, S]
-    var params = String(
+    var fields = String(
         '{"metadata": "uint32", "num_heads": ',
         H,
         ', "depth": ',
@@ -173,8 +173,9 @@ def _index[
         P,
         ', "spread": ',
         "true" if S else "false",
-        ', "causal": true}',
+        ', "causal": true',
     )
+    var params = fields + "}"
     m.emit[PlanKernel[Op]]("index_top_k", "plan", config, params)
     comptime for i in range(len(GPU_SCORERS)):
         comptime scorer = GPU_SCORERS[i]
@@ -195,7 +196,14 @@ def _index[
                     '"',
                 ),
             )
-    m.emit[SelectKernel[Op]]("index_top_k", "select", config, params)
+    # One of the two runs a window, by `select_slices` (the workload's
+    # `split`).
+    m.emit[SelectKernel[Op, False]](
+        "index_top_k", "select", config, fields + ', "split": false}'
+    )
+    m.emit[SelectKernel[Op, True]](
+        "index_top_k", "split_select", config, fields + ', "split": true}'
+    )
 
 
 def main() raises:
