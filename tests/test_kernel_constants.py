@@ -179,6 +179,8 @@ WINDOW_CASES = [
     (1, 1),
     (1000, 7),
     (4600, 7),
+    (8192, 64),
+    (8192, 127),
     (32768, 4096),
     (1 << 20, 1 << 20),
     (1 << 27, 3),
@@ -205,4 +207,4 @@ def test_the_kernels_windows_match_python():
     ]
     assert lines[1:] == windows + slices
     # The cases reach the most slices and a count below it.
-    assert max(slices) == 24 and 18 in slices
+    assert max(slices) == 24 and {18, 6, 3} <= set(slices)

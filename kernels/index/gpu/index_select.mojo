@@ -34,7 +34,7 @@ row's top `k` into shared memory, unsorted.
 4. **Split rows** (a call of fewer than `SPLIT_ROWS` rows, rows of at
    least `SPLIT_MIN_CANDIDATES` and `4 k` candidates: `select_slices`
    blocks per row, one per `SLICE_CANDIDATES` candidates, at most
-   `MAX_SLICES`). Before the pick, the row's blocks count it together:
+   `MAX_SLICES` and about one wave of blocks in all). Before the pick, the row's blocks count it together:
    each block counts its slice's keys by their top `WIDE_BITS` bits (a
    *wide digit*, 4,096 buckets) into a shared histogram with shared
    atomics, adds the buckets it filled to the row's histogram in global
@@ -122,10 +122,14 @@ comptime SPLIT_ROWS = 128
 """A window of fewer rows than this splits each long row over blocks."""
 
 
+comptime SPLIT_BLOCKS = 384
+"""The blocks a split launch aims at: one wave of an H100's or H200's 132
+SMs at 3 select blocks each (its registers as compiled: `gpu-report`)."""
+
+
 comptime MAX_SLICES = 24
 """The most blocks a row is split over: 16 rows (a decode call of 16
-requests) make 384 blocks, one wave of an H100's or H200's 132 SMs at 3
-select blocks each (its registers as compiled: `gpu-report`)."""
+requests) make `SPLIT_BLOCKS`."""
 
 
 comptime SLICE_CANDIDATES = 256
@@ -193,7 +197,8 @@ def select_slices(candidates: Int, total_tokens: Int, k: Int) -> Int:
     """Blocks each row's select is split over: 1 unless the call has few
     rows (`SPLIT_ROWS`) of at least `SPLIT_MIN_CANDIDATES` and `4 k`
     candidates, then one per `SLICE_CANDIDATES` candidates, at most
-    `MAX_SLICES` (`mla_kpool._limits.select_slices` is the Python twin).
+    `MAX_SLICES` and `SPLIT_BLOCKS / total_tokens` (at least 3 below
+    `SPLIT_ROWS`; `mla_kpool._limits.select_slices` is the Python twin).
 
     Args:
         candidates: The workspace's row width (the longest row).
@@ -204,7 +209,11 @@ def select_slices(candidates: Int, total_tokens: Int, k: Int) -> Int:
         SPLIT_MIN_CANDIDATES, 4 * k
     ):
         return 1
-    return min(MAX_SLICES, ceildiv(candidates, SLICE_CANDIDATES))
+    return min(
+        MAX_SLICES,
+        ceildiv(candidates, SLICE_CANDIDATES),
+        SPLIT_BLOCKS // max(total_tokens, 1),
+    )
 
 
 def split_words(slices: Int) -> Int:
