@@ -49,7 +49,8 @@ struct IndexWorkspace[origin: MutOrigin](Copyable, TrivialRegisterPassable):
     """`[window, candidates]` score workspace."""
     var split: Field[DType.uint32, Self.origin]
     """`[window, split_words(slices)]` the split select's words (zero
-    before the first window; each row's last block re-zeroes its counter)."""
+    before the first window; each row's last block re-zeroes its counter
+    and histogram)."""
     var slices: Int
     """Blocks each row's select is split over (`select_slices`)."""
     var candidates: Int

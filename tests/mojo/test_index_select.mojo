@@ -12,7 +12,8 @@ past), thousands of ties and of NaN at the k-th place spread over many
 threads' runs, a row of more than 262,144 candidates, and rows split over
 up to 24 blocks: keys one wide bucket apart, more keys in one bucket than
 the row cache holds, signed zeros at the threshold, rows from 0 to 8,192
-candidates in one launch. The select kernel also compiles for sm_90a,
+candidates in one launch, row caches from the least a split allows to past
+`CACHE_WORDS`. The select kernel also compiles for sm_90a,
 sm_100a and gfx942."""
 
 from std.builtin.sort import sort
@@ -409,6 +410,28 @@ def test_split_rows_around_the_wide_bucket() raises:
     _check[512](rows, 16)
     _check[1](rows, 16)
     _check[2048](rows, 13)
+
+
+def test_split_rows_of_every_cache_size() raises:
+    """Split launches whose row cache is the least a split allows (4,096
+    words: the wide histogram, then 2,048 pairs at k 1,024), an odd size,
+    and past `CACHE_WORDS` (compaction read from global memory; with every
+    key tied, the pick over a row kept in global memory)."""
+    seed(12)
+    var smallest = List[List[Float32]]()
+    smallest.append(_random(4096, 0))
+    smallest.append(_random(4096, 30))
+    smallest.append(_random(1500, 0))
+    _check[1024](smallest, 16)
+    var odd = List[List[Float32]]()
+    odd.append(_random(5000, 0))
+    odd.append(List[Float32](length=4999, fill=0.5))
+    _check[512](odd, 20)
+    var wide = List[List[Float32]]()
+    wide.append(_random(CACHE_WORDS * 2, 0))
+    wide.append(List[Float32](length=CACHE_WORDS * 2, fill=-2.0))
+    wide.append(_random(CACHE_WORDS + 3, 200))
+    _check[512](wide, 24)
 
 
 def test_the_select_compiles_for_every_target() raises:

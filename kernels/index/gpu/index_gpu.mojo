@@ -221,6 +221,14 @@ struct PlanKernel[Op: type_of(IndexTopK)](GpuKernel):
         plan_phase[phase](block, thread, lane, op)
 
 
+comptime _SELECT = "mla_kpool_index_select_kernel"
+"""The select's kernel name, a block per row."""
+
+
+comptime _SPLIT_SELECT = "mla_kpool_index_split_select_kernel"
+"""The select's kernel name, rows split over blocks."""
+
+
 struct SelectKernel[Op: type_of(IndexTopK), split: Bool](GpuKernel):
     """Launch 3: a block per window row selects its top `k`, or (`split`)
     `select_slices` blocks per row count it and the last selects
@@ -228,9 +236,7 @@ struct SelectKernel[Op: type_of(IndexTopK), split: Bool](GpuKernel):
 
     comptime Operands = Self.Op
     comptime State = SelectState
-    comptime name = (
-        "mla_kpool_index_split_select_kernel" if Self.split else "mla_kpool_index_select_kernel"
-    )
+    comptime name = _SPLIT_SELECT if Self.split else _SELECT
     comptime block_threads = SELECT_THREADS
     comptime shared_words = select_max_words(Self.Op.k)
     comptime dynamic_shared = True

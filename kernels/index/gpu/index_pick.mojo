@@ -149,19 +149,17 @@ struct SelectState(Copyable, Defaultable, TrivialRegisterPassable):
 
 @fieldwise_init
 struct SelectRow[origin: MutOrigin](Copyable, TrivialRegisterPassable):
-    """What one pick reads: a slice of a row's scores, or candidates already
-    compacted into the row cache.
+    """What one pick reads: a row's scores, or candidates already compacted
+    into the row cache.
 
     Parameters:
         origin: Origin of the pointers (`MutAnyOrigin`, as `Row`).
     """
 
     var scores: Field[DType.float32, Self.origin]
-    """The slice's scores, `bound` of them (unread when compacted)."""
+    """The row's scores, `bound` of them (unread when compacted)."""
     var bound: Int
     """Candidates of the pick, at least 0."""
-    var first: Int
-    """The id of the slice's first candidate."""
     var cache: Int
     """Words of row cache this launch has (`select_shared_words`)."""
     var compact: Bool
@@ -188,7 +186,7 @@ struct SelectRow[origin: MutOrigin](Copyable, TrivialRegisterPassable):
         kept beside its key."""
         if self.compact:
             return s.load(self.ids_at + j)
-        return UInt32(self.first + j)
+        return UInt32(j)
 
 
 comptime Row = SelectRow[MutAnyOrigin]

@@ -31,10 +31,12 @@ row's top `k` into shared memory, unsorted.
    (key, id) pairs to their places: keys above `K` in id order, then the
    lowest-id `need` keys at `K` after all `m - need` of them. Ties are
    taken in id order because the runs are.
-4. **Split rows** (a call of fewer than `SPLIT_ROWS` rows, rows of at
-   least `SPLIT_MIN_CANDIDATES` and `4 k` candidates: `select_slices`
-   blocks per row, one per `SLICE_CANDIDATES` candidates, at most
-   `MAX_SLICES` and about one wave of blocks in all). Before the pick, the row's blocks count it together:
+4. **Split rows** (a call of fewer than `SPLIT_ROWS` rows and a workspace
+   row of at least `SPLIT_MIN_CANDIDATES` and `4 k` candidates: the
+   split kernel, `select_slices` blocks per row, one per
+   `SLICE_CANDIDATES` candidates, at most `MAX_SLICES` and about one wave
+   of blocks in all; every row of the launch, short ones too). Before the
+   pick, the row's blocks count it together:
    each block counts its slice's keys by their top `WIDE_BITS` bits (a
    *wide digit*, 4,096 buckets) into a shared histogram with shared
    atomics, adds the buckets it filled to the row's histogram in global
@@ -339,22 +341,21 @@ def _capacity(whole: SelectCall) -> Int:
     return row_cache_words(whole.width) // 2
 
 
-def _pick_row(whole: SelectCall, s: Shared, k: Int) -> Row:
+def _pick_row[split: Bool](whole: SelectCall, s: Shared, k: Int) -> Row:
     """What the selecting block picks from: a split row's compacted pairs
     when they fit the row cache, else the whole row."""
     var cache = row_cache_words(whole.width)
-    if whole.slices > 1:
+    comptime if split:
         var n = Int(s.load(WIDE_STATE + 1))
         if n <= _capacity(whole):
             return Row(
                 whole.scores,
                 n,
-                0,
                 cache,
                 True,
                 cache_start(k) + _capacity(whole),
             )
-    return Row(whole.scores, whole.bound, 0, cache, False, 0)
+    return Row(whole.scores, whole.bound, cache, False, 0)
 
 
 def _split_phase[
@@ -372,6 +373,10 @@ def _split_phase[
     comptime wide = cache_start(k)
     var m = min(k, whole.bound)
     comptime if phase == _CLEAR:
+        debug_assert(
+            row_cache_words(whole.width) >= WIDE_BUCKETS,
+            "a split row's cache holds its wide histogram (select_slices)",
+        )
         for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
             s.store(wide + i, 0)
     elif phase == _COUNT:
@@ -428,7 +433,7 @@ def _split_phase[
                 above += count
     elif phase == _FILTER:
         var kept: UInt64 = 0
-        if state.selects and _pick_row(whole, s, k).compact:
+        if state.selects and _pick_row[True](whole, s, k).compact:
             var bucket = Int(s.load(WIDE_STATE))
             var run = thread_run(thread, SELECT_THREADS, whole.bound)
             for j in range(run[0], run[1]):
@@ -440,7 +445,7 @@ def _split_phase[
         comptime assert phase == _COMPACT
         if not state.selects:
             return
-        var row = _pick_row(whole, s, k)
+        var row = _pick_row[True](whole, s, k)
         if not row.compact:
             return
         var bucket = Int(s.load(WIDE_STATE))
@@ -493,7 +498,9 @@ def select_phase[
     elif phase < first_sort_step:
         comptime p = phase - _pick_start(split)
         if selects:
-            pick_phase[p, k](thread, state, lane, s, _pick_row(whole, s, k))
+            pick_phase[p, k](
+                thread, state, lane, s, _pick_row[split](whole, s, k)
+            )
         elif pick_collective(p) != NO_COLLECTIVE:
             lane.offer(0)
     else:
