@@ -16,7 +16,7 @@ and ids (2 x `sort_width(k)`), then the row cache (`row_cache_words`).
 """
 
 from std.bit import next_power_of_two
-from std.math import max, min
+from std.math import ceildiv, max, min
 
 from ...model.block_phases import (
     BLOCK_EXCLUSIVE_SUM,
@@ -120,6 +120,44 @@ def row_cache_words(candidates: Int) -> Int:
         candidates: The workspace's row width (the longest row).
     """
     return min(max(candidates, 0), CACHE_WORDS)
+
+
+@always_inline
+def quads(bound: Int) -> Int:
+    """Groups of 4 candidates that cover `bound`, read 16 bytes at a time
+    (`quad_keys`)."""
+    return ceildiv(bound, 4)
+
+
+@always_inline
+def starts_aligned(scores: Field[DType.float32, MutAnyOrigin]) -> Bool:
+    """Whether a row's scores start on 16 bytes (the same for every thread
+    of the block)."""
+    return (Int(scores) & 15) == 0
+
+
+@always_inline
+def quad_keys(
+    scores: Field[DType.float32, MutAnyOrigin],
+    first: Int,
+    bound: Int,
+    aligned: Bool,
+) -> SIMD[DType.uint32, 4]:
+    """The order keys of candidates `first ..< first + 4` (`first` a
+    multiple of 4): one 16-byte load when the row starts on 16 bytes and
+    all 4 are in it, else a load each; 0 past `bound`."""
+    var keys = SIMD[DType.uint32, 4](0)
+    if aligned and first + 4 <= bound:
+        var v = scores.unsafe_offset(first).unsafe_load[width=4, alignment=16](
+            0
+        )
+        comptime for l in range(4):
+            keys[l] = score_order(v[l])
+    else:
+        comptime for l in range(4):
+            if first + l < bound:
+                keys[l] = score_order(scores[unsafe_offset=first + l])
+    return keys
 
 
 @fieldwise_init
@@ -226,10 +264,13 @@ def pick_phase[
         if thread < RADIX_BUCKETS:
             s.store(_HIST + thread, 0)
         if row.cached() and not row.compact:
-            for j in range(thread, row.bound, SELECT_THREADS):
-                s.store(
-                    cache_start(k) + j, score_order(row.scores[unsafe_offset=j])
-                )
+            # 16 bytes of scores a thread at a time where the row allows.
+            var aligned = starts_aligned(row.scores)
+            for q in range(thread, quads(row.bound), SELECT_THREADS):
+                var keys = quad_keys(row.scores, 4 * q, row.bound, aligned)
+                comptime for l in range(4):
+                    if 4 * q + l < row.bound:
+                        s.store(cache_start(k) + 4 * q + l, keys[l])
         state.prefix = 0
         state.need = UInt32(m)
         state.pairs = UInt32(m)

@@ -114,6 +114,9 @@ from .index_pick import (
     SelectState,
     cache_start,
     pick_collective,
+    quad_keys,
+    quads,
+    starts_aligned,
     pick_phase,
     row_cache_words,
     sort_width,
@@ -435,11 +438,14 @@ def _split_phase[
         var kept: UInt64 = 0
         if state.selects and _pick_row[True](whole, s, k).compact:
             var bucket = Int(s.load(WIDE_STATE))
-            var run = thread_run(thread, SELECT_THREADS, whole.bound)
-            for j in range(run[0], run[1]):
-                var key = score_order(whole.scores[unsafe_offset=j])
-                if _wide_digit(key) >= bucket:
-                    kept += 1
+            var aligned = starts_aligned(whole.scores)
+            var run = thread_run(thread, SELECT_THREADS, quads(whole.bound))
+            for q in range(run[0], run[1]):
+                var keys = quad_keys(whole.scores, 4 * q, whole.bound, aligned)
+                comptime for l in range(4):
+                    if 4 * q + l < whole.bound:
+                        if _wide_digit(keys[l]) >= bucket:
+                            kept += 1
         lane.offer(kept)
     else:
         comptime assert phase == _COMPACT
@@ -450,13 +456,16 @@ def _split_phase[
             return
         var bucket = Int(s.load(WIDE_STATE))
         var at = Int(lane.result())
-        var run = thread_run(thread, SELECT_THREADS, whole.bound)
-        for j in range(run[0], run[1]):
-            var key = score_order(whole.scores[unsafe_offset=j])
-            if _wide_digit(key) >= bucket:
-                s.store(wide + at, key)
-                s.store(row.ids_at + at, UInt32(j))
-                at += 1
+        var aligned = starts_aligned(whole.scores)
+        var run = thread_run(thread, SELECT_THREADS, quads(whole.bound))
+        for q in range(run[0], run[1]):
+            var keys = quad_keys(whole.scores, 4 * q, whole.bound, aligned)
+            comptime for l in range(4):
+                var j = 4 * q + l
+                if j < whole.bound and _wide_digit(keys[l]) >= bucket:
+                    s.store(wide + at, keys[l])
+                    s.store(row.ids_at + at, UInt32(j))
+                    at += 1
 
 
 def select_phase[
