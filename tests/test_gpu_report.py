@@ -412,8 +412,8 @@ def test_rooflines_grids_come_from_the_kernels_declarations(report: Report):
     # the launches the kernels' docs describe. GLM-5-Next decode (16 rows
     # of 8,192 candidates): a plan block per request; simt tiles of 256
     # candidates (its 32 x 128 query: 4 waves of 64); wgmma tiles of 64;
-    # the select's 16 rows split over 24 blocks each (a block per 256
-    # candidates, at most 24), by the split kernel; a prefill's 4,096 rows
+    # the select's 16 rows split over 16 blocks each, by the split
+    # kernel; a prefill's 4,096 rows
     # a block each, by the unsplit one. The step at batch 4096: one scan
     # block, then its requests and output rows (2 per request), 4 rows a
     # block (16 threads of 8 bfloat16 channels a row). expand_topk: a
@@ -426,16 +426,16 @@ def test_rooflines_grids_come_from_the_kernels_declarations(report: Report):
         ("plan", 16, 256),
         ("score_simt", 16 * 8192 // 256, 256),
         ("score_wgmma", 16 * 8192 // 64, 128),
-        ("split_select", 16 * 24, 512),
+        ("split_select", 16 * 16, 512),
     ]
     # DeepSeek-V3.2's 64 x 128 query: 8 waves, 512 threads; its select
-    # splits the same way (32,768 candidates, at most 24 blocks a row).
+    # splits the same way (32,768 candidates, 16 blocks a row).
     ds = rows["deepseek-v3.2-decode", "MI300X"]
     assert [(k["kernel"], k["grid"], k["block_threads"]) for k in ds] == [
         ("plan", 16, 256),
         ("score_simt", 16 * 32768 // 512, 512),
         ("score_mfma", 16 * 32768 // 64, 256),
-        ("split_select", 16 * 24, 512),
+        ("split_select", 16 * 16, 512),
     ]
     prefill = rows["glm5-next-prefill", "H100"]
     assert [(k["kernel"], k["grid"]) for k in prefill][-1] == ("select", 4096)

@@ -36,10 +36,9 @@ def select_slices(candidates: int, total_tokens: int, k: int) -> int:
     """Blocks each row's select is split over on a GPU.
 
     One for a call of at least 128 rows or rows shorter than 4,096 and
-    ``4 k`` candidates; else one per 256 candidates, at most 24 and
-    ``384 // total_tokens`` (``select_slices`` in
-    kernels/index/gpu/index_select.mojo).
+    ``4 k`` candidates; else 16, at most ``256 // total_tokens``
+    (``select_slices`` in kernels/index/gpu/index_select.mojo).
     """
     if total_tokens >= 128 or candidates < max(4096, 4 * k):
         return 1
-    return min(24, -(-candidates // 256), 384 // max(total_tokens, 1))
+    return min(16, 256 // max(total_tokens, 1))

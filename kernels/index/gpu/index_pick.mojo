@@ -264,13 +264,10 @@ def pick_phase[
         if thread < RADIX_BUCKETS:
             s.store(_HIST + thread, 0)
         if row.cached() and not row.compact:
-            # 16 bytes of scores a thread at a time where the row allows.
-            var aligned = starts_aligned(row.scores)
-            for q in range(thread, quads(row.bound), SELECT_THREADS):
-                var keys = quad_keys(row.scores, 4 * q, row.bound, aligned)
-                comptime for l in range(4):
-                    if 4 * q + l < row.bound:
-                        s.store(cache_start(k) + 4 * q + l, keys[l])
+            for j in range(thread, row.bound, SELECT_THREADS):
+                s.store(
+                    cache_start(k) + j, score_order(row.scores[unsafe_offset=j])
+                )
         state.prefix = 0
         state.need = UInt32(m)
         state.pairs = UInt32(m)

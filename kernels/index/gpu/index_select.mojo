@@ -33,10 +33,9 @@ row's top `k` into shared memory, unsorted.
    taken in id order because the runs are.
 4. **Split rows** (a call of fewer than `SPLIT_ROWS` rows and a workspace
    row of at least `SPLIT_MIN_CANDIDATES` and `4 k` candidates: the
-   split kernel, `select_slices` blocks per row, one per
-   `SLICE_CANDIDATES` candidates, at most `MAX_SLICES` and about one wave
-   of blocks in all; every row of the launch, short ones too). Before the
-   pick, the row's blocks count it together:
+   split kernel, `select_slices` blocks per row, `MAX_SLICES` or fewer
+   to keep one wave of blocks in all; every row of the launch, short ones
+   too). Before the pick, the row's blocks count it together:
    each block counts its slice's keys by their top `WIDE_BITS` bits (a
    *wide digit*, 4,096 buckets) into a shared histogram with shared
    atomics, adds the buckets it filled to the row's histogram in global
@@ -49,7 +48,7 @@ row's top `k` into shared memory, unsorted.
    cache, compacts those `n` (key, id) pairs into it in id order (a count
    per thread's run, a prefix sum, a scatter): its pick then runs over
    `n` candidates, not the row (at GLM-5-Next's decode, 16 rows of 8,192
-   candidates, k 512: 24 blocks per row, and about `k` plus one bucket's
+   candidates, k 512: 16 blocks per row, and about `k` plus one bucket's
    keys left to pick). When they do not fit (ties or a narrow spread of
    scores), it picks over the whole row. Blocks of unsplit rows skip these
    phases.
@@ -127,20 +126,16 @@ comptime SPLIT_ROWS = 128
 """A window of fewer rows than this splits each long row over blocks."""
 
 
-comptime SPLIT_BLOCKS = 384
+comptime SPLIT_BLOCKS = 256
 """The blocks a split launch aims at: one wave of an H100's or H200's 132
-SMs at 3 select blocks each (its registers as compiled: `gpu-report`)."""
+SMs at 2 select blocks each (3 fit at 40 registers or fewer: `gpu-report`
+has the registers as compiled)."""
 
 
-comptime MAX_SLICES = 24
+comptime MAX_SLICES = 16
 """The most blocks a row is split over: 16 rows (a decode call of 16
-requests) make `SPLIT_BLOCKS`."""
-
-
-comptime SLICE_CANDIDATES = 256
-"""Candidates per block of a split row, at least: half a block's threads.
-The count is the only part of a split row that its blocks share; the last
-block's compaction, pick and sort are the row's critical path."""
+requests) make `SPLIT_BLOCKS`; a split row has at least 4,096 candidates,
+so a block counts at least 256."""
 
 
 comptime WIDE_BITS = 12
@@ -201,9 +196,9 @@ comptime _PICK = 9
 def select_slices(candidates: Int, total_tokens: Int, k: Int) -> Int:
     """Blocks each row's select is split over: 1 unless the call has few
     rows (`SPLIT_ROWS`) of at least `SPLIT_MIN_CANDIDATES` and `4 k`
-    candidates, then one per `SLICE_CANDIDATES` candidates, at most
-    `MAX_SLICES` and `SPLIT_BLOCKS / total_tokens` (at least 3 below
-    `SPLIT_ROWS`; `mla_kpool._limits.select_slices` is the Python twin).
+    candidates, then `MAX_SLICES`, fewer where the call has more than 16
+    rows (`SPLIT_BLOCKS` in all; at least 2 below `SPLIT_ROWS`).
+    `mla_kpool._limits.select_slices` is the Python twin.
 
     Args:
         candidates: The workspace's row width (the longest row).
@@ -214,11 +209,7 @@ def select_slices(candidates: Int, total_tokens: Int, k: Int) -> Int:
         SPLIT_MIN_CANDIDATES, 4 * k
     ):
         return 1
-    return min(
-        MAX_SLICES,
-        ceildiv(candidates, SLICE_CANDIDATES),
-        SPLIT_BLOCKS // max(total_tokens, 1),
-    )
+    return min(MAX_SLICES, SPLIT_BLOCKS // max(total_tokens, 1))
 
 
 def split_words(slices: Int) -> Int:
