@@ -126,9 +126,12 @@ struct SelectTest[k: Int, split: Bool](GpuKernel):
 
 
 def _select[
-    k: Int
+    k: Int, split: Bool
 ](rows: List[List[Float32]], slices: Int) raises -> List[List[Int32]]:
-    """Every row through the emulated select; `slices` blocks per row."""
+    """Every row through the emulated select; `slices` blocks per row (more
+    than one exactly when `split`: each kernel is compiled only where a
+    test runs it)."""
+    assert_equal(slices > 1, split, "slices and the split kernel disagree")
     var width = 1
     for r in rows:
         width = max(width, len(r))
@@ -141,26 +144,23 @@ def _select[
     var bounds = List[Int64]()
     for r in rows:
         bounds.append(Int64(len(r)))
-    var split = List[UInt32](
+    var words = List[UInt32](
         length=max(len(rows) * split_words(slices), 1), fill=0
     )
     var op = Select(
         flat.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
         out.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
         bounds.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
-        split.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+        words.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
         len(rows),
         width,
         slices,
     )
-    if slices > 1:
-        emulate_kernel[SelectTest[k, True]](op, len(rows) * slices)
-    else:
-        emulate_kernel[SelectTest[k, False]](op, len(rows))
+    emulate_kernel[SelectTest[k, split]](op, len(rows) * slices)
     # Each row's last block re-zeroed its arrival counter and histogram.
-    for i in range(len(split)):
+    for i in range(len(words)):
         assert_equal(
-            split[i],
+            words[i],
             0,
             String(
                 "split word ",
@@ -170,7 +170,7 @@ def _select[
         )
     _ = flat^  # the kernel read it through a pointer
     _ = bounds^
-    _ = split^
+    _ = words^
     var result = List[List[Int32]]()
     for i in range(len(rows)):
         var row = List[Int32]()
@@ -180,8 +180,10 @@ def _select[
     return result^
 
 
-def _check[k: Int](rows: List[List[Float32]], slices: Int = 1) raises:
-    var got = _select[k](rows, slices)
+def _check[
+    k: Int, split: Bool = False
+](rows: List[List[Float32]], slices: Int = 1) raises:
+    var got = _select[k, split](rows, slices)
     for i in range(len(rows)):
         var want = _expected(rows[i], len(rows[i]), k)
         ref row = got[i]
@@ -362,11 +364,11 @@ def test_rows_split_over_blocks() raises:
     rows.append(List[Float32](length=8000, fill=nan))
     rows.append(_random(1, 0))
     rows.append(List[Float32]())
-    _check[512](rows, 24)
-    _check[512](rows, 4)
-    _check[512](rows, 3)
-    _check[100](rows, 8)
-    _check[2048](rows, 2)
+    _check[512, True](rows, 24)
+    _check[512, True](rows, 4)
+    _check[512, True](rows, 3)
+    _check[100, True](rows, 8)
+    _check[2048, True](rows, 2)
 
 
 def test_split_rows_around_the_wide_bucket() raises:
@@ -407,14 +409,14 @@ def test_split_rows_around_the_wide_bucket() raises:
     rows.append(_random(512, 0))
     rows.append(_random(513, 0))
     rows.append(_random(4096, 0))
-    _check[512](rows, 16)
-    _check[1](rows, 16)
-    _check[2048](rows, 13)
+    _check[512, True](rows, 16)
+    _check[1, True](rows, 16)
+    _check[2048, True](rows, 13)
 
 
 def test_split_rows_of_every_cache_size() raises:
     """Split launches whose row cache is the least a split allows (4,096
-    words: the wide histogram, then 2,048 pairs at k 1,024), an odd size,
+    words: the wide histogram, then 2,048 pairs), an odd size,
     and past `CACHE_WORDS` (compaction read from global memory; with every
     key tied, the pick over a row kept in global memory)."""
     seed(12)
@@ -422,16 +424,16 @@ def test_split_rows_of_every_cache_size() raises:
     smallest.append(_random(4096, 0))
     smallest.append(_random(4096, 30))
     smallest.append(_random(1500, 0))
-    _check[1024](smallest, 16)
+    _check[512, True](smallest, 16)
     var odd = List[List[Float32]]()
     odd.append(_random(5000, 0))
     odd.append(List[Float32](length=4999, fill=0.5))
-    _check[512](odd, 20)
+    _check[512, True](odd, 20)
     var wide = List[List[Float32]]()
     wide.append(_random(CACHE_WORDS * 2, 0))
     wide.append(List[Float32](length=CACHE_WORDS * 2, fill=-2.0))
     wide.append(_random(CACHE_WORDS + 3, 200))
-    _check[512](wide, 24)
+    _check[512, True](wide, 24)
 
 
 def test_the_select_compiles_for_every_target() raises:
