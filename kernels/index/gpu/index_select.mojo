@@ -113,12 +113,12 @@ from .index_pick import (
     SelectState,
     cache_start,
     pick_collective,
+    pick_phase,
     quad_keys,
     quads,
-    starts_aligned,
-    pick_phase,
     row_cache_words,
     sort_width,
+    starts_aligned,
 )
 
 
@@ -162,7 +162,7 @@ slots, unmeasured on a GPU: at 512 pairs ranking issues 512 compares a
 thread in 16 warps, the sort 45 steps in 8."""
 
 
-# The phases of a split row's count before the pick (steps 4).
+# The phases of a split row's count before the pick (step 4).
 comptime _CLEAR = 0
 
 
