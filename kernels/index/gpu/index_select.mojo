@@ -123,7 +123,8 @@ from .index_pick import (
 
 
 comptime SPLIT_ROWS = 128
-"""A window of fewer rows than this splits each long row over blocks."""
+"""A call of fewer query rows than this (all its windows) splits each
+long row over blocks."""
 
 
 comptime SPLIT_BLOCKS = 256
