@@ -433,11 +433,10 @@ def _split_phase[
             var aligned = starts_aligned(whole.scores)
             var run = thread_run(thread, SELECT_THREADS, quads(whole.bound))
             for q in range(run[0], run[1]):
-                var keys = quad_keys(whole.scores, 4 * q, whole.bound, aligned)
+                var quad = _kept_quad(whole, q, bucket, aligned)
                 comptime for l in range(4):
-                    if 4 * q + l < whole.bound:
-                        if _wide_digit(keys[l]) >= bucket:
-                            kept += 1
+                    if quad[1][l]:
+                        kept += 1
         lane.offer(kept)
     else:
         comptime assert phase == _COMPACT
@@ -451,13 +450,27 @@ def _split_phase[
         var aligned = starts_aligned(whole.scores)
         var run = thread_run(thread, SELECT_THREADS, quads(whole.bound))
         for q in range(run[0], run[1]):
-            var keys = quad_keys(whole.scores, 4 * q, whole.bound, aligned)
+            var quad = _kept_quad(whole, q, bucket, aligned)
             comptime for l in range(4):
-                var j = 4 * q + l
-                if j < whole.bound and _wide_digit(keys[l]) >= bucket:
-                    s.store(wide + at, keys[l])
-                    s.store(row.ids_at + at, UInt32(j))
+                if quad[1][l]:
+                    s.store(wide + at, quad[0][l])
+                    s.store(row.ids_at + at, UInt32(4 * q + l))
                     at += 1
+
+
+@always_inline
+def _kept_quad(
+    whole: SelectCall, q: Int, bucket: Int, aligned: Bool
+) -> Tuple[SIMD[DType.uint32, 4], SIMD[DType.bool, 4]]:
+    """Group `q`'s keys (candidates `4 q ..< 4 q + 4`, `quad_keys`) and
+    which of them the compaction keeps: in the row, and in `bucket` or
+    above. The compaction's count and its scatter read the row through
+    this one test, so they agree on every candidate."""
+    var keys = quad_keys(whole.scores, 4 * q, whole.bound, aligned)
+    var kept = SIMD[DType.bool, 4](fill=False)
+    comptime for l in range(4):
+        kept[l] = 4 * q + l < whole.bound and _wide_digit(keys[l]) >= bucket
+    return (keys, kept)
 
 
 def select_phase[

@@ -198,6 +198,7 @@ def index_workload(
     candidates = pages * shape.page_size // rows_per
     tokens = requests * new
     window = window_rows(candidates, tokens)
+    slices = select_slices(candidates, tokens, shape.top_k)
     return {
         "name": name,
         "op": "index_top_k",
@@ -207,7 +208,7 @@ def index_workload(
             "k": shape.top_k,
             "kpool": shape.kpool,
             # Which select kernel runs: rows split over blocks or not.
-            "split": select_slices(candidates, tokens, shape.top_k) > 1,
+            "split": slices > 1,
         },
         "bytes": bench_index.index_bytes(offsets, lengths, shape),
         "flops": bench_index.score_flops(offsets, lengths, shape),
@@ -225,7 +226,7 @@ def index_workload(
             "candidates": candidates,
             "window_rows": window,
             "windows": -(-tokens // window),
-            "select_slices": select_slices(candidates, tokens, shape.top_k),
+            "select_slices": slices,
         },
     }
 
