@@ -231,9 +231,20 @@ WGMMA_MUTANTS = [
         "product_without_barrier",
         "        fence_async_view_proxy()\n",
         "        fence_async_view_proxy()\n"
-        "    if chunk == 0:\n"
-        "        multiply_chunk[0](s, thread, op, t)\n",
+        "    if active and chunk == 0:\n"
+        "        multiply_chunk[0, rows](\n"
+        "            s, thread, op, first_row, segment.members\n"
+        "        )\n",
         "before any thread wrote it|missing barrier",
+    ),
+    (
+        # Every row of a grouped tile keeps its sums from every segment's
+        # product, not only from its own request's keys.
+        "segment_members_ignored",
+        "    comptime for member in range(rows):\n"
+        "        if (members >> member) & 1 != 0:\n",
+        "    comptime for member in range(rows):\n        if True:\n",
+        r"grouped row \d+ id \d+",
     ),
 ]
 

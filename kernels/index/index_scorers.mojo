@@ -38,8 +38,10 @@ names the op accepts are `AUTO` and these: the one place they are listed
 (`mla_kpool._index_op.SCORERS` is the Python twin; tests/
 test_kernel_constants.py checks they agree)."""
 
-comptime ScoreKernel[scorer: StaticString, Op: type_of(IndexTopK)] = (
-    WgmmaScore[Op] if scorer
+comptime ScoreKernel[
+    scorer: StaticString, Op: type_of(IndexTopK), grouped: Bool = False
+] = (
+    WgmmaScore[Op, grouped] if scorer
     == WGMMA else (MfmaScore[Op] if scorer == MFMA else SimtScore[Op])
 )
 """The score launch's kernel (`gpu_kernel.GpuKernel`) of each scorer: the

@@ -1,7 +1,10 @@
 """One exactly-scorable index_top_k call, for the tensor scorers' emulated tests.
 
-Two query rows of one request see 70 and 40 of the page's candidates (the
-last 64-candidate tile partly empty). Queries and keys are small integers
+Six query rows: three of request 0 see 70, 40 and 1 of its page's
+candidates (the last 64-candidate tile partly empty), two of request 1
+(its own page of other keys) see 65 and 64, and the last row belongs to
+no request (`-1` in the plan). A tile of four rows thus holds rows of
+two requests, and one of a request and a row of none. Queries and keys are small integers
 in e4m3fn, drawn from `codes`; head weights are +-1, 2, 4 and key scales 1
 or 1/2, so every score is exact in float32 whatever the order of its sums,
 and `check` requires each workspace score to equal the host's product
@@ -18,10 +21,12 @@ from kernels.index.index_operands import IndexOperands, IndexWorkspace
 from kernels.index.index_scorers import ScoreKernel
 from kernels.model.ragged import Ptr
 
-comptime ROWS = 2
+comptime ROWS = 6
 """Query rows of the call."""
+comptime REQUESTS = 2
+"""Requests of the call (a page of keys each)."""
 comptime PAGE = 256
-"""Cache rows (one page, one key per row)."""
+"""Cache rows per page (one key per row)."""
 comptime CANDIDATES = 70
 """Workspace row: the most candidates a row sees."""
 comptime U32 = DType.uint32
@@ -67,17 +72,18 @@ struct ExactCall[H: Int, D: Int](Movable):
         self.qs = List[Float32](length=ROWS * Self.H, fill=0.0)
         for i in range(len(self.qs)):
             self.qs[i] = Float32(1 << (i % 3)) * Float32(1 if i % 5 else -1)
-        self.keys = List[UInt8](length=PAGE * Self.D, fill=0)
+        self.keys = List[UInt8](length=REQUESTS * PAGE * Self.D, fill=0)
         for i in range(len(self.keys)):
-            self.keys[i] = _byte(codes, i, 2)
-        self.scales = List[Float32](length=PAGE, fill=0.0)
-        for j in range(PAGE):
-            self.scales[j] = 0.5 if j % 2 else 1.0
-        self.offsets = [0, UInt32(ROWS)]
-        self.lengths = [UInt32(CANDIDATES - 1)]
-        self.table = [0]
+            self.keys[i] = _byte(codes, i, 2 + i // (PAGE * Self.D))
+        self.scales = List[Float32](length=REQUESTS * PAGE, fill=0.0)
+        for j in range(REQUESTS * PAGE):
+            self.scales[j] = 0.5 if (j + j // PAGE) % 2 else 1.0
+        self.offsets = [0, 3, 5]
+        self.lengths = [UInt32(CANDIDATES - 1), 64]
+        self.table = [0, 1]
         self.output = List[Int32](length=ROWS * 16, fill=-1)
-        self.plan = [0, CANDIDATES, 0, 40]
+        # (request, bound) per row.
+        self.plan = [0, CANDIDATES, 0, 40, 0, 1, 1, 65, 1, 64, -1, 0]
         self.scores = List[Float32](length=ROWS * CANDIDATES, fill=-1.0)
 
     def op(mut self) -> ExactOp[Self.H, Self.D]:
@@ -104,12 +110,12 @@ struct ExactCall[H: Int, D: Int](Movable):
                 MutAnyOrigin
             ](),
             total_tokens=ROWS,
-            scored_requests=1,
+            scored_requests=REQUESTS,
             page_size=PAGE,
             key_pages=1,
             scale_pages=1,
-            key_blocks=1,
-            scale_blocks=1,
+            key_blocks=REQUESTS,
+            scale_blocks=REQUESTS,
             block_stride=PAGE * Self.D,
             scale_block_stride=PAGE,
             layer_offset=0,
@@ -127,10 +133,11 @@ struct ExactCall[H: Int, D: Int](Movable):
             ),
         )
 
-    def score[scorer: StaticString](mut self) raises:
-        """Runs `scorer`'s score launch (its declaration, `ScoreKernel`)
-        over the emulated grid: both rows in one window."""
-        comptime K = ScoreKernel[scorer, ExactOp[Self.H, Self.D]]
+    def score[scorer: StaticString, grouped: Bool = False](mut self) raises:
+        """Runs `scorer`'s score launch (its declaration, `ScoreKernel`,
+        `grouped` as given) over the emulated grid: every row in one
+        window."""
+        comptime K = ScoreKernel[scorer, ExactOp[Self.H, Self.D], grouped]
         launch_kernel[K, True](
             rebind[K.Operands](self.op()), DeviceContext(api="cpu")
         )
@@ -142,6 +149,7 @@ struct ExactCall[H: Int, D: Int](Movable):
             Error: Naming `label`, the row and the candidate.
         """
         for t in range(ROWS):
+            var b = Int(self.plan[2 * t])
             var bound = Int(self.plan[2 * t + 1])
             for j in range(CANDIDATES):
                 var got = self.scores[t * CANDIDATES + j]
@@ -156,11 +164,11 @@ struct ExactCall[H: Int, D: Int](Movable):
                     for d in range(Self.D):
                         dot += _value(
                             self.q[(t * Self.H + h) * Self.D + d]
-                        ) * _value(self.keys[j * Self.D + d])
+                        ) * _value(self.keys[(b * PAGE + j) * Self.D + d])
                     var relu = Float32(0) if dot < 0 else dot
                     want += relu * self.qs[t * Self.H + h]
                 assert_equal(
                     got,
-                    want * self.scales[j],
+                    want * self.scales[b * PAGE + j],
                     String(label, "row ", t, " id ", j),
                 )

@@ -1,7 +1,8 @@
 """The MFMA scorer's phases on the emulated grid, exact.
 
-Two query rows of one request score 70 and 40 candidates (the last tile
-partly empty) through `emulate_kernel`, every shared-memory access
+The call of `exact_scorer_call.mojo` (six query rows of two requests and
+none; 70 candidates at most, the last tile partly empty) through
+`emulate_kernel`, every shared-memory access
 checked, at two shapes: 40 heads (three head chunks, the last 8 heads
 padding) of depth 48 (two instructions per chunk, lane groups 2 and 3
 partly and wholly padding), and 16 heads of depth 132 (five
@@ -15,7 +16,7 @@ byte mapping (halved values, times 4, `0x80` cleared) included.
 
 from std.testing import TestSuite
 
-from exact_scorer_call import ROWS, ExactCall
+from exact_scorer_call import ExactCall
 
 
 def _scores_are_exact[H: Int, D: Int]() raises:

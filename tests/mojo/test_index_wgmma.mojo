@@ -1,31 +1,47 @@
 """The tensor-core scorer's phases on the emulated grid, exact.
 
-Two query rows of one request score 70 and 40 candidates (the last tile
-partly empty; `exact_scorer_call.mojo`) with 72 heads (two products: 64 heads, then 8) of depth 48
-(padded to 64 bytes of K), through `emulate_kernel`, every shared-memory
-access checked. Inputs are small integers in e4m3fn and the weights and
-scales small powers of two, so every score is exact in float32 whatever
-the order of the sums, and each must equal the host's product exactly.
+The call of `exact_scorer_call.mojo` (six query rows of two requests and
+none, 70 candidates at most: the last 64-candidate tile partly empty),
+through `emulate_kernel`, every shared-memory access checked:
+
+- 72 heads of depth 48 (padded to 64 bytes of K), a row per tile: two
+  products per tile (64 heads, then 8);
+- 24 heads of depth 48 in grouped tiles (4 rows a tile, N = 96): a tile
+  whose rows belong to two requests (two segments, each with its own
+  keys), one with a row of no request and one past the call's rows.
+
+Inputs are small integers in e4m3fn and the weights and scales small
+powers of two, so every score is exact in float32 whatever the order of
+the sums, and each must equal the host's product exactly.
 tests/test_gpu_kernels.py plants faults in the scorer (a wrong register
-row, a wrong descriptor stride, the product in the staging phase) and
-requires this file to fail.
+row, a wrong descriptor stride, the product in the staging phase, a
+segment's keys taken from the group's first request) and requires this
+file to fail.
 """
 
 from std.testing import TestSuite
 
-from exact_scorer_call import ROWS, ExactCall
+from exact_scorer_call import ExactCall
 
-comptime H = 72
-comptime D = 48
+from kernels.index.gpu.index_wgmma import group_rows
+
+# Small e4m3fn integers: 0, +-1 .. +-4.
+comptime CODES = SIMD[DType.uint8, 8](
+    0x00, 0x38, 0x40, 0x44, 0x48, 0xB8, 0xC0, 0x38
+)
 
 
 def test_scores_are_exact() raises:
-    # Small e4m3fn integers: 0, +-1 .. +-4.
-    var call = ExactCall[H, D](
-        SIMD[DType.uint8, 8](0x00, 0x38, 0x40, 0x44, 0x48, 0xB8, 0xC0, 0x38)
-    )
+    var call = ExactCall[72, 48](CODES)
     call.score["wgmma"]()
     call.check("")
+
+
+def test_grouped_rows_are_exact() raises:
+    comptime assert group_rows[24, 48]() == 4, "four rows a tile"
+    var call = ExactCall[24, 48](CODES)
+    call.score["wgmma", grouped=True]()
+    call.check("grouped ")
 
 
 def main() raises:

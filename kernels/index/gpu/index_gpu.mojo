@@ -53,6 +53,7 @@ from ..index_plan import (
     span_pages,
 )
 from ..index_scorers import SIMT, ScoreKernel
+from .index_wgmma import wgmma_groups_rows
 from .index_select import (
     SELECT_THREADS,
     SelectCall,
@@ -340,7 +341,16 @@ def index_top_k_gpu[
         op.work.first_row = first
         op.work.rows = min(window, op.total_tokens - first)
         comptime Score = ScoreKernel[scorer, Op]
-        launch_kernel[Score, emulate](rebind[Score.Operands](op), ctx)
+        comptime Grouped = ScoreKernel[scorer, Op, True]
+        comptime if Grouped.name != Score.name:
+            if wgmma_groups_rows(op.total_tokens, op.scored_requests):
+                launch_kernel[Grouped, emulate](
+                    rebind[Grouped.Operands](op), ctx
+                )
+            else:
+                launch_kernel[Score, emulate](rebind[Score.Operands](op), ctx)
+        else:
+            launch_kernel[Score, emulate](rebind[Score.Operands](op), ctx)
         if op.work.slices > 1:
             launch_kernel[SelectKernel[Op, True], emulate](op, ctx)
         else:
