@@ -229,21 +229,27 @@ WGMMA_MUTANTS = [
         # The product issued in the phase that stages its tiles: no
         # barrier between the stores and the instruction's reads.
         "product_without_barrier",
-        "        fence_async_view_proxy()\n",
-        "        fence_async_view_proxy()\n"
-        "    if active and chunk == 0:\n"
-        "        multiply_chunk[0, rows](\n"
-        "            s, thread, op, first_row, segment.members\n"
-        "        )\n",
+        "    stage_query[Shape, chunk](s, thread, op, row)\n"
+        "    async_fence()\n",
+        "    stage_query[Shape, chunk](s, thread, op, row)\n"
+        "    async_fence()\n"
+        "    _ = issue_product[Shape, chunk](s, thread, 0)\n",
         "before any thread wrote it|missing barrier",
     ),
     (
-        # Every row of a grouped tile keeps its sums from every segment's
-        # product, not only from its own request's keys.
-        "segment_members_ignored",
-        "    comptime for member in range(rows):\n"
-        "        if (members >> member) & 1 != 0:\n",
-        "    comptime for member in range(rows):\n        if True:\n",
+        # The next pair's keys staged into the buffer the tensor cores
+        # are reading for this pair.
+        "next_keys_into_the_busy_buffer",
+        "stage_keys[Shape](s, thread, op, next, first, (p + 1) % 2)",
+        "stage_keys[Shape](s, thread, op, next, first, p % 2)",
+        r"grouped row \d+ id \d+|missing barrier|read by",
+    ),
+    (
+        # A segment holds only the first of its request's rows in the
+        # block: the others are never scored.
+        "segment_of_its_first_row_only",
+        "            members |= 1 << r\n",
+        "            members = 1 << s\n",
         r"grouped row \d+ id \d+",
     ),
 ]

@@ -40,6 +40,11 @@ INDEX_KERNELS = {"plan", "score_simt", "select", "split_select"}
 UNTILED = "h128-k2048"
 #: Kernels built only for the GPUs that run them: the tensor scorers.
 ARCH_KERNELS = {"sm_90a": {"score_wgmma"}, "gfx942": {"score_mfma"}}
+#: The wgmma scorer's grouped tiles (several query rows a tile), for the
+#: configs whose heads fit one product (at most 64).
+GROUPED = {
+    "sm_90a": {("score_wgmma_rows", c) for c in INDEX_CONFIGS if c != UNTILED}
+}
 #: Writers' kernels: one per op, and the step's scan.
 WRITER_KERNELS = 6
 PTXAS = tools.find_ptxas()
@@ -98,7 +103,8 @@ def test_every_kernel_of_every_op_is_reported(report: Report, arch: str):
         (r["kernel"], r["config"]) for r in rows if r["op"] == "index_top_k"
     }
     kernels = INDEX_KERNELS | ARCH_KERNELS.get(arch, set())
-    assert index == {(k, c) for k in kernels for c in INDEX_CONFIGS}
+    want = {(k, c) for k in kernels for c in INDEX_CONFIGS}
+    assert index == want | GROUPED.get(arch, set())
     assert len(rows) == WRITER_KERNELS + len(index)
     for row in rows:
         code = report.code(row)
@@ -212,6 +218,7 @@ def test_parameter_blocks_are_the_hosts_operand_bytes(report: Report):
         ("index_top_k", "plan"): 216,
         ("index_top_k", "score_simt"): 216,
         ("index_top_k", "score_wgmma"): 216,
+        ("index_top_k", "score_wgmma_rows"): 216,
         ("index_top_k", "score_mfma"): 216,
         ("index_top_k", "select"): 216,
         ("index_top_k", "split_select"): 216,
@@ -233,20 +240,33 @@ def test_every_kernel_keeps_a_quarter_of_the_gpu_busy(report: Report, gpu: str):
 
 def test_tiled_scorer_ptx_has_no_local_memory(report: Report):
     for row in report.arch_rows("sm_90a"):
-        if row["kernel"] in ("score_simt", "score_wgmma"):
+        if row["kernel"] in ("score_simt", "score_wgmma", "score_wgmma_rows"):
             facts = ptx_facts(report.code(row), row["entry"])
             assert facts["local"] == {}, _name(row)
             assert facts["global_loads"], _name(row)
 
 
-#: The wgmma scorer's instructions per 64-candidate tile: D = 128 in four
-#: k32 steps, all heads in one product (32 or 64 of them as N).
+#: The wgmma scorer's instructions per block: D = 128 in four k32 steps.
+#: A row and a tile a block: all heads in one product (32 or 64 of them as
+#: N). Grouped: 4 rows of 32 heads or 2 of 64 (N = 128), a product per
+#: (segment, tile) pair, 4 tiles a block, a segment per row at most.
 WGMMA_PER_TILE = {
-    "glm5next-k512": (
+    ("score_wgmma", "glm5next-k512"): (
         "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3",
         4,
     ),
-    "dsv32-k2048": ("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", 4),
+    ("score_wgmma", "dsv32-k2048"): (
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3",
+        4,
+    ),
+    ("score_wgmma_rows", "glm5next-k512"): (
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
+        4 * 4 * 4,
+    ),
+    ("score_wgmma_rows", "dsv32-k2048"): (
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
+        4 * 4 * 2,
+    ),
 }
 
 
@@ -255,26 +275,26 @@ def test_wgmma_scorer_issues_fp8_wgmma_and_keeps_off_local_memory(
 ):
     seen = set()
     for row in report.arch_rows("sm_90a"):
-        if (
-            row["kernel"] != "score_wgmma"
-            or row["config"] not in WGMMA_PER_TILE
-        ):
+        key = (row["kernel"], row["config"])
+        if key not in WGMMA_PER_TILE:
             continue
-        seen.add(row["config"])
+        seen.add(key)
         facts = ptx_facts(report.code(row), row["entry"])
-        instruction, count = WGMMA_PER_TILE[row["config"]]
+        instruction, count = WGMMA_PER_TILE[key]
         assert facts["tensor"] == {instruction: count}, _name(row)
         # What the emulation cannot see: the stores made visible to the
-        # async proxy, the register fence before the chain, and the wait
-        # for it before the registers are read (once each).
+        # async proxy (after each staging: the grouped kernel has its
+        # staging twice per phase, where a product runs and where none
+        # does), the register fence before each chain, and the wait for it
+        # before the registers are read (once per product: 4 k32 steps).
         code = ptx_entry_text(report.code(row), row["entry"])
+        assert code.count("fence.proxy.async.shared::cta") >= 1, _name(row)
         for sync in (
-            "fence.proxy.async.shared::cta",
             "wgmma.fence.sync.aligned",
             "wgmma.commit_group.sync.aligned",
             "wgmma.wait_group.sync.aligned 0",
         ):
-            assert code.count(sync) == 1, (sync, _name(row))
+            assert code.count(sync) == count // 4, (sync, _name(row))
         assert facts["local"] == {}, _name(row)
         assert row["spill_store_bytes"] == row["spill_load_bytes"] == 0, row
     assert seen == set(WGMMA_PER_TILE)
@@ -437,8 +457,13 @@ def test_rooflines_grids_come_from_the_kernels_declarations(report: Report):
         ("score_mfma", 16 * 32768 // 64, 256),
         ("split_select", 16 * 16, 512),
     ]
+    # A prefill's 4,096 rows of 1,024 candidates: wgmma blocks of 4 rows
+    # and 4 tiles of 64 (the grouped kernel), a select block per row.
     prefill = rows["glm5-next-prefill", "H100"]
-    assert [(k["kernel"], k["grid"]) for k in prefill][-1] == ("select", 4096)
+    assert [(k["kernel"], k["grid"]) for k in prefill][-2:] == [
+        ("score_wgmma_rows", 4096 // 4 * 1024 // 256),
+        ("select", 4096),
+    ]
     step = rows["step-b4096", "B200"]
     assert [(k["kernel"], k["grid"], k["block_threads"]) for k in step] == [
         ("scan", 1, 1024),
@@ -462,11 +487,15 @@ NVDISASM = tools.find_nvdisasm()
     PTXAS is None or NVDISASM is None, reason="needs ptxas and nvdisasm"
 )
 def test_tensor_scorers_machine_code_counts_match_the_manifest(report: Report):
-    # The SASS holds the wgmma scorer's QGMMA, as many per tile as the
+    # The SASS holds the wgmma scorer's QGMMA, as many per block as the
     # manifest's count that the rooflines use, and no FP32 FMA chain; the
     # gfx942 code one MFMA per k-step (the head chunks are a loop).
     for row in report.rows:
-        if row["kernel"] not in ("score_wgmma", "score_mfma"):
+        if row["kernel"] not in (
+            "score_wgmma",
+            "score_wgmma_rows",
+            "score_mfma",
+        ):
             continue
         ops = row["machine_ops"]
         params = row["params"]
@@ -475,6 +504,11 @@ def test_tensor_scorers_machine_code_counts_match_the_manifest(report: Report):
             # A k32 step per 32 dims for each chunk of up to 64 heads.
             chunks = -(-params["num_heads"] // 64)
             assert ops["matrix"] == {"QGMMA": chunks * steps}, row
+        elif row["kernel"] == "score_wgmma_rows":
+            # A product per (segment, tile) pair: rows x tiles of them.
+            grid = row["grid"]
+            pairs = grid["rows_per_block"] * grid["columns_per_block"] // 64
+            assert ops["matrix"] == {"QGMMA": pairs * steps}, row
         else:
             assert ops["matrix"] == {"v_mfma_f32_16x16x32_fp8_fp8": steps}
     tiled = [

@@ -98,7 +98,7 @@ def _glm_rows(registers: int | None = None) -> list[dict]:
             "candidates",
             256,
             column_flops=2 * 32 * 128,
-            pads_columns=False,
+            padded_tile=0,
             flops_peak="fp32",
         ),
         row(
@@ -109,7 +109,7 @@ def _glm_rows(registers: int | None = None) -> list[dict]:
             "candidates",
             64,
             column_flops=2 * 32 * 128,
-            pads_columns=True,
+            padded_tile=64,
             flops_peak="fp8",
         ),
         row("select", 512, "window_rows", 1, "1", 1),

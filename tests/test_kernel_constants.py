@@ -7,9 +7,10 @@ scorer names and the GPU family of each tensor scorer (``_index_op.SCORERS``
 and ``_TENSOR_ARCH``, the kernels' ``AUTO`` / ``GPU_SCORERS`` and
 ``scorer_gpu``), and the GPU path's workspace, windows and split select
 (``_limits.GPU_WORKSPACE_BYTES`` / ``window_rows`` / ``select_slices``, the
-bench's counts). The Mojo side is read from the kernel source the package
-loads (:data:`mla_kpool.KERNELS`), with no compile, except the windows and
-the split, which ``tests/mojo/window_rows_probe.mojo`` prints.
+bench's counts) and its grouped wgmma blocks (``wgmma_groups_rows``). The
+Mojo side is read from the kernel source the package loads
+(:data:`mla_kpool.KERNELS`), with no compile, except the windows, the split
+and the grouping, which ``tests/mojo/window_rows_probe.mojo`` prints.
 """
 
 from __future__ import annotations
@@ -205,6 +206,13 @@ def test_the_kernels_windows_match_python():
     slices = [
         _limits.select_slices(c, t, k) for c, t in cases for k in (1, 512, 2048)
     ]
-    assert lines[1:] == windows + slices
+    groups = [
+        int(_limits.wgmma_groups_rows(t, r))
+        for _, t in cases
+        for r in (0, 1, t // 2, t)
+    ]
+    assert lines[1:] == windows + slices + groups
+    # The cases group rows and leave them one a tile.
+    assert set(groups) == {0, 1}
     # The cases reach the most slices and a count below it.
     assert max(slices) == 16 and {4, 2} <= set(slices)

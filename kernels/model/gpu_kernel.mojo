@@ -97,9 +97,9 @@ trait GpuKernel:
     comptime column_flops: Int = 0
     """Flops per column the kernel computes (a scorer's per candidate), for
     the report's issue bound; 0 for kernels that only move data."""
-    comptime pads_columns: Bool = False
-    """Whether a block computes all its `columns_per_block` columns, past
-    the call's count too (a tensor-core tile), or only the call's."""
+    comptime padded_tile: Int = 0
+    """Columns a block computes whole, past a row's count too (a
+    tensor-core tile of candidates), or 0: only the row's."""
     comptime flops_peak: StaticString = ""
     """The peak `column_flops` run at: `"fp32"` or `"fp8"`."""
 

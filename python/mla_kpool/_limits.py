@@ -1,4 +1,4 @@
-"""index_top_k's limits, written once in Python: top k, GPU workspace, split.
+"""index_top_k's limits, written once in Python: top k, GPU work, its kernels.
 
 A leaf module (it imports nothing) so that :mod:`mla_kpool.reference`,
 written from the contract, can take the limit the contract states without
@@ -42,3 +42,13 @@ def select_slices(candidates: int, total_tokens: int, k: int) -> int:
     if total_tokens >= 128 or candidates < max(4096, 4 * k):
         return 1
     return min(16, 256 // max(total_tokens, 1))
+
+
+def wgmma_groups_rows(total_tokens: int, requests: int) -> bool:
+    """Whether index_top_k's wgmma tiles score several query rows each.
+
+    At two rows a request or more on average (a prefill), a tile stages
+    its keys once for several rows of a request; at decode a tile takes a
+    row (``wgmma_groups_rows`` in kernels/index/gpu/index_wgmma.mojo).
+    """
+    return total_tokens >= 2 * max(requests, 1)

@@ -445,7 +445,7 @@ struct MfmaScore[Op: type_of(IndexTopK)](GpuKernel):
     comptime column_flops = (
         mfma_tile_flops[Self.Op.num_heads, Self.Op.depth]() // MFMA_TILE
     )
-    comptime pads_columns = True
+    comptime padded_tile = MFMA_TILE
     comptime flops_peak = "fp8"
 
     @staticmethod

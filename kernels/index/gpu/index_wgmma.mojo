@@ -91,6 +91,10 @@ comptime WGMMA_GROUP_N = 128
 """Most columns (query rows x heads) of a grouped tile's product: a
 thread's accumulator is N / 2 = 64 float32 registers."""
 
+comptime WGMMA_SPAN = 4
+"""Tiles of `WGMMA_TILE` candidates a grouped block scores in turn, the
+next tile's keys loading while the tensor cores multiply this one's."""
+
 comptime CORE_BYTES = 128
 """Bytes of one core matrix: 8 rows of 16 bytes."""
 
@@ -117,46 +121,22 @@ def chunk_n[num_heads: Int, chunk: Int]() -> Int:
     )
 
 
-@always_inline
-def wgmma_phases[num_heads: Int, rows: Int]() -> Int:
-    """Phases of the scorer: stage and multiply per (request of the tile's
-    rows, chunk), then the sum."""
-    return 2 * wgmma_chunks[num_heads]() * rows + 1
-
-
-@always_inline
-def query_word[depth: Int]() -> Int:
-    """First shared word of the query tile (after the key tile)."""
-    return WGMMA_TILE * wgmma_depth[depth]() // 4
-
-
-def tile_words(kp: Int, n: Int, rows: Int) -> Int:
-    """Shared words of a tile of `rows` query rows: `WGMMA_TILE` keys and
-    `rows * n` query heads of `kp` bytes, 4 partial sums per (row, key)."""
-    return (WGMMA_TILE + rows * n) * kp // 4 + 4 * WGMMA_TILE * rows
-
-
-@always_inline
-def partial_word[num_heads: Int, depth: Int, rows: Int]() -> Int:
-    """First shared word of the partial sums (4 per row and candidate)."""
-    comptime kp = wgmma_depth[depth]()
-    return tile_words(kp, chunk_n[num_heads, 0](), rows) - 4 * WGMMA_TILE * rows
-
-
-@always_inline
-def wgmma_words[num_heads: Int, depth: Int, rows: Int]() -> Int:
-    """Shared words of the scorer: keys, query heads, partial sums."""
-    comptime kp = wgmma_depth[depth]()
-    return tile_words(kp, chunk_n[num_heads, 0](), rows)
+def tile_words(kp: Int, n: Int, rows: Int, buffers: Int) -> Int:
+    """Shared words of a block: `buffers` tiles of `WGMMA_TILE` keys and
+    one of `rows * n` query heads, `kp` bytes each, and `buffers` sets of
+    4 partial sums per (row, key)."""
+    return (buffers * WGMMA_TILE + rows * n) * kp // 4 + (
+        4 * WGMMA_TILE * rows * buffers
+    )
 
 
 def group_rows[num_heads: Int, depth: Int]() -> Int:
-    """Query rows one grouped tile scores.
+    """Query rows a grouped block scores.
 
     The most, a power of two, whose columns (`chunk_n` each) fit one
-    product of `WGMMA_GROUP_N` columns and whose tiles fit the block's
-    static shared memory: 4 for 32 heads of 128, 2 for 64; 1 when the
-    heads take more than one product.
+    product of `WGMMA_GROUP_N` columns and whose double-buffered tiles fit
+    the block's static shared memory: 4 for 32 heads of 128, 2 for 64; 1
+    when the heads take more than one product.
     """
     comptime if wgmma_chunks[num_heads]() > 1:
         return 1
@@ -165,10 +145,48 @@ def group_rows[num_heads: Int, depth: Int]() -> Int:
     var rows = 1
     while (
         2 * rows * n <= WGMMA_GROUP_N
-        and 4 * tile_words(kp, n, 2 * rows) <= STATIC_SHARED_BYTES
+        and 4 * tile_words(kp, n, 2 * rows, 2) <= STATIC_SHARED_BYTES
     ):
         rows *= 2
     return rows
+
+
+struct TileShape[heads: Int, depth: Int, rows: Int, span: Int]:
+    """A block of the wgmma scorer: `rows` query rows, `span` tiles of
+    `WGMMA_TILE` candidates, and its shared-memory layout (words).
+
+    With one chunk of heads the block runs *pairs* (a segment of its rows,
+    a tile) one after another, double-buffered; with several (more than
+    64 heads: one row, one tile) a stage and a multiply per chunk.
+    """
+
+    comptime kp = wgmma_depth[Self.depth]()
+    """Bytes of K per row, padded."""
+    comptime chunks = wgmma_chunks[Self.heads]()
+    """Products per tile."""
+    comptime pairs = Self.rows * Self.span
+    """(segment, tile) pairs of a block (one chunk of heads)."""
+    comptime buffers = min(2, Self.pairs)
+    """Key tiles and partial-sum sets in shared memory."""
+    comptime key_words = WGMMA_TILE * Self.kp // 4
+    """Words of one key tile."""
+    comptime query_word = Self.buffers * Self.key_words
+    """First word of the query tile (after the key tiles)."""
+    comptime partial_words = 4 * WGMMA_TILE * Self.rows
+    """Words of one set of partial sums."""
+    comptime partial_word = Self.query_word + (
+        Self.rows * chunk_n[Self.heads, 0]() * Self.kp // 4
+    )
+    """First word of the partial sums."""
+    comptime words = tile_words(
+        Self.kp, chunk_n[Self.heads, 0](), Self.rows, Self.buffers
+    )
+    """Shared words of the block."""
+    comptime phases = (
+        2 * Self.chunks + 1 if Self.chunks > 1 else Self.pairs + 2
+    )
+    """Phases: stage and multiply per chunk then the sum; or stage the
+    first pair, a phase per pair, and the last pair's sum."""
 
 
 def wgmma_tile_flops[num_heads: Int, depth: Int]() -> Int:
@@ -178,11 +196,6 @@ def wgmma_tile_flops[num_heads: Int, depth: Int]() -> Int:
     comptime for c in range(wgmma_chunks[num_heads]()):
         n += chunk_n[num_heads, c]()
     return 2 * WGMMA_TILE * n * wgmma_depth[depth]()
-
-
-def wgmma_tiles(op: IndexTopK) -> Int:
-    """Blocks per group of rows: tiles of `WGMMA_TILE` candidates."""
-    return ceildiv(op.work.candidates, WGMMA_TILE)
 
 
 @always_inline
@@ -333,32 +346,30 @@ def uniform(flag: Bool) -> Bool:
 
 
 @always_inline
-def multiply_chunk[
-    chunk: Int, rows: Int
-](s: Shared, thread: Int, op: IndexTopK, first_row: Int, members: Int):
-    """A multiply phase: chunk `chunk`'s product for a segment's rows and
-    their heads' partial sums.
+def issue_product[
+    Shape: type_of(TileShape), chunk: Int
+](s: Shared, thread: Int, keys_word: Int) -> SIMD[
+    DType.float32, Shape.rows * chunk_n[Shape.heads, chunk]() // 2
+]:
+    """Issues chunk `chunk`'s product of the key tile at `keys_word` with
+    the query tile (every row of the block): the `kp / 32` chained
+    `wgmma`s, committed as a group and not waited for (`await_product`).
 
-    The product's columns are the group's `rows` query rows times the
-    chunk's heads (`chunk_n` columns a row); every row's query is in the tile,
-    only the `members` rows (bit `r`: row `r`) add their sums. Every
-    thread of the warpgroup must call this (the instruction is
-    warpgroup-wide); each adds its two candidate rows' ReLU'd, weighted
-    heads to its own partial-sum words.
+    Every thread of the warpgroup must call this (the instruction is
+    warpgroup-wide). Returns the accumulator registers: column `c` of the
+    product is query row `c / cn`, head `c % cn` of the chunk (`cn` =
+    `chunk_n`).
     """
-    comptime heads = op.num_heads
-    comptime kp = wgmma_depth[op.depth]()
-    comptime cn = chunk_n[heads, chunk]()
-    comptime n = rows * cn
+    comptime kp = Shape.kp
+    comptime n = Shape.rows * chunk_n[Shape.heads, chunk]()
     comptime width = n // 2
     comptime leading = CORE_BYTES
     comptime stride = CORE_BYTES * (kp // 16)
-    comptime partials = partial_word[heads, op.depth, rows]()
     var base = 0
     comptime if is_nvidia_gpu():
         base = Int(s.words.unsafe_address_space_cast[AddressSpace.SHARED]())
-    var keys = base
-    var query = base + 4 * query_word[op.depth]()
+    var keys = base + 4 * keys_word
+    var query = base + 4 * Shape.query_word
     var acc = SIMD[DType.float32, width](0)
     # The same descriptors for the hardware and for the model: only the
     # instruction differs between the GPU and the emulated grid.
@@ -385,6 +396,13 @@ def multiply_chunk[
             acc = wgmma_e4m3_model[n, width](s, thread, a, b, acc)
     comptime if is_nvidia_gpu():
         wgmma_commit_group_sync()
+    return acc
+
+
+@always_inline
+def await_product[width: Int](mut acc: SIMD[DType.float32, width]):
+    """Waits for the issued product (`issue_product`) to land in `acc`."""
+    comptime if is_nvidia_gpu():
         wgmma_wait_group_sync[0]()
         # Each accumulator register passes through an empty asm after the
         # wait, so nothing reads it before the wait (else ptxas injects a
@@ -394,6 +412,26 @@ def multiply_chunk[
             acc[i] = inlined_assembly[
                 "", Float32, constraints="=f,0", has_side_effect=True
             ](acc[i])
+
+
+@always_inline
+def add_partials[
+    Shape: type_of(TileShape), chunk: Int, width: Int
+](
+    acc: SIMD[DType.float32, width],
+    s: Shared,
+    thread: Int,
+    op: IndexTopK,
+    first_row: Int,
+    members: Int,
+    partials: Int,
+):
+    """A thread's share of a landed product: for each of its two
+    candidates, the ReLU'd, weighted heads of each `members` row (bit
+    `r`: row `r` of the block), added to its own partial-sum words from
+    `partials` (4 per row and candidate: one per thread of a quad)."""
+    comptime heads = Shape.heads
+    comptime cn = chunk_n[heads, chunk]()
     # Register i holds row 16w + g + 8 ((i / 2) % 2), column
     # 8 (i / 4) + 2q + i % 2 (PTX ISA's m64nNk32 accumulator fragment);
     # column c is query row c / cn (cn a power of two of 8 or more, so the
@@ -401,7 +439,7 @@ def multiply_chunk[
     var lane = thread % 32
     var quad = lane % 4
     var first_t = op.work.first_row + first_row
-    var sums = SIMD[DType.float32, 2 * rows](0)
+    var sums = SIMD[DType.float32, 2 * Shape.rows](0)
     comptime for i in range(width):
         comptime member = (8 * (i // 4)) // cn
         var h = chunk * WGMMA_HEADS + (8 * (i // 4)) % cn + 2 * quad + i % 2
@@ -412,7 +450,7 @@ def multiply_chunk[
             sums[2 * member + (i // 2) % 2] += (
                 relu * op.qs[unsafe_offset=(first_t + member) * heads + h]
             )
-    comptime for member in range(rows):
+    comptime for member in range(Shape.rows):
         if (members >> member) & 1 != 0:
             comptime for r in range(2):
                 var m = 16 * (thread // 32) + lane // 4 + 8 * r
@@ -426,17 +464,24 @@ def multiply_chunk[
 @always_inline
 def write_scores[
     rows: Int
-](thread: Int, s: Shared, op: IndexTopK, first_row: Int, first: Int):
-    """The last phase: a thread per (row, candidate) adds its four partial
-    sums (one per thread of the quad that held the candidate) in a fixed
-    order and multiplies by the key's scale, once after the head sum, as
-    DeepGEMM does."""
-    comptime partials = partial_word[op.num_heads, op.depth, rows]()
+](
+    thread: Int,
+    s: Shared,
+    op: IndexTopK,
+    first_row: Int,
+    first: Int,
+    members: Int,
+    partials: Int,
+):
+    """A tile's scores: a thread per (`members` row, candidate from
+    `first`) adds its four partial sums (one per thread of the quad that
+    held the candidate) in a fixed order and multiplies by the key's
+    scale, once after the head sum, as DeepGEMM does."""
     for e in range(thread, rows * WGMMA_TILE, WGMMA_THREADS):
         var member = e // WGMMA_TILE
         var row = tile_row(op, first_row + member)
         var j = first + e % WGMMA_TILE
-        if row.request < 0 or j >= row.bound:
+        if (members >> member) & 1 == 0 or j >= row.bound:
             continue
         var word = partials + 4 * e
         var total = (s.load_f32(word) + s.load_f32(word + 1)) + (
@@ -451,69 +496,198 @@ def write_scores[
 
 
 @always_inline
+def stage_query[
+    Shape: type_of(TileShape), chunk: Int
+](s: Shared, thread: Int, op: IndexTopK, first_row: Int):
+    """Chunk `chunk`'s query heads of every row of the block into the
+    query tile: row `r`'s head `h` at column `r * cn + h` (zero past the
+    heads and for rows of no request)."""
+    comptime heads = Shape.heads
+    comptime cn = chunk_n[heads, chunk]()
+    comptime units = Shape.kp // 16
+    var t0 = op.work.first_row + first_row
+    for u in range(thread, Shape.rows * cn * units, WGMMA_THREADS):
+        var c = u // units
+        var r = c // cn
+        var h = chunk * WGMMA_HEADS + c % cn
+        var valid = h < heads and tile_row(op, first_row + r).request >= 0
+        var src = op.q
+        if valid:
+            src = op.q.unsafe_offset(((t0 + r) * heads + h) * Shape.depth)
+        stage_unit[Shape.kp, Shape.depth](
+            s, Shape.query_word, c, u % units, src, valid
+        )
+
+
+@always_inline
+def stage_keys[
+    Shape: type_of(TileShape)
+](
+    s: Shared,
+    thread: Int,
+    op: IndexTopK,
+    segment: Segment,
+    first: Int,
+    buf: Int,
+):
+    """The segment's request's keys of the tile from candidate `first`
+    into key buffer `buf` (zero past the segment's bound)."""
+    comptime units = Shape.kp // 16
+    for u in range(thread, WGMMA_TILE * units, WGMMA_THREADS):
+        var m = u // units
+        var j = first + m
+        var valid = j < segment.bound
+        var src = op.k_blocks
+        if valid:
+            src = op.k_blocks.unsafe_offset(
+                candidate_at(op, segment.request, j).key
+            )
+        stage_unit[Shape.kp, Shape.depth](
+            s, buf * Shape.key_words, m, u % units, src, valid
+        )
+
+
+@always_inline
+def async_fence():
+    """Makes the tiles written through the generic proxy visible to
+    `wgmma`, which reads them through the async proxy."""
+    comptime if is_nvidia_gpu():
+        fence_async_view_proxy()
+
+
+@always_inline
+def chunked_phase[
+    Shape: type_of(TileShape), phase: Int
+](thread: Int, s: Shared, op: IndexTopK, row: Int, first: Int):
+    """A phase of a block of one row and one tile whose heads take several
+    products: phase `2c` stages chunk `c`'s query heads (and, for `c = 0`,
+    the keys), `2c + 1` multiplies it, `2C` writes the scores."""
+    comptime chunks = Shape.chunks
+    var segment = segment_at[1, 0](op, row)
+    var active = uniform(segment.active(first))
+    if not active:
+        return
+    comptime if phase == 2 * chunks:
+        write_scores[1](thread, s, op, row, first, 1, Shape.partial_word)
+        return
+    comptime chunk = phase // 2
+    comptime if phase % 2 == 1:
+        var acc = issue_product[Shape, chunk](s, thread, 0)
+        await_product(acc)
+        add_partials[Shape, chunk](
+            acc, s, thread, op, row, 1, Shape.partial_word
+        )
+        return
+    comptime if chunk == 0:
+        stage_keys[Shape](s, thread, op, segment, first, 0)
+    stage_query[Shape, chunk](s, thread, op, row)
+    async_fence()
+
+
+@always_inline
+def pair_first(block_first: Int, pair: Int, span: Int) -> Int:
+    """The first candidate of pair `pair`'s tile (pairs run a segment's
+    `span` tiles in turn)."""
+    return block_first + (pair % span) * WGMMA_TILE
+
+
+@always_inline
+def pipelined_phase[
+    Shape: type_of(TileShape), phase: Int
+](thread: Int, s: Shared, op: IndexTopK, first_row: Int, block_first: Int):
+    """A phase of a block with one chunk of heads: its pairs (segment
+    `p / span`, tile `p % span`) in turn, double-buffered.
+
+    Phase 0 stages every row's query and pair 0's keys. Phase `i` (1 ..
+    pairs) issues pair `i - 1`'s product on key buffer `(i - 1) % 2`,
+    stages pair `i`'s keys into the other buffer and writes pair `i - 2`'s
+    scores while the tensor cores work, then waits and adds pair `i - 1`'s
+    partial sums to set `(i - 1) % 2`. The last phase writes the last
+    pair's scores. A pair with nothing to score is skipped by the block.
+    """
+    comptime rows = Shape.rows
+    comptime span = Shape.span
+    comptime pairs = Shape.pairs
+    comptime if phase == 0:
+        stage_query[Shape, 0](s, thread, op, first_row)
+        var segment = segment_at[rows, 0](op, first_row)
+        if uniform(segment.active(block_first)):
+            stage_keys[Shape](s, thread, op, segment, block_first, 0)
+        async_fence()
+        return
+    comptime p = phase - 1
+    comptime if p < pairs:
+        var multiply = segment_at[rows, p // span](op, first_row)
+        if uniform(multiply.active(pair_first(block_first, p, span))):
+            # The accumulators live only in this branch: defined by the
+            # wgmmas alone (ptxas serializes a chain whose accumulators
+            # other instructions define, advisory C7515).
+            var acc = issue_product[Shape, 0](
+                s, thread, (p % 2) * Shape.key_words
+            )
+            while_multiplying[Shape, p](thread, s, op, first_row, block_first)
+            await_product(acc)
+            add_partials[Shape, 0](
+                acc,
+                s,
+                thread,
+                op,
+                first_row,
+                multiply.members,
+                Shape.partial_word + (p % 2) * Shape.partial_words,
+            )
+        else:
+            while_multiplying[Shape, p](thread, s, op, first_row, block_first)
+    else:
+        while_multiplying[Shape, p](thread, s, op, first_row, block_first)
+
+
+@always_inline
+def while_multiplying[
+    Shape: type_of(TileShape), p: Int
+](thread: Int, s: Shared, op: IndexTopK, first_row: Int, block_first: Int):
+    """What pair `p`'s phase does while the tensor cores multiply: stage
+    pair `p + 1`'s keys into the other buffer, write pair `p - 1`'s
+    scores."""
+    comptime rows = Shape.rows
+    comptime span = Shape.span
+    comptime if p + 1 < Shape.pairs:
+        var next = segment_at[rows, (p + 1) // span](op, first_row)
+        var first = pair_first(block_first, p + 1, span)
+        if uniform(next.active(first)):
+            stage_keys[Shape](s, thread, op, next, first, (p + 1) % 2)
+            async_fence()
+    comptime if p >= 1:
+        var done = segment_at[rows, (p - 1) // span](op, first_row)
+        write_scores[rows](
+            thread,
+            s,
+            op,
+            first_row,
+            pair_first(block_first, p - 1, span),
+            done.members,
+            Shape.partial_word + ((p - 1) % 2) * Shape.partial_words,
+        )
+
+
+@always_inline
 def index_wgmma_phase[
-    phase: Int, rows: Int
+    Shape: type_of(TileShape), phase: Int
 ](block: Int, thread: Int, s: Shared, op: IndexTopK):
     """One phase of the tensor-core scorer (module docs) for the window
-    rows `rows * (block / wgmma_tiles(op))` on, candidates from
-    `64 * (block % tiles)`.
+    rows from `Shape.rows * (block / spans)`, candidates from
+    `64 * Shape.span * (block % spans)` (`spans`: blocks per row group).
 
     Inlined into the kernel: a wgmma chain that crosses a call is
     serialized (ptxas advisory C7510).
     """
-    comptime heads = op.num_heads
-    comptime depth = op.depth
-    comptime kp = wgmma_depth[depth]()
-    comptime units = kp // 16
-    comptime chunks = wgmma_chunks[heads]()
-    var tiles = wgmma_tiles(op)
-    var first_row = (block // tiles) * rows
-    var j0 = (block % tiles) * WGMMA_TILE
-    comptime if phase == 2 * chunks * rows:
-        write_scores[rows](thread, s, op, first_row, j0)
-        return
-    comptime seg = phase // (2 * chunks)
-    comptime chunk = (phase // 2) % chunks
-    var segment = segment_at[rows, seg](op, first_row)
-    var active = uniform(segment.active(j0))
-    comptime if phase % 2 == 1:
-        if active:
-            multiply_chunk[chunk, rows](
-                s, thread, op, first_row, segment.members
-            )
-        return
-    comptime cn = chunk_n[heads, chunk]()
-    comptime if seg == 0:
-        # Every row's query heads of the chunk, once for the group's
-        # segments: row r's head h at column r * cn + h.
-        var t0 = op.work.first_row + first_row
-        for u in range(thread, rows * cn * units, WGMMA_THREADS):
-            var c = u // units
-            var r = c // cn
-            var h = chunk * WGMMA_HEADS + c % cn
-            var valid = h < heads and tile_row(op, first_row + r).request >= 0
-            var src = op.q
-            if valid:
-                src = op.q.unsafe_offset(((t0 + r) * heads + h) * depth)
-            stage_unit[kp, depth](
-                s, query_word[depth](), c, u % units, src, valid
-            )
-    comptime if chunk == 0:
-        if active:
-            for u in range(thread, WGMMA_TILE * units, WGMMA_THREADS):
-                var m = u // units
-                var j = j0 + m
-                var valid = j < segment.bound
-                var src = op.k_blocks
-                if valid:
-                    src = op.k_blocks.unsafe_offset(
-                        candidate_at(op, segment.request, j).key
-                    )
-                stage_unit[kp, depth](s, 0, m, u % units, src, valid)
-    comptime if is_nvidia_gpu():
-        # The tiles were written through the generic proxy; wgmma reads
-        # them through the async proxy.
-        fence_async_view_proxy()
+    var spans = ceildiv(op.work.candidates, WGMMA_TILE * Shape.span)
+    var first_row = (block // spans) * Shape.rows
+    var first = (block % spans) * WGMMA_TILE * Shape.span
+    comptime if Shape.chunks > 1:
+        chunked_phase[Shape, phase](thread, s, op, first_row, first)
+    else:
+        pipelined_phase[Shape, phase](thread, s, op, first_row, first)
 
 
 comptime _ROW_NAME = "mla_kpool_index_wgmma_score_kernel"
@@ -522,36 +696,40 @@ comptime _GROUP_NAME = "mla_kpool_index_wgmma_rows_score_kernel"
 
 struct WgmmaScore[Op: type_of(IndexTopK), grouped: Bool = False](GpuKernel):
     """The `"wgmma"` scorer's launch (sm_90): a warpgroup per (group of
-    `tile_rows` window rows, tile of `WGMMA_TILE` candidates),
-    `index_wgmma_phase`.
+    `Shape.rows` window rows, span of `Shape.span` tiles of `WGMMA_TILE`
+    candidates), `index_wgmma_phase`.
 
     Parameters:
         Op: The operand struct.
-        grouped: A tile scores `group_rows` query rows against the keys it
-            stages once (a prefill's rows, many per request), else one
-            (decode: a row per request). With one group row (more heads
-            than a product takes) both are the same kernel.
+        grouped: A block scores `group_rows` query rows over `WGMMA_SPAN`
+            tiles, staging the query once and each tile's keys once for
+            its rows (a prefill's rows, many per request), else one row
+            and one tile (decode: a row per request). With more heads than
+            one product takes, both are the same kernel.
     """
 
     comptime Operands = Self.Op
-    comptime tile_rows = (
-        group_rows[Self.Op.num_heads, Self.Op.depth]() if Self.grouped else 1
-    )
-    """Window rows a block scores."""
-    comptime name = _GROUP_NAME if Self.tile_rows > 1 else _ROW_NAME
+    comptime many = Self.grouped and wgmma_chunks[Self.Op.num_heads]() == 1
+    """Whether a block takes several rows and tiles."""
+    comptime Shape = TileShape[
+        Self.Op.num_heads,
+        Self.Op.depth,
+        group_rows[Self.Op.num_heads, Self.Op.depth]() if Self.many else 1,
+        WGMMA_SPAN if Self.many else 1,
+    ]
+    """The block's rows, tiles and shared memory."""
+    comptime name = _GROUP_NAME if Self.many else _ROW_NAME
     comptime block_threads = WGMMA_THREADS
-    comptime shared_words = wgmma_words[
-        Self.Op.num_heads, Self.Op.depth, Self.tile_rows
-    ]()
-    comptime phases = wgmma_phases[Self.Op.num_heads, Self.tile_rows]()
+    comptime shared_words = Self.Shape.words
+    comptime phases = Self.Shape.phases
     comptime grid_rows = "window_rows"
-    comptime rows_per_block = Self.tile_rows
+    comptime rows_per_block = Self.Shape.rows
     comptime grid_columns = "candidates"
-    comptime columns_per_block = WGMMA_TILE
+    comptime columns_per_block = WGMMA_TILE * Self.Shape.span
     comptime column_flops = (
         wgmma_tile_flops[Self.Op.num_heads, Self.Op.depth]() // WGMMA_TILE
     )
-    comptime pads_columns = True
+    comptime padded_tile = WGMMA_TILE
     comptime flops_peak = "fp8"
 
     @staticmethod
@@ -577,12 +755,12 @@ struct WgmmaScore[Op: type_of(IndexTopK), grouped: Bool = False](GpuKernel):
         op: Self.Operands,
     ):
         """`index_wgmma_phase`."""
-        index_wgmma_phase[phase, Self.tile_rows](block, thread, s, op)
+        index_wgmma_phase[Self.Shape, phase](block, thread, s, op)
 
 
 def wgmma_groups_rows(total_tokens: Int, requests: Int) -> Bool:
-    """Whether a call's wgmma tiles score several rows each (`WgmmaScore`'s
-    `grouped`): its requests have two query rows or more on average (a
-    prefill); at decode a tile's rows would each need their own keys.
-    `mla_kpool._limits.wgmma_groups_rows` is the Python twin."""
+    """Whether a call's wgmma blocks take several rows and tiles each
+    (`WgmmaScore`'s `grouped`): its requests have two query rows or more
+    on average (a prefill); at decode a block's rows would each need their
+    own keys. `mla_kpool._limits.wgmma_groups_rows` is the Python twin."""
     return total_tokens >= 2 * max(requests, 1)

@@ -51,7 +51,12 @@ from typing import Any
 
 import numpy as np
 
-from .._limits import GPU_WORKSPACE_BYTES, select_slices, window_rows
+from .._limits import (
+    GPU_WORKSPACE_BYTES,
+    select_slices,
+    wgmma_groups_rows,
+    window_rows,
+)
 from ..gpu_specs import gpu_spec, lower_bound_seconds
 from . import index as bench_index
 from . import workload as bench_workload
@@ -209,6 +214,8 @@ def index_workload(
             "kpool": shape.kpool,
             # Which select kernel runs: rows split over blocks or not.
             "split": slices > 1,
+            # Which wgmma score kernel runs: several rows a tile or one.
+            "grouped": wgmma_groups_rows(tokens, requests),
         },
         "bytes": bench_index.index_bytes(offsets, lengths, shape),
         "flops": bench_index.score_flops(offsets, lengths, shape),

@@ -10,7 +10,7 @@ threads per block, shared words (the most a block uses, the scratch of its
 block collectives included: `block_shared_words`) and whether they are
 sized at launch (`dynamic_shared`: the code then declares none), phases,
 the grid rule and the bytes the host passes (`host_bytes`). A score kernel's row also carries what it
-computes per candidate (`column_flops`, `pads_columns`, `flops_peak`), for
+computes per candidate (`column_flops`, `padded_tile`, `flops_peak`), for
 the rooflines' issue bounds.
 
 Each kernel is compiled from the same declaration the op's `execute`
@@ -158,6 +158,42 @@ def _writers(mut m: Manifest) raises:
     )
 
 
+def _score[
+    Score: GpuKernel
+](
+    mut m: Manifest,
+    scorer: String,
+    config: String,
+    fields: String,
+    grouped: Bool,
+    keyed: Bool,
+) raises:
+    """Emits a score kernel: `score_<scorer>`, `score_<scorer>_rows` for
+    the `grouped` one (blocks of several rows and tiles); for a scorer
+    that has both (`keyed`), `grouped` is the params' last member."""
+    var kernel = String("score_", scorer, "_rows" if grouped else "")
+    var close = String("}")
+    if keyed:
+        close = String(', "grouped": ', "true}" if grouped else "false}")
+    m.emit[Score](
+        "index_top_k",
+        kernel,
+        config,
+        fields + close,
+        String(
+            ', "scorer": "',
+            scorer,
+            '", "column_flops": ',
+            Score.column_flops,
+            ', "padded_tile": ',
+            Score.padded_tile,
+            ', "flops_peak": "',
+            Score.flops_peak,
+            '"',
+        ),
+    )
+
+
 def _index[
     H: Int, D: Int, K: Int, P: Int, S: Bool
 ](mut m: Manifest, config: String) raises:
@@ -175,27 +211,18 @@ def _index[
         "true" if S else "false",
         ', "causal": true',
     )
-    var params = fields + "}"
-    m.emit[PlanKernel[Op]]("index_top_k", "plan", config, params)
+    m.emit[PlanKernel[Op]]("index_top_k", "plan", config, fields + "}")
     comptime for i in range(len(GPU_SCORERS)):
         comptime scorer = GPU_SCORERS[i]
         comptime if scorer_targets[scorer](ARCH):
             comptime Score = ScoreKernel[scorer, Op]
-            m.emit[Score](
-                "index_top_k",
-                String("score_", scorer),
-                config,
-                params,
-                String(
-                    ', "column_flops": ',
-                    Score.column_flops,
-                    ', "pads_columns": ',
-                    "true" if Score.pads_columns else "false",
-                    ', "flops_peak": "',
-                    Score.flops_peak,
-                    '"',
-                ),
-            )
+            comptime Grouped = ScoreKernel[scorer, Op, True]
+            # A scorer with a grouped kernel (several rows a tile) runs it
+            # at prefill, its own at decode (the workload's `grouped`).
+            comptime grouped = Grouped.name != Score.name
+            _score[Score](m, scorer, config, fields, False, grouped)
+            comptime if grouped:
+                _score[Grouped](m, scorer, config, fields, True, True)
     # One of the two runs a window, by `select_slices` (the workload's
     # `split`).
     m.emit[SelectKernel[Op, False]](

@@ -142,7 +142,7 @@ def rooflines(kernels: list[dict[str, Any]]) -> list[dict[str, Any]]:
             configs), ``block_threads``, ``grid`` (the rule, see the module
             docstring), and ``resident_blocks`` (``{gpu: blocks per SM}``)
             or ``registers`` and ``shared_bytes`` for the occupancy model;
-            a score kernel's also ``column_flops``, ``pads_columns``,
+            a score kernel's also ``column_flops``, ``padded_tile``,
             ``flops_peak`` (:func:`scorer_bounds`).
 
     Returns:
@@ -191,13 +191,14 @@ def scorer_bounds(
 ) -> list[dict[str, Any]]:
     """Each scorer's bound on one index workload: memory or instruction issue.
 
-    A score kernel's row (``score_<scorer>``) says what it computes:
-    ``column_flops`` per candidate at the ``flops_peak`` (``"fp32"`` or
-    ``"fp8"``) of the GPU; with ``pads_columns`` a block computes all
-    ``columns_per_block`` candidates of its tile, the last one padded
-    (a tensor-core tile), else only those a row sees. The bound of a
-    scorer is ``max(memory, issue)``; it leaves the plan and select
-    launches out.
+    A score kernel's row (``score_<scorer>``, ``score_<scorer>_rows``
+    for the kernel whose blocks take several rows; its ``scorer``) says
+    what it computes: ``column_flops`` per candidate at the
+    ``flops_peak`` (``"fp32"`` or ``"fp8"``) of the GPU; with a
+    ``padded_tile`` a block computes whole tiles of that many candidates,
+    a row's last one padded (a tensor-core tile), else only those a row
+    sees. The bound of a scorer is ``max(memory, issue)``; it leaves the
+    plan and select launches out.
 
     Args:
         w: An index workload (:func:`mla_kpool.bench.bounds.index_workload`).
@@ -217,8 +218,8 @@ def scorer_bounds(
             "column_flops"
         ):
             continue
-        if row.get("pads_columns"):
-            tile = row["grid"]["columns_per_block"]
+        tile = row.get("padded_tile") or 0
+        if tile:
             columns = int((-(-seen // tile)).sum()) * tile
         else:
             columns = int(seen.sum())
@@ -228,7 +229,8 @@ def scorer_bounds(
         issue_s = row["column_flops"] * columns / (tflops * 1e12)
         out.append(
             {
-                "scorer": row["kernel"].removeprefix("score_"),
+                "scorer": row.get("scorer")
+                or row["kernel"].removeprefix("score_"),
                 "kernel": row["kernel"],
                 "bound_s": max(memory_s, issue_s),
                 "issue_s": issue_s,
