@@ -223,11 +223,24 @@ def require_mojo() -> str:
 
 
 def mojo_run(
-    test_file: str, *args: str, root: Path = ROOT
+    test_file: str,
+    *args: str,
+    root: Path = ROOT,
+    defines: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
-    """``mojo run -I root root/test_file args...``, its output captured."""
+    """``mojo run -D define... -I root root/test_file args...``, its output
+    captured."""
+    flags = [f for d in defines for f in ("-D", d)]
     return subprocess.run(
-        [require_mojo(), "run", "-I", str(root), str(root / test_file), *args],
+        [
+            require_mojo(),
+            "run",
+            *flags,
+            "-I",
+            str(root),
+            str(root / test_file),
+            *args,
+        ],
         capture_output=True,
         text=True,
         cwd=root,
@@ -236,9 +249,11 @@ def mojo_run(
     )
 
 
-def run_mojo_file(test_file: str, root: Path = ROOT) -> tuple[int, str]:
+def run_mojo_file(
+    test_file: str, root: Path = ROOT, defines: tuple[str, ...] = ()
+) -> tuple[int, str]:
     """:func:`mojo_run` of ``test_file``: its exit status and output."""
-    proc = mojo_run(test_file, root=root)
+    proc = mojo_run(test_file, root=root, defines=defines)
     return proc.returncode, proc.stdout + proc.stderr
 
 

@@ -49,11 +49,16 @@ def test_index_select_on_the_phased_emulation():
 
 
 def _planted_fault_fails(
-    mutant: tuple, kernel: str, test_file: str, tmp_path: Path
+    mutant: tuple,
+    kernel: str,
+    test_file: str,
+    tmp_path: Path,
+    defines: tuple[str, ...] = (),
 ) -> None:
     """Plants ``mutant`` (id, source text, its faulty replacement, what the
     failing run must say) in a copy of ``kernels/<kernel>`` and requires
-    ``test_file``, run on that copy, to fail saying so."""
+    ``test_file``, run on that copy (built with ``defines``), to fail
+    saying so."""
     _, good, bad, match = mutant
     shutil.copytree(ROOT / "kernels", tmp_path / "kernels")
     (tmp_path / "tests").mkdir()
@@ -62,7 +67,7 @@ def _planted_fault_fails(
     source = path.read_text()
     assert source.count(good) == 1, "the planted line moved; update it"
     path.write_text(source.replace(good, bad))
-    status, output = run_mojo_file(test_file, tmp_path)
+    status, output = run_mojo_file(test_file, tmp_path, defines)
     assert status != 0, output
     assert re.search(match, output), output
 
@@ -170,17 +175,32 @@ _IN_SELECT = (
 )
 
 
+#: The one select kernel (k, split) a planted fault's run compiles and
+#: checks (each select kernel is a compile of its own): the split one for
+#: the split's faults, k 101 for the rank sort (at most 256 winners), the
+#: unsplit k 512 for the others.
+_SELECT_KERNEL = {
+    "select_by_block_order": (512, True),
+    "wide_bucket_off_by_one": (512, True),
+    "compaction_without_the_bucket": (512, True),
+    "histogram_left_for_the_next_launch": (512, True),
+    "rank_in_reverse": (101, False),
+}
+
+
 @needs_mojo
 @pytest.mark.parametrize(
     "mutant", SELECT_MUTANTS, ids=[m[0] for m in SELECT_MUTANTS]
 )
 def test_index_select_planted_faults_fail(mutant, tmp_path: Path):
     kernel = "index_select" if mutant[0] in _IN_SELECT else "index_pick"
+    k, split = _SELECT_KERNEL.get(mutant[0], (512, False))
     _planted_fault_fails(
         mutant,
         f"index/gpu/{kernel}.mojo",
         "tests/mojo/test_index_select.mojo",
         tmp_path,
+        (f"MLA_KPOOL_SELECT_K={k}", f"MLA_KPOOL_SELECT_SPLIT={int(split)}"),
     )
 
 

@@ -14,11 +14,17 @@ up to 24 blocks: keys one wide bucket apart, more keys in one bucket than
 the row cache holds, signed zeros at the threshold, rows from 0 to 8,192
 candidates in one launch, row caches from the least a split allows to past
 `CACHE_WORDS`. The select kernel also compiles for sm_90a,
-sm_100a and gfx942."""
+sm_100a and gfx942.
+
+Built with `-D MLA_KPOOL_SELECT_K=k -D MLA_KPOOL_SELECT_SPLIT=0|1` (a
+planted fault's run in tests/test_gpu_kernels.py), only the checks of
+that one select kernel run, and only it compiles: the others return at
+once."""
 
 from std.builtin.sort import sort
 from std.math import min
 from std.random import random_float64, random_ui64, seed
+from std.sys import get_defined_int
 from std.testing import TestSuite, assert_equal, assert_true
 
 from kernels.model.block_phases import Lane, Shared
@@ -180,9 +186,17 @@ def _select[
     return result^
 
 
+comptime ONLY_K = get_defined_int["MLA_KPOOL_SELECT_K", 0]()
+"""The one k checked (0: every k)."""
+comptime ONLY_SPLIT = get_defined_int["MLA_KPOOL_SELECT_SPLIT", 0]() != 0
+"""With `ONLY_K`: whether the one kernel checked is the split one."""
+
+
 def _check[
     k: Int, split: Bool = False
 ](rows: List[List[Float32]], slices: Int = 1) raises:
+    comptime if ONLY_K != 0 and (k != ONLY_K or split != ONLY_SPLIT):
+        return
     var got = _select[k, split](rows, slices)
     for i in range(len(rows)):
         var want = _expected(rows[i], len(rows[i]), k)
@@ -437,6 +451,8 @@ def test_split_rows_of_every_cache_size() raises:
 
 
 def test_the_select_compiles_for_every_target() raises:
+    comptime if ONLY_K != 0:
+        return
     for asm in [
         kernel_code[SelectTest[512, True], "sm_90a"](),
         kernel_code[SelectTest[2048, True], "sm_100a"](),
