@@ -23,7 +23,7 @@ from std.testing import TestSuite
 
 from exact_scorer_call import ExactCall
 
-from kernels.index.gpu.index_wgmma import group_rows
+from kernels.index.gpu.index_wgmma_tiles import group_rows
 
 # Small e4m3fn integers: 0, +-1 .. +-4.
 comptime CODES = SIMD[DType.uint8, 8](

@@ -37,7 +37,11 @@ from std.testing import TestSuite, assert_equal, assert_true
 
 from kernels.model.block_phases import Shared
 from kernels.index.index_fp8 import decode_e4m3
-from kernels.index.gpu.index_wgmma import CORE_BYTES, descriptor, tile_byte
+from kernels.index.gpu.index_wgmma_tiles import (
+    CORE_BYTES,
+    descriptor,
+    tile_byte,
+)
 from kernels.model.ragged import Ptr
 from kernels.index.gpu.wgmma_model import (
     accumulator_element,

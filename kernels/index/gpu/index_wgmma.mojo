@@ -62,237 +62,35 @@ from max.gpu.compute.mma import (
     wgmma_fence_aligned,
     wgmma_wait_group_sync,
 )
-from max.gpu.memory import AddressSpace, fence_async_view_proxy
+from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
-from std.bit import next_power_of_two
-from std.math import ceildiv, max, min
-from std.memory import bitcast
+from std.math import ceildiv, max
 from std.sys import inlined_assembly
 from std.sys.info import is_nvidia_gpu
 
 from ...model.block_phases import Lane, Shared
-from ...model.gpu_kernel import STATIC_SHARED_BYTES, GpuKernel
-from .index_gpu_score import candidate_at, is_aligned
+from ...model.gpu_kernel import GpuKernel
+from .index_gpu_score import candidate_at
 from ..index_operands import IndexTopK
-from ...model.ragged import Ptr
+from .index_wgmma_tiles import (
+    CORE_BYTES,
+    WGMMA_HEADS,
+    WGMMA_SPAN,
+    WGMMA_THREADS,
+    WGMMA_TILE,
+    TileShape,
+    async_fence,
+    chunk_n,
+    descriptor,
+    group_rows,
+    pair_first,
+    stage_keys,
+    stage_query,
+    tile_row,
+    wgmma_chunks,
+    wgmma_tile_flops,
+)
 from .wgmma_model import WGMMA_FP8_K, wgmma_e4m3_model
-
-
-comptime WGMMA_TILE = 64
-"""Candidates per block: the instruction's M."""
-
-comptime WGMMA_THREADS = 128
-"""Threads per block: one warpgroup."""
-
-comptime WGMMA_HEADS = 64
-"""Most heads per matrix product (the instruction's N)."""
-
-comptime WGMMA_GROUP_N = 128
-"""Most columns (query rows x heads) of a grouped tile's product: a
-thread's accumulator is N / 2 = 64 float32 registers."""
-
-comptime WGMMA_SPAN = 4
-"""Tiles of `WGMMA_TILE` candidates a grouped block scores in turn, the
-next tile's keys loading while the tensor cores multiply this one's."""
-
-comptime CORE_BYTES = 128
-"""Bytes of one core matrix: 8 rows of 16 bytes."""
-
-
-@always_inline
-def wgmma_depth[depth: Int]() -> Int:
-    """`depth` rounded up to whole instructions (32 bytes of K each)."""
-    return ceildiv(depth, WGMMA_FP8_K) * WGMMA_FP8_K
-
-
-@always_inline
-def wgmma_chunks[num_heads: Int]() -> Int:
-    """Matrix products per tile: chunks of up to `WGMMA_HEADS` heads."""
-    return ceildiv(num_heads, WGMMA_HEADS)
-
-
-@always_inline
-def chunk_n[num_heads: Int, chunk: Int]() -> Int:
-    """Columns a query row takes in chunk `chunk`'s product: its heads
-    rounded up to a power of two, at least 8 (the accumulator fragment,
-    `N / 2` registers, is a SIMD vector: a power of two wide)."""
-    return max(
-        8, next_power_of_two(min(WGMMA_HEADS, num_heads - chunk * WGMMA_HEADS))
-    )
-
-
-def tile_words(kp: Int, n: Int, rows: Int, buffers: Int) -> Int:
-    """Shared words of a block: `buffers` tiles of `WGMMA_TILE` keys and
-    one of `rows * n` query heads, `kp` bytes each, and `buffers` sets of
-    4 partial sums per (row, key)."""
-    return (buffers * WGMMA_TILE + rows * n) * kp // 4 + (
-        4 * WGMMA_TILE * rows * buffers
-    )
-
-
-def group_rows[num_heads: Int, depth: Int]() -> Int:
-    """Query rows a grouped block scores.
-
-    The most, a power of two, whose columns (`chunk_n` each) fit one
-    product of `WGMMA_GROUP_N` columns and whose double-buffered tiles fit
-    the block's static shared memory: 4 for 32 heads of 128, 2 for 64; 1
-    when the heads take more than one product.
-    """
-    comptime if wgmma_chunks[num_heads]() > 1:
-        return 1
-    comptime n = chunk_n[num_heads, 0]()
-    comptime kp = wgmma_depth[depth]()
-    var rows = 1
-    while (
-        2 * rows * n <= WGMMA_GROUP_N
-        and 4 * tile_words(kp, n, 2 * rows, 2) <= STATIC_SHARED_BYTES
-    ):
-        rows *= 2
-    return rows
-
-
-struct TileShape[heads: Int, depth: Int, rows: Int, span: Int]:
-    """A block of the wgmma scorer: `rows` query rows, `span` tiles of
-    `WGMMA_TILE` candidates, and its shared-memory layout (words).
-
-    With one chunk of heads the block runs *pairs* (a segment of its rows,
-    a tile) one after another, double-buffered; with several (more than
-    64 heads: one row, one tile) a stage and a multiply per chunk.
-    """
-
-    comptime kp = wgmma_depth[Self.depth]()
-    """Bytes of K per row, padded."""
-    comptime chunks = wgmma_chunks[Self.heads]()
-    """Products per tile."""
-    comptime pairs = Self.rows * Self.span
-    """(segment, tile) pairs of a block (one chunk of heads)."""
-    comptime buffers = min(2, Self.pairs)
-    """Key tiles and partial-sum sets in shared memory."""
-    comptime key_words = WGMMA_TILE * Self.kp // 4
-    """Words of one key tile."""
-    comptime query_word = Self.buffers * Self.key_words
-    """First word of the query tile (after the key tiles)."""
-    comptime partial_words = 4 * WGMMA_TILE * Self.rows
-    """Words of one set of partial sums."""
-    comptime partial_word = Self.query_word + (
-        Self.rows * chunk_n[Self.heads, 0]() * Self.kp // 4
-    )
-    """First word of the partial sums."""
-    comptime words = tile_words(
-        Self.kp, chunk_n[Self.heads, 0](), Self.rows, Self.buffers
-    )
-    """Shared words of the block."""
-    comptime phases = (
-        2 * Self.chunks + 1 if Self.chunks > 1 else Self.pairs + 2
-    )
-    """Phases: stage and multiply per chunk then the sum; or stage the
-    first pair, a phase per pair, and the last pair's sum."""
-
-
-def wgmma_tile_flops[num_heads: Int, depth: Int]() -> Int:
-    """Flops the tensor cores do per tile of one query row, padding
-    included (2 per MAC)."""
-    var n = 0
-    comptime for c in range(wgmma_chunks[num_heads]()):
-        n += chunk_n[num_heads, c]()
-    return 2 * WGMMA_TILE * n * wgmma_depth[depth]()
-
-
-@always_inline
-def tile_byte[kp: Int](row: Int, k: Int) -> Int:
-    """Byte of element `(row, k)` in a K-major tile `kp` bytes wide.
-
-    Core matrices of 8 rows x 16 bytes, 128 contiguous bytes each; along K
-    they follow one another (the descriptor's LBO = 128 bytes), and each
-    group of 8 rows holds `kp / 16` of them (SBO = `8 * kp` bytes).
-    """
-    return (
-        ((row // 8) * (kp // 16) + k // 16) * CORE_BYTES
-        + (row % 8) * 16
-        + k % 16
-    )
-
-
-@always_inline
-def descriptor(address: Int, leading: Int, stride: Int) -> Int64:
-    """A `wgmma` descriptor: K-major, no swizzle, no base offset.
-
-    Args:
-        address: The tile's shared address in bytes (a multiple of 16).
-        leading: Bytes between core matrices along K (LBO).
-        stride: Bytes between groups of 8 rows (SBO).
-    """
-    return (
-        Int64((address & 0x3FFFF) >> 4)
-        | (Int64(leading >> 4) << 16)
-        | (Int64(stride >> 4) << 32)
-    )
-
-
-@always_inline
-def store_words4(s: Shared, i: Int, value: SIMD[DType.uint32, 4]):
-    """Stores 4 words at `i` (a multiple of 4): one 16-byte store on a GPU."""
-    if s.checked:
-        comptime for w in range(4):
-            s.store(i + w, value[w])
-    else:
-        s.words.unsafe_offset(i).unsafe_store[width=4, alignment=16](0, value)
-
-
-@always_inline
-def stage_unit[
-    kp: Int, depth: Int
-](
-    s: Shared,
-    first_word: Int,
-    row: Int,
-    unit: Int,
-    src: Ptr[DType.uint8],
-    valid: Bool,
-):
-    """Copies bytes `16 unit ..< 16 unit + 16` of a row into its tile.
-
-    Bytes past `depth`, and every byte of a row that is not `valid`, are
-    zero. One 16-byte load where the source is aligned and whole, else
-    byte loads (a key's address depends on the runtime page stride).
-    """
-    var bytes = SIMD[DType.uint8, 16](0)
-    var first = 16 * unit
-    if valid:
-        var at = src.unsafe_offset(first)
-        if first + 16 <= depth and is_aligned[16](at):
-            bytes = at.unsafe_load[width=16, alignment=16](0)
-        else:
-            comptime for i in range(16):  # unrolled: no local memory
-                if first + i < depth:
-                    bytes[i] = at[unsafe_offset=i]
-    store_words4(
-        s,
-        first_word + tile_byte[kp](row, first) // 4,
-        bitcast[DType.uint32, 4](bytes),
-    )
-
-
-@fieldwise_init
-struct TileRow(Copyable, TrivialRegisterPassable):
-    """A window row as a tile sees it: its request and bound."""
-
-    var request: Int
-    """The row's request (`-1`: none, or past the window)."""
-    var bound: Int
-    """Candidates the row sees."""
-
-
-@always_inline
-def tile_row(op: IndexTopK, row: Int) -> TileRow:
-    """Window row `row`'s request and bound (`op.work.plan`)."""
-    if row >= op.work.rows:
-        return TileRow(-1, 0)
-    var t = op.work.first_row + row
-    var request = Int(op.work.plan[unsafe_offset=2 * t])
-    if request < 0:
-        return TileRow(-1, 0)
-    return TileRow(request, Int(op.work.plan[unsafe_offset=2 * t + 1]))
 
 
 @fieldwise_init
@@ -496,66 +294,6 @@ def write_scores[
 
 
 @always_inline
-def stage_query[
-    Shape: type_of(TileShape), chunk: Int
-](s: Shared, thread: Int, op: IndexTopK, first_row: Int):
-    """Chunk `chunk`'s query heads of every row of the block into the
-    query tile: row `r`'s head `h` at column `r * cn + h` (zero past the
-    heads and for rows of no request)."""
-    comptime heads = Shape.heads
-    comptime cn = chunk_n[heads, chunk]()
-    comptime units = Shape.kp // 16
-    var t0 = op.work.first_row + first_row
-    for u in range(thread, Shape.rows * cn * units, WGMMA_THREADS):
-        var c = u // units
-        var r = c // cn
-        var h = chunk * WGMMA_HEADS + c % cn
-        var valid = h < heads and tile_row(op, first_row + r).request >= 0
-        var src = op.q
-        if valid:
-            src = op.q.unsafe_offset(((t0 + r) * heads + h) * Shape.depth)
-        stage_unit[Shape.kp, Shape.depth](
-            s, Shape.query_word, c, u % units, src, valid
-        )
-
-
-@always_inline
-def stage_keys[
-    Shape: type_of(TileShape)
-](
-    s: Shared,
-    thread: Int,
-    op: IndexTopK,
-    segment: Segment,
-    first: Int,
-    buf: Int,
-):
-    """The segment's request's keys of the tile from candidate `first`
-    into key buffer `buf` (zero past the segment's bound)."""
-    comptime units = Shape.kp // 16
-    for u in range(thread, WGMMA_TILE * units, WGMMA_THREADS):
-        var m = u // units
-        var j = first + m
-        var valid = j < segment.bound
-        var src = op.k_blocks
-        if valid:
-            src = op.k_blocks.unsafe_offset(
-                candidate_at(op, segment.request, j).key
-            )
-        stage_unit[Shape.kp, Shape.depth](
-            s, buf * Shape.key_words, m, u % units, src, valid
-        )
-
-
-@always_inline
-def async_fence():
-    """Makes the tiles written through the generic proxy visible to
-    `wgmma`, which reads them through the async proxy."""
-    comptime if is_nvidia_gpu():
-        fence_async_view_proxy()
-
-
-@always_inline
 def chunked_phase[
     Shape: type_of(TileShape), phase: Int
 ](thread: Int, s: Shared, op: IndexTopK, row: Int, first: Int):
@@ -579,16 +317,11 @@ def chunked_phase[
         )
         return
     comptime if chunk == 0:
-        stage_keys[Shape](s, thread, op, segment, first, 0)
+        stage_keys[Shape](
+            s, thread, op, segment.request, segment.bound, first, 0
+        )
     stage_query[Shape, chunk](s, thread, op, row)
     async_fence()
-
-
-@always_inline
-def pair_first(block_first: Int, pair: Int, span: Int) -> Int:
-    """The first candidate of pair `pair`'s tile (pairs run a segment's
-    `span` tiles in turn)."""
-    return block_first + (pair % span) * WGMMA_TILE
 
 
 @always_inline
@@ -612,7 +345,9 @@ def pipelined_phase[
         stage_query[Shape, 0](s, thread, op, first_row)
         var segment = segment_at[rows, 0](op, first_row)
         if uniform(segment.active(block_first)):
-            stage_keys[Shape](s, thread, op, segment, block_first, 0)
+            stage_keys[Shape](
+                s, thread, op, segment.request, segment.bound, block_first, 0
+            )
         async_fence()
         return
     comptime p = phase - 1
@@ -655,7 +390,9 @@ def while_multiplying[
         var next = segment_at[rows, (p + 1) // span](op, first_row)
         var first = pair_first(block_first, p + 1, span)
         if uniform(next.active(first)):
-            stage_keys[Shape](s, thread, op, next, first, (p + 1) % 2)
+            stage_keys[Shape](
+                s, thread, op, next.request, next.bound, first, (p + 1) % 2
+            )
             async_fence()
     comptime if p >= 1:
         var done = segment_at[rows, (p - 1) // span](op, first_row)
