@@ -268,6 +268,14 @@ WGMMA_MUTANTS = [
         "missing barrier",
     ),
     (
+        # Every block of a row group starts at candidate 0: the group's
+        # second span of tiles is never scored.
+        "span_ignored",
+        "    var first = (block % spans) * WGMMA_TILE * Shape.span\n",
+        "    var first = 0\n",
+        r"grouped row 0 id 2\d\d",
+    ),
+    (
         # A segment holds only the first of its request's rows in the
         # block: the others are never scored.
         "segment_of_its_first_row_only",

@@ -1,10 +1,11 @@
 """One exactly-scorable index_top_k call, for the tensor scorers' emulated tests.
 
-Six query rows: three of request 0 see 70, 40 and 1 of its page's
-candidates (the last 64-candidate tile partly empty), two of request 1
-(its own page of other keys) see 65 and 64, and the last row belongs to
-no request (`-1` in the plan). A tile of four rows thus holds rows of
-two requests, and one of a request and a row of none. Queries and keys are small integers
+Six query rows: three of request 0 see `C` (70 by default: the last
+64-candidate tile partly empty; up to a page of 320), 40 and 1 of its
+page's candidates, two of request 1 (its own page of other keys) see 65
+and 64, and the last row belongs to no request (`-1` in the plan). A
+tile of four rows thus holds rows of two requests, and one of a request
+and a row of none. Queries and keys are small integers
 in e4m3fn, drawn from `codes`; head weights are +-1, 2, 4 and key scales 1
 or 1/2, so every score is exact in float32 whatever the order of its sums,
 and `check` requires each workspace score to equal the host's product
@@ -25,10 +26,10 @@ comptime ROWS = 6
 """Query rows of the call."""
 comptime REQUESTS = 2
 """Requests of the call (a page of keys each)."""
-comptime PAGE = 256
+comptime PAGE = 320
 """Cache rows per page (one key per row)."""
 comptime CANDIDATES = 70
-"""Workspace row: the most candidates a row sees."""
+"""Workspace row by default: the most candidates a row sees (`C`)."""
 comptime U32 = DType.uint32
 
 comptime ExactOp[H: Int, D: Int] = IndexOperands[
@@ -45,12 +46,13 @@ def _value(b: UInt8) -> Float32:
     return decode_e4m3[1](SIMD[DType.uint8, 1](b))[0]
 
 
-struct ExactCall[H: Int, D: Int](Movable):
+struct ExactCall[H: Int, D: Int, C: Int = CANDIDATES](Movable):
     """The call's tensors, owned here, and the check of its scores.
 
     Parameters:
         H: Query heads.
         D: Depth.
+        C: Candidates row 0 sees, the workspace row (at most `PAGE`).
     """
 
     var q: List[UInt8]
@@ -79,12 +81,12 @@ struct ExactCall[H: Int, D: Int](Movable):
         for j in range(REQUESTS * PAGE):
             self.scales[j] = 0.5 if (j + j // PAGE) % 2 else 1.0
         self.offsets = [0, 3, 5]
-        self.lengths = [UInt32(CANDIDATES - 1), 64]
+        self.lengths = [UInt32(Self.C - 1), 64]
         self.table = [0, 1]
         self.output = List[Int32](length=ROWS * 16, fill=-1)
         # (request, bound) per row.
-        self.plan = [0, CANDIDATES, 0, 40, 0, 1, 1, 65, 1, 64, -1, 0]
-        self.scores = List[Float32](length=ROWS * CANDIDATES, fill=-1.0)
+        self.plan = [0, Int64(Self.C), 0, 40, 0, 1, 1, 65, 1, 64, -1, 0]
+        self.scores = List[Float32](length=ROWS * Self.C, fill=-1.0)
 
     def op(mut self) -> ExactOp[Self.H, Self.D]:
         """The operand struct over this call's tensors (valid while it is)."""
@@ -127,7 +129,7 @@ struct ExactCall[H: Int, D: Int](Movable):
                 ](),
                 split=Ptr[DType.uint32](unsafe_from_address=none),
                 slices=1,
-                candidates=CANDIDATES,
+                candidates=Self.C,
                 first_row=0,
                 rows=ROWS,
             ),
@@ -151,8 +153,8 @@ struct ExactCall[H: Int, D: Int](Movable):
         for t in range(ROWS):
             var b = Int(self.plan[2 * t])
             var bound = Int(self.plan[2 * t + 1])
-            for j in range(CANDIDATES):
-                var got = self.scores[t * CANDIDATES + j]
+            for j in range(Self.C):
+                var got = self.scores[t * Self.C + j]
                 if j >= bound:
                     assert_equal(
                         got, -1.0, "a score past the bound was written"

@@ -6,9 +6,11 @@ through `emulate_kernel`, every shared-memory access checked:
 
 - 72 heads of depth 48 (padded to 64 bytes of K), a row per tile: two
   products per tile (64 heads, then 8);
-- 24 heads of depth 48 in grouped tiles (4 rows a tile, N = 96): a tile
-  whose rows belong to two requests (two segments, each with its own
-  keys), one with a row of no request and one past the call's rows.
+- 24 heads of depth 48 in grouped blocks (4 rows and 4 tiles a block,
+  N = 96 padded to 128; a row of 300 candidates, so a group takes two
+  blocks): a block whose rows belong to two requests (two segments, each
+  with its own keys), one with a row of no request and one past the
+  call's rows.
 
 Inputs are small integers in e4m3fn and the weights and scales small
 powers of two, so every score is exact in float32 whatever the order of
@@ -23,7 +25,7 @@ from std.testing import TestSuite
 
 from exact_scorer_call import ExactCall
 
-from kernels.index.gpu.index_wgmma_tiles import group_rows
+from kernels.index.gpu.index_wgmma_tiles import group_rows, groups_blocks
 
 # Small e4m3fn integers: 0, +-1 .. +-4.
 comptime CODES = SIMD[DType.uint8, 8](
@@ -37,9 +39,23 @@ def test_scores_are_exact() raises:
     call.check("")
 
 
+def test_grouped_blocks_fit_shared_memory() raises:
+    # Grouped where one row's double-buffered tiles fit 48 KiB: 4 rows at
+    # 32 heads of 128, 2 at 64, 1 row (and 4 tiles) at 32 heads of 256;
+    # not 64 heads of 256 (one row takes 51,200 B), nor more heads than one
+    # product takes.
+    comptime assert group_rows[32, 128]() == 4
+    comptime assert group_rows[32, 256]() == 1
+    comptime assert group_rows[64, 128]() == 2
+    comptime assert groups_blocks[64, 224]()
+    comptime assert not groups_blocks[64, 256]()
+    comptime assert not groups_blocks[72, 48]()
+
+
 def test_grouped_rows_are_exact() raises:
     comptime assert group_rows[24, 48]() == 4, "four rows a tile"
-    var call = ExactCall[24, 48](CODES)
+    # Row 0 sees 300 candidates: a second block of 4 tiles for its group.
+    var call = ExactCall[24, 48, 300](CODES)
     call.score["wgmma", grouped=True]()
     call.check("grouped ")
 

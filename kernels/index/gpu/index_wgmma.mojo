@@ -83,11 +83,11 @@ from .index_wgmma_tiles import (
     chunk_n,
     descriptor,
     group_rows,
+    groups_blocks,
     pair_first,
     stage_keys,
     stage_query,
     tile_row,
-    wgmma_chunks,
     wgmma_tile_flops,
 )
 from .wgmma_model import WGMMA_FP8_K, wgmma_e4m3_model
@@ -111,19 +111,20 @@ struct Segment(Copyable, TrivialRegisterPassable):
 
 
 @always_inline
-def segment_at[rows: Int, s: Int](op: IndexTopK, first_row: Int) -> Segment:
+def segment_at[rows: Int](op: IndexTopK, first_row: Int, s: Int) -> Segment:
     """Segment `s` of the group of `rows` window rows from `first_row`:
     the rows of row `s`'s request when row `s` is the first of them in the
     group (rows of a request are consecutive), else none."""
     var head = tile_row(op, first_row + s)
     if head.request < 0:
         return Segment(-1, 0, 0)
-    comptime if s > 0:
-        if tile_row(op, first_row + s - 1).request == head.request:
-            return Segment(-1, 0, 0)
+    if s > 0 and tile_row(op, first_row + s - 1).request == head.request:
+        return Segment(-1, 0, 0)
     var members = 0
     var bound = 0
-    comptime for r in range(s, rows):
+    comptime for r in range(rows):
+        if r < s:
+            continue
         var row = tile_row(op, first_row + r)
         if row.request == head.request:
             members |= 1 << r
@@ -301,7 +302,7 @@ def chunked_phase[
     products: phase `2c` stages chunk `c`'s query heads (and, for `c = 0`,
     the keys), `2c + 1` multiplies it, `2C` writes the scores."""
     comptime chunks = Shape.chunks
-    var segment = segment_at[1, 0](op, row)
+    var segment = segment_at[1](op, row, 0)
     var active = uniform(segment.active(first))
     if not active:
         return
@@ -343,16 +344,55 @@ def pipelined_phase[
     comptime pairs = Shape.pairs
     comptime if phase == 0:
         stage_query[Shape, 0](s, thread, op, first_row)
-        var segment = segment_at[rows, 0](op, first_row)
+        var segment = segment_at[rows](op, first_row, 0)
         if uniform(segment.active(block_first)):
             stage_keys[Shape](
                 s, thread, op, segment.request, segment.bound, block_first, 0
             )
         async_fence()
         return
-    comptime p = phase - 1
-    comptime if p < pairs:
-        var multiply = segment_at[rows, p // span](op, first_row)
+    comptime if is_nvidia_gpu():
+        pair_phase[Shape](phase - 1, thread, s, op, first_row, block_first)
+    else:
+        pair_phase_host[Shape](phase - 1, thread, s, op, first_row, block_first)
+
+
+@no_inline
+def pair_phase_host[
+    Shape: type_of(TileShape)
+](
+    p: Int,
+    thread: Int,
+    s: Shared,
+    op: IndexTopK,
+    first_row: Int,
+    block_first: Int,
+):
+    """`pair_phase` out of line, for the emulated grid: one body for every
+    pair instead of one a phase (the host compile of a grouped block's 16
+    pairs took minutes). On a GPU it stays inlined: a wgmma chain that
+    crosses a call is serialized (ptxas advisory C7510)."""
+    pair_phase[Shape](p, thread, s, op, first_row, block_first)
+
+
+@always_inline
+def pair_phase[
+    Shape: type_of(TileShape)
+](
+    p: Int,
+    thread: Int,
+    s: Shared,
+    op: IndexTopK,
+    first_row: Int,
+    block_first: Int,
+):
+    """Phase `p + 1` of `pipelined_phase`: pair `p`'s product, and what the
+    threads do while it runs (`while_multiplying`). `p` is a run-time
+    value (a constant once inlined on a GPU)."""
+    comptime rows = Shape.rows
+    comptime span = Shape.span
+    if p < Shape.pairs:
+        var multiply = segment_at[rows](op, first_row, p // span)
         if uniform(multiply.active(pair_first(block_first, p, span))):
             # The accumulators live only in this branch: defined by the
             # wgmmas alone (ptxas serializes a chain whose accumulators
@@ -360,7 +400,7 @@ def pipelined_phase[
             var acc = issue_product[Shape, 0](
                 s, thread, (p % 2) * Shape.key_words
             )
-            while_multiplying[Shape, p](thread, s, op, first_row, block_first)
+            while_multiplying[Shape](p, thread, s, op, first_row, block_first)
             await_product(acc)
             add_partials[Shape, 0](
                 acc,
@@ -371,31 +411,36 @@ def pipelined_phase[
                 multiply.members,
                 Shape.partial_word + (p % 2) * Shape.partial_words,
             )
-        else:
-            while_multiplying[Shape, p](thread, s, op, first_row, block_first)
-    else:
-        while_multiplying[Shape, p](thread, s, op, first_row, block_first)
+            return
+    while_multiplying[Shape](p, thread, s, op, first_row, block_first)
 
 
 @always_inline
 def while_multiplying[
-    Shape: type_of(TileShape), p: Int
-](thread: Int, s: Shared, op: IndexTopK, first_row: Int, block_first: Int):
+    Shape: type_of(TileShape)
+](
+    p: Int,
+    thread: Int,
+    s: Shared,
+    op: IndexTopK,
+    first_row: Int,
+    block_first: Int,
+):
     """What pair `p`'s phase does while the tensor cores multiply: stage
     pair `p + 1`'s keys into the other buffer, write pair `p - 1`'s
     scores."""
     comptime rows = Shape.rows
     comptime span = Shape.span
-    comptime if p + 1 < Shape.pairs:
-        var next = segment_at[rows, (p + 1) // span](op, first_row)
+    if p + 1 < Shape.pairs:
+        var next = segment_at[rows](op, first_row, (p + 1) // span)
         var first = pair_first(block_first, p + 1, span)
         if uniform(next.active(first)):
             stage_keys[Shape](
                 s, thread, op, next.request, next.bound, first, (p + 1) % 2
             )
             async_fence()
-    comptime if p >= 1:
-        var done = segment_at[rows, (p - 1) // span](op, first_row)
+    if p >= 1:
+        var done = segment_at[rows](op, first_row, (p - 1) // span)
         write_scores[rows](
             thread,
             s,
@@ -441,12 +486,14 @@ struct WgmmaScore[Op: type_of(IndexTopK), grouped: Bool = False](GpuKernel):
         grouped: A block scores `group_rows` query rows over `WGMMA_SPAN`
             tiles, staging the query once and each tile's keys once for
             its rows (a prefill's rows, many per request), else one row
-            and one tile (decode: a row per request). With more heads than
-            one product takes, both are the same kernel.
+            and one tile (decode: a row per request). Where the shape has
+            no grouped blocks (`groups_blocks`), both are the same kernel.
     """
 
     comptime Operands = Self.Op
-    comptime many = Self.grouped and wgmma_chunks[Self.Op.num_heads]() == 1
+    comptime many = Self.grouped and groups_blocks[
+        Self.Op.num_heads, Self.Op.depth
+    ]()
     """Whether a block takes several rows and tiles."""
     comptime Shape = TileShape[
         Self.Op.num_heads,

@@ -74,15 +74,25 @@ def tile_words(kp: Int, n: Int, rows: Int, buffers: Int) -> Int:
     )
 
 
+def groups_blocks[num_heads: Int, depth: Int]() -> Bool:
+    """Whether the shape has grouped blocks (several rows and tiles): its
+    heads take one product and one row's double-buffered tiles fit the
+    block's static shared memory (not 33-64 heads at depth 225-256)."""
+    comptime if wgmma_chunks[num_heads]() > 1:
+        return False
+    comptime n = chunk_n[num_heads, 0]()
+    return 4 * tile_words(wgmma_depth[depth](), n, 1, 2) <= STATIC_SHARED_BYTES
+
+
 def group_rows[num_heads: Int, depth: Int]() -> Int:
     """Query rows a grouped block scores.
 
     The most, a power of two, whose columns (`chunk_n` each) fit one
     product of `WGMMA_GROUP_N` columns and whose double-buffered tiles fit
     the block's static shared memory: 4 for 32 heads of 128, 2 for 64; 1
-    when the heads take more than one product.
+    where the shape has no grouped blocks (`groups_blocks`).
     """
-    comptime if wgmma_chunks[num_heads]() > 1:
+    comptime if not groups_blocks[num_heads, depth]():
         return 1
     comptime n = chunk_n[num_heads, 0]()
     comptime kp = wgmma_depth[depth]()
