@@ -260,8 +260,8 @@ WGMMA_MUTANTS = [
         # The next pair's keys staged into the buffer the tensor cores
         # are reading for this pair.
         "next_keys_into_the_busy_buffer",
-        "next.request, next.bound, first, (p + 1) % 2",
-        "next.request, next.bound, first, p % 2",
+        "if stage_pair[Shape](p + 1, thread, s, op, first_row, block_first)",
+        "if stage_pair[Shape](p, thread, s, op, first_row, block_first)",
         # The model reads the tile when the product is issued: the stores
         # after it, in the same phase, are a race the shared-word stamps
         # see.

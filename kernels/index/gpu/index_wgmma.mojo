@@ -344,11 +344,7 @@ def pipelined_phase[
     comptime pairs = Shape.pairs
     comptime if phase == 0:
         stage_query[Shape, 0](s, thread, op, first_row)
-        var segment = segment_at[rows](op, first_row, 0)
-        if uniform(segment.active(block_first)):
-            stage_keys[Shape](
-                s, thread, op, segment.request, segment.bound, block_first, 0
-            )
+        _ = stage_pair[Shape](0, thread, s, op, first_row, block_first)
         async_fence()
         return
     comptime if is_nvidia_gpu():
@@ -416,6 +412,30 @@ def pair_phase[
 
 
 @always_inline
+def stage_pair[
+    Shape: type_of(TileShape)
+](
+    p: Int,
+    thread: Int,
+    s: Shared,
+    op: IndexTopK,
+    first_row: Int,
+    block_first: Int,
+) -> Bool:
+    """Stages pair `p`'s keys (its segment's request, its tile) into key
+    buffer `p % 2`, unless the pair has nothing to score. Returns whether
+    it did (the block alike): the caller fences the stores for `wgmma`."""
+    var segment = segment_at[Shape.rows](op, first_row, p // Shape.span)
+    var first = pair_first(block_first, p, Shape.span)
+    if not uniform(segment.active(first)):
+        return False
+    stage_keys[Shape](
+        s, thread, op, segment.request, segment.bound, first, p % 2
+    )
+    return True
+
+
+@always_inline
 def while_multiplying[
     Shape: type_of(TileShape)
 ](
@@ -432,12 +452,7 @@ def while_multiplying[
     comptime rows = Shape.rows
     comptime span = Shape.span
     if p + 1 < Shape.pairs:
-        var next = segment_at[rows](op, first_row, (p + 1) // span)
-        var first = pair_first(block_first, p + 1, span)
-        if uniform(next.active(first)):
-            stage_keys[Shape](
-                s, thread, op, next.request, next.bound, first, (p + 1) % 2
-            )
+        if stage_pair[Shape](p + 1, thread, s, op, first_row, block_first):
             async_fence()
     if p >= 1:
         var done = segment_at[rows](op, first_row, (p - 1) // span)

@@ -128,14 +128,12 @@ struct TileShape[heads: Int, depth: Int, rows: Int, span: Int]:
     """First word of the query tile (after the key tiles)."""
     comptime partial_words = 4 * WGMMA_TILE * Self.rows
     """Words of one set of partial sums."""
-    comptime partial_word = Self.query_word + (
-        Self.rows * chunk_n[Self.heads, 0]() * Self.kp // 4
-    )
-    """First word of the partial sums."""
     comptime words = tile_words(
         Self.kp, chunk_n[Self.heads, 0](), Self.rows, Self.buffers
     )
     """Shared words of the block."""
+    comptime partial_word = Self.words - Self.buffers * Self.partial_words
+    """First word of the partial sums (the last of the block's words)."""
     comptime phases = (
         2 * Self.chunks + 1 if Self.chunks > 1 else Self.pairs + 2
     )
