@@ -6,10 +6,11 @@ ranks higher). The GPU select (`index_select.mojo`) radix-selects on
 `score_order`; the CPU path keeps each row's best `k` rank keys in a
 bounded min-heap (`offer_tile`, decode rows) or a pool of `2k` cut back
 by a radix select (`offer_pool`, `keep_best`, prefill rows), and writes
-them best first (`write_row`, an LSD radix sort).
+them best first (`write_row`, a bitonic sorting network on SIMD vectors).
 """
 
 from std.builtin.sort import sort
+from std.math import iota, max, min
 from std.memory import bitcast, stack_allocation
 
 from ..model.ragged import Ptr
@@ -99,65 +100,97 @@ def offer_tile[
     return filled
 
 
-comptime RADIX_MIN_KEYS = 64
-"""Fewest keys that `sort_keys` radix-sorts (fewer: a comparison sort)."""
+comptime SORT_MIN_KEYS = 64
+"""Fewest keys that `sort_keys` sorts with its network (fewer: `sort`)."""
 
-
-def sort_keys(keys: Span[mut=True, UInt64, _]):
-    """Sorts rank keys ascending: a least-significant-digit radix sort.
-
-    One stable counting pass per byte, skipping the bytes that every key
-    shares (the high bytes of small ids), so a row's 512 kept keys sort in
-    a handful of branch-free passes instead of a comparison sort's
-    mispredicted branches. Rank keys are distinct (distinct ids), so the
-    order is the one `sort` gives.
-    """
-    var size = len(keys)
-    if size < RADIX_MIN_KEYS:
-        sort(keys)
-        return
-    var spare = List[UInt64](length=size, fill=0)
-    var src = keys.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-    var dst = spare.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-    var every = ~UInt64(0)
-    var some = UInt64(0)
-    for x in range(size):
-        every &= src[unsafe_offset=x]
-        some |= src[unsafe_offset=x]
-    var differ = every ^ some
-    var counts = stack_allocation[256, DType.int64]()
-    var in_spare = False
-    for shift in range(0, 64, 8):
-        if (differ >> UInt64(shift)) & 0xFF == 0:
-            continue
-        for d in range(256):
-            counts[unsafe_offset=d] = 0
-        for x in range(size):
-            counts[
-                unsafe_offset=Int(
-                    (src[unsafe_offset=x] >> UInt64(shift)) & 0xFF
-                )
-            ] += 1
-        var total = Int64(0)
-        for d in range(256):
-            var here = counts[unsafe_offset=d]
-            counts[unsafe_offset=d] = total
-            total += here
-        for x in range(size):
-            var key = src[unsafe_offset=x]
-            var d = Int((key >> UInt64(shift)) & 0xFF)
-            dst[unsafe_offset=Int(counts[unsafe_offset=d])] = key
-            counts[unsafe_offset=d] += 1
-        var swap = src
-        src = dst
-        dst = swap
-        in_spare = not in_spare
-    if in_spare:
-        for x in range(size):
-            keys[x] = spare[x]
+comptime SORT_LANES = 8
+"""Rank keys per vector of the sorting network (512 bits)."""
 
 
 @always_inline
+def _exchange_in_vector[
+    j: Int
+](
+    v: SIMD[DType.uint64, SORT_LANES], ascending: SIMD[DType.bool, SORT_LANES]
+) -> SIMD[DType.uint64, SORT_LANES]:
+    """One compare-exchange step of distance `j < SORT_LANES` inside a
+    vector: lane `l` meets lane `l ^ j`; of a pair, the lower lane keeps
+    the smaller key where `ascending`, the larger elsewhere."""
+    comptime L = SORT_LANES
+    var partner: SIMD[DType.uint64, L]
+    comptime if j == 1:
+        partner = v.shuffle[1, 0, 3, 2, 5, 4, 7, 6]()
+    elif j == 2:
+        partner = v.shuffle[2, 3, 0, 1, 6, 7, 4, 5]()
+    else:
+        partner = v.shuffle[4, 5, 6, 7, 0, 1, 2, 3]()
+    var lower = (iota[DType.uint64, L]() & UInt64(j)).eq(0)
+    var take_min = lower.eq(ascending)
+    return take_min.select(min(v, partner), max(v, partner))
+
+
+def sort_keys(keys: Span[mut=True, UInt64, _]):
+    """Sorts rank keys ascending: a bitonic sorting network on SIMD vectors.
+
+    The keys, padded with zeros (below every rank key) to a power of two,
+    go through the network's `log2(n) (log2(n) + 1) / 2` compare-exchange
+    steps, each a branch-free min and max over 8-key vectors: steps of a
+    distance of 8 keys or more pair whole vectors, the last three steps
+    of each stage run inside a vector on shuffles, in registers. At a
+    row's 512 kept keys that is 45 steps of 64 vectors, where a radix
+    sort spends six counting and six scattering passes whose counters
+    serialize on crowded buckets. Rank keys are distinct (distinct ids),
+    so the order is the one `sort` gives.
+    Source: K. E. Batcher, "Sorting networks and their applications"
+    (1968).
+    """
+    comptime L = SORT_LANES
+    comptime Vec = SIMD[DType.uint64, L]
+    var size = len(keys)
+    if size < SORT_MIN_KEYS:
+        sort(keys)
+        return
+    var n = L
+    while n < size:
+        n *= 2
+    var padded = List[UInt64](length=n, fill=0)
+    var at = padded.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+    for x in range(size):
+        at[unsafe_offset=n - size + x] = keys[x]
+    var stage = 2
+    while stage <= n:
+        # Keys `i` with `i & stage == 0` sort ascending, the others
+        # descending, so each pair of blocks forms the next stage's
+        # bitonic sequence.
+        var j = stage // 2
+        while j >= L:
+            for base in range(0, n, 2 * j):
+                var ascending = base & stage == 0
+                for x in range(base, base + j, L):
+                    var a = at.unsafe_load[width=L](x)
+                    var b = at.unsafe_load[width=L](x + j)
+                    var low = min(a, b)
+                    var high = max(a, b)
+                    at.unsafe_store[width=L](x, low if ascending else high)
+                    at.unsafe_store[width=L](x + j, high if ascending else low)
+            j //= 2
+        for x in range(0, n, L):
+            var ascending = (
+                (iota[DType.uint64, L]() + UInt64(x)) & UInt64(stage)
+            ).eq(0)
+            var v = at.unsafe_load[width=L](x)
+            if stage >= 8:
+                v = _exchange_in_vector[4](v, ascending)
+            if stage >= 4:
+                v = _exchange_in_vector[2](v, ascending)
+            v = _exchange_in_vector[1](v, ascending)
+            at.unsafe_store[width=L](x, v)
+        stage *= 2
+    for x in range(size):
+        keys[x] = at[unsafe_offset=n - size + x]
+    _ = len(padded)
+
+
 def offer_pool[
     k: Int
 ](
@@ -190,30 +223,36 @@ def offer_pool[
     return (filled, low)
 
 
+@always_inline
+def _digit(key: UInt64, shift: Int) -> Int:
+    """Byte `shift / 8` of a key."""
+    return Int((key >> UInt64(shift)) & 0xFF)
+
+
 def kth_best(pool: Ptr[DType.uint64], size: Int, k: Int) -> UInt64:
     """A bound that exactly the best `k` of `size >= k >= 1` distinct rank
     keys are at or above (at most the `k`-th largest key; its low bytes
     may be zero).
 
-    A most-significant-digit radix select: per byte, one counting pass over
-    the pool that counts the keys sharing the bytes chosen so far, until
-    the byte's bucket that holds the `k`-th key is taken whole. Float
-    scores spread over the high bytes, so a pool of a thousand keys
-    usually takes a few passes (up to eight when many scores tie), where
-    the LSD sort takes a counting and a scattering pass per byte.
+    A most-significant-digit radix select: per byte, one counting pass
+    over the keys that share the bytes chosen so far, until the byte's
+    bucket that holds the `k`-th key is taken whole. After each pass the
+    keys of the chosen bucket are copied aside (branch-free), so a pass
+    reads only them: a pool of a thousand keys costs about two passes
+    over it however many bytes it takes.
     """
     var need = k
     var prefix = UInt64(0)
-    var mask = UInt64(0)
     var counts = stack_allocation[256, DType.int32]()
+    var narrowed = List[UInt64](unsafe_uninit_length=size)
+    var kept = narrowed.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+    var src = pool
+    var left = size
     for shift in range(56, -8, -8):
         for d in range(256):
             counts[unsafe_offset=d] = 0
-        for x in range(size):
-            var key = pool[unsafe_offset=x]
-            counts[unsafe_offset=Int((key >> UInt64(shift)) & 0xFF)] += Int32(
-                Int((key & mask) == prefix)
-            )
+        for y in range(left):
+            counts[unsafe_offset=_digit(src[unsafe_offset=y], shift)] += 1
         var d = 255
         var above = 0
         while above + Int(counts[unsafe_offset=d]) < need:
@@ -221,9 +260,17 @@ def kth_best(pool: Ptr[DType.uint64], size: Int, k: Int) -> UInt64:
             d -= 1
         need -= above
         prefix |= UInt64(d) << UInt64(shift)
-        mask |= UInt64(0xFF) << UInt64(shift)
         if Int(counts[unsafe_offset=d]) == need:
             break
+        # Keep only the chosen bucket's keys for the next byte.
+        var filled = 0
+        for y in range(left):
+            var key = src[unsafe_offset=y]
+            kept[unsafe_offset=filled] = key
+            filled += Int(_digit(key, shift) == d)
+        src = kept
+        left = filled
+    _ = len(narrowed)
     return prefix
 
 

@@ -1,9 +1,9 @@
-"""Unit tests of the CPU prefill scorer's parts: the radix sort, the pool, the
+"""Unit tests of the CPU prefill scorer's parts: the key sort, the pool, the
 register-blocked head block.
 
 Runs without a GPU (`mojo run -I . tests/mojo/test_index_cpu_prefill.mojo`);
 `tests/test_index_cpu_prefill.py` runs it under pytest. Writer against
-writer: the radix sort against `sort`, the pool's kept keys against the
+writer: the sorting network against `sort`, the pool's kept keys against the
 heap's (`offer_tile`), bit for bit, and the prefill head blocks against the
 row scorer (`score_tile`) within float32 rounding of the head sum, and
 the bfloat16 pair form against the float32 form on e4m3fn values (which
@@ -45,10 +45,11 @@ def value(i: Int, salt: Int) -> Float32:
     return Float32(((i * 7919 + salt * 104729) % 2003) - 1001) / 1001.0
 
 
-def test_radix_sort_matches_sort() raises:
+def test_sort_keys_matches_sort() raises:
     # Sizes below and above the radix threshold; scores with ties, ids
     # past one byte, a NaN and both zeros.
-    for size in [5, 63, 64, 700]:
+    # 701 and 67: runs of the radix passes plus keys past them.
+    for size in [5, 63, 64, 67, 700, 701]:
         var mine = List[UInt64]()
         for i in range(size):
             var score = value(i, size)
