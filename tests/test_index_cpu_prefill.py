@@ -1,17 +1,31 @@
 """The CPU prefill scorer's parts, unit-tested in Mojo.
 
-``tests/mojo/test_index_cpu_prefill.mojo`` checks the radix sort and the
+``tests/mojo/test_index_cpu_prefill.mojo`` checks the key sort and the
 radix select of rank keys against ``sort``, the bounded pool's kept keys
 against the heap's bit for bit, the register-blocked head blocks (keys
 transposed, heads padded to whole blocks, a NaN key) against the row
 scorer, and the bfloat16 pair blocks against the float32 blocks.
+``tests/mojo/test_index_cpu_amx.mojo`` checks the AMX tile block against the
+float32 blocks, where the CPU has AMX-BF16.
 """
 
 from __future__ import annotations
 
+import pytest
+
 from kpool_cases import needs_mojo, run_mojo_suite
+from mla_kpool._sysinfo import cpu_flags
 
 
 @needs_mojo
 def test_prefill_scorer_parts() -> None:
     run_mojo_suite("tests/mojo/test_index_cpu_prefill.mojo")
+
+
+@needs_mojo
+@pytest.mark.skipif(
+    not {"amx_tile", "amx_bf16"} <= cpu_flags(),
+    reason="the CPU has no AMX-BF16: the op never takes the AMX block here",
+)
+def test_amx_block() -> None:
+    run_mojo_suite("tests/mojo/test_index_cpu_amx.mojo")

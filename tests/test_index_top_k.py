@@ -34,6 +34,7 @@ from index_cases import (
     run,
 )
 from mla_kpool import reference as ref
+from mla_kpool._sysinfo import cpu_flags
 from mla_kpool.index_runner import IndexKey
 
 
@@ -58,6 +59,25 @@ def test_matches_the_oracle(runner, case):
     assert got.shape == (len(call.q), case.shape.top_k)
     assert got.dtype == np.int32
     report = call.check(got)
+    assert report.rows == len(call.q)
+
+
+#: The cases with a request of several rows: the CPU scores them with its
+#: prefill blocks, on AMX tiles where the CPU has AMX-BF16.
+PREFILL_CASES = [case for case in CASES if max(case.new, default=0) >= 4]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: c.name)
+def test_prefill_without_amx_matches_the_oracle(runner, case, monkeypatch):
+    # The same compiled graph with the AMX block turned off: on an AMX host
+    # the test above runs the AMX block, this one the vector blocks.
+    if runner.device_name != "cpu" or not {"amx_tile", "amx_bf16"} <= (
+        cpu_flags()
+    ):
+        pytest.skip("the CPU path without AMX is the test above's here")
+    monkeypatch.setenv("MLA_KPOOL_CPU_AMX", "0")
+    call = build(case)
+    report = call.check(run(runner, call))
     assert report.rows == len(call.q)
 
 

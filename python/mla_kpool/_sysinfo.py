@@ -75,13 +75,21 @@ CPU_ISA_FLAGS = (
 )
 
 
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's feature flags (``avx2``, ``amx_bf16``, ...).
+
+    Read from the first ``flags`` line of Linux's ``/proc/cpuinfo``; an
+    empty set where there is none (another OS, or a non-x86 CPU).
+    """
+    return set((_cpuinfo_value(cpuinfo, ("flags",)) or "").split())
+
+
 def cpu_isa(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
     """The vector instruction sets of :data:`CPU_ISA_FLAGS` the CPU has.
 
-    Read from the first ``flags`` line of Linux's ``/proc/cpuinfo``; an
-    empty list where there is none (another OS, or a non-x86 CPU).
+    In that order, from :func:`cpu_flags`.
     """
-    flags = set((_cpuinfo_value(cpuinfo, ("flags",)) or "").split())
+    flags = cpu_flags(cpuinfo)
     return [name for name, flag in CPU_ISA_FLAGS if flag in flags]
 
 

@@ -1,22 +1,25 @@
 """`mla_kpool.index_top_k` on the CPU: tasks over the cores, a top k per row.
 
-A task per (request, chunk of `CPU_ROW_CHUNK` query rows), spread over the
-cores. A chunk of a few rows (a decode) decodes its queries once
-(transposed, heads innermost), then walks the candidates a tile at a time:
-decode the tile's keys and scales to float32 once, score it for every row
-of the chunk (`index_cpu_score.mojo`), and feed the scores into one
-bounded heap per row (`index_rank.mojo`), which holds the row's best `k`
-seen so far. A chunk of at least `CPU_PREFILL_MIN_ROWS` rows (a prefill)
-takes the register-blocked prefill scorer (`index_cpu_prefill.mojo`),
-which scores many rows against each transposed key tile and keeps each
-row's candidates in a bounded pool instead of a heap. Memory per task is
-bounded by the chunk, the tile and `k`, never by the context length.
+A task per (request, chunk of `CPU_ROW_CHUNK` query rows, or
+`CPU_PREFILL_CHUNK` in a long prefill), spread over the cores. A chunk of
+a few rows (a decode) decodes its queries once (transposed, heads
+innermost), then walks the candidates a tile at a time: decode the tile's
+keys and scales to float32 once, score it for every row of the chunk
+(`index_cpu_score.mojo`), and feed the scores into one bounded heap per
+row (`index_rank.mojo`), which holds the row's best `k` seen so far. A
+chunk of at least `CPU_PREFILL_MIN_ROWS` rows (a prefill) takes the
+register-blocked prefill scorer (`index_cpu_prefill.mojo`; on AMX tiles
+where the CPU has them, `index_cpu_amx.mojo`), which scores many rows
+against each transposed key tile and keeps each row's candidates in a
+bounded pool instead of a heap. Memory per task is bounded by the chunk,
+the tile and `k`, never by the context length.
 """
 
 from max.algorithm import sync_parallelize
 from std.math import ceildiv, max, min
 from std.sys import num_physical_cores
 
+from .index_cpu_amx import amx_ready
 from .index_cpu_prefill import CPU_PREFILL_MIN_ROWS, keep_top_k_prefill
 from .index_cpu_score import decode_candidates, scratch, score_tile
 from ..index_fp8 import decode_row
@@ -29,6 +32,16 @@ from ...model.ragged import Ptr, read_index
 comptime CPU_ROW_CHUNK = 16
 """Query rows per CPU task: their decoded queries (16 KiB a row at 32 heads
 x 128 dims) and heaps stay cache-resident while a key tile is reused."""
+
+comptime CPU_PREFILL_CHUNK = 64
+"""Query rows per CPU task in a long prefill: a key tile decoded and
+transposed once serves four times `CPU_ROW_CHUNK`'s rows (with AMX
+scoring, the decode cost as much as the products at 16 rows)."""
+
+comptime CPU_TASKS_PER_CORE = 8
+"""Fewest tasks per core for which a call takes `CPU_PREFILL_CHUNK` rows
+a task: a causal prefill's chunks differ in work, and fewer, larger ones
+would leave cores idle at the end."""
 
 comptime CPU_TILE = 64
 """Candidates decoded per tile (32 KiB of float32 keys at depth 128)."""
@@ -59,6 +72,7 @@ def keep_top_k(
     parts: Int,
     kept: Ptr[DType.uint64],
     sizes: Pointer[Int, MutAnyOrigin],
+    amx: Bool,
 ):
     """Request `b`'s rows `first .. last - 1`: each one's best `k` of a part.
 
@@ -68,7 +82,7 @@ def keep_top_k(
     a heap) and their number in `sizes[r]`: 0 for every row of a request
     that is not scored. Decodes the rows' queries once, then each tile's
     keys once for all the rows; a chunk of `CPU_PREFILL_MIN_ROWS` rows or
-    more goes to `keep_top_k_prefill` instead.
+    more goes to `keep_top_k_prefill` instead (on AMX tiles where `amx`).
     """
     comptime k = op.k
     comptime depth = op.depth
@@ -90,7 +104,9 @@ def keep_top_k(
     if lo >= hi:
         return
     if rows >= CPU_PREFILL_MIN_ROWS:
-        keep_top_k_prefill(op, b, start, n, c, first, last, lo, hi, kept, sizes)
+        keep_top_k_prefill(
+            op, b, start, n, c, first, last, lo, hi, kept, sizes, amx
+        )
         return
 
     var queries = List[Float32](length=rows * depth * padded, fill=0.0)
@@ -143,14 +159,16 @@ def write_chunk(
     first: Int,
     last: Int,
     parts: Int,
+    chunk: Int,
     kept: Ptr[DType.uint64],
     sizes: Pointer[Int, MutAnyOrigin],
 ):
     """Writes request `b`'s rows `first .. last - 1` from `keep_top_k`'s parts.
 
-    Part `p`'s keys for row `r` are at `kept[(p * CPU_ROW_CHUNK + r) * k
-    :]`, `sizes[p * CPU_ROW_CHUNK + r]` of them. With one part they are
-    the row's answer; with more, the best `k` of their union are.
+    Part `p`'s keys for row `r` are at `kept[(p * chunk + r) * k :]`,
+    `sizes[p * chunk + r]` of them (`chunk`: the call's rows per task).
+    With one part they are the row's answer; with more, the best `k` of
+    their union are.
     """
     comptime k = op.k
     var start = read_index(op.input_row_offsets, b)
@@ -159,7 +177,7 @@ def write_chunk(
         var dest = op.output.unsafe_offset((start + first + r) * k)
         merged.clear()
         for part in range(parts):
-            var at = part * CPU_ROW_CHUNK + r
+            var at = part * chunk + r
             for x in range(sizes[unsafe_offset=at]):
                 merged.append(kept[unsafe_offset=at * k + x])
         var size = keep_best[k](scratch(merged), len(merged))
@@ -181,8 +199,10 @@ struct RowChunk(Copyable, TrivialRegisterPassable):
 def index_top_k_cpu(op: IndexTopK):
     """CPU index_top_k: a task per (request, row chunk, part), over the cores.
 
-    Rows that no scored request owns are `-1` first. Each (request, row
-    chunk) is one task over all its candidates that keeps and writes its
+    Rows that no scored request owns are `-1` first. A chunk is
+    `CPU_ROW_CHUNK` rows, or `CPU_PREFILL_CHUNK` when the call has rows
+    for `CPU_TASKS_PER_CORE` such tasks a core. Each (request, row chunk)
+    is one task over all its candidates that keeps and writes its
     rows in scratch of its own (the latest chunks first), or, when there
     are fewer such chunks than cores and the candidates are many, `parts`
     tasks over runs of them whose kept keys are merged per row afterwards
@@ -194,24 +214,31 @@ def index_top_k_cpu(op: IndexTopK):
         owned = read_index(op.input_row_offsets, op.scored_requests)
     fill_rows[k](op.output, owned, op.total_tokens)
 
+    var task_rows = CPU_ROW_CHUNK
+    if owned >= CPU_PREFILL_CHUNK * CPU_TASKS_PER_CORE * num_physical_cores():
+        task_rows = CPU_PREFILL_CHUNK
     var task_request = List[Int]()
     var task_first = List[Int]()
     var work = 0
     var widest = 0
+    var longest = 0
     for b in range(op.scored_requests):
         var start = read_index(op.input_row_offsets, b)
         var n = read_index(op.input_row_offsets, b + 1) - start
         var c = read_index(op.k_cache_lengths, b)
         # Last chunk first: in a causal prefill the later rows see more
         # candidates, and the heaviest tasks should not start last.
-        for first in reversed(range(0, n, CPU_ROW_CHUNK)):
+        for first in reversed(range(0, n, task_rows)):
             task_request.append(b)
             task_first.append(first)
         if n > 0 and c >= 0:
             var bound = candidate_bound[op.kpool, op.causal](c, n, n - 1)
             work += n * max(bound, 0)
             widest = max(widest, bound)
+            longest = max(longest, n)
     work *= op.num_heads * op.depth
+    # The AMX check costs a CPUID and a system call: only for a prefill.
+    var amx = longest >= CPU_PREFILL_MIN_ROWS and amx_ready()
     var chunks = len(task_request)
     var serial = chunks == 0 or work < CPU_MIN_PARALLEL_MACS
     var parts = 1
@@ -231,14 +258,14 @@ def index_top_k_cpu(op: IndexTopK):
         var n = read_index(op.input_row_offsets, b + 1) - read_index(
             op.input_row_offsets, b
         )
-        return RowChunk(b, first, min(first + CPU_ROW_CHUNK, n))
+        return RowChunk(b, first, min(first + task_rows, n))
 
     if parts == 1:
         # Each task keeps and writes its own rows, in scratch of its own.
         def keep_and_write(chunk: Int) {imm}:
             var rows = rows_of(chunk)
-            var kept = List[UInt64](unsafe_uninit_length=CPU_ROW_CHUNK * k)
-            var sizes = List[Int](length=CPU_ROW_CHUNK, fill=0)
+            var kept = List[UInt64](unsafe_uninit_length=task_rows * k)
+            var sizes = List[Int](length=task_rows, fill=0)
             var sizes_at = sizes.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
             keep_top_k(
                 op,
@@ -249,6 +276,7 @@ def index_top_k_cpu(op: IndexTopK):
                 1,
                 scratch(kept),
                 sizes_at,
+                amx,
             )
             write_chunk(
                 op,
@@ -256,6 +284,7 @@ def index_top_k_cpu(op: IndexTopK):
                 rows.first,
                 rows.end,
                 1,
+                task_rows,
                 scratch(kept),
                 sizes_at,
             )
@@ -269,10 +298,8 @@ def index_top_k_cpu(op: IndexTopK):
             sync_parallelize(keep_and_write, chunks)
         return
 
-    var kept = List[UInt64](
-        unsafe_uninit_length=chunks * parts * CPU_ROW_CHUNK * k
-    )
-    var sizes = List[Int](length=chunks * parts * CPU_ROW_CHUNK, fill=0)
+    var kept = List[UInt64](unsafe_uninit_length=chunks * parts * task_rows * k)
+    var sizes = List[Int](length=chunks * parts * task_rows, fill=0)
     var kept_at = scratch(kept)
     var sizes_at = sizes.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
 
@@ -287,8 +314,9 @@ def index_top_k_cpu(op: IndexTopK):
             rows.end,
             part,
             parts,
-            kept_at.unsafe_offset(task * CPU_ROW_CHUNK * k),
-            sizes_at.unsafe_offset(task * CPU_ROW_CHUNK),
+            kept_at.unsafe_offset(task * task_rows * k),
+            sizes_at.unsafe_offset(task * task_rows),
+            amx,
         )
 
     def write(chunk: Int) {imm}:
@@ -299,8 +327,9 @@ def index_top_k_cpu(op: IndexTopK):
             rows.first,
             rows.end,
             parts,
-            kept_at.unsafe_offset(chunk * parts * CPU_ROW_CHUNK * k),
-            sizes_at.unsafe_offset(chunk * parts * CPU_ROW_CHUNK),
+            task_rows,
+            kept_at.unsafe_offset(chunk * parts * task_rows * k),
+            sizes_at.unsafe_offset(chunk * parts * task_rows),
         )
 
     sync_parallelize(keep_part, chunks * parts)

@@ -16,6 +16,16 @@ and added, head by head, to the row's running totals; the key scales
 multiply the totals once every head is in.
 """
 
+from .index_cpu_amx import (
+    AMX_HEADS,
+    amx_begin,
+    amx_depth_of,
+    amx_end,
+    amx_heads_of,
+    amx_usable,
+    score_row_amx,
+    to_bfloat16_bits,
+)
 from .index_cpu_block import (
     PREFILL_HEADS,
     PREFILL_TILE,
@@ -29,6 +39,8 @@ from .index_cpu_block import (
     transpose_tile_pairs,
     use_pairs,
 )
+from std.math import max
+
 from .index_cpu_score import decode_candidates, scratch
 from ..index_fp8 import decode_row
 from ..index_operands import F32_WIDTH, IndexTopK
@@ -40,6 +52,41 @@ from ...model.ragged import Ptr
 comptime CPU_PREFILL_MIN_ROWS = 4
 """Fewest rows in a chunk for which the prefill scorer beats scoring row
 by row (`score_tile`, which keeps the single-row decode path)."""
+
+
+@always_inline
+def score_row_blocks[
+    depth: Int, padded: Int
+](
+    queries: Ptr[DType.float32],
+    weights: Ptr[DType.float32],
+    keys: Ptr[DType.float32],
+    totals: Ptr[DType.float32],
+):
+    """Adds one row's weighted ReLU head dots over a key tile to its totals,
+    a register block of `PREFILL_HEADS` heads at a time, in bfloat16 pairs
+    where `use_pairs[depth]()`, else in float32.
+
+    Args:
+        queries: `[padded, query_words_of[depth]()]` the row's query heads
+            (pair words, or float32), padding heads zero.
+        weights: `[padded]` the heads' weights (padding zero).
+        keys: The tile's keys (`transpose_tile_pairs` or `transpose_tile`).
+        totals: `[PREFILL_TILE]` the row's running weighted head sums.
+    """
+    comptime words = query_words_of[depth]()
+    for block in range(0, padded, PREFILL_HEADS):
+        var head = queries.unsafe_offset(block * words)
+        var weight = weights.unsafe_offset(block)
+        comptime if use_pairs[depth]():
+            score_head_block_pairs[depth](
+                head.unsafe_bitcast[UInt32](),
+                weight,
+                keys.unsafe_bitcast[UInt32](),
+                totals,
+            )
+        else:
+            score_head_block[depth](head, weight, keys, totals)
 
 
 def keep_top_k_prefill(
@@ -54,6 +101,7 @@ def keep_top_k_prefill(
     hi: Int,
     kept: Ptr[DType.uint64],
     sizes: Pointer[Int, MutAnyOrigin],
+    amx: Bool,
 ):
     """Rows `first .. last - 1` of request `b` over candidates `[lo, hi)`.
 
@@ -77,6 +125,8 @@ def keep_top_k_prefill(
         hi: One past its last candidate (at most the widest row's bound).
         kept: `[rows, k]` the rows' best keys out (in no order).
         sizes: `[rows]` how many each row kept.
+        amx: Whether to score with AMX tiles (`amx_ready()` said so;
+            ignored where `amx_usable[depth]()` is false).
     """
     comptime k = op.k
     comptime depth = op.depth
@@ -86,16 +136,38 @@ def keep_top_k_prefill(
 
     comptime pairs = use_pairs[depth]()
     comptime words = query_words_of[depth]()
-    var queries = List[Float32](length=rows * padded * words, fill=0.0)
-    var weights = List[Float32](length=rows * padded, fill=0.0)
+    comptime tiles = amx_usable[depth]()
+    comptime amx_dims = amx_depth_of[depth]()
+    comptime amx_heads = amx_heads_of[num_heads]()
+    var on_amx = tiles and amx
+    var heads = amx_heads if on_amx else padded
+    var queries = List[Float32](
+        length=0 if on_amx else rows * padded * words, fill=0.0
+    )
+    var amx_queries = List[UInt16](
+        length=rows * amx_heads * amx_dims if on_amx else 0, fill=0
+    )
+    var weights = List[Float32](length=rows * heads, fill=0.0)
     var decoded = List[Float32](length=depth, fill=0.0)
     var q_at = scratch(queries)
     var w_at = scratch(weights)
     for r in range(rows):
         var t = start + first + r
         for h in range(num_heads):
-            var head = q_at.unsafe_offset((r * padded + h) * words)
             var src = op.q.unsafe_offset((t * num_heads + h) * depth)
+            w_at[unsafe_offset=r * heads + h] = op.qs[
+                unsafe_offset=t * num_heads + h
+            ]
+            if on_amx:
+                decode_row[depth](src, scratch(decoded))
+                to_bfloat16_bits[depth](
+                    scratch(decoded),
+                    scratch(amx_queries).unsafe_offset(
+                        (r * amx_heads + h) * amx_dims
+                    ),
+                )
+                continue
+            var head = q_at.unsafe_offset((r * padded + h) * words)
             comptime if pairs:
                 decode_row[depth](src, scratch(decoded))
                 pack_pairs[depth, 1](
@@ -103,12 +175,17 @@ def keep_top_k_prefill(
                 )
             else:
                 decode_row[depth](src, head)
-            w_at[unsafe_offset=r * padded + h] = op.qs[
-                unsafe_offset=t * num_heads + h
-            ]
 
     var keys = List[Float32](length=PREFILL_TILE * depth, fill=0.0)
-    var transposed = List[Float32](length=PREFILL_TILE * depth, fill=0.0)
+    # Float32 keys `[depth, tile]`, or pair words `[depth / 2, tile]`
+    # (`[amx_dims / 2, tile]` on AMX, padding dims zero).
+    var transposed = List[Float32](
+        length=PREFILL_TILE * max(depth, amx_dims // 2), fill=0.0
+    )
+    # A row's head dots on AMX, `[AMX_HEADS, tile]`.
+    var sums = List[Float32](
+        length=AMX_HEADS * PREFILL_TILE if on_amx else 0, fill=0.0
+    )
     var scales = List[Float32](length=PREFILL_TILE, fill=0.0)
     var totals = List[Float32](length=PREFILL_TILE, fill=0.0)
     var keys_at = scratch(keys)
@@ -122,13 +199,18 @@ def keep_top_k_prefill(
     var pooled = List[Int](length=rows, fill=0)
     var floors = List[UInt64](length=rows, fill=0)
     comptime Vec = SIMD[DType.float32, F32_WIDTH]
+    if on_amx:
+        amx_begin()
     for tile_first in range(lo, hi, PREFILL_TILE):
         var count = min(PREFILL_TILE, hi - tile_first)
         decode_candidates(op, b, tile_first, count, keys_at, scales_at)
-        comptime if pairs:
-            transpose_tile_pairs[depth](
-                keys_at, count, transposed_at.unsafe_bitcast[UInt32]()
-            )
+        comptime if pairs or tiles:
+            if pairs or on_amx:
+                transpose_tile_pairs[depth](
+                    keys_at, count, transposed_at.unsafe_bitcast[UInt32]()
+                )
+            else:
+                transpose_tile[depth](keys_at, count, transposed_at)
         else:
             transpose_tile[depth](keys_at, count, transposed_at)
         for r in range(rows):
@@ -138,20 +220,23 @@ def keep_top_k_prefill(
                 continue
             comptime for v in range(PREFILL_VECTORS):
                 totals_at.unsafe_store[width=F32_WIDTH](v * F32_WIDTH, Vec(0))
-            for block in range(0, padded, PREFILL_HEADS):
-                var head = q_at.unsafe_offset((r * padded + block) * words)
-                var weight = w_at.unsafe_offset(r * padded + block)
-                comptime if pairs:
-                    score_head_block_pairs[depth](
-                        head.unsafe_bitcast[UInt32](),
-                        weight,
-                        transposed_at.unsafe_bitcast[UInt32](),
-                        totals_at,
-                    )
-                else:
-                    score_head_block[depth](
-                        head, weight, transposed_at, totals_at
-                    )
+            if on_amx:
+                score_row_amx[depth, amx_heads](
+                    scratch(amx_queries).unsafe_offset(
+                        r * amx_heads * amx_dims
+                    ),
+                    w_at.unsafe_offset(r * heads),
+                    transposed_at.unsafe_bitcast[UInt32](),
+                    scratch(sums),
+                    totals_at,
+                )
+            else:
+                score_row_blocks[depth, padded](
+                    q_at.unsafe_offset(r * padded * words),
+                    w_at.unsafe_offset(r * heads),
+                    transposed_at,
+                    totals_at,
+                )
             comptime for v in range(PREFILL_VECTORS):
                 comptime at = v * F32_WIDTH
                 totals_at.unsafe_store[width=F32_WIDTH](
@@ -169,6 +254,8 @@ def keep_top_k_prefill(
             )
             pooled[r] = offered[0]
             floors[r] = offered[1]
+    if on_amx:
+        amx_end()
     for r in range(rows):
         var size = keep_best[k](pool_at.unsafe_offset(r * room), pooled[r])
         for x in range(size):
@@ -177,6 +264,8 @@ def keep_top_k_prefill(
     # The scratch lives until the last tile is scored.
     _ = len(pool)
     _ = len(queries)
+    _ = len(amx_queries)
+    _ = len(sums)
     _ = len(weights)
     _ = len(decoded)
     _ = len(keys)
