@@ -11,6 +11,7 @@ them best first (`write_row`, a bitonic sorting network on SIMD vectors).
 
 from std.builtin.sort import sort
 from std.math import iota, max, min
+from std.sys.intrinsics import compressed_store
 from std.memory import bitcast, stack_allocation
 
 from ..model.ragged import Ptr
@@ -23,12 +24,20 @@ def score_order(score: Float32) -> UInt32:
     `-0.0` maps as `0.0` and NaN as `-inf` (the key `0x007FFFFF`), so NaN
     ranks below every number; 0 is the key of no score.
     """
+    return score_orders[1](score)[0]
+
+
+@always_inline
+def score_orders[
+    width: Int
+](score: SIMD[DType.float32, width]) -> SIMD[DType.uint32, width]:
+    """`score_order` of each lane."""
     var value = score + 0.0
-    var bits = bitcast[DType.uint32, 1](value)
-    var ordered = (~bits) if bits & 0x80000000 else bits | 0x80000000
-    if value != value:
-        ordered = 0x007FFFFF  # the key of -inf
-    return ordered
+    var bits = bitcast[DType.uint32, width](value)
+    var ordered = (bits & 0x80000000).ne(0).select(~bits, bits | 0x80000000)
+    return value.ne(value).select(
+        SIMD[DType.uint32, width](0x007FFFFF), ordered
+    )
 
 
 @always_inline
@@ -191,6 +200,16 @@ def sort_keys(keys: Span[mut=True, UInt64, _]):
     _ = len(padded)
 
 
+comptime POOL_LANES = 8
+"""Rank keys `offer_pool` builds and appends per step (one 512-bit vector)."""
+
+
+@always_inline
+def pool_room[k: Int]() -> Int:
+    """Keys a row's pool must have room for: `2 * k` and one step more."""
+    return 2 * k + POOL_LANES
+
+
 def offer_pool[
     k: Int
 ](
@@ -203,24 +222,46 @@ def offer_pool[
 ) -> Tuple[Int, UInt64]:
     """Offers candidates `first ..` (scores `tile[0 : count]`) to a row's pool.
 
-    The pool (`pool[0 : size]`, room for `2 * k + 1` keys) holds every key
-    seen that ranks above `floor`, a superset of the row's best `k`.
-    Appending is branch-free; when the pool reaches `2 * k` keys it keeps
-    its best `k` (`keep_best`) and `floor` becomes the lowest of them, the
-    k-th best so far: a key at or below it can never be in the answer. So
-    each key costs O(1) amortized, where a heap's replacement costs a
-    sift of `log2(k)` levels. Returns the new size and floor.
+    The pool (`pool[0 : size]`, room for `pool_room[k]()` keys) holds every
+    key seen that ranks above `floor`, a superset of the row's best `k`.
+    `POOL_LANES` keys at a time are built in a vector and those above the
+    floor appended with one compressing store; when the pool reaches `2 *
+    k` keys it keeps its best `k` (`keep_best`) and `floor` rises to just
+    below the lowest of them, the k-th best so far: a key at or below it
+    can never be in the answer. So each key costs O(1) amortized, where a heap's
+    replacement costs a sift of `log2(k)` levels. Returns the new size and
+    floor.
     """
+    comptime L = POOL_LANES
     var filled = size
     var low = floor
-    for x in range(count):
-        var key = rank_key(tile[unsafe_offset=x], first + x)
-        pool[unsafe_offset=filled] = key
-        filled += Int(key > low)
-        if filled == 2 * k:
-            filled = keep_best[k](pool, filled)
-            low = pool[unsafe_offset=0]
+    var lane = iota[DType.uint32, L]()
+    for x in range(0, count, L):
+        var scores = SIMD[DType.float32, L](0)
+        var live = lane.lt(UInt32(count - x))
+        if x + L <= count:
+            scores = tile.unsafe_load[width=L](x)
+        else:
+            for l in range(count - x):
+                scores[l] = tile[unsafe_offset=x + l]
+        var ids = lane + UInt32(first + x)
+        var keys = (score_orders[L](scores).cast[DType.uint64]() << 32) | (
+            ~ids
+        ).cast[DType.uint64]()
+        var above = keys.gt(low) & live
+        compressed_store(keys, pool.unsafe_offset(filled), above)
+        filled += Int(above.cast[DType.uint8]().reduce_add())
+        if filled >= 2 * k:
+            var best = keep_best[k](pool, filled)
+            filled = best[0]
+            low = best[1]
     return (filled, low)
+
+
+comptime SELECT_COUNTERS = 4
+"""Counter sets of `kth_best`'s counting pass. Scores of a row share their
+high bytes, so most keys of a pass count into one bucket, and with one
+counter set each increment waits for the previous one's store."""
 
 
 @always_inline
@@ -239,20 +280,30 @@ def kth_best(pool: Ptr[DType.uint64], size: Int, k: Int) -> UInt64:
     bucket that holds the `k`-th key is taken whole. After each pass the
     keys of the chosen bucket are copied aside (branch-free), so a pass
     reads only them: a pool of a thousand keys costs about two passes
-    over it however many bytes it takes.
+    over it however many bytes it takes. Consecutive keys count into
+    `SELECT_COUNTERS` counter sets in turn.
     """
     var need = k
     var prefix = UInt64(0)
-    var counts = stack_allocation[256, DType.int32]()
+    var counts = stack_allocation[SELECT_COUNTERS * 256, DType.int32]()
     var narrowed = List[UInt64](unsafe_uninit_length=size)
     var kept = narrowed.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
     var src = pool
     var left = size
     for shift in range(56, -8, -8):
-        for d in range(256):
+        for d in range(SELECT_COUNTERS * 256):
             counts[unsafe_offset=d] = 0
-        for y in range(left):
-            counts[unsafe_offset=_digit(src[unsafe_offset=y], shift)] += 1
+        var y = 0
+        while y + SELECT_COUNTERS <= left:
+            comptime for c in range(SELECT_COUNTERS):
+                var d = _digit(src[unsafe_offset=y + c], shift)
+                counts[unsafe_offset=c * 256 + d] += 1
+            y += SELECT_COUNTERS
+        for z in range(y, left):
+            counts[unsafe_offset=_digit(src[unsafe_offset=z], shift)] += 1
+        for d in range(256):
+            comptime for c in range(1, SELECT_COUNTERS):
+                counts[unsafe_offset=d] += counts[unsafe_offset=c * 256 + d]
         var d = 255
         var above = 0
         while above + Int(counts[unsafe_offset=d]) < need:
@@ -274,27 +325,25 @@ def kth_best(pool: Ptr[DType.uint64], size: Int, k: Int) -> UInt64:
     return prefix
 
 
-def keep_best[k: Int](pool: Ptr[DType.uint64], size: Int) -> Int:
-    """Moves the best `min(size, k)` of `pool[0 : size]` to its front, the
-    lowest of them (with `k` kept, the k-th best) first and the rest in no
-    order; returns how many. Selects (`kth_best`) instead of sorting."""
-    var kept = size
-    if size > k:
-        var bound = kth_best(pool, size, k)
-        kept = 0
-        for x in range(size):
-            var key = pool[unsafe_offset=x]
-            pool[unsafe_offset=kept] = key
-            kept += Int(key >= bound)
-    var low = 0
-    for x in range(1, kept):
-        if pool[unsafe_offset=x] < pool[unsafe_offset=low]:
-            low = x
-    if kept > 0:
-        var key = pool[unsafe_offset=low]
-        pool[unsafe_offset=low] = pool[unsafe_offset=0]
-        pool[unsafe_offset=0] = key
-    return kept
+def keep_best[k: Int](pool: Ptr[DType.uint64], size: Int) -> Tuple[Int, UInt64]:
+    """Moves the best `min(size, k)` of `pool[0 : size]` to its front, in no
+    order. Selects (`kth_best`) instead of sorting.
+
+    Returns:
+        How many it kept, and a floor: a key at or below it ranks below
+        every kept key (0 when it kept them all).
+    """
+    if size <= k:
+        return (size, UInt64(0))
+    var bound = kth_best(pool, size, k)
+    var kept = 0
+    for x in range(size):
+        var key = pool[unsafe_offset=x]
+        pool[unsafe_offset=kept] = key
+        kept += Int(key >= bound)
+    # `bound` is above 0: `size > k` keys are distinct and some rank
+    # below it.
+    return (kept, bound - 1)
 
 
 def write_row[k: Int](keys: Span[mut=True, UInt64, _], dest: Ptr[DType.int32]):

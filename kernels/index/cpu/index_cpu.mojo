@@ -180,7 +180,7 @@ def write_chunk(
             var at = part * chunk + r
             for x in range(sizes[unsafe_offset=at]):
                 merged.append(kept[unsafe_offset=at * k + x])
-        var size = keep_best[k](scratch(merged), len(merged))
+        var size = keep_best[k](scratch(merged), len(merged))[0]
         write_row[k](Span(merged)[:size], dest)
 
 

@@ -45,7 +45,7 @@ from .index_cpu_score import decode_candidates, scratch
 from ..index_fp8 import decode_row
 from ..index_operands import F32_WIDTH, IndexTopK
 from ..index_plan import candidate_bound
-from ..index_rank import keep_best, offer_pool
+from ..index_rank import keep_best, offer_pool, pool_room
 from ...model.ragged import Ptr
 
 
@@ -141,12 +141,20 @@ def keep_top_k_prefill(
     comptime amx_heads = amx_heads_of[num_heads]()
     var on_amx = tiles and amx
     var heads = amx_heads if on_amx else padded
+    # Every value is written below but padding heads and dims, which
+    # must be zero: the buffers are cleared only where there are some.
     var queries = List[Float32](
-        length=0 if on_amx else rows * padded * words, fill=0.0
+        unsafe_uninit_length=0 if on_amx else rows * padded * words
     )
+    if padded != num_heads:
+        for x in range(len(queries)):
+            queries[x] = 0
     var amx_queries = List[UInt16](
-        length=rows * amx_heads * amx_dims if on_amx else 0, fill=0
+        unsafe_uninit_length=rows * amx_heads * amx_dims if on_amx else 0
     )
+    if amx_heads != num_heads or amx_dims != depth:
+        for x in range(len(amx_queries)):
+            amx_queries[x] = 0
     var weights = List[Float32](length=rows * heads, fill=0.0)
     var decoded = List[Float32](length=depth, fill=0.0)
     var q_at = scratch(queries)
@@ -193,8 +201,8 @@ def keep_top_k_prefill(
     var scales_at = scratch(scales)
     var totals_at = scratch(totals)
     # Each row's pool of keys above its floor (`offer_pool`).
-    comptime room = 2 * k + 1
-    var pool = List[UInt64](length=rows * room, fill=0)
+    comptime room = pool_room[k]()
+    var pool = List[UInt64](unsafe_uninit_length=rows * room)
     var pool_at = scratch(pool)
     var pooled = List[Int](length=rows, fill=0)
     var floors = List[UInt64](length=rows, fill=0)
@@ -257,7 +265,7 @@ def keep_top_k_prefill(
     if on_amx:
         amx_end()
     for r in range(rows):
-        var size = keep_best[k](pool_at.unsafe_offset(r * room), pooled[r])
+        var size = keep_best[k](pool_at.unsafe_offset(r * room), pooled[r])[0]
         for x in range(size):
             kept[unsafe_offset=r * k + x] = pool_at[unsafe_offset=r * room + x]
         sizes[unsafe_offset=r] = size
