@@ -10,7 +10,7 @@ them best first (`write_row`, a bitonic sorting network on SIMD vectors).
 """
 
 from std.builtin.sort import sort
-from std.math import iota, max, min
+from std.math import iota, isnan, max, min
 from std.sys.intrinsics import compressed_store
 from std.memory import bitcast, stack_allocation
 
@@ -35,9 +35,7 @@ def score_orders[
     var value = score + 0.0
     var bits = bitcast[DType.uint32, width](value)
     var ordered = (bits & 0x80000000).ne(0).select(~bits, bits | 0x80000000)
-    return value.ne(value).select(
-        SIMD[DType.uint32, width](0x007FFFFF), ordered
-    )
+    return isnan(value).select(SIMD[DType.uint32, width](0x007FFFFF), ordered)
 
 
 @always_inline

@@ -37,6 +37,8 @@ from kernels.index.index_rank import (
     pool_room,
     offer_tile,
     rank_key,
+    score_order,
+    score_orders,
     sort_keys,
 )
 
@@ -74,6 +76,12 @@ def test_pool_keeps_what_the_heap_keeps() raises:
     var scores = List[Float32](length=n, fill=0.0)
     for i in range(n):
         scores[i] = Float32((i * 37) % 101) / 7.0
+    # NaN (below every number) and -0.0 (as 0.0) where the pool's vector
+    # keys and the heap's scalar keys must still agree.
+    for i in range(3, n, 97):
+        scores[i] = Float32(FloatLiteral.nan)
+    for i in range(5, n, 89):
+        scores[i] = Float32(-0.0)
     var heap = List[UInt64](length=k, fill=0)
     var pool = List[UInt64](length=pool_room[k](), fill=0)
     var size = 0
@@ -98,6 +106,21 @@ def test_pool_keeps_what_the_heap_keeps() raises:
     sort(Span(pool)[:k])
     for i in range(k):
         assert_equal(pool[i], heap[i], String("rank ", i))
+
+
+def test_score_order_ranks_nan_lowest_and_zeros_alike() raises:
+    var scores = SIMD[DType.float32, 8](
+        FloatLiteral.nan, -3.0e38, -0.0, 0.0, 1.0, -FloatLiteral.nan, 2.5, -1.0
+    )
+    var orders = score_orders[8](scores)
+    assert_equal(orders[0], 0x007FFFFF)  # the key of -inf
+    assert_equal(orders[5], 0x007FFFFF)
+    assert_equal(orders[2], orders[3])
+    assert_true(orders[0] < orders[1] and orders[1] < orders[7])
+    assert_true(orders[7] < orders[2] and orders[3] < orders[4])
+    assert_true(orders[4] < orders[6])
+    for lane in range(8):
+        assert_equal(score_order(scores[lane]), orders[lane])
 
 
 def test_pool_with_fewer_than_k_keeps_all() raises:
