@@ -62,15 +62,11 @@ def test_matches_the_oracle(runner, case):
     assert report.rows == len(call.q)
 
 
-#: The cases with a request of several rows: the CPU scores them with its
-#: prefill blocks, on AMX tiles where the CPU has AMX-BF16.
-PREFILL_CASES = [case for case in CASES if max(case.new, default=0) >= 4]
-
-
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: c.name)
-def test_prefill_without_amx_matches_the_oracle(runner, case, monkeypatch):
-    # The same compiled graph with the AMX block turned off: on an AMX host
-    # the test above runs the AMX block, this one the vector blocks.
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_without_amx_matches_the_oracle(runner, case, monkeypatch):
+    # The same compiled graph with the AMX blocks turned off: on a host
+    # with AMX-BF16 the test above scores calls of more than a core's work
+    # on AMX tiles, this one on the vector blocks.
     if runner.device_name != "cpu" or not {"amx_tile", "amx_bf16"} <= (
         cpu_flags()
     ):

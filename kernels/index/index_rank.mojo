@@ -4,9 +4,9 @@
 `-inf`, below every number); `rank_key` adds the tie rule (the lower id
 ranks higher). The GPU select (`index_select.mojo`) radix-selects on
 `score_order`; the CPU path keeps each row's best `k` rank keys in a
-bounded min-heap (`offer_tile`, decode rows) or a pool of `2k` cut back
-by a radix select (`offer_pool`, `keep_best`, prefill rows), and writes
-them best first (`write_row`, a bitonic sorting network on SIMD vectors).
+pool of `2k` cut back by a radix select (`offer_pool`, `keep_best`,
+`RowPools`), and writes them best first (`write_row`, a bitonic sorting
+network on SIMD vectors).
 """
 
 from std.builtin.sort import sort
@@ -54,57 +54,6 @@ def ordered_rank_key(order: UInt32, id: UInt32) -> UInt64:
     """`rank_key` of a score already in `score_order` form (the GPU
     select keeps its pairs so)."""
     return (UInt64(order) << 32) | UInt64(~id)
-
-
-def sift_down(keys: Ptr[DType.uint64], size: Int, pos: Int):
-    """Restores the min-heap below `pos` (root: the lowest-ranked key)."""
-    var i = pos
-    var key = keys[unsafe_offset=i]
-    while True:
-        var child = 2 * i + 1
-        if child >= size:
-            break
-        if (
-            child + 1 < size
-            and keys[unsafe_offset=child + 1] < keys[unsafe_offset=child]
-        ):
-            child += 1
-        if keys[unsafe_offset=child] >= key:
-            break
-        keys[unsafe_offset=i] = keys[unsafe_offset=child]
-        i = child
-    keys[unsafe_offset=i] = key
-
-
-@always_inline
-def offer_tile[
-    k: Int
-](
-    tile: Ptr[DType.float32],
-    first: Int,
-    count: Int,
-    keys: Ptr[DType.uint64],
-    size: Int,
-) -> Int:
-    """Offers candidates `first ..` (scores `tile[0 : count]`) to a row's top k.
-
-    `keys[0 : size]` holds the row's best so far: unordered while fewer
-    than `k`, a min-heap once full, where a newcomer replaces the root
-    only if it ranks higher. Returns the new size.
-    """
-    var filled = size
-    for x in range(count):
-        var key = rank_key(tile[unsafe_offset=x], first + x)
-        if filled < k:
-            keys[unsafe_offset=filled] = key
-            filled += 1
-            if filled == k:
-                for i in reversed(range(k // 2)):
-                    sift_down(keys, k, i)
-        elif key > keys[unsafe_offset=0]:
-            keys[unsafe_offset=0] = key
-            sift_down(keys, k, 0)
-    return filled
 
 
 comptime SORT_MIN_KEYS = 64
@@ -266,6 +215,60 @@ counter set each increment waits for the previous one's store."""
 def _digit(key: UInt64, shift: Int) -> Int:
     """Byte `shift / 8` of a key."""
     return Int((key >> UInt64(shift)) & 0xFF)
+
+
+struct RowPools[k: Int](Movable):
+    """A pool of rank keys per query row (`offer_pool`), and their answer.
+
+    Parameters:
+        k: Keys kept per row.
+    """
+
+    var keys: List[UInt64]
+    """`[rows, pool_room[Self.k]()]` the pools (unwritten slots uninitialized)."""
+    var sizes: List[Int]
+    """`[rows]` keys in each pool."""
+    var floors: List[UInt64]
+    """`[rows]` each pool's floor."""
+
+    def __init__(out self, rows: Int):
+        """Empty pools for `rows` rows."""
+        self.keys = List[UInt64](
+            unsafe_uninit_length=rows * pool_room[Self.k]()
+        )
+        self.sizes = List[Int](length=rows, fill=0)
+        self.floors = List[UInt64](length=rows, fill=0)
+
+    @always_inline
+    def offer(
+        mut self, row: Int, scores: Ptr[DType.float32], first: Int, count: Int
+    ):
+        """Offers candidates `first ..` (scores `scores[0 : count]`) to
+        `row`'s pool."""
+        var pool = self.keys.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+        var offered = offer_pool[Self.k](
+            scores,
+            first,
+            count,
+            pool.unsafe_offset(row * pool_room[Self.k]()),
+            self.sizes[row],
+            self.floors[row],
+        )
+        self.sizes[row] = offered[0]
+        self.floors[row] = offered[1]
+
+    def keep(
+        mut self, kept: Ptr[DType.uint64], sizes: Pointer[Int, MutAnyOrigin]
+    ):
+        """Each row's best `k` keys to `kept[row * k :]` (in no order), how
+        many to `sizes[row]`."""
+        var pool = self.keys.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+        for row in range(len(self.sizes)):
+            var at = pool.unsafe_offset(row * pool_room[Self.k]())
+            var size = keep_best[Self.k](at, self.sizes[row])[0]
+            for x in range(size):
+                kept[unsafe_offset=row * Self.k + x] = at[unsafe_offset=x]
+            sizes[unsafe_offset=row] = size
 
 
 def kth_best(pool: Ptr[DType.uint64], size: Int, k: Int) -> UInt64:

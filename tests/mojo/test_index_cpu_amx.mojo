@@ -2,18 +2,24 @@
 
 Runs on a host with AMX (`mojo run -I . tests/mojo/test_index_cpu_amx.mojo`;
 `tests/test_index_cpu_prefill.py` runs it under pytest only where the CPU
-has AMX-BF16). Writer against writer: the AMX block's totals against the
-float32 register blocks' on e4m3fn values (which bfloat16 holds exactly),
+has AMX-BF16). Writer against writer: the bfloat16 table against
+`decode_e4m3` on every byte; the prefill block's totals against the
+float32 register blocks' and the decode tiles' scores against the row
+scorer's (`score_tile`) on e4m3fn values (which bfloat16 holds exactly),
 within float32 rounding of the dim and head sums, at head counts and
-depths that are not whole tiles, with a NaN key and a key tile whose last
-candidates are stale.
+depths that are not whole tiles, with a NaN key and key tiles whose last
+candidates are stale or unscored.
 """
 
 from std.math import abs, max
-from std.testing import TestSuite, assert_true
+from std.memory import bitcast
+from std.testing import TestSuite, assert_equal, assert_true
 
 from kernels.index.cpu.index_cpu_amx import (
     AMX_HEADS,
+    AMX_ROW_TILE,
+    BF16_LANES,
+    E4m3ToBf16,
     amx_begin,
     amx_depth_of,
     amx_end,
@@ -21,6 +27,7 @@ from kernels.index.cpu.index_cpu_amx import (
     amx_ready,
     amx_usable,
     score_row_amx,
+    score_tile_amx,
     to_bfloat16_bits,
 )
 from kernels.index.cpu.index_cpu_block import (
@@ -31,8 +38,22 @@ from kernels.index.cpu.index_cpu_block import (
     transpose_tile,
     transpose_tile_pairs,
 )
-from kernels.index.cpu.index_cpu_score import scratch
+from kernels.index.cpu.index_cpu_score import score_tile, scratch
+from kernels.index.index_operands import padded_heads_of
 from kernels.index.index_fp8 import decode_e4m3
+
+
+def byte(i: Int) -> UInt8:
+    """A deterministic e4m3fn byte, never NaN."""
+    var b = (i * 2654435761 >> 7) % 256
+    if b & 0x7F == 0x7F:
+        b -= 1
+    return UInt8(b)
+
+
+def e4m3_of(b: UInt8) -> Float32:
+    """The value of an e4m3fn byte."""
+    return decode_e4m3[1](SIMD[DType.uint8, 1](b))[0]
 
 
 def e4m3(i: Int) -> Float32:
@@ -106,6 +127,115 @@ def check_amx_row[num_heads: Int, depth: Int](nan_at: Int) raises:
             String(at, ": ", got[x], " vs ", want[x]),
         )
     assert_true(nonzero > count // 2, "the case scores mostly nonzero")
+
+
+def test_bfloat16_table_decodes_every_byte() raises:
+    var table = E4m3ToBf16(True)
+    var bytes = SIMD[DType.uint8, BF16_LANES](0)
+    for first in range(0, 256, BF16_LANES):
+        for lane in range(BF16_LANES):
+            bytes[lane] = UInt8(first + lane)
+        var bits = table.decode(bytes)
+        for lane in range(BF16_LANES):
+            var want = decode_e4m3[1](SIMD[DType.uint8, 1](bytes[lane]))[0]
+            var got = bitcast[DType.float32, 1](UInt32(bits[lane]) << 16)[0]
+            if want != want:
+                assert_true(got != got, String("byte ", first + lane))
+            else:
+                assert_equal(
+                    bitcast[DType.uint32, 1](got)[0],
+                    bitcast[DType.uint32, 1](want)[0],
+                    String("byte ", first + lane),
+                )
+
+
+def check_amx_tile[num_heads: Int, depth: Int](count: Int, nan_at: Int) raises:
+    """The decode form: one row's AMX scores against the row scorer's."""
+    comptime row_padded = padded_heads_of[num_heads]()
+    comptime heads = amx_heads_of[num_heads]()
+    comptime dims = amx_depth_of[depth]()
+    comptime tile = 64
+    var table = E4m3ToBf16(True)
+    var query_bytes = List[UInt8](length=num_heads * depth, fill=0)
+    for i in range(len(query_bytes)):
+        query_bytes[i] = byte(i)
+    var key_bytes = List[UInt8](length=tile * depth, fill=0)
+    for i in range(len(key_bytes)):
+        key_bytes[i] = byte(i + 9000)
+    key_bytes[nan_at * depth + depth // 2] = 0x7F  # a NaN key
+    # The row scorer's layout: [depth, padded heads] float32, keys float32.
+    var queries = List[Float32](length=depth * row_padded, fill=0.0)
+    var weights = List[Float32](length=heads, fill=0.0)
+    var keys = List[Float32](length=(tile + 8) * depth, fill=0.0)
+    var scales = List[Float32](length=tile + 8, fill=0.0)
+    for h in range(num_heads):
+        weights[h] = Float32(h % 5 + 1) / 4.0 - 0.5
+        for d in range(depth):
+            queries[d * row_padded + h] = e4m3_of(query_bytes[h * depth + d])
+    for x in range(tile):
+        scales[x] = 0.5 + Float32(x % 3)
+        for d in range(depth):
+            keys[x * depth + d] = e4m3_of(key_bytes[x * depth + d])
+    var want = List[Float32](length=tile + 8, fill=0.0)
+    score_tile[num_heads, depth](
+        scratch(queries),
+        scratch(weights),
+        scratch(keys),
+        scratch(scales),
+        count,
+        scratch(want),
+    )
+    # The AMX layout: query pair words [dims / 2, heads], keys [tile, dims]
+    # bfloat16 bits, from the table.
+    var words = List[UInt32](length=dims // 2 * heads, fill=0)
+    var decoded = List[UInt16](length=dims, fill=0)
+    for h in range(num_heads):
+        table.decode_row[depth](
+            scratch(query_bytes).unsafe_offset(h * depth), scratch(decoded)
+        )
+        for p in range(dims // 2):
+            words[p * heads + h] = UInt32(decoded[2 * p]) | (
+                UInt32(decoded[2 * p + 1]) << 16
+            )
+    var key_bits = List[UInt16](length=tile * dims, fill=0)
+    for x in range(tile):
+        table.decode_row[depth](
+            scratch(key_bytes).unsafe_offset(x * depth),
+            scratch(key_bits).unsafe_offset(x * dims),
+        )
+    var sums = List[Float32](length=AMX_ROW_TILE * AMX_HEADS, fill=0.0)
+    var got = List[Float32](length=tile, fill=0.0)
+    amx_begin()
+    score_tile_amx[depth, heads](
+        scratch(words),
+        scratch(weights),
+        scratch(key_bits),
+        scratch(scales),
+        count,
+        scratch(sums),
+        scratch(got),
+    )
+    amx_end()
+    var nonzero = 0
+    for x in range(count):
+        var at = String("heads ", num_heads, " depth ", depth, " x ", x)
+        if x == nan_at:
+            assert_true(got[x] != got[x], "a NaN key scores NaN: " + at)
+            continue
+        nonzero += Int(want[x] != 0)
+        var scale = max(abs(want[x]), Float32(1.0))
+        assert_true(
+            abs(got[x] - want[x]) <= 1e-5 * scale,
+            String(at, ": ", got[x], " vs ", want[x]),
+        )
+    assert_true(nonzero > count // 2, "the case scores mostly nonzero")
+
+
+def test_amx_decode_tiles_score_like_the_row_scorer() raises:
+    assert_true(amx_ready(), "this host grants the AMX tile state")
+    check_amx_tile[32, 128](64, 40)  # GLM-5-Next: whole tiles
+    check_amx_tile[20, 38](45, 3)  # part heads and dims, a part tile
+    check_amx_tile[64, 64](17, 16)  # two head blocks, one part pass
 
 
 def test_amx_blocks_score_like_float32_blocks() raises:

@@ -4,7 +4,7 @@ register-blocked head block.
 Runs without a GPU (`mojo run -I . tests/mojo/test_index_cpu_prefill.mojo`);
 `tests/test_index_cpu_prefill.py` runs it under pytest. Writer against
 writer: the sorting network against `sort`, the pool's kept keys against the
-heap's (`offer_tile`), bit for bit, and the prefill head blocks against the
+heap's (`heap_offer`, a bounded min-heap written here), bit for bit, and the prefill head blocks against the
 row scorer (`score_tile`) within float32 rounding of the head sum, and
 the bfloat16 pair form against the float32 form on e4m3fn values (which
 bfloat16 holds exactly) within float32 rounding of the dim sum.
@@ -30,17 +30,68 @@ from kernels.index.cpu.index_cpu_block import (
 from kernels.index.index_fp8 import decode_e4m3
 from kernels.index.cpu.index_cpu_score import score_tile, scratch
 from kernels.index.index_operands import padded_heads_of
+from kernels.model.ragged import Ptr
 from kernels.index.index_rank import (
     keep_best,
     kth_best,
     offer_pool,
     pool_room,
-    offer_tile,
     rank_key,
     score_order,
     score_orders,
     sort_keys,
 )
+
+
+def sift_down(keys: Ptr[DType.uint64], size: Int, pos: Int):
+    """Restores the min-heap below `pos` (root: the lowest-ranked key)."""
+    var i = pos
+    var key = keys[unsafe_offset=i]
+    while True:
+        var child = 2 * i + 1
+        if child >= size:
+            break
+        if (
+            child + 1 < size
+            and keys[unsafe_offset=child + 1] < keys[unsafe_offset=child]
+        ):
+            child += 1
+        if keys[unsafe_offset=child] >= key:
+            break
+        keys[unsafe_offset=i] = keys[unsafe_offset=child]
+        i = child
+    keys[unsafe_offset=i] = key
+
+
+def heap_offer[
+    k: Int
+](
+    tile: Ptr[DType.float32],
+    first: Int,
+    count: Int,
+    keys: Ptr[DType.uint64],
+    size: Int,
+) -> Int:
+    """The reference top k: offers candidates `first ..` (scores
+    `tile[0 : count]`) to a bounded min-heap of a row's best k.
+
+    `keys[0 : size]` holds the row's best so far: unordered while fewer
+    than `k`, a min-heap once full, where a newcomer replaces the root
+    only if it ranks higher. Returns the new size.
+    """
+    var filled = size
+    for x in range(count):
+        var key = rank_key(tile[unsafe_offset=x], first + x)
+        if filled < k:
+            keys[unsafe_offset=filled] = key
+            filled += 1
+            if filled == k:
+                for i in reversed(range(k // 2)):
+                    sift_down(keys, k, i)
+        elif key > keys[unsafe_offset=0]:
+            keys[unsafe_offset=0] = key
+            sift_down(keys, k, 0)
+    return filled
 
 
 def value(i: Int, salt: Int) -> Float32:
@@ -90,7 +141,7 @@ def test_pool_keeps_what_the_heap_keeps() raises:
     for first in range(0, n, 24):
         var count = min(24, n - first)
         var tile = scratch(scores).unsafe_offset(first)
-        size = offer_tile[k](tile, first, count, scratch(heap), size)
+        size = heap_offer[k](tile, first, count, scratch(heap), size)
         var offered = offer_pool[k](
             tile, first, count, scratch(pool), pooled, floor
         )

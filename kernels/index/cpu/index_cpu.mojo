@@ -19,13 +19,24 @@ from max.algorithm import sync_parallelize
 from std.math import ceildiv, max, min
 from std.sys import num_physical_cores
 
-from .index_cpu_amx import amx_ready
+from .index_cpu_amx import (
+    AMX_HEADS,
+    AMX_ROW_TILE,
+    E4m3ToBf16,
+    amx_begin,
+    amx_depth_of,
+    amx_end,
+    amx_heads_of,
+    amx_ready,
+    amx_usable,
+    score_tile_amx,
+)
 from .index_cpu_prefill import CPU_PREFILL_MIN_ROWS, keep_top_k_prefill
 from .index_cpu_score import decode_candidates, scratch, score_tile
 from ..index_fp8 import decode_row
 from ..index_operands import IndexTopK
 from ..index_plan import candidate_bound, request_span
-from ..index_rank import keep_best, offer_tile, write_row
+from ..index_rank import RowPools, keep_best, write_row
 from ...model.ragged import Ptr, read_index
 
 
@@ -78,8 +89,8 @@ def keep_top_k(
 
     The candidates of the chunk's widest row are cut into `parts` runs of
     whole tiles; this keeps, for each row `r`, the rank keys of its best
-    `k` visible candidates of run `part` in `kept[r * k :]` (unordered, or
-    a heap) and their number in `sizes[r]`: 0 for every row of a request
+    `k` visible candidates of run `part` in `kept[r * k :]` (in no order,
+    from a pool per row: `RowPools`) and their number in `sizes[r]`: 0 for every row of a request
     that is not scored. Decodes the rows' queries once, then each tile's
     keys once for all the rows; a chunk of `CPU_PREFILL_MIN_ROWS` rows or
     more goes to `keep_top_k_prefill` instead (on AMX tiles where `amx`).
@@ -108,6 +119,10 @@ def keep_top_k(
             op, b, start, n, c, first, last, lo, hi, kept, sizes, amx
         )
         return
+    comptime if amx_usable[depth]():
+        if amx:
+            keep_rows_amx(op, b, start, n, c, first, last, lo, hi, kept, sizes)
+            return
 
     var queries = List[Float32](length=rows * depth * padded, fill=0.0)
     var weights = List[Float32](length=rows * padded, fill=0.0)
@@ -126,6 +141,7 @@ def keep_top_k(
     var keys = List[Float32](length=CPU_TILE * depth, fill=0.0)
     var scales = List[Float32](length=CPU_TILE, fill=0.0)
     var tile = List[Float32](length=CPU_TILE, fill=0.0)
+    var pools = RowPools[k](rows)
     for tile_first in range(lo, hi, CPU_TILE):
         var count = min(CPU_TILE, hi - tile_first)
         decode_candidates(
@@ -144,13 +160,92 @@ def keep_top_k(
                 visible,
                 scratch(tile),
             )
-            sizes[unsafe_offset=r] = offer_tile[k](
-                scratch(tile),
-                tile_first,
-                visible,
-                kept.unsafe_offset(r * k),
-                sizes[unsafe_offset=r],
+            pools.offer(r, scratch(tile), tile_first, visible)
+    pools.keep(kept, sizes)
+
+
+def keep_rows_amx(
+    op: IndexTopK,
+    b: Int,
+    start: Int,
+    n: Int,
+    c: Int,
+    first: Int,
+    last: Int,
+    lo: Int,
+    hi: Int,
+    kept: Ptr[DType.uint64],
+    sizes: Pointer[Int, MutAnyOrigin],
+):
+    """`keep_top_k`'s few-row (decode) scoring on AMX tiles.
+
+    Builds each row's query as pair words `[dims / 2, heads]` once, then
+    per tile of `CPU_TILE` candidates decodes the keys straight to
+    bfloat16 rows (`E4m3ToBf16`) and scores every row that sees them with
+    `score_tile_amx`, offering the scores to the row's pool. Arguments as
+    for `keep_top_k_prefill`; needs `amx_ready()` and
+    `amx_usable[op.depth]()`.
+    """
+    comptime k = op.k
+    comptime depth = op.depth
+    comptime num_heads = op.num_heads
+    comptime dims = amx_depth_of[depth]()
+    comptime heads = amx_heads_of[num_heads]()
+    var rows = last - first
+    var table = E4m3ToBf16(True)
+    # Padding heads and dims must be zero in queries, weights and keys.
+    var queries = List[UInt32](length=rows * dims // 2 * heads, fill=0)
+    var weights = List[Float32](length=rows * heads, fill=0.0)
+    var decoded = List[UInt16](length=dims, fill=0)
+    for r in range(rows):
+        var t = start + first + r
+        var words = scratch(queries).unsafe_offset(r * dims // 2 * heads)
+        for h in range(num_heads):
+            table.decode_row[depth](
+                op.q.unsafe_offset((t * num_heads + h) * depth),
+                scratch(decoded),
             )
+            for p in range(dims // 2):
+                words[unsafe_offset=p * heads + h] = UInt32(decoded[2 * p]) | (
+                    UInt32(decoded[2 * p + 1]) << 16
+                )
+            weights[r * heads + h] = op.qs[unsafe_offset=t * num_heads + h]
+
+    var keys = List[UInt16](length=CPU_TILE * dims, fill=0)
+    var scales = List[Float32](length=CPU_TILE, fill=0.0)
+    var tile = List[Float32](length=CPU_TILE, fill=0.0)
+    var sums = List[Float32](length=AMX_ROW_TILE * AMX_HEADS, fill=0.0)
+    var pools = RowPools[k](rows)
+    amx_begin()
+    for tile_first in range(lo, hi, CPU_TILE):
+        var count = min(CPU_TILE, hi - tile_first)
+        decode_candidates[DType.uint16](
+            op,
+            b,
+            tile_first,
+            count,
+            scratch(keys),
+            scratch(scales),
+            table,
+            dims,
+        )
+        for r in range(rows):
+            var bound = candidate_bound[op.kpool, op.causal](c, n, first + r)
+            var visible = min(count, bound - tile_first)
+            if visible <= 0:
+                continue
+            score_tile_amx[depth, heads](
+                scratch(queries).unsafe_offset(r * dims // 2 * heads),
+                scratch(weights).unsafe_offset(r * heads),
+                scratch(keys),
+                scratch(scales),
+                visible,
+                scratch(sums),
+                scratch(tile),
+            )
+            pools.offer(r, scratch(tile), tile_first, visible)
+    amx_end()
+    pools.keep(kept, sizes)
 
 
 def write_chunk(
@@ -221,7 +316,6 @@ def index_top_k_cpu(op: IndexTopK):
     var task_first = List[Int]()
     var work = 0
     var widest = 0
-    var longest = 0
     for b in range(op.scored_requests):
         var start = read_index(op.input_row_offsets, b)
         var n = read_index(op.input_row_offsets, b + 1) - start
@@ -235,10 +329,10 @@ def index_top_k_cpu(op: IndexTopK):
             var bound = candidate_bound[op.kpool, op.causal](c, n, n - 1)
             work += n * max(bound, 0)
             widest = max(widest, bound)
-            longest = max(longest, n)
     work *= op.num_heads * op.depth
-    # The AMX check costs a CPUID and a system call: only for a prefill.
-    var amx = longest >= CPU_PREFILL_MIN_ROWS and amx_ready()
+    # The AMX check costs a CPUID and a system call: only for a call with
+    # work for more than one core.
+    var amx = work >= CPU_MIN_PARALLEL_MACS and amx_ready()
     var chunks = len(task_request)
     var serial = chunks == 0 or work < CPU_MIN_PARALLEL_MACS
     var parts = 1

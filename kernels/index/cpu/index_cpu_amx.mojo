@@ -32,13 +32,14 @@ Documentation/arch/x86/xstate.rst (the permission request).
 """
 
 from std.ffi import external_call
-from std.math import ceildiv
+from std.math import ceildiv, min
 from std.memory import bitcast, stack_allocation
 from std.os import getenv
-from std.sys import inlined_assembly
+from std.sys import inlined_assembly, llvm_intrinsic
 from std.sys.info import CompilationTarget
 
 from .index_cpu_block import PREFILL_HEADS, PREFILL_TILE, fold_heads
+from ..index_fp8 import decode_e4m3
 from ..index_operands import F32_WIDTH
 from ...model.ragged import Ptr
 
@@ -239,3 +240,172 @@ def amx_usable[depth: Int]() -> Bool:
     """Whether the AMX block is built for `depth`: `AMX_BUILT` and the dims
     split into whole bfloat16 pairs."""
     return AMX_BUILT and depth % 2 == 0
+
+
+comptime BF16_LANES = 32
+"""e4m3fn bytes decoded to bfloat16 per step (a 512-bit vector of words)."""
+
+comptime Words = SIMD[DType.uint16, BF16_LANES]
+
+
+struct E4m3ToBf16(Copyable, TrivialRegisterPassable):
+    """e4m3fn bytes to their (exact) bfloat16 bits by table lookup.
+
+    A byte's magnitude (its low 7 bits) indexes a 128-entry table of
+    bfloat16 bits, held in four vectors of 32 words; two `vpermi2w`
+    (AVX-512 BW) look up 32 magnitudes in each half of the table, the
+    magnitude's bit 6 picks the half, and the sign bit moves to bit 15.
+    About 7 instructions per 32 values, where the float32 decode
+    (`decode_e4m3`) spends about 12 per 16 and the bfloat16 bits are one
+    narrowing step more. NaN (`S.1111.111`) becomes a bfloat16 NaN.
+    """
+
+    var low: Words
+    """Magnitudes 0-31."""
+    var low_high: Words
+    """Magnitudes 32-63."""
+    var high_low: Words
+    """Magnitudes 64-95."""
+    var high: Words
+    """Magnitudes 96-127."""
+
+    def __init__(out self, built: Bool):
+        """The table, from `decode_e4m3` (128 scalar decodes, about a
+        microsecond), or all zeros (unused) when not `built`."""
+        self.low = Words(0)
+        self.low_high = Words(0)
+        self.high_low = Words(0)
+        self.high = Words(0)
+        for m in range(128 if built else 0):
+            var value = decode_e4m3[1](SIMD[DType.uint8, 1](UInt8(m)))[0]
+            var bits = UInt16(bitcast[DType.uint32, 1](value) >> 16)
+            var lane = m % BF16_LANES
+            if m < 32:
+                self.low[lane] = bits
+            elif m < 64:
+                self.low_high[lane] = bits
+            elif m < 96:
+                self.high_low[lane] = bits
+            else:
+                self.high[lane] = bits
+
+    @always_inline
+    def decode(self, bytes: SIMD[DType.uint8, BF16_LANES]) -> Words:
+        """32 e4m3fn bytes to their bfloat16 bits."""
+        comptime permute = "llvm.x86.avx512.vpermi2var.hi.512"
+        var x = bytes.cast[DType.uint16]()
+        var index = x & 0x3F
+        var low = llvm_intrinsic[permute, Words](self.low, index, self.low_high)
+        var high = llvm_intrinsic[permute, Words](
+            self.high_low, index, self.high
+        )
+        return (x & 0x40).ne(0).select(high, low) | ((x & 0x80) << 8)
+
+    @always_inline
+    def decode_row[
+        count: Int
+    ](self, src: Ptr[DType.uint8], dest: Ptr[DType.uint16]):
+        """Decodes `count` consecutive e4m3fn bytes into bfloat16 bits."""
+        comptime full = count // BF16_LANES
+        comptime for i in range(full):
+            dest.unsafe_store[width=BF16_LANES](
+                i * BF16_LANES,
+                self.decode(src.unsafe_load[width=BF16_LANES](i * BF16_LANES)),
+            )
+        comptime for i in range(full * BF16_LANES, count):
+            var value = decode_e4m3[1](
+                SIMD[DType.uint8, 1](src[unsafe_offset=i])
+            )[0]
+            dest[unsafe_offset=i] = UInt16(
+                bitcast[DType.uint32, 1](value) >> 16
+            )
+
+
+comptime AMX_ROW_TILE = 32
+"""Candidates per AMX pass of the decode scorer (two A tiles of 16)."""
+
+
+@always_inline
+def score_tile_amx[
+    depth: Int, padded: Int
+](
+    queries: Ptr[DType.uint32],
+    weights: Ptr[DType.float32],
+    keys: Ptr[DType.uint16],
+    scales: Ptr[DType.float32],
+    count: Int,
+    sums: Ptr[DType.float32],
+    scores: Ptr[DType.float32],
+):
+    """Scores one query row against `count` candidates on AMX tiles.
+
+    The decode form: the keys are the A tiles, in the row layout they are
+    decoded in (16 candidates x 32 dims a tile), so a tile of keys costs
+    no transposition; the row's query is the B tiles (pair words `[dims /
+    2, padded]`, built once per row). Per 32 candidates and 32 heads, four
+    C tiles (16 candidates x 16 heads) over the depth, stored to `sums`;
+    then per candidate its heads' ReLU (keeping a NaN) times the weights,
+    summed across the vector, times the key scale.
+
+    Needs `amx_begin` on this thread and `amx_ready()` in this process.
+
+    Args:
+        queries: `[amx_depth_of[depth]() / 2, padded]` the row's query
+            pair words (dims `2p`, `2p + 1` of head `h` at `[p, h]`;
+            padding heads and dims zero).
+        weights: `[padded]` the heads' weights (padding zero).
+        keys: `[count rounded up to AMX_ROW_TILE, amx_depth_of[depth]()]`
+            the candidates' bfloat16 bits (padding dims zero; rows past
+            `count` any finite or NaN values, never read back).
+        scales: `[count]` the key scales.
+        count: Candidates to score.
+        sums: `[AMX_ROW_TILE, AMX_HEADS]` float32 scratch.
+        scores: `[>= count rounded up to AMX_ROW_TILE]` float32 scores out.
+    """
+    comptime dims = amx_depth_of[depth]()
+    comptime key_stride = dims * 2
+    comptime query_stride = padded * 4
+    comptime sum_stride = AMX_HEADS * 4
+    comptime Lanes = SIMD[DType.float32, 16]
+    var sums_at = Int(sums)
+    for first in range(0, count, AMX_ROW_TILE):
+        var key_at = Int(keys) + first * key_stride
+        comptime for v in range(2):
+            comptime for c in range(16):
+                scores[unsafe_offset=first + v * 16 + c] = 0
+        for block in range(0, padded, AMX_HEADS):
+            var query_at = Int(queries) + block * 4
+            _asm["tilezero %tmm0"]()
+            _asm["tilezero %tmm1"]()
+            _asm["tilezero %tmm2"]()
+            _asm["tilezero %tmm3"]()
+            comptime for step in range(dims // AMX_DIMS):
+                # A tiles: candidates 0-15 and 16-31, dims [32 step, +32).
+                _tile_load[4](key_at + step * 64, key_stride)
+                _tile_load[5](key_at + 16 * key_stride + step * 64, key_stride)
+                # B tiles: pair rows [16 step, +16), heads 0-15 and 16-31.
+                comptime row = step * 16 * query_stride
+                _tile_load[6](query_at + row, query_stride)
+                _tile_load[7](query_at + row + 64, query_stride)
+                # tmm(2a + v) += A(a) B(v): candidates 16a.., heads 16v..
+                _asm["tdpbf16ps %tmm6, %tmm4, %tmm0"]()
+                _asm["tdpbf16ps %tmm7, %tmm4, %tmm1"]()
+                _asm["tdpbf16ps %tmm6, %tmm5, %tmm2"]()
+                _asm["tdpbf16ps %tmm7, %tmm5, %tmm3"]()
+            # Candidate c's heads at sums[c * AMX_HEADS :].
+            _tile_store[0](sums_at, sum_stride)
+            _tile_store[1](sums_at + 64, sum_stride)
+            _tile_store[2](sums_at + 16 * sum_stride, sum_stride)
+            _tile_store[3](sums_at + 16 * sum_stride + 64, sum_stride)
+            var low = weights.unsafe_load[width=16](block)
+            var high = weights.unsafe_load[width=16](block + 16)
+            comptime for c in range(AMX_ROW_TILE):
+                var a = sums.unsafe_load[width=16](c * AMX_HEADS)
+                var b = sums.unsafe_load[width=16](c * AMX_HEADS + 16)
+                var total = (
+                    a.lt(0).select(Lanes(0), a) * low
+                    + b.lt(0).select(Lanes(0), b) * high
+                )
+                scores[unsafe_offset=first + c] += total.reduce_add()
+        for c in range(first, min(first + AMX_ROW_TILE, count)):
+            scores[unsafe_offset=c] *= scales[unsafe_offset=c]

@@ -45,7 +45,7 @@ from .index_cpu_score import decode_candidates, scratch
 from ..index_fp8 import decode_row
 from ..index_operands import F32_WIDTH, IndexTopK
 from ..index_plan import candidate_bound
-from ..index_rank import keep_best, offer_pool, pool_room
+from ..index_rank import RowPools
 from ...model.ragged import Ptr
 
 
@@ -200,12 +200,7 @@ def keep_top_k_prefill(
     var transposed_at = scratch(transposed)
     var scales_at = scratch(scales)
     var totals_at = scratch(totals)
-    # Each row's pool of keys above its floor (`offer_pool`).
-    comptime room = pool_room[k]()
-    var pool = List[UInt64](unsafe_uninit_length=rows * room)
-    var pool_at = scratch(pool)
-    var pooled = List[Int](length=rows, fill=0)
-    var floors = List[UInt64](length=rows, fill=0)
+    var pools = RowPools[k](rows)
     comptime Vec = SIMD[DType.float32, F32_WIDTH]
     if on_amx:
         amx_begin()
@@ -252,25 +247,11 @@ def keep_top_k_prefill(
                     totals_at.unsafe_load[width=F32_WIDTH](at)
                     * scales_at.unsafe_load[width=F32_WIDTH](at),
                 )
-            var offered = offer_pool[k](
-                totals_at,
-                tile_first,
-                visible,
-                pool_at.unsafe_offset(r * room),
-                pooled[r],
-                floors[r],
-            )
-            pooled[r] = offered[0]
-            floors[r] = offered[1]
+            pools.offer(r, totals_at, tile_first, visible)
     if on_amx:
         amx_end()
-    for r in range(rows):
-        var size = keep_best[k](pool_at.unsafe_offset(r * room), pooled[r])[0]
-        for x in range(size):
-            kept[unsafe_offset=r * k + x] = pool_at[unsafe_offset=r * room + x]
-        sizes[unsafe_offset=r] = size
+    pools.keep(kept, sizes)
     # The scratch lives until the last tile is scored.
-    _ = len(pool)
     _ = len(queries)
     _ = len(amx_queries)
     _ = len(sums)

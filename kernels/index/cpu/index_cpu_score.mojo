@@ -9,6 +9,7 @@ ReLU and the head weights applied in registers).
 from std.math import max
 from std.memory import stack_allocation
 
+from .index_cpu_amx import E4m3ToBf16
 from ..index_fp8 import decode_row
 from ..index_operands import (
     F32_WIDTH,
@@ -27,22 +28,26 @@ def scratch[dtype: DType](mut buffer: List[Scalar[dtype]]) -> Ptr[dtype]:
 
 
 @always_inline
-def decode_candidates(
+def decode_candidates[
+    dtype: DType = DType.float32
+](
     op: IndexTopK,
     b: Int,
     first: Int,
     count: Int,
-    keys: Ptr[DType.float32],
+    keys: Ptr[dtype],
     scales: Ptr[DType.float32],
+    table: E4m3ToBf16 = E4m3ToBf16(False),
+    stride: Int = op.depth,
 ):
     """Decodes candidates `[first, first + count)` of request `b`.
 
-    Keys go to `keys` (`[count, depth]` float32, row-major), scales to
+    Keys go to `keys` (`[count, stride]`, row-major): float32 values, or
+    with `dtype` uint16 their bfloat16 bits (through `table`); scales to
     `scales`. Every page they touch was checked by `request_span`.
     """
     comptime width = op.width
     comptime rows = op.rows_per_candidate
-    comptime depth = op.depth
     # A candidate's rows share a page (`page_size % rows == 0`), so the
     # walk keeps a page and slot instead of dividing per row.
     var page = first * rows // op.page_size
@@ -56,10 +61,12 @@ def decode_candidates(
         scale_base = at.scale
     for x in range(count):
         comptime for r in range(rows):
-            decode_row[width](
-                op.k_blocks.unsafe_offset(key_base + (slot + r) * width),
-                keys.unsafe_offset(x * depth + r * width),
-            )
+            var src = op.k_blocks.unsafe_offset(key_base + (slot + r) * width)
+            var dest = keys.unsafe_offset(x * stride + r * width)
+            comptime if dtype == DType.uint16:
+                table.decode_row[width](src, rebind[Ptr[DType.uint16]](dest))
+            else:
+                decode_row[width](src, rebind[Ptr[DType.float32]](dest))
         scales[unsafe_offset=x] = op.k_scales[unsafe_offset=scale_base + slot]
         slot += rows
         if slot == op.page_size and x + 1 < count:
