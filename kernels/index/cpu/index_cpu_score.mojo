@@ -7,6 +7,7 @@ ReLU and the head weights applied in registers).
 """
 
 from std.math import max
+from std.sys import PrefetchOptions, prefetch
 from std.memory import stack_allocation
 
 from .index_cpu_amx import E4m3ToBf16
@@ -25,6 +26,27 @@ from ...model.ragged import Ptr
 def scratch[dtype: DType](mut buffer: List[Scalar[dtype]]) -> Ptr[dtype]:
     """A task-local buffer's data as the kernels' raw pointer type."""
     return buffer.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+
+
+@always_inline
+def prefetch_page(op: IndexTopK, b: Int, page: Int):
+    """Asks the cache for request `b`'s key page `page` (its key bytes and
+    scales), if the lookup table has that column.
+
+    The walk's pages sit in blocks anywhere in the arena, so the hardware
+    prefetcher, which follows addresses within a page, stalls at each new
+    page; the walk asks for the next page as it enters one. A prefetch
+    never faults, so an unchecked block index costs nothing.
+    """
+    comptime line = 64
+    comptime read = PrefetchOptions().for_read().high_locality()
+    if page >= op.key_pages:
+        return
+    var at = page_bases(op, b, page)
+    for x in range(0, op.page_size * op.width, line):
+        prefetch[read](op.k_blocks.unsafe_offset(at.key + x))
+    for x in range(0, op.page_size, line // 4):
+        prefetch[read](op.k_scales.unsafe_offset(at.scale + x))
 
 
 @always_inline
@@ -59,6 +81,7 @@ def decode_candidates[
         var at = page_bases(op, b, page)
         key_base = at.key
         scale_base = at.scale
+        prefetch_page(op, b, page + 1)
     for x in range(count):
         comptime for r in range(rows):
             var src = op.k_blocks.unsafe_offset(key_base + (slot + r) * width)
@@ -75,6 +98,7 @@ def decode_candidates[
             var at = page_bases(op, b, page)
             key_base = at.key
             scale_base = at.scale
+            prefetch_page(op, b, page + 1)
 
 
 @always_inline
