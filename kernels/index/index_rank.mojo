@@ -67,20 +67,20 @@ comptime SORT_LANES = 8
 def _exchange_in_vector[
     j: Int
 ](
-    v: SIMD[DType.uint64, SORT_LANES], ascending: SIMD[DType.bool, SORT_LANES]
-) -> SIMD[DType.uint64, SORT_LANES]:
+    v: SIMD[DType.int64, SORT_LANES], ascending: SIMD[DType.bool, SORT_LANES]
+) -> SIMD[DType.int64, SORT_LANES]:
     """One compare-exchange step of distance `j < SORT_LANES` inside a
     vector: lane `l` meets lane `l ^ j`; of a pair, the lower lane keeps
     the smaller key where `ascending`, the larger elsewhere."""
     comptime L = SORT_LANES
-    var partner: SIMD[DType.uint64, L]
+    var partner: SIMD[DType.int64, L]
     comptime if j == 1:
         partner = v.shuffle[1, 0, 3, 2, 5, 4, 7, 6]()
     elif j == 2:
         partner = v.shuffle[2, 3, 0, 1, 6, 7, 4, 5]()
     else:
         partner = v.shuffle[4, 5, 6, 7, 0, 1, 2, 3]()
-    var lower = (iota[DType.uint64, L]() & UInt64(j)).eq(0)
+    var lower = (iota[DType.int64, L]() & Int64(j)).eq(0)
     var take_min = lower.eq(ascending)
     return take_min.select(min(v, partner), max(v, partner))
 
@@ -101,7 +101,7 @@ def sort_keys(keys: Span[mut=True, UInt64, _]):
     (1968).
     """
     comptime L = SORT_LANES
-    comptime Vec = SIMD[DType.uint64, L]
+    comptime Vec = SIMD[DType.int64, L]
     var size = len(keys)
     if size < SORT_MIN_KEYS:
         sort(keys)
@@ -109,10 +109,14 @@ def sort_keys(keys: Span[mut=True, UInt64, _]):
     var n = L
     while n < size:
         n *= 2
-    var padded = List[UInt64](length=n, fill=0)
+    # Signed: the keys with their top bit flipped keep their order as
+    # int64, whose min and max AVX2 has (compare and blend) and whose
+    # unsigned forms it builds from four instructions.
+    comptime flip = Int64.MIN
+    var padded = List[Int64](length=n, fill=flip)
     var at = padded.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
     for x in range(size):
-        at[unsafe_offset=n - size + x] = keys[x]
+        at[unsafe_offset=n - size + x] = Int64(keys[x]) ^ flip
     var stage = 2
     while stage <= n:
         # Keys `i` with `i & stage == 0` sort ascending, the others
@@ -132,7 +136,7 @@ def sort_keys(keys: Span[mut=True, UInt64, _]):
             j //= 2
         for x in range(0, n, L):
             var ascending = (
-                (iota[DType.uint64, L]() + UInt64(x)) & UInt64(stage)
+                (iota[DType.int64, L]() + Int64(x)) & Int64(stage)
             ).eq(0)
             var v = at.unsafe_load[width=L](x)
             if stage >= 8:
@@ -143,7 +147,7 @@ def sort_keys(keys: Span[mut=True, UInt64, _]):
             at.unsafe_store[width=L](x, v)
         stage *= 2
     for x in range(size):
-        keys[x] = at[unsafe_offset=n - size + x]
+        keys[x] = UInt64(at[unsafe_offset=n - size + x] ^ flip)
     _ = len(padded)
 
 
