@@ -50,14 +50,21 @@ comptime AMX_HEADS = 32
 comptime AMX_DIMS = 32
 """Dims per tile step: a tile row holds 32 bfloat16 (64 bytes)."""
 
-comptime AMX_BUILT = CompilationTarget.is_x86() and CompilationTarget.is_linux() and F32_WIDTH == 16 and PREFILL_TILE == 2 * 16
-"""Whether the AMX block is compiled: an x86-64 Linux target whose prefill
-tile is two C tiles of 16 candidates (AVX-512 widths; every AMX CPU has
-AVX-512)."""
+comptime AMX_BUILT = (
+    CompilationTarget.is_x86()
+    and CompilationTarget.is_linux()
+    and CompilationTarget._has_feature["avx512bw"]()
+    and F32_WIDTH == 16
+    and PREFILL_TILE == 2 * 16
+)
+"""Whether the AMX blocks are compiled: an x86-64 Linux target with
+AVX-512 BW (every AMX CPU has it; the bfloat16 table's `vpermi2w` needs
+it) whose prefill tile is two C tiles of 16 candidates. Elsewhere the
+AMX instructions compile to nothing and `amx_ready()` is false."""
 
 comptime AMX_ENV = "MLA_KPOOL_CPU_AMX"
-"""Environment variable that turns the AMX block off when it is `0` (to
-time or test the other CPU blocks on an AMX host)."""
+"""Environment variable that turns the AMX blocks off when it is `0` (to
+time or test the vector blocks on an AMX host)."""
 
 
 @always_inline
@@ -128,25 +135,32 @@ def to_bfloat16_bits[
 
 @always_inline
 def _asm[text: StaticString]():
-    inlined_assembly[text, NoneType, constraints="~{memory}"]()
+    """One AMX instruction without operands; nothing where `AMX_BUILT` is
+    false (the other targets' assemblers do not know it)."""
+    comptime if AMX_BUILT:
+        inlined_assembly[text, NoneType, constraints="~{memory}"]()
 
 
 @always_inline
 def _tile_load[tile: Int](address: Int, stride: Int):
-    inlined_assembly[
-        "tileloadd ($0,$1,1), %tmm" + String(tile),
-        NoneType,
-        constraints="r,r,~{memory}",
-    ](address, stride)
+    """`tileloadd` of tile `tile` (a no-op where `AMX_BUILT` is false)."""
+    comptime if AMX_BUILT:
+        inlined_assembly[
+            "tileloadd ($0,$1,1), %tmm" + String(tile),
+            NoneType,
+            constraints="r,r,~{memory}",
+        ](address, stride)
 
 
 @always_inline
 def _tile_store[tile: Int](address: Int, stride: Int):
-    inlined_assembly[
-        "tilestored %tmm" + String(tile) + ", ($0,$1,1)",
-        NoneType,
-        constraints="r,r,~{memory}",
-    ](address, stride)
+    """`tilestored` of tile `tile` (a no-op where `AMX_BUILT` is false)."""
+    comptime if AMX_BUILT:
+        inlined_assembly[
+            "tilestored %tmm" + String(tile) + ", ($0,$1,1)",
+            NoneType,
+            constraints="r,r,~{memory}",
+        ](address, stride)
 
 
 def amx_begin():
@@ -159,9 +173,10 @@ def amx_begin():
     for tile in range(8):
         config[unsafe_offset=16 + 2 * tile] = 64
         config[unsafe_offset=48 + tile] = 16
-    inlined_assembly["ldtilecfg ($0)", NoneType, constraints="r,~{memory}"](
-        Int(config)
-    )
+    comptime if AMX_BUILT:
+        inlined_assembly["ldtilecfg ($0)", NoneType, constraints="r,~{memory}"](
+            Int(config)
+        )
 
 
 def amx_end():
