@@ -11,9 +11,9 @@ float32 blocks, where the CPU has AMX-BF16.
 
 from __future__ import annotations
 
-import pytest
-
 import subprocess
+
+import pytest
 
 from kpool_cases import ROOT, needs_mojo, require_mojo, run_mojo_suite
 from mla_kpool._sysinfo import cpu_flags
