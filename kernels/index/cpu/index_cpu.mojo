@@ -5,14 +5,14 @@ A task per (request, chunk of `CPU_ROW_CHUNK` query rows, or
 a few rows (a decode) decodes its queries once (transposed, heads
 innermost), then walks the candidates a tile at a time: decode the tile's
 keys and scales to float32 once, score it for every row of the chunk
-(`index_cpu_score.mojo`), and feed the scores into one bounded heap per
-row (`index_rank.mojo`), which holds the row's best `k` seen so far. A
-chunk of at least `CPU_PREFILL_MIN_ROWS` rows (a prefill) takes the
-register-blocked prefill scorer (`index_cpu_prefill.mojo`; on AMX tiles
-where the CPU has them, `index_cpu_amx.mojo`), which scores many rows
-against each transposed key tile and keeps each row's candidates in a
-bounded pool instead of a heap. Memory per task is bounded by the chunk,
-the tile and `k`, never by the context length.
+(`index_cpu_score.mojo`), and offer the scores to one bounded pool per
+row (`index_rank.RowPools`), which holds a superset of the row's best `k`
+seen so far. A chunk of at least `CPU_PREFILL_MIN_ROWS` rows (a prefill)
+takes the register-blocked prefill scorer (`index_cpu_prefill.mojo`),
+which scores many rows against each transposed key tile. Where the CPU
+has AMX-BF16, both score on AMX tiles (`index_cpu_amx.mojo`;
+`keep_rows_amx` for the few-row form). Memory per task is bounded by the
+chunk, the tile and `k`, never by the context length.
 """
 
 from max.algorithm import sync_parallelize
@@ -42,7 +42,7 @@ from ...model.ragged import Ptr, read_index
 
 comptime CPU_ROW_CHUNK = 16
 """Query rows per CPU task: their decoded queries (16 KiB a row at 32 heads
-x 128 dims) and heaps stay cache-resident while a key tile is reused."""
+x 128 dims) and pools stay cache-resident while a key tile is reused."""
 
 comptime CPU_PREFILL_CHUNK = 64
 """Query rows per CPU task in a long prefill: a key tile decoded and
@@ -90,8 +90,8 @@ def keep_top_k(
     The candidates of the chunk's widest row are cut into `parts` runs of
     whole tiles; this keeps, for each row `r`, the rank keys of its best
     `k` visible candidates of run `part` in `kept[r * k :]` (in no order,
-    from a pool per row: `RowPools`) and their number in `sizes[r]`: 0 for every row of a request
-    that is not scored. Decodes the rows' queries once, then each tile's
+    from a pool per row: `RowPools`) and their number in `sizes[r]`: 0 for
+    every row of a request that is not scored. Decodes the rows' queries once, then each tile's
     keys once for all the rows; a chunk of `CPU_PREFILL_MIN_ROWS` rows or
     more goes to `keep_top_k_prefill` instead (on AMX tiles where `amx`).
     """

@@ -13,8 +13,14 @@ Per (row `t`, candidate `j`) the score is
 per head, so the heads cannot be folded into the query. After a block's
 dims, its heads' ReLU (keeping a NaN) and weights are applied in registers
 and added, head by head, to the row's running totals; the key scales
-multiply the totals once every head is in.
+multiply the totals once every head is in. Where the CPU has AMX-BF16 a
+row's 32 heads at a time go through tile products instead
+(`index_cpu_amx.score_row_amx`, the same transposed tile in pair words),
+then through the same ReLU and weights. Each row's scores go to its pool
+(`index_rank.RowPools`).
 """
+
+from std.math import max
 
 from .index_cpu_amx import (
     AMX_HEADS,
@@ -39,8 +45,6 @@ from .index_cpu_block import (
     transpose_tile_pairs,
     use_pairs,
 )
-from std.math import max
-
 from .index_cpu_score import decode_candidates, scratch
 from ..index_fp8 import decode_row
 from ..index_operands import F32_WIDTH, IndexTopK
