@@ -64,6 +64,30 @@ def e4m3(i: Int) -> Float32:
     return decode_e4m3[1](SIMD[DType.uint8, 1](UInt8(byte)))[0]
 
 
+def check_scores(
+    got: List[Float32],
+    want: List[Float32],
+    count: Int,
+    nan_at: Int,
+    label: String,
+) raises:
+    """The first `count` scores agree within float32 rounding of the sums,
+    candidate `nan_at` (a NaN key) scores NaN, and most are nonzero."""
+    var nonzero = 0
+    for x in range(count):
+        var at = String(label, " x ", x)
+        if x == nan_at:
+            assert_true(got[x] != got[x], "a NaN key scores NaN: " + at)
+            continue
+        nonzero += Int(want[x] != 0)
+        var scale = max(abs(want[x]), Float32(1.0))
+        assert_true(
+            abs(got[x] - want[x]) <= 1e-5 * scale,
+            String(at, ": ", got[x], " vs ", want[x]),
+        )
+    assert_true(nonzero > count // 2, "the case scores mostly nonzero")
+
+
 def check_amx_row[num_heads: Int, depth: Int](nan_at: Int) raises:
     """One row's AMX totals against the float32 blocks' over a key tile."""
     comptime padded = prefill_heads_of[num_heads]()
@@ -114,19 +138,9 @@ def check_amx_row[num_heads: Int, depth: Int](nan_at: Int) raises:
         scratch(got),
     )
     amx_end()
-    var nonzero = 0
-    for x in range(count):
-        var at = String("heads ", num_heads, " depth ", depth, " x ", x)
-        if x == nan_at:
-            assert_true(got[x] != got[x], "a NaN key scores NaN: " + at)
-            continue
-        nonzero += Int(want[x] != 0)
-        var scale = max(abs(want[x]), Float32(1.0))
-        assert_true(
-            abs(got[x] - want[x]) <= 1e-5 * scale,
-            String(at, ": ", got[x], " vs ", want[x]),
-        )
-    assert_true(nonzero > count // 2, "the case scores mostly nonzero")
+    check_scores(
+        got, want, count, nan_at, String("heads ", num_heads, " depth ", depth)
+    )
 
 
 def test_bfloat16_table_decodes_every_byte() raises:
@@ -216,19 +230,9 @@ def check_amx_tile[num_heads: Int, depth: Int](count: Int, nan_at: Int) raises:
         scratch(got),
     )
     amx_end()
-    var nonzero = 0
-    for x in range(count):
-        var at = String("heads ", num_heads, " depth ", depth, " x ", x)
-        if x == nan_at:
-            assert_true(got[x] != got[x], "a NaN key scores NaN: " + at)
-            continue
-        nonzero += Int(want[x] != 0)
-        var scale = max(abs(want[x]), Float32(1.0))
-        assert_true(
-            abs(got[x] - want[x]) <= 1e-5 * scale,
-            String(at, ": ", got[x], " vs ", want[x]),
-        )
-    assert_true(nonzero > count // 2, "the case scores mostly nonzero")
+    check_scores(
+        got, want, count, nan_at, String("heads ", num_heads, " depth ", depth)
+    )
 
 
 def test_amx_decode_tiles_score_like_the_row_scorer() raises:

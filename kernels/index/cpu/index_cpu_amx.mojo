@@ -163,6 +163,39 @@ def _tile_store[tile: Int](address: Int, stride: Int):
         ](address, stride)
 
 
+@always_inline
+def _product[
+    steps: Int, a_stride: Int, a_step: Int, b_stride: Int, b_step: Int
+](a_at: Int, b_at: Int, c_at: Int):
+    """A 32 x 32 float32 block of `A B` on four C tiles, stored to `c_at`.
+
+    A is 32 rows (two tiles of 16, `a_stride` bytes apart) of `steps` x 32
+    bfloat16 dims (`a_step` bytes a step); B is `steps` x 16 pair rows
+    (`b_stride` bytes apart, `b_step` bytes a step) of 32 columns (two
+    tiles of 16 words). C row `i`, column `j` lands at `c_at + i * 128 +
+    j * 4`. Uses all eight tiles.
+    """
+    comptime c_stride = 32 * 4
+    _asm["tilezero %tmm0"]()
+    _asm["tilezero %tmm1"]()
+    _asm["tilezero %tmm2"]()
+    _asm["tilezero %tmm3"]()
+    comptime for step in range(steps):
+        _tile_load[4](a_at + step * a_step, a_stride)
+        _tile_load[5](a_at + 16 * a_stride + step * a_step, a_stride)
+        _tile_load[6](b_at + step * b_step, b_stride)
+        _tile_load[7](b_at + step * b_step + 64, b_stride)
+        # tmm(2a + v) += A(a) B(v): A's rows 16a.., B's columns 16v..
+        _asm["tdpbf16ps %tmm6, %tmm4, %tmm0"]()
+        _asm["tdpbf16ps %tmm7, %tmm4, %tmm1"]()
+        _asm["tdpbf16ps %tmm6, %tmm5, %tmm2"]()
+        _asm["tdpbf16ps %tmm7, %tmm5, %tmm3"]()
+    _tile_store[0](c_at, c_stride)
+    _tile_store[1](c_at + 64, c_stride)
+    _tile_store[2](c_at + 16 * c_stride, c_stride)
+    _tile_store[3](c_at + 16 * c_stride + 64, c_stride)
+
+
 def amx_begin():
     """Configures this thread's eight tiles as 16 rows x 64 bytes (palette
     1). Call once per task before `score_row_amx`; `amx_end` after."""
@@ -211,37 +244,20 @@ def score_row_amx[
     comptime dims = amx_depth_of[depth]()
     comptime query_stride = dims * 2
     comptime key_stride = PREFILL_TILE * 4
-    comptime sum_stride = PREFILL_TILE * 4
     var key_at = Int(keys)
     var sums_at = Int(sums)
     for block in range(0, padded, AMX_HEADS):
-        var query_at = Int(queries) + block * query_stride
-        _asm["tilezero %tmm0"]()
-        _asm["tilezero %tmm1"]()
-        _asm["tilezero %tmm2"]()
-        _asm["tilezero %tmm3"]()
-        comptime for step in range(dims // AMX_DIMS):
-            # A tiles: heads 0-15 and 16-31, dims [32 step, 32 step + 32).
-            _tile_load[4](query_at + step * 64, query_stride)
-            _tile_load[5](
-                query_at + 16 * query_stride + step * 64, query_stride
-            )
-            # B tiles: pair rows [16 step, 16 step + 16), candidates 0-15
-            # and 16-31.
-            comptime row = step * 16 * PREFILL_TILE * 4
-            _tile_load[6](key_at + row, key_stride)
-            _tile_load[7](key_at + row + 64, key_stride)
-            # tmm(2a + v) += A(a) B(v): heads 16a.., candidates 16v..
-            _asm["tdpbf16ps %tmm6, %tmm4, %tmm0"]()
-            _asm["tdpbf16ps %tmm7, %tmm4, %tmm1"]()
-            _asm["tdpbf16ps %tmm6, %tmm5, %tmm2"]()
-            _asm["tdpbf16ps %tmm7, %tmm5, %tmm3"]()
-        # Head h, candidate vector v at sums[(h * 2 + v) * 16]: the layout
-        # `fold_heads` reads, one register of candidates per head.
-        _tile_store[0](sums_at, sum_stride)
-        _tile_store[1](sums_at + 64, sum_stride)
-        _tile_store[2](sums_at + 16 * sum_stride, sum_stride)
-        _tile_store[3](sums_at + 16 * sum_stride + 64, sum_stride)
+        # A: heads `block ..` x dims (the query rows); B: pair rows x the
+        # tile's 32 candidates. Head h, candidate vector v lands at
+        # sums[(h * 2 + v) * 16]: the layout `fold_heads` reads, one
+        # register of candidates per head.
+        _product[
+            dims // AMX_DIMS,
+            query_stride,
+            64,
+            key_stride,
+            16 * key_stride,
+        ](Int(queries) + block * query_stride, key_at, sums_at)
         comptime for group in range(AMX_HEADS // PREFILL_HEADS):
             fold_heads(
                 sums.unsafe_offset(group * PREFILL_HEADS * PREFILL_TILE),
@@ -380,38 +396,23 @@ def score_tile_amx[
     comptime dims = amx_depth_of[depth]()
     comptime key_stride = dims * 2
     comptime query_stride = padded * 4
-    comptime sum_stride = AMX_HEADS * 4
     comptime Lanes = SIMD[DType.float32, 16]
     var sums_at = Int(sums)
     for first in range(0, count, AMX_ROW_TILE):
         var key_at = Int(keys) + first * key_stride
-        comptime for v in range(2):
-            comptime for c in range(16):
-                scores[unsafe_offset=first + v * 16 + c] = 0
+        comptime for c in range(AMX_ROW_TILE):
+            scores[unsafe_offset=first + c] = 0
         for block in range(0, padded, AMX_HEADS):
-            var query_at = Int(queries) + block * 4
-            _asm["tilezero %tmm0"]()
-            _asm["tilezero %tmm1"]()
-            _asm["tilezero %tmm2"]()
-            _asm["tilezero %tmm3"]()
-            comptime for step in range(dims // AMX_DIMS):
-                # A tiles: candidates 0-15 and 16-31, dims [32 step, +32).
-                _tile_load[4](key_at + step * 64, key_stride)
-                _tile_load[5](key_at + 16 * key_stride + step * 64, key_stride)
-                # B tiles: pair rows [16 step, +16), heads 0-15 and 16-31.
-                comptime row = step * 16 * query_stride
-                _tile_load[6](query_at + row, query_stride)
-                _tile_load[7](query_at + row + 64, query_stride)
-                # tmm(2a + v) += A(a) B(v): candidates 16a.., heads 16v..
-                _asm["tdpbf16ps %tmm6, %tmm4, %tmm0"]()
-                _asm["tdpbf16ps %tmm7, %tmm4, %tmm1"]()
-                _asm["tdpbf16ps %tmm6, %tmm5, %tmm2"]()
-                _asm["tdpbf16ps %tmm7, %tmm5, %tmm3"]()
-            # Candidate c's heads at sums[c * AMX_HEADS :].
-            _tile_store[0](sums_at, sum_stride)
-            _tile_store[1](sums_at + 64, sum_stride)
-            _tile_store[2](sums_at + 16 * sum_stride, sum_stride)
-            _tile_store[3](sums_at + 16 * sum_stride + 64, sum_stride)
+            # A: the 32 candidates x dims (the key rows); B: pair rows x
+            # heads `block ..`. Candidate c's heads land at
+            # sums[c * AMX_HEADS :].
+            _product[
+                dims // AMX_DIMS,
+                key_stride,
+                64,
+                query_stride,
+                16 * query_stride,
+            ](key_at, Int(queries) + block * 4, sums_at)
             var low = weights.unsafe_load[width=16](block)
             var high = weights.unsafe_load[width=16](block + 16)
             comptime for c in range(AMX_ROW_TILE):
