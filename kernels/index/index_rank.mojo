@@ -88,7 +88,8 @@ def _exchange_in_vector[
 def sort_keys(keys: Span[mut=True, UInt64, _]):
     """Sorts rank keys ascending: a bitonic sorting network on SIMD vectors.
 
-    The keys, padded with zeros (below every rank key) to a power of two,
+    The keys, as int64 with the top bit flipped (the same order), padded
+    with `Int64.MIN` (below every key) to a power of two,
     go through the network's `log2(n) (log2(n) + 1) / 2` compare-exchange
     steps, each a branch-free min and max over 8-key vectors: steps of a
     distance of 8 keys or more pair whole vectors, the last three steps
@@ -177,9 +178,9 @@ def offer_pool[
     key seen that ranks above `floor`, a superset of the row's best `k`.
     `POOL_LANES` keys at a time are built in a vector and those above the
     floor appended with one compressing store; when the pool reaches `2 *
-    k` keys it keeps its best `k` (`keep_best`) and `floor` rises to just
-    below the lowest of them, the k-th best so far: a key at or below it
-    can never be in the answer. So each key costs O(1) amortized, where a heap's
+    k` keys it keeps its best `k` (`keep_best`) and `floor` rises to
+    `keep_best`'s floor if that is higher (at most just below the k-th
+    best so far): a key at or below it can never be in the answer. So each key costs O(1) amortized, where a heap's
     replacement costs a sift of `log2(k)` levels. Returns the new size and
     floor.
     """
@@ -205,7 +206,7 @@ def offer_pool[
         if filled >= 2 * k:
             var best = keep_best[k](pool, filled)
             filled = best[0]
-            low = best[1]
+            low = max(low, best[1])
     return (filled, low)
 
 

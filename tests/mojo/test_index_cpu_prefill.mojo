@@ -100,9 +100,9 @@ def value(i: Int, salt: Int) -> Float32:
 
 
 def test_sort_keys_matches_sort() raises:
-    # Sizes below and above the radix threshold; scores with ties, ids
-    # past one byte, a NaN and both zeros.
-    # 701 and 67: runs of the radix passes plus keys past them.
+    # Sizes below and above the network's threshold (`SORT_MIN_KEYS`),
+    # powers of two and not (padded); scores with ties, ids past one
+    # byte, a NaN and both zeros.
     for size in [5, 63, 64, 67, 700, 701]:
         var mine = List[UInt64]()
         for i in range(size):

@@ -211,6 +211,7 @@ def keep_rows_amx(
                 )
             weights[r * heads + h] = op.qs[unsafe_offset=t * num_heads + h]
 
+    comptime assert CPU_TILE % AMX_ROW_TILE == 0, "whole AMX passes a tile"
     var keys = List[UInt16](length=CPU_TILE * dims, fill=0)
     var scales = List[Float32](length=CPU_TILE, fill=0.0)
     var tile = List[Float32](length=CPU_TILE, fill=0.0)

@@ -82,12 +82,16 @@ def amx_heads_of[num_heads: Int]() -> Int:
 
 
 def _cpuid_leaf7_edx() -> UInt32:
-    """CPUID leaf 7, subleaf 0: the EDX feature word."""
-    return inlined_assembly[
-        "movl $$7, %eax\n\txorl %ecx, %ecx\n\tcpuid\n\tmovl %edx, $0",
-        UInt32,
-        constraints="=r,~{eax},~{ebx},~{ecx},~{edx}",
-    ]()
+    """CPUID leaf 7, subleaf 0: the EDX feature word (0 where `AMX_BUILT`
+    is false)."""
+    comptime if AMX_BUILT:
+        return inlined_assembly[
+            "movl $$7, %eax\n\txorl %ecx, %ecx\n\tcpuid\n\tmovl %edx, $0",
+            UInt32,
+            constraints="=r,~{eax},~{ebx},~{ecx},~{edx}",
+        ]()
+    else:
+        return 0
 
 
 def amx_ready() -> Bool:
@@ -198,7 +202,8 @@ def _product[
 
 def amx_begin():
     """Configures this thread's eight tiles as 16 rows x 64 bytes (palette
-    1). Call once per task before `score_row_amx`; `amx_end` after."""
+    1). Call once per task before `score_row_amx` or `score_tile_amx`;
+    `amx_end` after."""
     var config = stack_allocation[64, DType.uint8, alignment=64]()
     for x in range(64):
         config[unsafe_offset=x] = 0
@@ -241,6 +246,9 @@ def score_row_amx[
         sums: `[AMX_HEADS, PREFILL_TILE]` float32 scratch.
         totals: `[PREFILL_TILE]` the row's running weighted head sums.
     """
+    comptime assert PREFILL_TILE == 32, "a prefill tile is two C tiles"
+    comptime assert AMX_HEADS % PREFILL_HEADS == 0, "whole fold blocks"
+    comptime assert padded % AMX_HEADS == 0, "whole head blocks"
     comptime dims = amx_depth_of[depth]()
     comptime query_stride = dims * 2
     comptime key_stride = PREFILL_TILE * 4
@@ -386,6 +394,7 @@ def score_tile_amx[
             padding heads and dims zero).
         weights: `[padded]` the heads' weights (padding zero).
         keys: `[count rounded up to AMX_ROW_TILE, amx_depth_of[depth]()]`
+            (a caller's buffer of whole `AMX_ROW_TILE` rows)
             the candidates' bfloat16 bits (padding dims zero; rows past
             `count` any finite or NaN values, never read back).
         scales: `[count]` the key scales.
@@ -393,6 +402,7 @@ def score_tile_amx[
         sums: `[AMX_ROW_TILE, AMX_HEADS]` float32 scratch.
         scores: `[>= count rounded up to AMX_ROW_TILE]` float32 scores out.
     """
+    comptime assert padded % AMX_HEADS == 0, "whole head blocks"
     comptime dims = amx_depth_of[depth]()
     comptime key_stride = dims * 2
     comptime query_stride = padded * 4

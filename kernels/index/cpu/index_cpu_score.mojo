@@ -31,17 +31,15 @@ def scratch[dtype: DType](mut buffer: List[Scalar[dtype]]) -> Ptr[dtype]:
 @always_inline
 def prefetch_page(op: IndexTopK, b: Int, page: Int):
     """Asks the cache for request `b`'s key page `page` (its key bytes and
-    scales), if the lookup table has that column.
+    scales), a page the walk will read (so its lookup entries were
+    checked).
 
     The walk's pages sit in blocks anywhere in the arena, so the hardware
     prefetcher, which follows addresses within a page, stalls at each new
-    page; the walk asks for the next page as it enters one. A prefetch
-    never faults, so an unchecked block index costs nothing.
+    page; the walk asks for its next page as it enters one.
     """
     comptime line = 64
     comptime read = PrefetchOptions().for_read().high_locality()
-    if page >= op.key_pages:
-        return
     var at = page_bases(op, b, page)
     for x in range(0, op.page_size * op.width, line):
         prefetch[read](op.k_blocks.unsafe_offset(at.key + x))
@@ -77,11 +75,14 @@ def decode_candidates[
     var key_base = 0
     var scale_base = 0
 
+    # The walk's last page: lookup entries past it are never read.
+    var last_page = ((first + count) * rows - 1) // op.page_size
     if count > 0:
         var at = page_bases(op, b, page)
         key_base = at.key
         scale_base = at.scale
-        prefetch_page(op, b, page + 1)
+        if page < last_page:
+            prefetch_page(op, b, page + 1)
     for x in range(count):
         comptime for r in range(rows):
             var src = op.k_blocks.unsafe_offset(key_base + (slot + r) * width)
@@ -98,7 +99,8 @@ def decode_candidates[
             var at = page_bases(op, b, page)
             key_base = at.key
             scale_base = at.scale
-            prefetch_page(op, b, page + 1)
+            if page < last_page:
+                prefetch_page(op, b, page + 1)
 
 
 @always_inline
