@@ -461,6 +461,46 @@ def test_cpu_isa_reads_the_flags(tmp_path):
     assert _sysinfo.cpu_isa(tmp_path / "missing") == []
 
 
+def test_cpu_amx_needs_both_flags_and_no_veto(tmp_path, monkeypatch):
+    info = tmp_path / "cpuinfo"
+    monkeypatch.delenv(_sysinfo.CPU_AMX_ENV, raising=False)
+    info.write_text("flags : avx2 fma avx512f amx_tile\n")  # no amx_bf16
+    assert not _sysinfo.cpu_amx(info)
+    info.write_text("flags : avx2 fma avx512f amx_tile amx_bf16\n")
+    monkeypatch.setenv(_sysinfo.CPU_AMX_ENV, "0")
+    assert not _sysinfo.cpu_amx(info)
+    real = Path("/proc/cpuinfo")
+    if not {"amx_tile", "amx_bf16"} <= _sysinfo.cpu_flags(real):
+        return  # the last case needs a CPU with AMX
+    monkeypatch.setenv(_sysinfo.CPU_AMX_ENV, "1")
+    assert _sysinfo.cpu_amx(real)
+
+
+def test_markdown_refuses_runs_of_both_cpu_forms(tmp_path, capsys):
+    # An AMX run and a vector-block run are not repeats of one run: their
+    # medians would mix two forms of the op, so --markdown refuses them.
+    record = {
+        "op": "index_top_k",
+        "phase": "decode",
+        "batch": 16,
+        "kpool": 4,
+        "tokens": 16,
+        "candidates": 131072,
+        "median_us": 3000.0,
+        "gflops": 300.0,
+        "numpy_median_us": 100000.0,
+        "blas_gflops": 80.0,
+    }
+    on, off = tmp_path / "on.json", tmp_path / "off.json"
+    on.write_text(json.dumps([record | {"cpu_amx": True}]))
+    off.write_text(json.dumps([record | {"cpu_amx": False}]))
+    assert main(["bench", "--markdown", str(on), str(off)]) == 2
+    err = capsys.readouterr().err
+    assert "different forms of the CPU path" in err
+    assert str(on) in err and str(off) in err
+    assert main(["bench", "--markdown", str(on), str(on)]) == 0
+
+
 def test_time_calls_settles_before_each_round():
     # Each round's first call starts at least ``settle`` after the previous
     # round's last call ended; the second follows at once; warm-up rounds

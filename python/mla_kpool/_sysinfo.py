@@ -8,6 +8,7 @@ missing field must never cost a measurement.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import os
 import platform
@@ -93,6 +94,33 @@ def cpu_isa(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
     return [name for name, flag in CPU_ISA_FLAGS if flag in flags]
 
 
+#: The environment variable that turns the CPU path's AMX blocks off (``0``).
+CPU_AMX_ENV = "MLA_KPOOL_CPU_AMX"
+
+
+def cpu_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether index_top_k's CPU path scores on AMX tiles in this process.
+
+    The kernels' own check, made from Python: the CPU lists ``amx_tile``
+    and ``amx_bf16``, :data:`CPU_AMX_ENV` is not ``0``, and Linux grants
+    the process the tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``, which the kernels would request anyway). False
+    on other systems.
+    """
+    if os.environ.get(CPU_AMX_ENV) == "0":
+        return False
+    if not {"amx_tile", "amx_bf16"} <= cpu_flags(cpuinfo):
+        return False
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+        return libc.syscall(158, 0x1023, 18) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def git_commit(package_dir: Path = _PACKAGE_DIR) -> tuple[str, bool] | None:
     """The commit of the checkout this package is imported from.
 
@@ -150,7 +178,7 @@ def run_info(
 
     Returns:
         ``max_version``, ``mojo_version``, ``cpu_model``, ``cpu_isa``
-        (:func:`cpu_isa`), ``cores``,
+        (:func:`cpu_isa`), ``cpu_amx`` (:func:`cpu_amx`), ``cores``,
         ``device_name`` (the accelerator's name on a GPU, else the CPU
         model), ``git_commit`` and ``git_dirty`` (``None`` outside a
         checkout) and ``command``.
@@ -162,6 +190,7 @@ def run_info(
         "mojo_version": package_version("mojo"),
         "cpu_model": cpu,
         "cpu_isa": cpu_isa(),
+        "cpu_amx": cpu_amx(),
         "cores": os.cpu_count() or 1,
         "device_name": accelerator_name if device == "gpu" else cpu,
         "git_commit": commit[0] if commit else None,

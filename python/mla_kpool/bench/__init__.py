@@ -548,9 +548,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " kpool 4, top-k 512) on a decode call (16 requests, 8,192 pools"
         " each) and prefills of 4,096 and 16,384 tokens, whatever the grid"
         " options say, against a NumPy twin and NumPy's BLAS (1 graph, about"
-        " 2 min on 2 CPU cores); with --device gpu, this package's GPU"
-        " path, with its share of the GPU's published FP32, FP8 and memory"
-        " peaks (H200, H100, B200, MI300X) and its roofline bound",
+        " 1.5 min cold and 1 min warm on 2 CPU cores); with --device gpu,"
+        " this package's GPU path, with its share of the GPU's published"
+        " FP32, FP8 and memory peaks (H200, H100, B200, MI300X) and its"
+        " roofline bound",
     )
     add(
         "--dtypes",
@@ -632,6 +633,7 @@ def run(args: argparse.Namespace) -> int:
                 "writes none"
             )
         runs = [report.load_records(path) for path in args.markdown or []]
+        report.check_same_form(runs, args.markdown or [])
     except report.ResultsError as err:
         print(f"mla-kpool bench: error: {err}", file=sys.stderr)
         return 2

@@ -153,6 +153,34 @@ class ResultsError(Exception):
     """A ``--markdown`` file that cannot be read as benchmark records."""
 
 
+def check_same_form(runs: list[list[Record]], paths: list[str]) -> None:
+    """Refuses runs of different CPU path forms as repeats of one another.
+
+    Args:
+        runs: Each file's records.
+        paths: The files, for the message.
+
+    Raises:
+        ResultsError: If the files disagree in ``cpu_amx`` (one timed the
+            AMX blocks, another the vector blocks): their medians would mix
+            two forms of the op.
+    """
+    forms = {
+        path: {r.get("cpu_amx") for r in records}
+        for path, records in zip(paths, runs, strict=True)
+    }
+    seen = set().union(*forms.values()) if forms else set()
+    if len(seen) > 1:
+        listed = "; ".join(
+            f"{path}: cpu_amx {', '.join(map(str, sorted(form, key=str)))}"
+            for path, form in forms.items()
+        )
+        raise ResultsError(
+            "the files timed different forms of the CPU path (AMX blocks on"
+            f" and off), so they are not repeats of one run: {listed}"
+        )
+
+
 def load_records(path: str) -> list[Record]:
     """Reads the records a ``--json`` run wrote.
 
@@ -374,6 +402,8 @@ def _provenance(r: Record) -> str:
     about = [f"{r['cores']} cores"] if r.get("cores") else []
     if r.get("cpu_isa") and r.get("device_name") == r.get("cpu_model"):
         about.append(", ".join(r["cpu_isa"]))
+        if "AMX" in r["cpu_isa"] and "cpu_amx" in r:
+            about.append("AMX blocks on" if r["cpu_amx"] else "AMX blocks off")
     detail = f" ({'; '.join(about)})" if about else ""
     parts = [f"{r['device_name']}{detail}"] if r.get("device_name") else []
     for key, name in (("max_version", "MAX"), ("mojo_version", "Mojo")):
