@@ -476,31 +476,6 @@ def test_cpu_amx_needs_both_flags_and_no_veto(tmp_path, monkeypatch):
     assert _sysinfo.cpu_amx(real)
 
 
-def test_markdown_refuses_runs_of_both_cpu_forms(tmp_path, capsys):
-    # An AMX run and a vector-block run are not repeats of one run: their
-    # medians would mix two forms of the op, so --markdown refuses them.
-    record = {
-        "op": "index_top_k",
-        "phase": "decode",
-        "batch": 16,
-        "kpool": 4,
-        "tokens": 16,
-        "candidates": 131072,
-        "median_us": 3000.0,
-        "gflops": 300.0,
-        "numpy_median_us": 100000.0,
-        "blas_gflops": 80.0,
-    }
-    on, off = tmp_path / "on.json", tmp_path / "off.json"
-    on.write_text(json.dumps([record | {"cpu_amx": True}]))
-    off.write_text(json.dumps([record | {"cpu_amx": False}]))
-    assert main(["bench", "--markdown", str(on), str(off)]) == 2
-    err = capsys.readouterr().err
-    assert "different forms of the CPU path" in err
-    assert str(on) in err and str(off) in err
-    assert main(["bench", "--markdown", str(on), str(on)]) == 0
-
-
 def test_time_calls_settles_before_each_round():
     # Each round's first call starts at least ``settle`` after the previous
     # round's last call ended; the second follows at once; warm-up rounds

@@ -306,6 +306,19 @@ INDEX_RECORD = {
 }
 
 
+def test_markdown_refuses_runs_of_both_cpu_forms(tmp_path, capsys, no_runner):
+    # An AMX run and a vector-block run are not repeats of one run: their
+    # medians would mix two forms of the op, so --markdown refuses them.
+    on, off = tmp_path / "on.json", tmp_path / "off.json"
+    on.write_text(json.dumps([INDEX_RECORD | {"cpu_amx": True}]))
+    off.write_text(json.dumps([INDEX_RECORD | {"cpu_amx": False}]))
+    assert main(["bench", "--markdown", str(on), str(off)]) == 2
+    err = capsys.readouterr().err
+    assert "different forms of the CPU path" in err
+    assert str(on) in err and str(off) in err
+    assert main(["bench", "--markdown", str(on), str(on)]) == 0
+
+
 def test_markdown_prints_the_index_table(tmp_path, capsys, no_runner):
     path = tmp_path / "run.json"
     path.write_text(json.dumps([RECORDS[1], INDEX_RECORD]))
