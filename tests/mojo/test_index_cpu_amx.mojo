@@ -15,6 +15,7 @@ from std.math import abs, max
 from std.memory import bitcast
 from std.testing import TestSuite, assert_equal, assert_true
 
+from cpu_scores import check_scores, e4m3
 from kernels.index.cpu.index_cpu_amx import (
     AMX_HEADS,
     AMX_ROW_TILE,
@@ -54,38 +55,6 @@ def byte(i: Int) -> UInt8:
 def e4m3_of(b: UInt8) -> Float32:
     """The value of an e4m3fn byte."""
     return decode_e4m3[1](SIMD[DType.uint8, 1](b))[0]
-
-
-def e4m3(i: Int) -> Float32:
-    """A deterministic e4m3fn value (byte `i * 37 mod 256`, never NaN)."""
-    var byte = (i * 37 + 11) % 256
-    if byte & 0x7F == 0x7F:
-        byte -= 1
-    return decode_e4m3[1](SIMD[DType.uint8, 1](UInt8(byte)))[0]
-
-
-def check_scores(
-    got: List[Float32],
-    want: List[Float32],
-    count: Int,
-    nan_at: Int,
-    label: String,
-) raises:
-    """The first `count` scores agree within float32 rounding of the sums,
-    candidate `nan_at` (a NaN key) scores NaN, and most are nonzero."""
-    var nonzero = 0
-    for x in range(count):
-        var at = String(label, " x ", x)
-        if x == nan_at:
-            assert_true(got[x] != got[x], "a NaN key scores NaN: " + at)
-            continue
-        nonzero += Int(want[x] != 0)
-        var scale = max(abs(want[x]), Float32(1.0))
-        assert_true(
-            abs(got[x] - want[x]) <= 1e-5 * scale,
-            String(at, ": ", got[x], " vs ", want[x]),
-        )
-    assert_true(nonzero > count // 2, "the case scores mostly nonzero")
 
 
 def check_amx_row[num_heads: Int, depth: Int](nan_at: Int) raises:

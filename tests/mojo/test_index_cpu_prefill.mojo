@@ -15,6 +15,7 @@ from std.math import abs, max
 from std.memory import bitcast
 from std.testing import TestSuite, assert_equal, assert_true
 
+from cpu_scores import check_scores, e4m3
 from kernels.index.cpu.index_cpu_block import (
     PREFILL_HEADS,
     PREFILL_TILE,
@@ -282,14 +283,6 @@ def test_head_blocks_score_like_the_row_scorer() raises:
         )
 
 
-def e4m3(i: Int) -> Float32:
-    """A deterministic e4m3fn value (byte `i * 37 mod 256`, never NaN)."""
-    var byte = (i * 37 + 11) % 256
-    if byte & 0x7F == 0x7F:
-        byte -= 1
-    return decode_e4m3[1](SIMD[DType.uint8, 1](UInt8(byte)))[0]
-
-
 def test_pairs_hold_every_e4m3_value_exactly() raises:
     # Every byte: the pair word's halves, widened back to float32, are
     # the decoded value bit for bit (a NaN stays a NaN).
@@ -354,18 +347,7 @@ def check_pair_blocks[depth: Int]() raises:
             scratch(key_words),
             scratch(got),
         )
-    var nonzero = 0
-    for x in range(count):
-        if x == 7:
-            assert_true(got[x] != got[x], "a NaN key scores NaN")
-            continue
-        nonzero += Int(want[x] != 0)
-        var scale = max(abs(want[x]), Float32(1.0))
-        assert_true(
-            abs(got[x] - want[x]) <= 1e-5 * scale,
-            String("candidate ", x, ": ", got[x], " vs ", want[x]),
-        )
-    assert_true(nonzero > count // 2, "the case scores mostly nonzero")
+    check_scores(got, want, count, 7, String("pairs, depth ", depth))
 
 
 def main() raises:
