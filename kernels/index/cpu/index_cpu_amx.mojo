@@ -117,27 +117,6 @@ def amx_ready() -> Bool:
 
 
 @always_inline
-def to_bfloat16_bits[
-    depth: Int
-](values: Ptr[DType.float32], bits: Ptr[DType.uint16]):
-    """`[depth]` float32 values that are exact bfloat16 (decoded e4m3fn) to
-    their bfloat16 bits: the high half of each float32."""
-    comptime width = 16
-    comptime full = depth // width
-    comptime for i in range(full):
-        var words = bitcast[DType.uint32, width](
-            values.unsafe_load[width=width](i * width)
-        )
-        bits.unsafe_store[width=width](
-            i * width, (words >> 16).cast[DType.uint16]()
-        )
-    comptime for d in range(full * width, depth):
-        bits[unsafe_offset=d] = UInt16(
-            bitcast[DType.uint32, 1](values[unsafe_offset=d]) >> 16
-        )
-
-
-@always_inline
 def _asm[text: StaticString]():
     """One AMX instruction without operands; nothing where `AMX_BUILT` is
     false (the other targets' assemblers do not know it)."""

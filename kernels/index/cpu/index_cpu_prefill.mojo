@@ -24,13 +24,13 @@ from std.math import max
 
 from .index_cpu_amx import (
     AMX_HEADS,
+    E4m3ToBf16,
     amx_begin,
     amx_depth_of,
     amx_end,
     amx_heads_of,
     amx_usable,
     score_row_amx,
-    to_bfloat16_bits,
 )
 from .index_cpu_block import (
     PREFILL_HEADS,
@@ -161,6 +161,7 @@ def keep_top_k_prefill(
             amx_queries[x] = 0
     var weights = List[Float32](length=rows * heads, fill=0.0)
     var decoded = List[Float32](length=depth, fill=0.0)
+    var table = E4m3ToBf16(on_amx)
     var q_at = scratch(queries)
     var w_at = scratch(weights)
     for r in range(rows):
@@ -170,15 +171,15 @@ def keep_top_k_prefill(
             w_at[unsafe_offset=r * heads + h] = op.qs[
                 unsafe_offset=t * num_heads + h
             ]
-            if on_amx:
-                decode_row[depth](src, scratch(decoded))
-                to_bfloat16_bits[depth](
-                    scratch(decoded),
-                    scratch(amx_queries).unsafe_offset(
-                        (r * amx_heads + h) * amx_dims
-                    ),
-                )
-                continue
+            comptime if tiles:
+                if on_amx:
+                    table.decode_row[depth](
+                        src,
+                        scratch(amx_queries).unsafe_offset(
+                            (r * amx_heads + h) * amx_dims
+                        ),
+                    )
+                    continue
             var head = q_at.unsafe_offset((r * padded + h) * words)
             comptime if pairs:
                 decode_row[depth](src, scratch(decoded))
@@ -211,13 +212,10 @@ def keep_top_k_prefill(
     for tile_first in range(lo, hi, PREFILL_TILE):
         var count = min(PREFILL_TILE, hi - tile_first)
         decode_candidates(op, b, tile_first, count, keys_at, scales_at)
-        comptime if pairs or tiles:
-            if pairs or on_amx:
-                transpose_tile_pairs[depth](
-                    keys_at, count, transposed_at.unsafe_bitcast[UInt32]()
-                )
-            else:
-                transpose_tile[depth](keys_at, count, transposed_at)
+        if pairs or on_amx:
+            transpose_tile_pairs[depth](
+                keys_at, count, transposed_at.unsafe_bitcast[UInt32]()
+            )
         else:
             transpose_tile[depth](keys_at, count, transposed_at)
         for r in range(rows):
