@@ -191,7 +191,7 @@ def random_index_weights(rng: np.random.Generator) -> dict[str, np.ndarray]:
     """The indexer's query weights, by name.
 
     ``q = x @ wq`` (``wq``: ``[hidden, H * D]``) and the signed head
-    weights ``qs = x @ w_heads`` (``[hidden, H]``).
+    weights ``q_s = x @ w_heads`` (``[hidden, H]``).
     """
     wq = rng.standard_normal((HIDDEN, INDEX_HEADS * HEAD_DIM)) * HIDDEN**-0.5
     heads = rng.standard_normal((HIDDEN, INDEX_HEADS)) * HIDDEN**-0.5
@@ -201,9 +201,9 @@ def random_index_weights(rng: np.random.Generator) -> dict[str, np.ndarray]:
 def index_queries(
     x: np.ndarray, weights: dict[str, np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The indexer's ``(q, qs)`` for hidden states ``x``.
+    """The indexer's ``(q, q_s)`` for hidden states ``x``.
 
-    ``q`` as e4m3fn bytes ``[T, H, D]`` (rounded on the host), ``qs``
+    ``q`` as e4m3fn bytes ``[T, H, D]`` (rounded on the host), ``q_s``
     float32 ``[T, H]``.
     """
     q = (x @ weights["wq"]).reshape(len(x), INDEX_HEADS, HEAD_DIM)
@@ -241,7 +241,7 @@ def build_index_graph() -> Graph:
         input_types=input_types,
         custom_extensions=[mla_kpool.KERNELS],
     ) as graph:
-        q, qs, offsets, blocks, stride, lengths, table = graph.inputs[:7]
+        q, q_s, offsets, blocks, stride, lengths, table = graph.inputs[:7]
         max_prompt, max_cache, scales, sstride, stable, layer = graph.inputs[7:]
         cache = PagedCacheValues(
             kv_blocks=blocks.buffer,
@@ -257,7 +257,7 @@ def build_index_graph() -> Graph:
         graph.output(
             mla_kpool.index_top_k(
                 q.tensor,
-                qs.tensor,
+                q_s.tensor,
                 offsets.tensor,
                 cache,
                 layer.tensor,
@@ -396,11 +396,11 @@ def score_call(
     for done in completed:
         cache.store_keys(row[id(done.request)], 0, done.pool, done.key[None])
     x = np.concatenate([r.hidden[r.seen - n : r.seen] for r, n in batch])
-    q, qs = index_queries(x, weights)
+    q, q_s = index_queries(x, weights)
     total = cache.cache_lengths + np.asarray(counts, np.uint32)
     operands = [
         q,
-        qs,
+        q_s,
         offsets,
         cache.blocks(),
         np.array([cache.page_stride], np.int64),
@@ -416,7 +416,7 @@ def score_call(
     ids = to_numpy(model.execute(*map(to_buffer, operands))[0])
     try:
         report = reference.check_selection(
-            ids, q, qs, offsets, **cache.oracle_operands(), layer_idx=0,
+            ids, q, q_s, offsets, **cache.oracle_operands(), layer_idx=0,
             top_k=TOP_K, kpool=KPOOL, mask="null",
         )  # fmt: skip
     except AssertionError as err:

@@ -6,6 +6,8 @@ Expected values are worked out by hand from the contract in docs/ops.md
 
 from __future__ import annotations
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -267,6 +269,44 @@ def test_check_selection_accepts_a_swap_within_tolerance():
     assert ref.index_top_k(*args, **kwargs).tolist() == [[1]]
     report = ref.check_selection(np.array([[0]]), *args, **kwargs)
     assert report.cut_rows == 1 and 0 <= report.worst_margin
+
+
+@pytest.mark.parametrize(
+    "function", [ref.index_top_k, ref.index_scores, ref.check_selection]
+)
+def test_q_s_keyword_and_its_former_name_qs(function):
+    cache = _whole_cache(KEYS, SCALES, cached=2)
+    (q, q_s, offsets), kwargs = _call(cache, Q, QS, top_k=2)
+    # The hand example's order (0, 2, 1): [0, 2] is right for every one.
+    head = (
+        (np.array([[0, 2]], np.int32),)
+        if function is ref.check_selection
+        else ()
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = function(*head, q, q_s=q_s, input_row_offsets=offsets, **kwargs)
+    with pytest.warns(DeprecationWarning, match="renamed q_s=") as record:
+        old = function(*head, q, qs=q_s, input_row_offsets=offsets, **kwargs)
+    assert record[0].filename == __file__
+    if function is ref.index_scores:
+        np.testing.assert_array_equal(old[0].scores, [1.5, 0.0, 1.0])
+        np.testing.assert_array_equal(new[0].scores, [1.5, 0.0, 1.0])
+    elif function is ref.index_top_k:
+        assert old.tolist() == new.tolist() == [[0, 2]]
+    else:
+        assert old == new and new.cut_rows == 1
+    with pytest.raises(TypeError, match="got both q_s= and its former"):
+        function(*head, q, q_s, offsets, qs=q_s, **kwargs)
+    with pytest.raises(TypeError, match="got both q_s= and its former"):
+        function(*head, q, q_s=q_s, qs=q_s, input_row_offsets=offsets, **kwargs)
+
+
+def test_a_q_s_of_the_wrong_shape_is_named_q_s():
+    cache = _whole_cache(KEYS, SCALES, cached=2)
+    (q, _, offsets), kwargs = _call(cache, Q, QS)
+    with pytest.raises(ValueError, match=r"q_s must be \[T, H\], got \(1, 3\)"):
+        ref.index_top_k(q, np.ones((1, 3), np.float32), offsets, **kwargs)
 
 
 def test_tolerance_is_d_plus_h_plus_4_units():

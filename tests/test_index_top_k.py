@@ -352,13 +352,13 @@ def test_runner_views_float8_queries_and_refuses_other_dtypes(runner):
     bad = {
         "q must be uint8": dict(q=call.q.astype(np.float32)),
         "q must be rank 3": dict(q=call.q.reshape(len(call.q), -1)),
-        "qs must be": dict(qs=call.qs[:, :1]),
+        "q_s must be": dict(q_s=call.qs[:, :1]),
         "layer_idx must be": dict(layer_idx=-1),
         "gpu_op must be": dict(gpu_op="bogus"),
     }
     for match, change in bad.items():
         args = dict(
-            q=call.q, qs=call.qs, input_row_offsets=call.offsets,
+            q=call.q, q_s=call.qs, input_row_offsets=call.offsets,
             cache=call.cache, layer_idx=call.case.layer,
             **call.run_kwargs(),
         )  # fmt: skip

@@ -9,6 +9,8 @@ Each refused call must leave the ring byte for byte as it was.
 
 from __future__ import annotations
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -203,7 +205,7 @@ def index_call() -> dict:
     cache.cache_lengths[:] = [5, 9]
     return dict(
         q=np.zeros((5, 2, 16), np.uint8),
-        qs=np.ones((5, 2), np.float32),
+        q_s=np.ones((5, 2), np.float32),
         input_row_offsets=np.array([0, 3, 5], np.uint32),
         cache=cache,
         layer_idx=1,
@@ -221,14 +223,14 @@ INDEX_BAD = [
      ValueError, "input_row_offsets must be rank 1 [B + 1] = [3]"),
     ("offsets-float", dict(input_row_offsets=np.array([0.0, 3.0, 5.0])),
      ValueError, "input_row_offsets must have an integer dtype, got float64"),
-    ("qs-float64", dict(qs=np.ones((5, 2))), ValueError,
-     "qs dtype must be float32, got float64"),
+    ("q_s-float64", dict(q_s=np.ones((5, 2))), ValueError,
+     "q_s dtype must be float32, got float64"),
     # Without these checks MAX would say only that a symbolic dim of
     # input 1 does not match.
-    ("qs-rows", dict(qs=np.ones((4, 2), np.float32)), ValueError,
-     "qs must be [T, num_heads] = [5, 2] to match q [5, 2, 16], got [4, 2]"),
-    ("qs-heads", dict(qs=np.ones((5, 3), np.float32)), ValueError,
-     "qs must be [T, num_heads] = [5, 2] to match q [5, 2, 16], got [5, 3]"),
+    ("q_s-rows", dict(q_s=np.ones((4, 2), np.float32)), ValueError,
+     "q_s must be [T, num_heads] = [5, 2] to match q [5, 2, 16], got [4, 2]"),
+    ("q_s-heads", dict(q_s=np.ones((5, 3), np.float32)), ValueError,
+     "q_s must be [T, num_heads] = [5, 2] to match q [5, 2, 16], got [5, 3]"),
     ("layer-past-the-cache", dict(layer_idx=2), ValueError,
      "layer_idx must be below the cache's 2 layers, got 2"),
     ("layer-array", dict(layer_idx=np.array([1], np.uint32)), TypeError,
@@ -316,6 +318,59 @@ def test_index_top_k_takes_the_mask_as_a_string_or_maxs_variant(
         runner.index_top_k(**{**index_call(), "mask": mask})
     key = compiled.value.args[0]
     assert key.mask == want and key.top_k == 2 and key.kpool == 4
+
+
+def _with_former_name(call: dict) -> dict:
+    """``call`` with ``q_s`` passed by its former keyword ``qs``."""
+    call = dict(call)
+    call["qs"] = call.pop("q_s")
+    return call
+
+
+def test_index_top_k_takes_q_s_without_a_warning(runner):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(Compiled):
+            runner.index_top_k(**index_call())
+
+
+def test_index_top_k_takes_the_former_keyword_qs_with_a_warning(runner):
+    with (
+        pytest.warns(DeprecationWarning, match="renamed q_s=") as record,
+        pytest.raises(Compiled),
+    ):
+        runner.index_top_k(**_with_former_name(index_call()))
+    # The warning points at the caller's line, not at the package.
+    assert record[0].filename == __file__
+    # The value reaches the checks as q_s: a wrong shape is named so.
+    bad = {**index_call(), "q_s": np.ones((4, 2), np.float32)}
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(ValueError, match=r"q_s must be \[T, num_heads\]"),
+    ):
+        runner.index_top_k(**_with_former_name(bad))
+
+
+def test_index_top_k_refuses_q_s_and_qs_together(runner):
+    call = index_call()
+    with pytest.raises(TypeError, match="got both q_s= and its former"):
+        runner.index_top_k(**call, qs=call["q_s"])
+    # q_s by position counts too.
+    q, q_s = call.pop("q"), call.pop("q_s")
+    with pytest.raises(TypeError, match="got both q_s= and its former"):
+        runner.index_top_k(q, q_s, qs=q_s, **call)
+
+
+def test_prepare_takes_the_former_keyword_qs_with_a_warning(runner):
+    from mla_kpool import index_runner
+
+    with (
+        pytest.warns(DeprecationWarning, match="renamed q_s="),
+        pytest.raises(Compiled),
+    ):
+        index_runner.prepare(runner, **_with_former_name(index_call()))
+    with pytest.raises(TypeError, match="got both q_s= and its former"):
+        index_runner.prepare(runner, **index_call(), qs=np.ones((5, 2)))
 
 
 # --------------------------------------------------------------------------

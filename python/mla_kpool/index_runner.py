@@ -34,6 +34,7 @@ from ._index_op import (
     check_scorer,
 )
 from ._metadata import check_index_metadata
+from ._renamed import renamed_keyword
 from ._validate import mask_name
 from .buffers import to_buffer
 from .index_cache import PagedIndexCache
@@ -253,10 +254,11 @@ def _u32(values: Any) -> np.ndarray:
     return np.asarray(values, dtype=np.uint32)
 
 
+@renamed_keyword("qs", "q_s")
 def prepare(
     runner: Any,
     q: np.ndarray,
-    qs: np.ndarray,
+    q_s: np.ndarray,
     input_row_offsets: np.ndarray,
     cache: PagedIndexCache,
     layer_idx: int,
@@ -279,7 +281,8 @@ def prepare(
         runner: A :class:`mla_kpool.runner.Runner` (any device).
         q: ``[T, H, D]`` uint8 e4m3fn bytes (or ``float8_e4m3fn``, viewed
             as its bytes).
-        qs: ``[T, H]`` float32.
+        q_s: ``[T, H]`` float32 (``qs=``, its former keyword, still works
+            for a release, with a ``DeprecationWarning``).
         input_row_offsets: ``[B + 1]`` (sent as uint32).
         cache: The paged cache (arenas, tables, lengths, strides).
         layer_idx: The layer to read.
@@ -308,11 +311,12 @@ def prepare(
         whole flat arenas as bound.
 
     Raises:
-        TypeError: For a ``cache`` that is not a ``PagedIndexCache``, or a
-            ``layer_idx``, ``top_k`` or ``kpool`` that is not an int.
+        TypeError: For a ``cache`` that is not a ``PagedIndexCache``, a
+            ``layer_idx``, ``top_k`` or ``kpool`` that is not an int, or
+            both ``q_s`` and ``qs``.
         ValueError: For a ``gpu_op`` other than ``"auto"`` or ``"ours"`` (on
             every runner), a ``scorer`` this runner cannot run, a ``q``
-            that is not ``[T, H, D]`` uint8 or float8_e4m3fn, a ``qs``
+            that is not ``[T, H, D]`` uint8 or float8_e4m3fn, a ``q_s``
             that is not float32 ``[T, H]`` with ``q``'s ``T`` and ``H``,
             ``input_row_offsets`` of a non-integer dtype or not rank 1
             ``[B + 1]`` (``B`` the cache's batch), a ``layer_idx`` outside
@@ -336,13 +340,13 @@ def prepare(
             f" {type(cache).__name__}"
         )
     q = _fp8_bytes(q)
-    qs = _float32("qs", qs)
-    if qs.shape != q.shape[:2]:
+    q_s = _float32("q_s", q_s)
+    if q_s.shape != q.shape[:2]:
         # Checked here: the graph would only say that a symbolic dim of
         # input 1 does not match, naming neither operand.
         raise ValueError(
-            f"qs must be [T, num_heads] = {list(q.shape[:2])} to match q"
-            f" {list(q.shape)}, got {list(qs.shape)}"
+            f"q_s must be [T, num_heads] = {list(q.shape[:2])} to match q"
+            f" {list(q.shape)}, got {list(q_s.shape)}"
         )
     batch = len(cache.cache_lengths)
     input_row_offsets = _offsets(input_row_offsets, batch)
@@ -418,7 +422,7 @@ def prepare(
         q_buf = q_buf.view(fp8, shape=q.shape)
     args = [
         q_buf,
-        to_buffer(np.asarray(qs, np.float32), dev),
+        to_buffer(np.asarray(q_s, np.float32), dev),
         to_buffer(_u32(input_row_offsets), dev),
         keys,
         to_buffer(np.array([cache.page_stride], np.int64), cpu),

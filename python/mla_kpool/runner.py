@@ -42,6 +42,7 @@ from max.graph import DeviceRef, Graph
 from . import index_runner
 from ._metadata import check_metadata
 from ._paths import KERNELS, builtin_kernels_only, compiled_kernels
+from ._renamed import renamed_keyword
 from .buffers import to_buffer, to_numpy
 from .calls import CallInputs, PoolRow, pools_of_call
 from .index_cache import PagedIndexCache
@@ -391,10 +392,11 @@ class Runner:
         """The compiled index_top_k model for ``key`` (:meth:`model`)."""
         return self.model(key)
 
+    @renamed_keyword("qs", "q_s")
     def index_top_k(
         self,
         q: np.ndarray,
-        qs: np.ndarray,
+        q_s: np.ndarray,
         input_row_offsets: npt.ArrayLike,
         cache: PagedIndexCache,
         layer_idx: int,
@@ -416,7 +418,9 @@ class Runner:
 
         Args:
             q: ``[T, H, D]`` uint8 e4m3fn bytes or ``float8_e4m3fn``.
-            qs: ``[T, H]`` float32.
+            q_s: ``[T, H]`` float32 per (token, head) weights (the
+                keyword ``qs=``, its former name, still works for a
+                release, with a ``DeprecationWarning``).
             input_row_offsets: ``[B + 1]``, sent as uint32.
             cache: The :class:`mla_kpool.index_cache.PagedIndexCache` (its
                 ``cache_lengths`` are this call's ``k_cache_lengths``).
@@ -433,7 +437,7 @@ class Runner:
         Raises:
             TypeError, ValueError: As
                 :func:`mla_kpool.index_runner.prepare`, before anything is
-                compiled or run: among others a ``qs`` whose rows or heads
+                compiled or run: among others a ``q_s`` whose rows or heads
                 differ from ``q``'s and a ``layer_idx`` not below the
                 cache's ``num_layers``, each message naming the operand and
                 both shapes or counts.
@@ -446,7 +450,7 @@ class Runner:
         model, args, _ = index_runner.prepare(
             self,
             q,
-            qs,
+            q_s,
             input_row_offsets,
             cache,
             layer_idx,

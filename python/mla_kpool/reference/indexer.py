@@ -3,7 +3,7 @@
 Written from the contract in docs/ops.md (section "index_top_k"), never from
 the kernel. For token row ``t`` of request ``b`` and candidate ``j``::
 
-    score[t, j] = k_scale[j] * sum_h max(sum_d q[t,h,d] * k[j,d], 0) * qs[t,h]
+    score[t, j] = k_scale[j] * sum_h max(sum_d q[t,h,d] * k[j,d], 0) * q_s[t,h]
     bound(t)    = (c + n - (n - 1 - i) * causal) // kpool,   j in [0, bound)
 
 with ``c = k_cache_lengths[b]``, ``n`` the request's new tokens and ``i =
@@ -25,9 +25,9 @@ entry past its arena (or past the table's width), is ``-1`` too. A
 Tolerance (:func:`index_tolerance`): the kernel accumulates in float32. The
 products ``q * k`` of two e4m3fn values (4 significant bits each) are exact;
 the dot over ``D`` terms adds at most ``D - 1`` roundings, the ReLU none,
-the ``qs`` product one, the head sum ``H - 1`` and the scale one: ``D + H``
+the ``q_s`` product one, the head sum ``H - 1`` and the scale one: ``D + H``
 roundings of unit ``2^-24``, each bounded by the magnitude ``mag_j = |scale_j|
-* sum_h |qs_h| * sum_d |q_hd k_jd|`` that every partial result stays under,
+* sum_h |q_s_h| * sum_d |q_hd k_jd|`` that every partial result stays under,
 in any summation order. Four more units cover second-order terms (``(D + H)
 * 2^-24 < 2^-11``) and the float64 oracle's own rounding, so ``tol_j = (D + H
 + 4) * 2^-24 * mag_j``, plus ``(H + 4) * 2^-126`` for float32 underflow.
@@ -61,6 +61,7 @@ import ml_dtypes
 import numpy as np
 
 from .._limits import MAX_TOP_K
+from .._renamed import renamed_keyword
 from ._checks import _check_kpool, _index_values, _offsets_ok
 
 #: Float32 unit roundoff, the kernel's accumulation precision.
@@ -213,7 +214,7 @@ class _Inputs:
     """The operands, checked and decoded once."""
 
     def __init__(
-        self, q, qs, input_row_offsets, k_blocks, k_cache_lengths,
+        self, q, q_s, input_row_offsets, k_blocks, k_cache_lengths,
         k_lookup_table, k_scales, k_scales_lookup_table, layer_idx,
         top_k, kpool, mask,
     ) -> None:  # fmt: skip
@@ -222,9 +223,9 @@ class _Inputs:
         if self.q.ndim != 3:
             raise ValueError(f"q must be [T, H, D], got {self.q.shape}")
         self.tokens, self.heads, self.depth = self.q.shape
-        self.qs = np.asarray(qs, dtype=np.float64)
-        if self.qs.shape != (self.tokens, self.heads):
-            raise ValueError(f"qs must be [T, H], got {self.qs.shape}")
+        self.q_s = np.asarray(q_s, dtype=np.float64)
+        if self.q_s.shape != (self.tokens, self.heads):
+            raise ValueError(f"q_s must be [T, H], got {self.q_s.shape}")
         self.blocks = np.asarray(k_blocks)
         self.scales = np.asarray(k_scales, dtype=np.float64)
         if self.blocks.ndim != 6 or self.blocks.shape[1] != 1:
@@ -334,15 +335,15 @@ def _scores(
     mag_dots = (np.abs(q).reshape(-1, depth) @ np.abs(keys).T).reshape(
         n, heads, -1
     )
-    qs = inp.qs[rows]  # [n, H]
+    q_s = inp.q_s[rows]  # [n, H]
     weighted = np.zeros(dots.shape[::2])
     mag = np.zeros(dots.shape[::2])
     with np.errstate(invalid="ignore"):
         # Head by head, so every candidate's sum runs in the same order and
         # identical keys score identically (exact ties stay exact).
         for h in range(heads):
-            weighted += qs[:, h, None] * np.maximum(dots[:, h], 0.0)
-            mag += np.abs(qs[:, h, None]) * mag_dots[:, h]
+            weighted += q_s[:, h, None] * np.maximum(dots[:, h], 0.0)
+            mag += np.abs(q_s[:, h, None]) * mag_dots[:, h]
         return scales * weighted, np.abs(scales) * mag
 
 
@@ -395,9 +396,10 @@ def _order(scores: np.ndarray) -> np.ndarray:
     return np.lexsort((np.arange(len(scores)), -filled, nan))
 
 
+@renamed_keyword("qs", "q_s")
 def index_scores(  # noqa: D417 (the operands are index_top_k's)
     q: np.ndarray,
-    qs: np.ndarray,
+    q_s: np.ndarray,
     input_row_offsets: np.ndarray,
     k_blocks: np.ndarray,
     k_cache_lengths: np.ndarray,
@@ -414,7 +416,7 @@ def index_scores(  # noqa: D417 (the operands are index_top_k's)
     """Every token row's candidate scores and error magnitudes.
 
     Args:
-        q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
+        q, q_s, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
         k_scales, k_scales_lookup_table, layer_idx, top_k, kpool, mask: As
             for :func:`index_top_k`.
         scorer: The error model of the scorer that ran
@@ -425,7 +427,7 @@ def index_scores(  # noqa: D417 (the operands are index_top_k's)
         is all ``-1``.
     """
     inp = _Inputs(
-        q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
+        q, q_s, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
         k_scales, k_scales_lookup_table, layer_idx, top_k, kpool, mask,
     )  # fmt: skip
     inp.scorer = scorer
@@ -437,9 +439,10 @@ def index_scores(  # noqa: D417 (the operands are index_top_k's)
     return rows
 
 
+@renamed_keyword("qs", "q_s")
 def index_top_k(
     q: np.ndarray,
-    qs: np.ndarray,
+    q_s: np.ndarray,
     input_row_offsets: np.ndarray,
     k_blocks: np.ndarray,
     k_cache_lengths: np.ndarray,
@@ -456,7 +459,9 @@ def index_top_k(
 
     Args:
         q: ``[T, H, D]`` uint8 e4m3fn bytes (or ``float8_e4m3fn``).
-        qs: ``[T, H]`` float32 per (token, head) weights, signed.
+        q_s: ``[T, H]`` float32 per (token, head) weights, signed (``qs=``,
+            its former keyword, still works for a release, with a
+            ``DeprecationWarning``).
         input_row_offsets: ``[B + 1]`` integer.
         k_blocks: ``[num_blocks, 1, num_layers, page_size, 1, W]`` uint8 (or
             ``float8_e4m3fn``): the *logical* blocks (a padded arena's
@@ -477,11 +482,11 @@ def index_top_k(
     Raises:
         TypeError, ValueError: On structurally wrong operands (rank, dtype,
             shape, ``top_k``, ``kpool``, ``W``, mask) or a ``layer_idx`` past
-            the cache's layers; bad metadata *values* give ``-1`` rows
-            instead.
+            the cache's layers, or both ``q_s`` and ``qs``; bad metadata
+            *values* give ``-1`` rows instead.
     """
     inp = _Inputs(
-        q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
+        q, q_s, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
         k_scales, k_scales_lookup_table, layer_idx, top_k, kpool, mask,
     )  # fmt: skip
     plans = inp.plans()
@@ -606,10 +611,11 @@ def _chunk_margins(
     return np.where(bad, np.nan, margin)
 
 
+@renamed_keyword("qs", "q_s")
 def check_selection(  # noqa: D417 (the operands are index_top_k's)
     got: np.ndarray,
     q: np.ndarray,
-    qs: np.ndarray,
+    q_s: np.ndarray,
     input_row_offsets: np.ndarray,
     k_blocks: np.ndarray,
     k_cache_lengths: np.ndarray,
@@ -634,7 +640,7 @@ def check_selection(  # noqa: D417 (the operands are index_top_k's)
 
     Args:
         got: int32 ``[T, top_k]`` from the op.
-        q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
+        q, q_s, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
         k_scales, k_scales_lookup_table, layer_idx, top_k, kpool, mask: As
             for :func:`index_top_k`.
         scorer: The error model of the scorer that ran
@@ -646,9 +652,10 @@ def check_selection(  # noqa: D417 (the operands are index_top_k's)
     Raises:
         AssertionError: On the first wrong row, naming the row, its request,
             bound, the offending ids and their scores.
+        TypeError, ValueError: As :func:`index_top_k`, for the operands.
     """
     inp = _Inputs(
-        q, qs, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
+        q, q_s, input_row_offsets, k_blocks, k_cache_lengths, k_lookup_table,
         k_scales, k_scales_lookup_table, layer_idx, top_k, kpool, mask,
     )  # fmt: skip
     inp.scorer = scorer
