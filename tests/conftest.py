@@ -24,6 +24,10 @@ from mla_kpool.runner import Runner
 # what os.environ says, once, for the suite.
 restore_environment()
 
+#: pytester for the plugin's own test; compile_notice says on the terminal
+#: that a cold run compiles, and names a test while it compiles.
+pytest_plugins = ("pytester", "compile_notice")
+
 _HAS_GPU = driver.accelerator_count() > 0
 
 #: Most xdist workers ``-n auto`` starts. The suite's time is graph compiles,
