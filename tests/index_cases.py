@@ -101,7 +101,8 @@ class Case:
         tie_from: Pools from this id on share one key (0: no ties).
         seed: Data seed.
         offsets: Explicit ``input_row_offsets`` (malformed cases).
-        tokens: Explicit ``T`` (with ``offsets``).
+        tokens: Explicit ``T``: with ``offsets``, or past the sum of
+            ``new`` for a padded batch (rows no request owns).
     """
 
     name: str
@@ -317,6 +318,8 @@ CASES = [
         scale_pad=1,
     ),
     Case("glm-layer0", GLM, cached=(3000,), new=(2,), layer=0),
+    # A batch padded to a captured graph's 8 rows: rows 4..7 are -1.
+    Case("glm-batch-padded", GLM, cached=(2300, 40), new=(1, 3), tokens=8),
     Case(
         "glm-scale-read-from-row-0",
         GLM,

@@ -309,6 +309,20 @@ def test_a_q_s_of_the_wrong_shape_is_named_q_s():
         ref.index_top_k(q, np.ones((1, 3), np.float32), offsets, **kwargs)
 
 
+def test_rows_of_a_padded_batch_are_minus_one():
+    # The hand example's row, then two padding rows no request owns
+    # (input_row_offsets [0, 1], T 3).
+    cache = _whole_cache(KEYS, SCALES, cached=2)
+    (q, q_s, offsets), kwargs = _call(cache, Q * 3, QS * 3)
+    got = ref.index_top_k(q, q_s, offsets, **kwargs)
+    assert got.tolist() == [[0, 2, 1, -1], [-1] * 4, [-1] * 4]
+    assert ref.index_scores(q, q_s, offsets, **kwargs)[1:] == [None, None]
+    ref.check_selection(got, q, q_s, offsets, **kwargs)
+    got[2, 0] = 0
+    with pytest.raises(AssertionError, match="row 2: must be all -1"):
+        ref.check_selection(got, q, q_s, offsets, **kwargs)
+
+
 def test_tolerance_is_d_plus_h_plus_4_units():
     tol = ref.index_tolerance(np.array([1.0, 0.0]), num_heads=32, depth=128)
     assert tol[0] == pytest.approx(164 * 2.0**-24, rel=1e-12)

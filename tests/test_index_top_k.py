@@ -77,6 +77,27 @@ def test_without_amx_matches_the_oracle(runner, case, monkeypatch):
     assert report.rows == len(call.q)
 
 
+def test_a_padded_batch_passes_the_check_and_its_padding_is_minus_one(runner):
+    (case,) = [c for c in CASES if c.name == "glm-batch-padded"]
+    call = build(case)
+    used = int(call.offsets[-1])
+    assert used < len(call.q)
+    # The metadata check is on (the default): a padded batch passes it.
+    got = runner.index_top_k(
+        call.q, call.qs, call.offsets, call.cache, case.layer,
+        **call.run_kwargs(),
+    )  # fmt: skip
+    assert (got[used:] == -1).all()
+    assert (got[:used] != -1).any()
+    call.check(got)  # the other rows: the oracle's selection
+    # ... and exactly what the call gives without the padding.
+    alone = runner.index_top_k(
+        call.q[:used], call.qs[:used], call.offsets, call.cache, case.layer,
+        **call.run_kwargs(),
+    )  # fmt: skip
+    np.testing.assert_array_equal(got[:used], alone)
+
+
 def test_ties_at_the_kth_score_go_to_the_lowest_ids(runner):
     # 6,500 visible keys, all from id 100 on identical: > 4,096 candidates
     # tie at the k-th score. Identical bytes and scales score identically

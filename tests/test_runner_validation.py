@@ -264,7 +264,7 @@ def _bad_metadata(field: str) -> dict:
     if field == "offsets-past-t":
         call["input_row_offsets"] = np.array([0, 3, 7], np.uint32)
     elif field == "offsets-down":
-        call["input_row_offsets"] = np.array([0, 6, 5], np.int64)
+        call["input_row_offsets"] = np.array([0, 4, 3], np.int64)
     elif field == "cache-past-pages":
         call["cache"].cache_lengths[1] = 60
     else:
@@ -385,20 +385,42 @@ def test_check_index_metadata_passes_a_good_call():
     )
 
 
-def test_offsets_that_do_not_cover_every_row_are_named():
-    # The new user's case: 301 query rows, offsets ending at 250.
+def test_a_padded_batch_passes_the_check():
+    # 8 query rows, the requests' 3 + 2 first: rows 5..7 are padding (a
+    # batch padded to a captured graph's size), which the op gives -1.
+    call = index_call()
+    mla_kpool.check_index_metadata(
+        call["input_row_offsets"], call["cache"], 1, total_tokens=8
+    )
+    mla_kpool.check_index_metadata([0, 0, 0], call["cache"], 1, total_tokens=8)
+
+
+def test_offsets_past_the_query_rows_are_named():
     call = index_call()
     with pytest.raises(
         ValueError,
-        match=_message(
-            "input_row_offsets[2]=250, expected total_tokens=301 (the offsets"
-            " must cover every query row; rows past the last offset come back"
-            " -1)"
-        ),
+        match=_message("request 1: input_row_offsets[2]=7 > total_tokens=5"),
     ):
         mla_kpool.check_index_metadata(
-            [0, 1, 250], call["cache"], 0, total_tokens=301
+            [0, 3, 7], call["cache"], 1, total_tokens=5
         )
+    with pytest.raises(
+        ValueError,
+        match=_message("request 0: input_row_offsets[1]=6 > total_tokens=5"),
+    ):
+        mla_kpool.check_index_metadata(
+            [0, 6, 6], call["cache"], 1, total_tokens=5
+        )
+
+
+def test_index_top_k_takes_a_padded_batch(runner):
+    call = {
+        **index_call(),
+        "q": np.zeros((8, 2, 16), np.uint8),
+        "q_s": np.ones((8, 2), np.float32),
+    }
+    with pytest.raises(Compiled):  # the checks passed
+        runner.index_top_k(**call)
 
 
 def test_too_narrow_a_lookup_table_is_named():
@@ -446,7 +468,7 @@ def test_a_block_past_the_arena_is_named():
     ],
 )  # fmt: skip
 def test_check_index_metadata_names_each_field(offsets, layer, kpool, message):
-    total = offsets[-1]
+    total = max(offsets)
     with pytest.raises(ValueError, match=_message(message)):
         mla_kpool.check_index_metadata(
             offsets, index_call()["cache"], layer, total_tokens=total,

@@ -193,12 +193,14 @@ def check_index_metadata(
 
     Rules: ``input_row_offsets`` has ``batch + 1`` entries (``batch`` the
     cache's ``cache_lengths``), starts at 0, is non-decreasing and ends at
-    exactly ``total_tokens`` (rows past the last offset would come back
-    ``-1``); ``kpool`` is the cache's; ``0 <= layer_idx < num_layers``; and
-    each request ``b`` (``c`` cached, ``n`` new tokens) finds the pages its
-    last row reads, ``ceil(rows / page_size)`` with ``rows = (c + n) //
-    kpool`` pooled keys (times ``kpool`` in the spread layout), in both
-    lookup tables, each naming a block inside its arena.
+    most at ``total_tokens``: a padded batch (query rows past the last
+    offset, as a serving engine pads a batch to a captured graph's size) is
+    allowed, and the op gives those rows ``-1``; ``kpool`` is the cache's;
+    ``0 <= layer_idx < num_layers``; and each request ``b`` (``c`` cached,
+    ``n`` new tokens) finds the pages its last row reads, ``ceil(rows /
+    page_size)`` with ``rows = (c + n) // kpool`` pooled keys (times
+    ``kpool`` in the spread layout), in both lookup tables, each naming a
+    block inside its arena.
 
     Args:
         input_row_offsets: Token row offsets ``[batch + 1]``, integer dtype.
@@ -238,12 +240,6 @@ def check_index_metadata(
             f"input_row_offsets[0]={offsets[0]}, expected 0 (ragged offsets "
             f"start at row 0)"
         )
-    if offsets[-1] != total_tokens:
-        raise ValueError(
-            f"input_row_offsets[{batch}]={offsets[-1]}, expected "
-            f"total_tokens={total_tokens} (the offsets must cover every "
-            f"query row; rows past the last offset come back -1)"
-        )
     tables = (
         ("lookup_table", cache.lookup_table, cache.num_blocks),
         ("scales_lookup_table", cache.scales_lookup_table,
@@ -257,6 +253,11 @@ def check_index_metadata(
                 f"{where}input_row_offsets[{b + 1}]={end} < "
                 f"input_row_offsets[{b}]={start} "
                 f"(offsets must be non-decreasing)"
+            )
+        if end > total_tokens:
+            raise ValueError(
+                f"{where}input_row_offsets[{b + 1}]={end} > "
+                f"total_tokens={total_tokens}"
             )
         c, n = lengths[b], end - start
         keys = (c + n) // cache.kpool

@@ -442,10 +442,12 @@ class Runner:
                 cache's ``num_layers``, each message naming the operand and
                 both shapes or counts.
             ValueError: With ``check``, for bad metadata (offsets not
-                from 0 to ``T``, a cache length past the request's mapped
-                pages, a table entry past the arena), naming the field and
-                request; from MAX, when the kernel raises at run time (a
-                page stride smaller than a block).
+                starting at 0, decreasing or past ``T``, a cache length
+                past the request's mapped pages, a table entry past the
+                arena; a padded batch, offsets ending before ``T``, passes,
+                its trailing rows ``-1``), naming the field and request;
+                from MAX, when the kernel raises at run time (a page
+                stride smaller than a block).
         """
         model, args, _ = index_runner.prepare(
             self,
