@@ -12,8 +12,8 @@ import io
 import pytest
 from tqdm import tqdm
 
+from mla_kpool._progress import LINE_INTERVAL_S, LineProgress, progress_for
 from mla_kpool.demo import cli as demo
-from mla_kpool.demo.progress import LINE_INTERVAL_S, LineProgress, progress_for
 
 
 class Log(io.StringIO):

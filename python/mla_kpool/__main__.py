@@ -29,6 +29,7 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
+from ._argtypes import program_defaults
 
 #: Subcommand name -> (module, one-line help).
 COMMANDS = {
@@ -74,7 +75,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
 
     Returns:
         The subcommand's exit status; ``--help`` and ``--version`` exit 0
-        and a usage error 2, through ``SystemExit``.
+        and a usage error 2, through ``SystemExit``. An option the
+        subcommand does not know is that subcommand's usage error (its
+        usage, ``<prog> <command>: error: ...``), not the top level's.
     """
     parser = argparse.ArgumentParser(
         prog=program_name() if prog is None else prog,
@@ -84,14 +87,24 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         "--version", action="version", version=f"%(prog)s {__version__}"
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    sub_parsers = {}
     for command, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
         sub_parser = sub.add_parser(
             command, help=help_text, description=module.DESCRIPTION
         )
         module.add_arguments(sub_parser)
+        program_defaults(sub_parser)
         sub_parser.set_defaults(run=module.run)
-    args = parser.parse_args(argv)
+        sub_parsers[command] = sub_parser
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # argparse hands a subcommand's unknown options up to the top-level
+        # parser, whose error shows the top-level usage; the subcommand's
+        # usage lists the options the user meant to type.
+        sub_parsers[args.command].error(
+            f"unrecognized arguments: {' '.join(unknown)}"
+        )
     if argv is None and args.command == "bench" and not args.markdown:
         # The command line only (tests pass argv): NumPy's BLAS reads these
         # variables once, at import, so the bench starts again without them.

@@ -1,18 +1,26 @@
-"""argparse value types shared by the subcommands.
+"""argparse value types and usage errors shared by the subcommands.
 
-``demo``, ``bench`` and ``gpu-report`` use them. Each checks its value
-while the command line is parsed, so a bad option is an argparse error
-(exit status 2) before anything compiles, with a message of the form
-"must be ..., got ...".
+``demo``, ``bench`` and ``gpu-report`` use them. Each type checks its
+value while the command line is parsed, so a bad option is an argparse
+error (exit status 2) before anything compiles, with a message of the form
+"must be ..., got ...". Every number has an upper bound as well as a lower
+one (:func:`int_in`), with the reason in the message, so a run far past
+what a machine can do is refused in a second rather than found out after
+minutes of compiling. Problems found after parsing go through
+:func:`usage_error`, under the same program name.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
+
+#: The program name when nothing set one (see :func:`program_defaults`).
+PROGRAM = "python -m mla_kpool"
 
 
 def _convert(text: str, kind: Callable[[str], Any], what: str) -> Any:
@@ -37,6 +45,120 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def int_in(minimum: int, maximum: int, why: str) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[minimum, maximum]``.
+
+    Args:
+        minimum: The smallest value accepted.
+        maximum: The largest value accepted.
+        why: Why the upper bound, said when a value passes it (a clause
+            such as ``"kpool is a compile-time parameter ..."``).
+    """
+    at_least = int_at_least(minimum)
+
+    def parse(text: str) -> int:
+        value = at_least(text)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(
+                f"must be at most {maximum:,}, got {value:,}: {why}"
+            )
+        return value
+
+    return parse
+
+
+def float_in(
+    minimum: float, maximum: float, why: str
+) -> Callable[[str], float]:
+    """An argparse type: a finite number in ``[minimum, maximum]``.
+
+    Args:
+        minimum: The smallest value accepted.
+        maximum: The largest value accepted.
+        why: Why the upper bound, said when a value passes it.
+    """
+
+    def parse(text: str) -> float:
+        value = _convert(text, float, "a number")
+        if not minimum <= value < float("inf"):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number >= {minimum:g}, got {text}"
+            )
+        if value > maximum:
+            raise argparse.ArgumentTypeError(
+                f"must be at most {maximum:g}, got {text}: {why}"
+            )
+        return value
+
+    return parse
+
+
+def program_defaults(parser: argparse.ArgumentParser) -> None:
+    """Records the parser's program name in its parsed options.
+
+    So that :func:`usage_error` names the program as argparse's own errors
+    do (``python -m mla_kpool demo``, or ``mla-kpool demo`` for the
+    console script).
+    """
+    parser.set_defaults(prog=parser.prog)
+
+
+def usage_error(args: argparse.Namespace, message: str) -> int:
+    """Reports a usage problem found after parsing; returns exit status 2.
+
+    Prints ``<prog>: error: <message>`` to stderr, as argparse does, with
+    the program name :func:`program_defaults` recorded (:data:`PROGRAM`
+    when none was).
+
+    Args:
+        args: The parsed options.
+        message: What is wrong, naming the option.
+
+    Returns:
+        2, the exit status of a usage error.
+    """
+    prog = getattr(args, "prog", PROGRAM)
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give a process, or ``None``.
+
+    ``MemAvailable`` of ``/proc/meminfo`` (Linux), else free physical
+    pages times the page size, else ``None`` (unknown: no check).
+    """
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+#: Largest ``kpool`` and ``head_dim`` the demo and the bench take: both
+#: are compile-time parameters of every writer kernel, and expand_topk
+#: unrolls its stores over ``kpool``, so a compile grows with them
+#: (``--kpool 1000000`` compiled for minutes at 2 GB). 1024 is 256 times
+#: GLM-5-Next's kpool and 8 times its head_dim; the GPU writers' block
+#: stops growing at 1024 channels.
+MAX_KPOOL = 1024
+MAX_HEAD_DIM = 1024
+
+#: argparse types of ``--kpool`` / ``--kpools`` and ``--head-dim``.
+kpool_option = int_in(
+    1, MAX_KPOOL, "kpool is a compile-time parameter of the kernels"
+)
+head_dim_option = int_in(
+    1, MAX_HEAD_DIM, "head_dim is a compile-time parameter of the kernels"
+)
 
 
 def non_negative_float(text: str) -> float:

@@ -53,13 +53,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from .. import index_runner
 from .. import runner as kpool_runner
-from .._argtypes import int_at_least, non_negative_float, output_file
+from .._argtypes import (
+    MAX_HEAD_DIM,
+    MAX_KPOOL,
+    available_memory,
+    float_in,
+    head_dim_option,
+    int_in,
+    kpool_option,
+    output_file,
+    usage_error,
+)
 from .._index_op import gpu_scorers
 from .._paths import NOOP_KERNELS
+from .._progress import LINE_INTERVAL_S, progress_for
 from .._sysinfo import run_info
 from ..runner import Runner
 from . import index, report, workload
@@ -250,6 +260,22 @@ def gpu_bound(case: Case, median_us: float, model_name: str | None) -> Record:
         "x_bound": median_us / (bound * 1e6),
     }
 
+
+#: Largest ``--batches`` value: a call's token rows and pools are uint32
+#: offsets, and a million requests are 250 times the default grid's
+#: largest batch.
+MAX_BATCH = 1 << 20
+#: Largest ``--min-seconds``: a configuration measured for a minute is
+#: already far past a stable median.
+MAX_MIN_SECONDS = 60.0
+#: Grid size past which a run needs ``--long-run``: ``--sweep``'s (132
+#: configurations, 66 graphs, about 22 min cold on 2 CPU cores).
+LONG_RUN_CONFIGS = 132
+LONG_RUN_GRAPHS = 66
+#: Memory a configuration takes per byte its op moves (its inputs drawn
+#: in float64, the NumPy twin's temporaries, the memcpy peer's buffers;
+#: an upper estimate), for :func:`check_size`.
+BYTES_PER_OP_BYTE = 8
 
 #: Calls each index_top_k peer makes at least (after one warm-up call):
 #: the medians are over this many.
@@ -466,27 +492,84 @@ def graphs_to_compile(todo: list[Case]) -> int:
 
 
 def measure_all(args: argparse.Namespace) -> list[Record]:
-    """Compiles and measures every configuration of ``args``, with progress."""
+    """Compiles and measures every configuration of ``args``, with progress.
+
+    Progress goes to stderr (:func:`mla_kpool._progress.progress_for`): a
+    bar on a terminal, else a line every
+    :data:`~mla_kpool._progress.LINE_INTERVAL_S` seconds, also while one
+    configuration compiles; nothing with ``--no-progress``.
+    """
     todo = cases(args)
     print(
-        f"bench: {len(todo)} configurations, {graphs_to_compile(todo)} graphs"
-        " to compile, 10-40 s each the first time (MAX caches them in"
-        " ~/.cache/modular); progress counts configurations, so the first"
-        " tick waits for the first graphs",
+        f"bench: {describe_size(todo)}, 10-40 s a graph the first time on"
+        " a quiet 2-core machine, up to 2 min a graph on a busy one (MAX"
+        " caches them in ~/.cache/modular)",
         file=sys.stderr,
     )
     runners = make_runners(args.device)
     info = run_info(args.device, _gpu_name(runners["ours"]))
     records = []
-    bar = tqdm(todo, unit="config", file=sys.stderr, disable=None)
-    for case in bar:
-        bar.set_description(
+    progress = progress_for(
+        len(todo),
+        sys.stderr,
+        not args.no_progress,
+        desc="bench",
+        unit="configurations",
+    )
+    for case in todo:
+        progress.set_postfix_str(
             f"{case.op} {case.phase or case.dtype} b{case.batch} k{case.kpool}"
         )
         records.append(
             measure(case, runners, info, min_seconds=args.min_seconds)
         )
+        progress.update(1)
+    progress.close()
     return records
+
+
+def describe_size(todo: list[Case]) -> str:
+    """``"<n> configurations, <g> graphs to compile"`` for a run of ``todo``."""
+    graphs = graphs_to_compile(todo)
+    return f"{len(todo)} configurations, {graphs} graphs to compile"
+
+
+def check_size(args: argparse.Namespace, todo: list[Case]) -> str | None:
+    """What is wrong with the size of a run of ``todo``, or ``None``.
+
+    Past --sweep's size (:data:`LONG_RUN_GRAPHS`,
+    :data:`LONG_RUN_CONFIGS`) a run needs ``--long-run``; and each
+    configuration's workload must fit in the memory this machine has
+    available (:data:`BYTES_PER_OP_BYTE` times the bytes the op moves,
+    :func:`.workload.op_bytes`).
+
+    Returns:
+        The usage error's message (naming the options to change), or
+        ``None`` when the run may start.
+    """
+    graphs = graphs_to_compile(todo)
+    if (
+        graphs > LONG_RUN_GRAPHS or len(todo) > LONG_RUN_CONFIGS
+    ) and not args.long_run:
+        return (
+            f"this grid is {describe_size(todo)}, more than --sweep's"
+            f" {LONG_RUN_CONFIGS} and {LONG_RUN_GRAPHS}; add --long-run to"
+            " run it, or name fewer --ops, --dtypes, --batches or --kpools"
+        )
+    have = available_memory()
+    sized = [c for c in todo if c.op != INDEX_OP]
+    if have is None or not sized:
+        return None
+    case = max(sized, key=workload.op_bytes)
+    need = BYTES_PER_OP_BYTE * workload.op_bytes(case)
+    if need <= have:
+        return None
+    return (
+        f"--batches {case.batch} needs about {need / 2**30:.1f} GiB for"
+        f" {case.op} (kpool {case.kpool}, head_dim {case.head_dim},"
+        f" {case.dtype}), more than the {have / 2**30:.1f} GiB this machine"
+        " has available; lower --batches (or --kpools, --head-dim)"
+    )
 
 
 def _device(text: str) -> str:
@@ -513,7 +596,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     exists), so a bad option is an argparse error, exit status 2, before
     anything compiles.
     """
-    add, positive = parser.add_argument, int_at_least(1)
+    add = parser.add_argument
     add(
         "--device",
         type=_device,
@@ -562,16 +645,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--batches",
         nargs="+",
-        type=positive,
-        help="requests per call (1 64 512 4096); batches share a graph",
+        type=int_in(1, MAX_BATCH, "a call's rows are counted in 32 bits"),
+        help=f"requests per call (1 64 512 4096; at most {MAX_BATCH:,}, and"
+        " what this machine's memory holds); batches share a graph",
     )
     add(
         "--kpools",
         nargs="+",
-        type=positive,
-        help="tokens per pool (4; --sweep: 4 16 128); each compiles graphs",
+        type=kpool_option,
+        help=f"tokens per pool (4; --sweep: 4 16 128; at most {MAX_KPOOL});"
+        " each compiles graphs",
     )
-    add("--head-dim", type=positive, default=HEAD_DIM, help="channels (128)")
+    add(
+        "--head-dim",
+        type=head_dim_option,
+        default=HEAD_DIM,
+        help=f"channels ({HEAD_DIM}; at most {MAX_HEAD_DIM})",
+    )
     add(
         "--json",
         metavar="FILE",
@@ -596,9 +686,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--min-seconds",
-        type=non_negative_float,
+        type=float_in(0, MAX_MIN_SECONDS, "a configuration's timing"),
         default=0.3,
-        help="measure each configuration at least this long (0.3)",
+        help="measure each configuration at least this long (0.3; at most"
+        f" {MAX_MIN_SECONDS:g})",
+    )
+    add(
+        "--long-run",
+        action="store_true",
+        help=f"run a grid of more than {LONG_RUN_GRAPHS} graphs or"
+        f" {LONG_RUN_CONFIGS} configurations (--sweep's size); without it"
+        " such a run stops before compiling and says its size",
+    )
+    add(
+        "--no-progress",
+        action="store_true",
+        help="no progress display (a bar when stderr is a terminal, else a"
+        f" line every {LINE_INTERVAL_S:.0f} s at most)",
     )
 
 
@@ -635,9 +739,11 @@ def run(args: argparse.Namespace) -> int:
         runs = [report.load_records(path) for path in args.markdown or []]
         report.check_same_form(runs, args.markdown or [])
     except report.ResultsError as err:
-        print(f"mla-kpool bench: error: {err}", file=sys.stderr)
-        return 2
+        return usage_error(args, str(err))
     if not runs:
+        problem = check_size(args, cases(args))
+        if problem is not None:
+            return usage_error(args, problem)
         runs = [measure_all(args)]
         if args.json:
             Path(args.json).write_text(json.dumps(runs[0], indent=1))

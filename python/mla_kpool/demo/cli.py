@@ -13,9 +13,19 @@ from typing import Any
 
 from max import driver
 
-from .._argtypes import int_at_least, output_file
+from .._argtypes import (
+    MAX_HEAD_DIM,
+    MAX_KPOOL,
+    available_memory,
+    head_dim_option,
+    int_in,
+    kpool_option,
+    output_file,
+    usage_error,
+)
 from .._limits import MAX_TOP_K
 from .._paths import compiled_kernels
+from .._progress import LINE_INTERVAL_S, LineProgress, progress_for
 from ..runner import DEVICES, Runner
 from . import workload
 from .checked_run import (
@@ -28,8 +38,13 @@ from .checked_run import (
     serve,
 )
 from .faults import FAULT_KINDS, place_fault
-from .indexing import INDEX_HEADS, INDEX_MASKS, INDEX_PAGE_SIZE, index_width
-from .progress import LINE_INTERVAL_S, LineProgress, progress_for
+from .indexing import (
+    INDEX_HEADS,
+    INDEX_MASKS,
+    INDEX_PAGE_SIZE,
+    index_layout,
+    index_width,
+)
 from .schedule_file import load_schedule
 from .scheduling import Plan
 from .summary import format_summary, summarize
@@ -76,10 +91,30 @@ MODELS_SOURCE = {
 #: choose).
 EMULATED_REQUESTS = 9
 
-_positive = int_at_least(1)
-
-
-_non_negative = int_at_least(0)
+#: Most requests a demo generates: the plan alone takes about 0.3 ms a
+#: request (1.4 s for 4,096 requests on a 2-core VM), and 4,096 requests
+#: are already 13,850 calls, past :data:`LONG_RUN_CALLS`.
+MAX_REQUESTS = 4096
+#: Most ring slots, tokens per call and tokens per prefill chunk: the
+#: demo's sequences of every running request and one call's indexer
+#: oracle (a float64 score per query row and candidate) stay in memory.
+MAX_RUNNING = 1024
+MAX_CALL_TOKENS = 65536
+#: Most speculative drafts a verify step checks: the ring is
+#: ``ring_length(kpool, N + 1)`` deep, a compile-time shape of the step.
+MAX_SPEC_TOKENS = 64
+#: Seeds are NumPy seeds, kept to what a JSON summary stores exactly.
+MAX_SEED = 2**53 - 1
+#: Calls past which a run asks for ``--long-run`` before it compiles, per
+#: device: about 13 times the default workload's 152 calls on the host
+#: devices (a minute or two), and on the emulated grid, where a call takes
+#: seconds, about twice its default 88.
+LONG_RUN_CALLS = {"cpu": 2000, "gpu": 2000, "gpu-emulated": 200}
+#: Bytes the demo keeps per element of ``head_dim`` of each token of each
+#: running request (its keys and gates, their float64 draws, the FP8 key
+#: cache and the oracle's float64 sequence; an upper estimate), for the
+#: memory check of :func:`check_fits`.
+BYTES_PER_TOKEN_CHANNEL = 48
 
 
 DESCRIPTION = (
@@ -103,7 +138,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # index_top_k's limit) name the program as the usage line does.
     parser.set_defaults(prog=parser.prog)
     add = parser.add_argument
-    add("--seed", type=_non_negative, default=0, help="workload seed (0)")
+    add(
+        "--seed",
+        type=int_in(0, MAX_SEED, "a seed a JSON summary keeps exactly"),
+        default=0,
+        help="workload seed (0)",
+    )
     add(
         "--dtype",
         choices=list(workload.DTYPES),
@@ -111,19 +151,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--kpool",
-        type=_positive,
-        help=f"tokens per pool ({workload.DEFAULT_KPOOL})",
+        type=kpool_option,
+        help=f"tokens per pool ({workload.DEFAULT_KPOOL}; at most {MAX_KPOOL})",
     )
     add(
         "--head-dim",
-        type=_positive,
-        help=f"channels per key ({workload.DEFAULT_HEAD_DIM})",
+        type=head_dim_option,
+        help=f"channels per key ({workload.DEFAULT_HEAD_DIM}; at most"
+        f" {MAX_HEAD_DIM}); the indexer's keys spread over kpool cache rows"
+        " when head_dim is a multiple of kpool, else take whole rows (the"
+        " run's header says which)",
     )
     add(
         "--requests",
-        type=_positive,
+        type=int_in(
+            1,
+            MAX_REQUESTS,
+            f"{MAX_REQUESTS:,} requests plan about 14,000 calls already",
+        ),
         help=f"requests to generate ({workload.DEFAULT_REQUESTS}; "
-        f"{EMULATED_REQUESTS} on gpu-emulated); not with --schedule",
+        f"{EMULATED_REQUESTS} on gpu-emulated; at most {MAX_REQUESTS});"
+        " not with --schedule",
     )
     add(
         "--device",
@@ -134,17 +182,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--token-budget",
-        type=_positive,
+        type=int_in(1, MAX_CALL_TOKENS, "a call's oracle is held in memory"),
         default=2048,
-        help="most tokens per call (2048)",
+        help=f"most tokens per call (2048; at most {MAX_CALL_TOKENS})",
     )
     add(
         "--max-running",
-        type=_positive,
+        type=int_in(1, MAX_RUNNING, "every running request is in memory"),
         help="most requests in flight at once, which is the number of ring "
-        f"slots ({workload.DEFAULT_MAX_RUNNING})",
+        f"slots ({workload.DEFAULT_MAX_RUNNING}; at most {MAX_RUNNING})",
     )
-    add("--chunk", type=_positive, default=512, help="prefill chunk size (512)")
+    add(
+        "--chunk",
+        type=int_in(1, MAX_CALL_TOKENS, "a chunk is at most a call's tokens"),
+        default=512,
+        help=f"prefill chunk size (512; at most {MAX_CALL_TOKENS})",
+    )
     add(
         "--schedule",
         metavar="FILE",
@@ -152,7 +205,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--pool-topk",
-        type=_positive,
+        type=int_in(1, MAX_TOP_K, "index_top_k's top_k is at most that"),
         default=workload.DEFAULT_POOL_TOPK,
         help="pool ids each query token's indexer row selects (index_top_k's"
         f" top_k, at most {MAX_TOP_K}), which expand_topk widens"
@@ -179,7 +232,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--spec-tokens",
-        type=_positive,
+        type=int_in(1, MAX_SPEC_TOKENS, "the ring's depth grows with it"),
         metavar="N",
         help="speculative decoding: every decode step verifies the next "
         "token and N drafts, keeps a seeded number of them, and the ring "
@@ -191,6 +244,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         type=output_file,
         help="also write the summary as JSON",
+    )
+    add(
+        "--long-run",
+        action="store_true",
+        help="run a workload of more calls than a run makes unasked"
+        f" ({LONG_RUN_CALLS['cpu']:,} on cpu and gpu,"
+        f" {LONG_RUN_CALLS['gpu-emulated']} on gpu-emulated, several times"
+        " the default workload's); without it such a run stops before"
+        " compiling and says its size",
     )
     add(
         "--no-progress",
@@ -263,11 +325,6 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
         spec_tokens=args.spec_tokens or 0,
         **{name: getattr(args, name) for name in as_given.split()},
     )
-    if config.pool_topk > MAX_TOP_K:
-        raise DemoError(
-            f"--pool-topk must be at most {MAX_TOP_K} (index_top_k's top_k),"
-            f" got {config.pool_topk}"
-        )
     if config.spec_tokens and loaded is not None and loaded.calls is not None:
         raise DemoError(
             f"--spec-tokens needs generated batching, but {args.schedule} "
@@ -283,6 +340,53 @@ def build_plan(args: argparse.Namespace) -> tuple[Config, Plan]:
     except ScheduleError as err:
         where = f"{args.schedule}: " if args.schedule else ""
         raise DemoError(f"{where}{err}") from err
+
+
+def describe_size(plan_: Plan) -> str:
+    """One line on a plan's size: requests, tokens, calls."""
+    tokens = sum(e.tokens for call in plan_.calls for e in call)
+    return (
+        f"{len(plan_.requests):,} requests, {tokens:,} tokens in"
+        f" {len(plan_.calls):,} calls, {plan_.max_slots} ring slots"
+    )
+
+
+def check_size(config: Config, plan_: Plan, long_run: bool) -> None:
+    """Refuses a run too large for this machine, or larger than asked for.
+
+    Args:
+        config: The run's configuration.
+        plan_: Its calls.
+        long_run: Whether ``--long-run`` was given.
+
+    Raises:
+        DemoError: If the plan makes more calls than
+            :data:`LONG_RUN_CALLS` allows on the device without
+            ``long_run``, or the running requests' sequences would not fit
+            in the memory this machine has available (about
+            :data:`BYTES_PER_TOKEN_CHANNEL` bytes per token and channel of
+            every ring slot at the longest request's length).
+    """
+    limit = LONG_RUN_CALLS[config.device]
+    calls = len(plan_.calls)
+    if calls > limit and not long_run:
+        raise DemoError(
+            f"this workload is {describe_size(plan_)}, more than the"
+            f" {limit:,} calls a run on {config.device} makes unasked; add"
+            " --long-run"
+            " to run it, or lower --requests, or raise --token-budget"
+        )
+    longest = max(r.end for r in plan_.requests)
+    need = plan_.max_slots * longest * config.head_dim * BYTES_PER_TOKEN_CHANNEL
+    have = available_memory()
+    if have is not None and need > have:
+        raise DemoError(
+            f"--max-running {plan_.max_slots} and --head-dim"
+            f" {config.head_dim} need about {need / 2**30:.1f} GiB for the"
+            f" running requests' sequences (up to {longest:,} tokens each),"
+            f" more than the {have / 2**30:.1f} GiB this machine has"
+            " available; lower either"
+        )
 
 
 def default_requests(device: str) -> int:
@@ -332,11 +436,10 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
                     f"--inject-fault {args.inject_fault}: no call in this "
                     f"workload offers a place for it"
                 )
+        check_size(config, plan_, args.long_run)
         runner = _runner_on(config.device, runner)
     except (DemoError, ScheduleError) as e:
-        prog = getattr(args, "prog", "mla-kpool demo")
-        print(f"{prog}: error: {e}", file=err)
-        return 2
+        return usage_error(args, str(e))
 
     smaller = default_requests(config.device) != workload.DEFAULT_REQUESTS
     if smaller and args.requests is None and args.schedule is None:
@@ -346,17 +449,20 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
             f"{workload.DEFAULT_REQUESTS} (the emulated grid runs every GPU "
             "thread on the host); --requests sets the count"
         )
+    say(f"workload: {describe_size(plan_)}")
     say("precompiling the Mojo kernels (a few seconds, every run)...")
     start = time.perf_counter()
     compiled_kernels()
     package_s = time.perf_counter() - start
     ring = f", ring {config.ring_len}" if config.spec_tokens else ""
     width = index_width(config.kpool, config.head_dim, INDEX_PAGE_SIZE)
+    layout, why = index_layout(config.kpool, config.head_dim, INDEX_PAGE_SIZE)
+    layout += f" layout: {why}" if why else " layout"
     say(
         f"compiling the step model ({config.dtype.name}, kpool "
         f"{config.kpool}, head_dim {config.head_dim}{ring}), the "
         f"expand_topk model (top {config.pool_topk}) and the index_top_k "
-        f"model (H {INDEX_HEADS}, W {width}, top {config.pool_topk}, "
+        f"model (H {INDEX_HEADS}, W {width}, {layout}, top {config.pool_topk}, "
         f"{config.index_mask} mask) on {config.device}: the first run "
         "compiles them into MAX's cache (~/.cache/modular by default), "
         f"{COLD_COMPILE}; later runs load them from it in a few seconds..."

@@ -87,6 +87,26 @@ def index_width(kpool: int, head_dim: int, page_size: int) -> int:
     return head_dim
 
 
+def index_layout(kpool: int, head_dim: int, page_size: int) -> tuple[str, str]:
+    """The key cache layout :func:`index_width` picks, and why not spread.
+
+    Returns:
+        ``("spread", "")``, ``("whole", "")`` for ``kpool == 1``, or
+        ``("whole", reason)`` where a pooled key cannot spread, the reason
+        such as ``"head_dim 7 is not a multiple of kpool 4"``.
+    """
+    if kpool == 1:
+        return "whole", ""
+    if index_width(kpool, head_dim, page_size) != head_dim:
+        return "spread", ""
+    off = [
+        f"{name} {value} is not a multiple of kpool {kpool}"
+        for name, value in (("head_dim", head_dim), ("page size", page_size))
+        if value % kpool
+    ]
+    return "whole", " and ".join(off)
+
+
 def index_key(
     kpool: int, head_dim: int, top_k: int, mask: str, device: str = "cpu"
 ) -> IndexKey:

@@ -10,7 +10,12 @@ from typing import Any
 from ..reference import tolerance
 from .checked_run import Config
 from .checks import Totals, plural
-from .indexing import INDEX_HEADS, INDEX_PAGE_SIZE, index_scorer, index_width
+from .indexing import (
+    INDEX_HEADS,
+    INDEX_PAGE_SIZE,
+    index_layout,
+    index_scorer,
+)
 from .scheduling import Plan
 
 __all__ = ["format_summary", "summarize"]
@@ -73,7 +78,7 @@ def summarize(
     tokens = prefill + decode
     step_s = sum(totals.call_seconds)
     calls = len(plan_.calls)
-    width = index_width(config.kpool, config.head_dim, INDEX_PAGE_SIZE)
+    layout, _ = index_layout(config.kpool, config.head_dim, INDEX_PAGE_SIZE)
     margin = totals.index_worst_margin
     fields = asdict(config) | {"dtype": config.dtype.name}
     del fields["spec_tokens"]  # under "speculative"
@@ -108,7 +113,7 @@ def summarize(
         "index_top_k": {
             **index_scorer(config.device, config.kpool),
             "heads": INDEX_HEADS,
-            "layout": "spread" if width != config.head_dim else "whole",
+            "layout": layout,
             "page_size": INDEX_PAGE_SIZE,
             "rows": totals.index_rows,
             "rows_checked": totals.index_checked,

@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .._argtypes import output_dir, output_file
+from .._argtypes import output_dir, output_file, usage_error
 from ..gpu_specs import ARCH_GPUS
 from .asm import ptx_facts
 from .report import (
@@ -207,9 +207,7 @@ def _usage_error(args: argparse.Namespace, message: str) -> int:
     usage = getattr(args, "usage", None)
     if usage is not None:
         sys.stderr.write(usage())
-    prog = getattr(args, "prog", "mla-kpool gpu-report")
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    return 2
+    return usage_error(args, message)
 
 
 def run(args: argparse.Namespace) -> int:
