@@ -33,14 +33,16 @@ def cache_folder() -> str:
     """MAX's cache folder, where compiled kernels and graphs are kept.
 
     ``$MODULAR_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/modular``, else
-    ``~/.cache/modular``, written with ``~`` where it is under the home.
+    ``~/.cache/modular`` (written with ``~``), and what chose it.
     """
+    if chosen := os.environ.get("MODULAR_CACHE_DIR"):
+        return f"{chosen} (MODULAR_CACHE_DIR)"
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    root = os.environ.get("MODULAR_CACHE_DIR") or str(Path(cache, "modular"))
+    root = str(Path(cache, "modular"))
     home = str(Path.home())
-    if root == home or root.startswith(home + os.sep):
+    if root.startswith(home + os.sep):
         root = "~" + root[len(home) :]
-    return root
+    return f"{root} (MODULAR_CACHE_DIR if set)"
 
 
 def start_line(after: float) -> str:
@@ -48,8 +50,7 @@ def start_line(after: float) -> str:
     return (
         "mla-kpool: a first run compiles the Mojo kernels and MAX graphs for "
         f"minutes (a test past {after:g} s is named while it runs); MAX caches "
-        f"them in {cache_folder()} (MODULAR_CACHE_DIR if set) and later runs "
-        "load them from there"
+        f"them in {cache_folder()} and later runs load them from there"
     )
 
 

@@ -63,7 +63,7 @@ def test_start_line_and_still_running_line(
     result.assert_outcomes(passed=2)
     out = result.stdout.lines
     assert out.count(start_line(0.3)) == 1, result.stdout.str()
-    assert "/some/cache" in start_line(0.3)
+    assert "in /some/cache (MODULAR_CACHE_DIR) and later" in start_line(0.3)
     still = [line for line in out if line.startswith("still running")]
     # After 0.3 s and every 0.5 s after: 2 or 3 lines in a 1.6 s test.
     assert len(still) >= 2, result.stdout.str()
@@ -77,7 +77,11 @@ def test_start_line_and_still_running_line(
     assert "captured, never shown" not in result.stdout.str()
 
 
-def test_quiet_under_the_threshold(pytester: pytest.Pytester) -> None:
+def test_quiet_under_the_threshold(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MODULAR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/elsewhere/xdg")
     pytester.makepyfile(test_slow=SLOW_FILE)
     result = pytester.runpytest_subprocess(
         "-p", "compile_notice", "-q", "-n", "0"
@@ -85,4 +89,7 @@ def test_quiet_under_the_threshold(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=2)
     lines = result.stdout.lines
     assert not [line for line in lines if "still running" in line]
-    assert sum("a first run compiles" in line for line in lines) == 1
+    assert lines.count(start_line(30)) == 1, result.stdout.str()
+    assert "in /elsewhere/xdg/modular (MODULAR_CACHE_DIR if set)" in (
+        start_line(30)
+    )
