@@ -10,11 +10,14 @@ pooling of the sequence.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
 
+from mla_kpool import KPoolStep
 from mla_kpool import reference as ref
+from mla_kpool.calls import CallInputs
 from reference_cases import (
     FLOAT_DTYPES,
     NAN,
@@ -224,3 +227,129 @@ def test_index_arrays_must_be_integer():
 
 
 # --------------------------------------------------------------------------
+# check_step / pool_errors
+# --------------------------------------------------------------------------
+
+KPOOL, HEAD_DIM = 4, 8
+#: The kernels' key dtypes: float32, float16, bfloat16.
+KEY_DTYPES = list(ref.TOLERANCE)
+
+
+def _step_case(dtype):
+    """Two requests on a ring of 2 slots, R 4, kpool 4.
+
+    Request 0 (slot 1) had 6 tokens, positions 4 and 5 in its ring rows 0
+    and 1, and brings 7: ring_close closes pool 1 (ring rows 0, 1 and new
+    rows 0, 1), compress makes pool 2 (new rows 2..5). Request 1 (slot 0)
+    brings 9 new tokens: compress makes pools 0 and 1 (new rows 7..14).
+    """
+    rng = np.random.default_rng(5)
+    ring = rng.standard_normal((2, 2, KPOOL, HEAD_DIM)).astype(dtype)
+    k = rng.standard_normal((16, HEAD_DIM)).astype(dtype)
+    gate = (3 * rng.standard_normal((16, HEAD_DIM))).astype(dtype)
+    ape = rng.standard_normal((KPOOL, HEAD_DIM)).astype(np.float32)
+    call = CallInputs(
+        k=k,
+        gate=gate,
+        input_row_offsets=arr([0, 7, 16], np.uint32),
+        cache_lengths=arr([6, 0], np.uint32),
+        slot_idx=arr([1, 0], np.uint32),
+    )
+    return ring, call, ape
+
+
+def _oracle_as_kernel(ring, call, ape, dtype):
+    """The writers' oracle outputs in the kernel's output form."""
+    ops = call.operands()
+    args = (ops["k"], ops["gate"], ape, ops["input_row_offsets"])
+    cache, slots = ops["cache_lengths"], ops["slot_idx"]
+    ring_pooled, closed = ref.ring_close(ring, *args, cache, slots, KPOOL)
+    rows = ref.pool_row_offsets(args[3], cache, KPOOL)
+    pooled = ref.compress(*args, rows, cache, KPOOL)
+    after = ref.seed_tail(ring, args[0], args[1], args[3], cache, slots, KPOOL)
+    got = KPoolStep(
+        ring_pooled.astype(dtype),
+        closed,
+        pooled.astype(dtype),
+        rows.astype(np.uint32),
+        np.array([2, 0], np.int64),  # ceil(6 / 4), ceil(0 / 4)
+    )
+    return got, after
+
+
+@pytest.mark.parametrize("dtype", KEY_DTYPES, ids=lambda d: d.name)
+def test_check_step_passes_the_oracles_own_step(dtype):
+    ring, call, ape = _step_case(dtype)
+    got, after = _oracle_as_kernel(ring, call, ape, dtype)
+    np.testing.assert_array_equal(got.ring_closed_pool, [1, -1])
+    np.testing.assert_array_equal(got.pool_row_offsets, [0, 1, 3])
+    report = ref.check_step(got, ring, call, ape, KPOOL, ring_after=after)
+    # ring_close's pool 1, compress's pools 2 (request 0), 0 and 1.
+    assert report.pools == 4
+    assert 0 <= report.worst_ratio <= 1  # rounding to the key dtype
+    assert report.worst in {(0, 1), (0, 2), (1, 0), (1, 1)}
+
+
+def _members_max(ring, call, b, pool):
+    """Largest |k| of a pool's members, by the test's own bookkeeping."""
+    if (b, pool) == (0, 1):  # positions 4..7: ring rows 0, 1, new rows 0, 1
+        members = [ring[1, 0, 0], ring[1, 0, 1], call.k[0], call.k[1]]
+    elif (b, pool) == (1, 1):  # positions 4..7 of request 1: rows 11..14
+        members = list(call.k[11:15])
+    return float(np.abs(np.float64(members)).max())
+
+
+@pytest.mark.parametrize("dtype", KEY_DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize(
+    "field, row, b, pool, message",
+    [
+        ("ring_pooled", 0, 0, 1, "request 0 (slot 1): pool 1 (ring_close)"),
+        ("pooled", 2, 1, 1, "request 1 (slot 0): pool 1 (compress)"),
+    ],
+)
+def test_check_step_names_the_pool_and_channel_past_the_tolerance(
+    dtype, field, row, b, pool, message
+):
+    ring, call, ape = _step_case(dtype)
+    got, after = _oracle_as_kernel(ring, call, ape, np.float64)
+    allowed = ref.tolerance(dtype) * _members_max(ring, call, b, pool)
+    keys = getattr(got, field)
+    keys[row, 5] += 0.5 * allowed  # within the tolerance: passes
+    ref.check_step(got, ring, call, ape, KPOOL, ring_after=after)
+    keys[row, 5] += 1.0 * allowed  # 1.5 x the tolerance off
+    with pytest.raises(
+        AssertionError, match=rf"{re.escape(message)} channel 5"
+    ):
+        ref.check_step(got, ring, call, ape, KPOOL, ring_after=after)
+
+
+def test_check_step_names_a_wrong_index_a_stray_row_and_the_ring():
+    ring, call, ape = _step_case(np.float32)
+    got, after = _oracle_as_kernel(ring, call, ape, np.float32)
+    wrong = got._replace(ring_closed_pool=np.array([1, 0], np.int32))
+    with pytest.raises(AssertionError, match=r"ring_closed_pool\[1\]=0, exp"):
+        ref.check_step(wrong, ring, call, ape, KPOOL)
+    stray = got.ring_pooled.copy()
+    stray[1, 2] = 1e-3  # request 1 closed nothing: its row must be zero
+    with pytest.raises(
+        AssertionError, match="request 1: ring_pooled .* channel 2"
+    ):
+        ref.check_step(got._replace(ring_pooled=stray), ring, call, ape, KPOOL)
+    bad_ring = after.copy()
+    bad_ring[0, 1, 0, 3] += 1  # slot 0, gates, row 0 (request 1's token 8)
+    with pytest.raises(
+        AssertionError, match="ring slot 0 gates row 0 channel 3"
+    ):
+        ref.check_step(got, ring, call, ape, KPOOL, ring_after=bad_ring)
+
+
+def test_pool_errors_allows_rel_times_the_members_largest_key():
+    want = np.array([[1.0, -2.0], [0.5, NAN], [0.0, 0.0]])
+    got = want + np.array([[0.0, 0.02], [0.0, 0.0], [0.0, 0.0]])
+    got[2, 1] = NAN  # NaN where the oracle is not
+    errors = ref.pool_errors(got, want, [4.0, 1.0, 1.0], 0.01)
+    np.testing.assert_allclose(errors.error[:2], [0.02, 0.0])  # NaN == NaN
+    assert np.isnan(errors.error[2])
+    np.testing.assert_array_equal(errors.allowed, [0.04, 0.01, 0.01])
+    np.testing.assert_array_equal(errors.channel, [1, 0, 1])
+    np.testing.assert_array_equal(errors.bad, [2])

@@ -5,8 +5,8 @@ each pool id exactly once or, with speculation, the latest row of each,
 which must hold kept tokens only). When a request finishes, the oracle
 (:func:`mla_kpool.reference.pool_sequence`) recomputes its whole sequence in
 one shot and :func:`check_request` compares: none missing, none extra, each
-within the key dtype's tolerance (:func:`mla_kpool.reference.tolerance`)
-relative to the largest ``|k|`` among the pool's members. Each call's
+within the key dtype's tolerance relative to the largest ``|k|`` among the
+pool's members (:func:`mla_kpool.reference.pool_errors`). Each call's
 indexer selection (:mod:`mla_kpool.demo.indexing`) is widened by
 expand_topk and compared row by row (:func:`check_expansion`).
 """
@@ -239,14 +239,13 @@ def check_request(
     ids = [p for p in range(first, last) if p in live.pools]
     if not ids:
         return 0.0, 0.0, 0, problems
-    got = np.stack([live.pools[p].key for p in ids]).astype(np.float64)
-    want = expected[ids]
+    got = np.stack([live.pools[p].key for p in ids])
     members = np.abs(live.k[: last * kpool].astype(np.float64))
     scale = members.reshape(last, kpool, -1).max(axis=(1, 2))[ids]
-    allowed = tolerance * np.maximum(scale, np.finfo(np.float64).tiny)
-    err = np.abs(got - want).max(axis=1)
+    err, allowed, _, bad = reference.pool_errors(
+        got, expected[ids], scale, tolerance
+    )
     ratio = err / allowed
-    bad = np.flatnonzero(~(err <= allowed))  # NaN counts as bad
     for j in bad[:MAX_LISTED]:
         p = ids[j]
         row = live.pools[p]

@@ -25,12 +25,15 @@ visible pooled key of the paged FP8 cache, keep each row's top k) and
 :func:`check_selection` compares an op's selection with it at the k-th
 score, within :func:`index_tolerance`. :func:`step` runs the three
 writers in serving order on one
-:class:`mla_kpool.calls.CallInputs`, and :func:`tolerance` says how close a
-kernel's pooled key must come to the oracle's.
+:class:`mla_kpool.calls.CallInputs`, :func:`tolerance` says how close a
+kernel's pooled key must come to the oracle's (:func:`pool_errors` applies
+it), and :func:`check_step` compares a kernel's step outputs with
+:func:`step` within it.
 
 Modules: ``numerics`` (the pooling formula, the tolerance), ``writers``
 (ring_close, compress, seed_tail), ``expand`` (expand_topk), ``fused`` (the
-step), ``indexer`` (index_top_k); everything public is re-exported here.
+step and its check), ``indexer`` (index_top_k); everything public is
+re-exported here.
 
 Index values are read one by one as Python ``int`` so that ``c + n`` never
 wraps, whatever the index dtype (uint32 by MAX convention). Bad runtime
@@ -47,7 +50,7 @@ from .expand import (
     expand_topk_candidates,
     expand_topk_width,
 )
-from .fused import step
+from .fused import StepReport, check_step, step
 from .indexer import (
     RowScores,
     SelectionReport,
@@ -57,7 +60,14 @@ from .indexer import (
     index_tolerance,
     index_top_k,
 )
-from .numerics import TOLERANCE, pool, pool_sequence, tolerance
+from .numerics import (
+    TOLERANCE,
+    PoolErrors,
+    pool,
+    pool_errors,
+    pool_sequence,
+    tolerance,
+)
 from .writers import (
     compress,
     compress_ambiguous_rows,
@@ -68,10 +78,13 @@ from .writers import (
 )
 
 __all__ = [
+    "PoolErrors",
     "RowScores",
     "SelectionReport",
+    "StepReport",
     "TOLERANCE",
     "check_selection",
+    "check_step",
     "compress",
     "compress_ambiguous_rows",
     "compress_candidates",
@@ -84,6 +97,7 @@ __all__ = [
     "index_tolerance",
     "index_top_k",
     "pool",
+    "pool_errors",
     "pool_row_offsets",
     "pool_sequence",
     "ring_close",

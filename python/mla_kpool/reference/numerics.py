@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import ml_dtypes
 import numpy as np
 import numpy.typing as npt
@@ -124,3 +126,75 @@ def tolerance(dtype: npt.DTypeLike) -> float:
         names = ", ".join(str(d) for d in TOLERANCE)
         raise ValueError(f"dtype must be one of {names}, got {key}")
     return TOLERANCE[key]
+
+
+class PoolErrors(NamedTuple):
+    """How far pooled keys are from the oracle's (:func:`pool_errors`).
+
+    Attributes:
+        error: float64 ``[pools]``: each pool's largest ``|got - want|`` over
+            its channels; NaN where one of the two is NaN and the other not.
+        allowed: float64 ``[pools]``: its allowed error, ``rel * scale``
+            (``scale`` at least the smallest normal float64).
+        channel: int64 ``[pools]``: the channel of ``error`` (the first NaN
+            mismatch, if any).
+        bad: int64 indices of the pools whose ``error`` is not within
+            ``allowed`` (NaN counts as bad).
+    """
+
+    error: np.ndarray
+    allowed: np.ndarray
+    channel: np.ndarray
+    bad: np.ndarray
+
+
+def pool_errors(
+    got: npt.ArrayLike,
+    want: npt.ArrayLike,
+    scale: npt.ArrayLike,
+    rel: float,
+) -> PoolErrors:
+    """Each pooled key's error against the oracle, and the error allowed.
+
+    The rule of :func:`tolerance`: a pool is right when every channel is
+    within ``rel * scale``, with ``scale`` its members' largest ``|k|``.
+    A channel NaN in both ``got`` and ``want`` (the oracle's NaN
+    propagation) counts as equal.
+
+    Args:
+        got: ``[pools, head_dim]`` the kernel's keys, any float dtype.
+        want: ``[pools, head_dim]`` the oracle's.
+        scale: ``[pools]`` each pool's largest member ``|k|``.
+        rel: The relative tolerance (:func:`tolerance` of the key dtype).
+
+    Returns:
+        A :class:`PoolErrors`.
+
+    Raises:
+        ValueError: If ``got`` and ``want`` differ in shape, are not rank
+            2, or ``scale`` is not ``[pools]``.
+    """
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape or got.ndim != 2:
+        raise ValueError(
+            f"got must be [pools, head_dim] like want {want.shape}, got"
+            f" {got.shape}"
+        )
+    scale = np.asarray(scale, dtype=np.float64)
+    if scale.shape != got.shape[:1]:
+        raise ValueError(
+            f"scale must be [pools] = [{got.shape[0]}], got {scale.shape}"
+        )
+    both_nan = np.isnan(got) & np.isnan(want)
+    diff = np.where(both_nan, 0.0, np.abs(got - want))
+    ranked = np.where(np.isnan(diff), np.inf, diff)
+    channel = (
+        np.argmax(ranked, axis=1)
+        if got.shape[1]
+        else np.zeros(len(got), np.int64)
+    )
+    error = diff.max(axis=1, initial=0.0)
+    allowed = rel * np.maximum(scale, np.finfo(np.float64).tiny)
+    bad = np.flatnonzero(~(error <= allowed))
+    return PoolErrors(error, allowed, channel.astype(np.int64), bad)
