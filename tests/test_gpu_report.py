@@ -27,7 +27,7 @@ from mla_kpool.gpu_report.asm import (
     ptx_facts,
 )
 from mla_kpool.gpu_report.report import (
-    HEADER,
+    COLUMNS,
     LEGEND,
 )
 
@@ -84,6 +84,10 @@ class Report:
 
     def code(self, row: dict) -> str:
         return (self.asm_dir / row["asm"]).read_text()
+
+    def configs(self) -> list[str]:
+        """Every row's config, once each, in the rows' order."""
+        return list(dict.fromkeys(r["config"] for r in self.rows))
 
 
 @pytest.fixture(scope="session")
@@ -374,14 +378,22 @@ def test_the_table_has_a_legend_and_no_note_when_every_tool_is_found(
     out = report.stdout.splitlines()
     assert not any(ln.startswith("note:") for ln in out)
     legend = [ln[2:] for ln in out if ln.startswith("- ")]
-    assert legend == list(LEGEND)
-    # Under the table: after its last row.
+    assert legend[: len(LEGEND)] == list(LEGEND)
+    # Then a line per config, each explained, in the table's order.
+    configs = [ln.split(":")[0] for ln in legend[len(LEGEND) :]]
+    assert configs == [f"config {c}" for c in report.configs()]
+    # Under the table: after its last row; the verdict closes the output.
     rows = [i for i, ln in enumerate(out) if ln.startswith(("sm_", "gfx"))]
     assert out.index("- " + LEGEND[0]) > max(rows)
+    assert out[-1].startswith(f"verdict: {len(rows)} of {len(rows)} kernels")
+    assert out[-1].endswith(
+        "clean: no spills, no ptxas advisories, every"
+        " parameter block the host's bytes"
+    )
 
 
 def test_the_legend_explains_every_column():
-    columns = HEADER.split()[4:]  # past arch, op, kernel, config
+    columns = list(COLUMNS[4:])  # past arch, op, kernel, config
     assert columns == [
         "regs",
         "spill",

@@ -27,8 +27,12 @@ from mla_kpool.gpu_report.asm import (
     ptxas_advisories,
 )
 from mla_kpool.gpu_report.report import (
+    COLUMNS,
+    config_legend,
     param_mismatches,
+    table_lines,
     table_notes,
+    verdict,
 )
 
 #: ptxas 13.0's words for the wgmma scorer before it broadcast its idle
@@ -417,3 +421,85 @@ def test_a_failed_compile_prints_no_table(monkeypatch, capsys, tmp_path):
     assert captured.err.strip().splitlines()[-1] == (
         "gpu-report: compiling the kernels for sm_90a failed: x"
     )
+
+
+def _full_row(**fields) -> dict:
+    """A row with every field the table reads (ptxas and nvdisasm ran)."""
+    return (
+        _row(
+            registers=40,
+            spill_store_bytes=0,
+            spill_load_bytes=0,
+            shared_bytes=1024,
+            block_threads=256,
+            machine_ops={"matrix": {}},
+            advisories=[],
+            occupancy={"H100": 1.0},
+            limited_by={"H100": "blocks"},
+            params={"dtype": "bfloat16", "head_dim": 128, "kpool": 4},
+        )
+        | fields
+    )
+
+
+def test_the_table_columns_fit_their_widest_cell():
+    long = "score_wgmma_rows_and_then_some"
+    lines = table_lines([_full_row(), _full_row(kernel=long)])
+    assert len(lines) == 3
+    # Every column starts where its name starts in the header.
+    starts = [lines[0].index(name) for name in COLUMNS[:4]]
+    for line in lines[1:]:
+        for start in starts[1:]:
+            assert line[start - 1] == " " and line[start] != " "
+    assert lines[2].split()[2] == long
+    assert lines[1].split()[4] == "40"  # regs, after the long kernel name
+    assert lines[1].endswith("  H100 1.00 (blocks)")
+
+
+def test_every_config_is_explained_from_its_parameters():
+    rows = [
+        _full_row(),
+        _full_row(kernel="scan"),
+        _full_row(
+            op="index_top_k",
+            config="dsv32-k2048",
+            params={"num_heads": 64, "k": 2048, "spread": False},
+        ),
+    ]
+    assert config_legend(rows) == [
+        "config bf16-d128-kpool4: the writers; dtype bfloat16, head dim"
+        " 128, kpool 4",
+        "config dsv32-k2048: DeepSeek-V3.2's indexer; num heads 64, k 2048,"
+        " spread false",
+    ]
+
+
+def test_the_verdict_names_each_kernel_that_is_not_clean():
+    clean = [_full_row(), _full_row(arch="gfx942")]
+    assert verdict(clean) == (
+        "verdict: 2 of 2 kernels (sm_90a, gfx942) clean: no spills, no"
+        " ptxas advisories, every parameter block the host's bytes"
+    )
+    bad = [
+        *clean,
+        _full_row(op="step", spill_store_bytes=8, spill_load_bytes=8),
+        _full_row(kernel="x", advisories=["C7518: serialized"]),
+        _full_row(op="compress", param_bytes=88, host_bytes=80),
+    ]
+    assert verdict(bad) == (
+        "verdict: 3 of 5 kernels (sm_90a, gfx942) need a look:"
+        " sm_90a step/main [bf16-d128-kpool4]: spills 8/8 B;"
+        " sm_90a ring_close/x [bf16-d128-kpool4]: advisories C7518;"
+        " sm_90a compress/main [bf16-d128-kpool4]: parameter block 88 B,"
+        " host 80 B"
+    )
+    unknown = _full_row(
+        registers=None,
+        spill_store_bytes=None,
+        spill_load_bytes=None,
+        advisories=None,
+    )
+    assert verdict([*clean, unknown]).endswith(
+        "; 1 with spills or advisories unknown (no ptxas: see the note)"
+    )
+    assert verdict([*clean, unknown]).startswith("verdict: 2 of 3 kernels")

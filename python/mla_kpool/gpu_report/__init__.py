@@ -42,15 +42,16 @@ from .._argtypes import output_dir, output_file, usage_error
 from ..gpu_specs import ARCH_GPUS
 from .asm import ptx_facts
 from .report import (
-    HEADER,
     LEGEND,
     Row,
     advisory_lines,
+    config_legend,
     is_nvidia,
     kernel_rows,
     param_mismatches,
-    table_line,
+    table_lines,
     table_notes,
+    verdict,
 )
 from .tools import (
     ToolError,
@@ -172,15 +173,13 @@ def report(archs: list[str], asm_dir: Path, out=None, err=None) -> list[Row]:
         start = time.perf_counter()
         compile_kernels(arch, out_dir)
         arch_rows = kernel_rows(arch, out_dir, ptxas, nvdisasm)
-        if not rows:
-            # The header once the first target compiled, so that a failed
-            # compile prints one line and no table.
-            print(HEADER, file=out)
-        for row in arch_rows:
-            print(table_line(row), file=out)
         seconds = time.perf_counter() - start
         print(f"{arch}: {len(arch_rows)} kernels, {seconds:.1f} s", file=err)
         rows += arch_rows
+    # The table once every target compiled (its columns fit every row), so
+    # a failed compile prints one line and no table.
+    for line in table_lines(rows):
+        print(line, file=out)
     print(file=out)
     for line in advisory_lines(rows):
         print(f"advisory: {line}", file=out)
@@ -188,6 +187,9 @@ def report(archs: list[str], asm_dir: Path, out=None, err=None) -> list[Row]:
         print(f"note: {line}", file=out)
     for line in LEGEND:
         print(f"- {line}", file=out)
+    for line in config_legend(rows):
+        print(f"- {line}", file=out)
+    print(verdict(rows), file=out)
     return rows
 
 

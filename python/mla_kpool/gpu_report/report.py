@@ -216,10 +216,21 @@ def _occupancy_cell(row: Row) -> str:
     )
 
 
-HEADER = (
-    f"{'arch':8} {'op':12} {'kernel':13} {'config':24} {'regs':>4} "
-    f"{'spill':>7} {'smem':>6} {'thr':>4} {'param/host':>10} {'matrix':>9}"
-    f" {'adv':>5}  occupancy"
+#: The table's columns, in order; the first four (text) are left-aligned,
+#: the numbers right-aligned, occupancy last and unpadded.
+COLUMNS = (
+    "arch",
+    "op",
+    "kernel",
+    "config",
+    "regs",
+    "spill",
+    "smem",
+    "thr",
+    "param/host",
+    "matrix",
+    "adv",
+    "occupancy",
 )
 
 
@@ -291,22 +302,128 @@ def table_notes(
     return []
 
 
-def table_line(row: Row) -> str:
-    """A row of the table.
+def _cells(row: Row) -> list[str]:
+    """A row's cells, in :data:`COLUMNS` order.
 
-    Columns: registers, spill bytes (stores/loads), shared bytes, threads
-    per block, parameter and host bytes, matrix instructions in the code
+    Registers, spill bytes (stores/loads), shared bytes, threads per
+    block, parameter and host bytes, matrix instructions in the code
     (:func:`_matrix_cell`), ptxas advisories (:func:`_advisory_cell`),
     occupancy per GPU.
     """
     spill = (
         f"{_cell(row['spill_store_bytes'])}/{_cell(row['spill_load_bytes'])}"
     )
-    params = f"{row['param_bytes']}/{row['host_bytes']}"
-    return (
-        f"{row['arch']:8} {row['op']:12} {row['kernel']:13} "
-        f"{row['config']:24} {_cell(row['registers']):>4} {spill:>7} "
-        f"{row['shared_bytes']:>6} {row['block_threads']:>4} {params:>10} "
-        f"{_matrix_cell(row):>9} {_advisory_cell(row):>5}"
-        f"  {_occupancy_cell(row)}"
+    return [
+        row["arch"],
+        row["op"],
+        row["kernel"],
+        row["config"],
+        _cell(row["registers"]),
+        spill,
+        str(row["shared_bytes"]),
+        str(row["block_threads"]),
+        f"{row['param_bytes']}/{row['host_bytes']}",
+        _matrix_cell(row),
+        _advisory_cell(row),
+        _occupancy_cell(row),
+    ]
+
+
+def table_lines(rows: list[Row]) -> list[str]:
+    """The table: a header, then a line per row.
+
+    Each column is as wide as its widest cell (or its name), so a long
+    kernel name never shifts the columns after it.
+    """
+    cells = [_cells(row) for row in rows]
+    widths = [
+        max([len(name)] + [len(c[i]) for c in cells])
+        for i, name in enumerate(COLUMNS)
+    ]
+
+    def line(values: list[str]) -> str:
+        text = [
+            v.ljust(w) if i < 4 else v.rjust(w)
+            for i, (v, w) in enumerate(zip(values[:-1], widths, strict=False))
+        ]
+        return " ".join(text) + "  " + values[-1]
+
+    return [line(list(COLUMNS))] + [line(c) for c in cells]
+
+
+#: What the start of a ``config`` name stands for (the rest, after the
+#: first ``-``, is read from the instance's parameters in
+#: :func:`config_legend`).
+CONFIG_MODELS = {
+    "glm5next": "GLM-5-Next's indexer",
+    "dsv32": "DeepSeek-V3.2's indexer",
+    "h128": "a 128-head indexer (the widest the scorers take)",
+    "bf16": "the writers",
+    "i32": "expand_topk",
+}
+
+
+def config_legend(rows: list[Row]) -> list[str]:
+    """A line per ``config`` of the table, in the table's order.
+
+    What the name stands for (:data:`CONFIG_MODELS`) and the parameters
+    of its instance, from the manifest.
+    """
+    seen: dict[str, Row] = {}
+    for row in rows:
+        seen.setdefault(row["config"], row)
+    lines = []
+    for config, row in seen.items():
+        model = CONFIG_MODELS.get(config.split("-")[0], "an instance")
+        params = ", ".join(
+            f"{name.replace('_', ' ')} {str(value).lower()}"
+            for name, value in (row.get("params") or {}).items()
+            if name not in ("grouped", "split")
+        )
+        lines.append(f"config {config}: {model}; {params}")
+    return lines
+
+
+def verdict(rows: list[Row]) -> str:
+    """One closing line: whether every kernel is clean, or which are not.
+
+    Clean: no spill bytes, no ptxas advisory, a parameter block of the
+    host's bytes. Kernels whose spills or advisories are unknown (no
+    ptxas) are counted as such, never as clean.
+    """
+    archs = ", ".join(dict.fromkeys(row["arch"] for row in rows))
+    dirty, unknown = [], 0
+    for row in rows:
+        spills = (row["spill_store_bytes"], row["spill_load_bytes"])
+        found = []
+        if any(spills):
+            found.append(f"spills {_cell(spills[0])}/{_cell(spills[1])} B")
+        if row.get("advisories"):
+            found.append(f"advisories {_advisory_cell(row)}")
+        if row["param_bytes"] != row["host_bytes"]:
+            found.append(
+                f"parameter block {row['param_bytes']} B, host"
+                f" {row['host_bytes']} B"
+            )
+        if found:
+            name = f"{row['arch']} {row['op']}/{row['kernel']}"
+            dirty.append(f"{name} [{row['config']}]: {', '.join(found)}")
+        elif None in spills or row.get("advisories") is None:
+            unknown += 1
+    if dirty:
+        return (
+            f"verdict: {len(dirty)} of {len(rows)} kernels ({archs}) need a"
+            f" look: {'; '.join(dirty)}"
+        )
+    clean = len(rows) - unknown
+    text = (
+        f"verdict: {clean} of {len(rows)} kernels ({archs}) clean: no"
+        " spills, no ptxas advisories, every parameter block the host's"
+        " bytes"
     )
+    if unknown:
+        text += (
+            f"; {unknown} with spills or advisories unknown (no ptxas:"
+            " see the note)"
+        )
+    return text
