@@ -3,7 +3,7 @@
 # MAX's peers (python -m mla_kpool.bench.kernel_times), into one JSON
 # named <gpu>-<short commit>.json. Needs one NVIDIA GPU, MAX installed and
 # PyTorch (its profiler reads the kernel times); about 5-8 minutes warm or
-# cold on 16 cores.
+# cold on a lent H200's 16 host cores with nothing else running.
 #
 #   bash benchmarks/gpu_run.sh [OUT_DIR]      # default: benchmarks/results
 #
