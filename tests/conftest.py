@@ -170,7 +170,8 @@ def runners(
     function ``device -> [ModelKey | IndexKey, ...]``) has them compiled
     as one graph (:meth:`Runner.compile_together`) the first time it asks
     for a host device's runner: MAX's compile costs about 15 s per graph
-    here and 1-8 s per op in it. A real GPU's runner compiles one graph per
+    on a 2-core VM alone (several times that beside other compiles) and
+    1-8 s per op in it. A real GPU's runner compiles one graph per
     model. Tests that put the device into their own parametrization call
     this; the rest take :func:`runner`.
     """

@@ -2,10 +2,11 @@
 
 Every distinct (kind, dtype, kpool, head_dim, ring length, index dtypes)
 is one more op to compile, and every graph costs a MAX compile (15-40 s cold
-on a 2-core machine), so the suite draws its kernel configurations from the
-short lists below, shares one :class:`mla_kpool.runner.Runner` per device
-and compiles each test module's models as one graph (conftest's ``runners``
-fixture, the module's ``COMPILED_TOGETHER``).
+on a 2-core VM alone, minutes beside other compiles), so the suite draws
+its kernel configurations from the short lists below, shares one
+:class:`mla_kpool.runner.Runner` per device and compiles each test
+module's models as one graph (conftest's ``runners`` fixture, the
+module's ``COMPILED_TOGETHER``).
 Add a configuration only when a test needs a combination none of these has.
 """
 
