@@ -6,9 +6,10 @@ This plugin says so once at the start of a session and, while a test runs
 for longer than ``still_running_after`` seconds (an ini option, 30 by
 default), names it, and again every ``still_running_every`` seconds (60).
 
-Both go through pytest's terminal reporter with capture suspended (as
-pytest's live logging does), so they show under ``-q``, with ``-s`` or
-without. Under pytest-xdist only the controller writes: the workers'
+Both go to a copy of the terminal's file descriptor taken before any test
+runs, so they show under ``-q``, with ``-s`` or without, and never touch
+the capture a running test may depend on. Under pytest-xdist only the
+controller writes: the workers'
 ``pytest_runtest_logstart`` and ``pytest_runtest_logfinish`` reach it as
 the same hooks, so it times every worker's current test. The plugin
 imports nothing from MAX, so it costs the suite nothing to load.
@@ -17,6 +18,7 @@ imports nothing from MAX, so it costs the suite nothing to load.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -92,27 +94,39 @@ class Notice:
         self.thread = threading.Thread(
             target=self.watch, name="still-running", daemon=True
         )
+        #: The terminal's descriptor, copied while capture is suspended.
+        self.fd: int | None = None
+        try:
+            self.fd = os.dup(sys.__stdout__.fileno())
+        except (AttributeError, OSError, ValueError):
+            self.fd = None
 
     def write(self, line: str) -> None:
-        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is None:
-            return
-        capture = self.config.pluginmanager.get_plugin("capturemanager")
-        if capture is None:
-            self.write_line(reporter, line)
-            return
-        with capture.global_and_fixture_disabled():
-            self.write_line(reporter, line)
+        """Writes ``line`` to the terminal, whatever the capture is doing.
 
-    @staticmethod
-    def write_line(reporter: pytest.TerminalReporter, line: str) -> None:
-        # Under -q the progress dots leave the line open, and write_line
-        # starts a new one only after a file name: end the dots' line first.
+        Through a copy of the terminal's file descriptor taken when the
+        notice was made (capture is suspended then), never by suspending
+        capture: this runs on the timer's thread while a test may have
+        redirected ``sys.stdout`` itself, which a capture resumed from
+        here would replace. Without a descriptor (an in-process pytest run
+        of a test), through the terminal reporter.
+        """
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         writer = getattr(reporter, "_tw", None)
-        if writer is not None and writer.width_of_current_line:
-            reporter.write("\n")
-        reporter.write_line(line)
-        reporter.flush()
+        # Under -q the progress dots leave the line open: end it first.
+        lead = (
+            "\n" if writer is not None and writer.width_of_current_line else ""
+        )
+        if self.fd is not None:
+            try:
+                os.write(self.fd, f"{lead}{line}\n".encode())
+                return
+            except OSError:
+                pass
+        if reporter is not None:
+            reporter.write(lead)
+            reporter.write_line(line)
+            reporter.flush()
 
     def watch(self) -> None:
         tick = min(1.0, self.after / 2)
@@ -143,6 +157,10 @@ class Notice:
 
     def pytest_sessionfinish(self) -> None:
         self.done.set()
+        self.thread.join(timeout=5)
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -19,12 +19,19 @@ from compile_notice import start_line
 TESTS = Path(__file__).parent
 
 SLOW_FILE = """
+import contextlib
+import io
 import time
 
 
 def test_slow():
     print("captured, never shown")
-    time.sleep(1.6)
+    # A test's own redirect of stdout survives the lines written meanwhile.
+    mine = io.StringIO()
+    with contextlib.redirect_stdout(mine):
+        time.sleep(1.6)
+        print("kept")
+    assert mine.getvalue() == "kept\\n"
 
 
 def test_fast():
