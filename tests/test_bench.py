@@ -363,7 +363,10 @@ def test_help_states_each_presets_cold_cost(capsys):
         main(["bench", "--help"])
     assert exc.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "8 configurations, 4 graphs to compile: about 1.5 min" in text
+    assert (
+        "8 configurations, 4 graphs to compile: on 2 CPU cores alone about"
+        " 1.5 min" in text
+    )
     assert "132 configurations, 66 graphs, about 22 min cold" in text
     assert "3 configurations, 2 graphs, about 40 s cold" in text
     # Why a command-line run starts again without two OpenBLAS variables.

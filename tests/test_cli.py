@@ -182,7 +182,7 @@ def test_progress_lines_when_stderr_is_not_a_terminal(
     (compiling,) = [line for line in err if line.startswith("compiling")]
     assert compiling.endswith(
         "the first run compiles them into MAX's cache (~/.cache/modular by "
-        "default), about 15 s on a quiet 2-core machine, 1-2 min on a busy "
+        "default), about 15 s on a 2-core machine alone, 1-3 min on a busy "
         "or slower one; later runs load them from it in a few seconds..."
     )
     calls, requests = len(SMALL["calls"]), len(SMALL["requests"])

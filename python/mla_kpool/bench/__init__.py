@@ -81,7 +81,8 @@ DESCRIPTION = (
     "Time the k-pool ops against MAX's no-op floor, a NumPy twin and memcpy"
     " bandwidth. With no preset: the fused step and expand_topk, bfloat16,"
     " kpool 4, batch 1 64 512 4096 (8 configurations, 4 graphs to compile:"
-    " about 1.5 min on a cold compile cache on 2 CPU cores, 20 s warm)."
+    " on 2 CPU cores alone about 1.5 min with a cold compile cache and 20 s"
+    " warm; 3-5 min cold beside other compiles)."
     " From the command line it restarts itself without OPENBLAS_CORETYPE"
     " and OPENBLAS_L2_SIZE: they slow NumPy's BLAS, which the NumPy peers"
     " run on, so the peers get their best."
@@ -610,14 +611,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the grid options default to every op but index_top_k,"
         " float32 and bfloat16, kpool 4 16 128: 132 configurations, 66"
-        " graphs, about 22 min cold on 2 CPU cores",
+        " graphs, about 22 min cold on 2 CPU cores alone, 45 min to 1.5 h"
+        " beside other compiles",
     )
     preset.add_argument(
         "--quick",
         action="store_true",
         help="only the fused step, bfloat16, kpool 4, batch 1 64 4096 (the"
         " grid options are ignored): 3 configurations, 2 graphs, about 40 s"
-        " cold and 15 s warm on 2 CPU cores, half the default's cold time",
+        " cold and 15 s warm on 2 CPU cores alone (1 min 15 s cold, 18 s warm"
+        " beside other compiles), half the default's cold time",
     )
     add(
         "--ops",
@@ -631,7 +634,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " kpool 4, top-k 512) on a decode call (16 requests, 8,192 pools"
         " each) and prefills of 4,096 and 16,384 tokens, whatever the grid"
         " options say, against a NumPy twin and NumPy's BLAS (1 graph, about"
-        " 1.5 min cold and 1 min warm on 2 CPU cores); with --device gpu,"
+        " 1.5 min cold and 1 min warm on 2 CPU cores alone, several minutes"
+        " beside other compiles); with --device gpu,"
         " this package's GPU path, with its share of the GPU's published"
         " FP32, FP8 and memory peaks (H200, H100, B200, MI300X) and its"
         " roofline bound",

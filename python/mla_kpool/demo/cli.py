@@ -69,10 +69,10 @@ class DemoError(Exception):
 #: the demo says before it compiles them. The compile row less the Mojo
 #: kernels' precompile, ``MODULAR_CACHE_DIR=$(mktemp -d) python -m
 #: mla_kpool demo`` on 2-core VMs, MAX 26.7: 12.5-19 s on a quiet machine,
-#: 40-110 s beside other compiles or on a slower one (docs/demo.md has the
-#: runs). A warm cache loads them in a few seconds.
+#: 40-110 s beside other compiles or on a slower one, 57.2 s at load 5-7
+#: (docs/demo.md has the runs). A warm cache loads them in a few seconds.
 COLD_COMPILE = (
-    "about 15 s on a quiet 2-core machine, 1-2 min on a busy or slower one"
+    "about 15 s on a 2-core machine alone, 1-3 min on a busy or slower one"
 )
 
 #: What the line after the compile says the models' source was
@@ -450,7 +450,7 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
             "thread on the host); --requests sets the count"
         )
     say(f"workload: {describe_size(plan_)}")
-    say("precompiling the Mojo kernels (a few seconds, every run)...")
+    say("precompiling the Mojo kernels (2-7 s on 2 cores, every run)...")
     start = time.perf_counter()
     compiled_kernels()
     package_s = time.perf_counter() - start

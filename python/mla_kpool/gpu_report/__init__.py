@@ -134,6 +134,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: How long one target's compile takes, as the report says before it:
+#: ``python -m mla_kpool gpu-report`` on 2-core VMs, 16-20 s a target
+#: alone, 125 s (load 7) and 207 s (load 4-8) for sm_90a beside other
+#: compiles.
+COMPILE_TIME = "16-20 s on 2 cores alone, 1-4 min beside other compiles"
+
+
 def report(archs: list[str], asm_dir: Path, out=None, err=None) -> list[Row]:
     """Compiles and reads every kernel for each target; prints the table.
 
@@ -171,6 +178,9 @@ def report(archs: list[str], asm_dir: Path, out=None, err=None) -> list[Row]:
     rows: list[Row] = []
     for arch, out_dir in zip(archs, out_dirs, strict=True):
         start = time.perf_counter()
+        print(
+            f"{arch}: compiling every GPU kernel ({COMPILE_TIME})...", file=err
+        )
         compile_kernels(arch, out_dir)
         arch_rows = kernel_rows(arch, out_dir, ptxas, nvdisasm)
         seconds = time.perf_counter() - start
