@@ -250,6 +250,25 @@ def test_tiled_scorer_ptx_has_no_local_memory(report: Report):
             assert facts["global_loads"], _name(row)
 
 
+def test_step_kernel_reads_the_ring_it_overwrites_without_nc_loads(
+    report: Report,
+):
+    """The fused step closes a ring slot and then seeds it in one kernel:
+    none of its loads may take the read-only path (``ld.global.nc``), which
+    is only valid for memory the kernel never writes."""
+    rows = [
+        r
+        for r in report.rows
+        if r["arch"].startswith("sm_")
+        and (r["op"], r["kernel"]) == ("step", "main")
+    ]
+    assert rows
+    for row in rows:
+        code = report.code(row)
+        assert "ld.global." in code, _name(row)
+        assert "ld.global.nc" not in code, _name(row)
+
+
 #: The wgmma scorer's instructions per block: D = 128 in four k32 steps.
 #: A row and a tile a block: all heads in one product (32 or 64 of them as
 #: N). Grouped: 4 rows of 32 heads or 2 of 64 (N = 128), a product per

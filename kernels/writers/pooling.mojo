@@ -117,9 +117,7 @@ def _load_member[
 
 
 @fieldwise_init
-struct PoolSegments[dtype: DType, origin: Origin[mut=False]](
-    ImplicitlyCopyable
-):
+struct PoolSegments[dtype: DType, origin: MutOrigin](ImplicitlyCopyable):
     """Where one pool's members are: a ring segment, then this call's rows.
 
     Member `q < split` is row `q` of `ring_key` / `ring_gate`; member
@@ -129,8 +127,12 @@ struct PoolSegments[dtype: DType, origin: Origin[mut=False]](
 
     Parameters:
         dtype: Key and gate dtype.
-        origin: Origin of the pointers (`ImmutAnyOrigin` in `PoolMembers`):
-            pooling only reads its members.
+        origin: Origin of the pointers (`MutAnyOrigin` in `PoolMembers`).
+            Mutable although pooling only reads its members: the step
+            closes a ring slot and then overwrites it in the same kernel,
+            and through an immutable pointer the GPU compiler may load the
+            ring with non-coherent loads (`ld.global.nc`, the read-only
+            path), valid only for memory the kernel never writes.
     """
 
     var ring_key: Pointer[Scalar[Self.dtype], Self.origin]
@@ -147,10 +149,8 @@ struct PoolSegments[dtype: DType, origin: Origin[mut=False]](
     @staticmethod
     @always_inline
     def new_rows(
-        k: Pointer[Scalar[Self.dtype], Self.origin],
-        gate: Pointer[Scalar[Self.dtype], Self.origin],
-        first: Int,
-    ) -> Self:
+        k: Ptr[Self.dtype], gate: Ptr[Self.dtype], first: Int
+    ) -> PoolSegments[Self.dtype, MutAnyOrigin]:
         """A pool made only of this call's rows, member 0 at element `first`.
 
         Args:
@@ -161,26 +161,35 @@ struct PoolSegments[dtype: DType, origin: Origin[mut=False]](
         Returns:
             Members with an empty ring segment.
         """
-        return Self(
+        return PoolSegments[Self.dtype, MutAnyOrigin](
             k, gate, 0, k.unsafe_offset(first), gate.unsafe_offset(first)
         )
 
     @always_inline
     def row(
         self, q: Int, row_stride: Int
-    ) -> Tuple[
-        Pointer[Scalar[Self.dtype], Self.origin],
-        Pointer[Scalar[Self.dtype], Self.origin],
-        Int,
-    ]:
-        """`(key, gate, offset)` of member `q`: a ring or a new-token row."""
+    ) -> Tuple[Ptr[Self.dtype], Ptr[Self.dtype], Int]:
+        """`(key, gate, offset)` of member `q`: a ring or a new-token row.
+
+        The pointers come back as the kernels' own (`MutAnyOrigin`), so
+        two rows of one origin may be returned together.
+        """
         if q < self.split:
-            return (self.ring_key, self.ring_gate, q * row_stride)
-        return (self.new_key, self.new_gate, (q - self.split) * row_stride)
+            return (
+                self.ring_key.unsafe_origin_cast[MutAnyOrigin](),
+                self.ring_gate.unsafe_origin_cast[MutAnyOrigin](),
+                q * row_stride,
+            )
+        return (
+            self.new_key.unsafe_origin_cast[MutAnyOrigin](),
+            self.new_gate.unsafe_origin_cast[MutAnyOrigin](),
+            (q - self.split) * row_stride,
+        )
 
 
-comptime PoolMembers[dtype: DType] = PoolSegments[dtype, ImmutAnyOrigin]
-"""`PoolSegments` over the kernels' raw tensor pointers (`Ptr`)."""
+comptime PoolMembers[dtype: DType] = PoolSegments[dtype, MutAnyOrigin]
+"""`PoolSegments` over the kernels' raw tensor pointers (`Ptr`): mutable,
+so a GPU kernel never reads a member through the read-only path."""
 
 
 @always_inline

@@ -187,13 +187,14 @@ def ring_close_operands[
 
 
 @fieldwise_init
-struct ClosingPool[dtype: DType, origin: Origin[mut=False]](ImplicitlyCopyable):
+struct ClosingPool[dtype: DType, origin: MutOrigin](ImplicitlyCopyable):
     """What one request closes: a pool id and where its members are.
 
     Parameters:
         dtype: Key dtype.
-        origin: Origin of the member pointers (`ImmutAnyOrigin` in
-            `ClosePlan`).
+        origin: Origin of the member pointers (`MutAnyOrigin` in
+            `ClosePlan`: the step overwrites the ring in the kernel that
+            reads it, so no read-only loads; see `PoolSegments`).
     """
 
     var pool: Int
@@ -204,7 +205,7 @@ struct ClosingPool[dtype: DType, origin: Origin[mut=False]](ImplicitlyCopyable):
     operands' first rows: safe to prefetch, never pooled."""
 
 
-comptime ClosePlan[dtype: DType] = ClosingPool[dtype, ImmutAnyOrigin]
+comptime ClosePlan[dtype: DType] = ClosingPool[dtype, MutAnyOrigin]
 """`ClosingPool` over the kernels' raw tensor pointers."""
 
 
