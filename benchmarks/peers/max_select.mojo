@@ -4,8 +4,8 @@ MAX 26.7 ships a select with the contract of `index_top_k`'s select
 (`nn.topk_bitonic.persistent_topk_block_split`: descending, ties to the
 lower column, per-row bounds, `-1` padding, a row split over blocks when
 rows are few). This op runs it, ordered and deterministic, on a score
-matrix, so `benchmarks/gpu_run.py` can time it on the rows our select
-reads.
+matrix, so `python/mla_kpool/bench/kernel_times.py` (run by
+`benchmarks/gpu_run.sh`) can time it on the rows our select reads.
 """
 
 import extensibility
