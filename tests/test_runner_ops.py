@@ -6,11 +6,14 @@
 model compiled ahead, as the demo does, is the one the call uses), that graph
 names keep what a profiler trace needs, and that a wrong kind or a missing
 operand says so before anything compiles. Models compiled together share
-one graph: each op's idle operands (an empty call) and its slice of the
-shared model's operands and outputs.
+one graph: each op's idle operands (an empty call, its values written
+before a model can read them) and its slice of the shared model's operands
+and outputs.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import ml_dtypes
 import numpy as np
@@ -270,3 +273,44 @@ def test_index_idle_operands_are_an_empty_call() -> None:
     values = [to_numpy(b).tolist() for b in idle]
     assert values[2] == [0] and values[4] == values[10] == [-1]
     assert values[7] == values[8] == [0] and values[12] == 0
+
+
+def _bytes_now(buffer) -> bytes:
+    """The buffer's bytes as they are at this instant, read from memory.
+
+    ``to_numpy`` may wait for the buffer's device queue, which would hide
+    a fill that had not run yet when a model launched on the buffer.
+    """
+    size = buffer.num_elements * buffer.element_size
+    return ctypes.string_at(buffer._data_ptr(), size) if size else b""
+
+
+def test_idle_operands_hold_their_values_when_returned() -> None:
+    """A model run at once on idle operands reads zeros, not stale bytes.
+
+    ``Buffer.zeros`` returns before its fill has run and ``Model.execute``
+    does not wait for it: the demo's shared model at kpool 1024 and
+    head_dim 128 read ``layer_idx=4292902920`` on its first idle run. The
+    operands are made here as :meth:`Runner.compile_together` makes them
+    for the demo (the step's, with its 512 KiB ``ape``, then the
+    indexer's, its scalar layer last), several times over: unsynchronized,
+    most rounds found the layer unfilled.
+    """
+    step = model_key(
+        "step", 1024, dtype=ml_dtypes.bfloat16, head_dim=128, ring_len=1024
+    )
+    index = IndexKey(32, 128, 128, 2, 128, 512, 1024, "null")
+    for _ in range(20):
+        ops_idle = OPS["step"].idle_operands(step, CPU())
+        index_idle = idle_operands(index, CPU())
+        now = [_bytes_now(b) for b in ops_idle + index_idle]
+        assert now[-1] == bytes(4), f"layer_idx {now[-1].hex()}, not 0"
+        for i, (buffer, raw) in enumerate(
+            zip(ops_idle + index_idle, now, strict=True)
+        ):
+            want = to_numpy(buffer)
+            assert raw == want.tobytes(), i
+        assert not any(np.any(to_numpy(b)) for b in ops_idle)
+        values = [to_numpy(b).tolist() for b in index_idle]
+        assert values[4] == values[10] == [-1]
+        assert values[12] == 0 and values[2] == [0]

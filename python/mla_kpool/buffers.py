@@ -9,6 +9,8 @@ uint16 array's, so bfloat16 crosses as uint16 and is relabelled with
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import ml_dtypes
 import numpy as np
 import numpy.typing as npt
@@ -62,6 +64,33 @@ def to_buffer(array: npt.ArrayLike, device: Device | None = None) -> Buffer:
     else:
         buffer = Buffer.from_numpy(host)
     return buffer if device is None else buffer.to(device)
+
+
+def zeros(
+    shape: Sequence[int], dtype: DType, device: Device | None = None
+) -> Buffer:
+    """A new buffer of zeros on ``device``, its zeros written on return.
+
+    MAX 26.7's ``Buffer.zeros`` enqueues the fill on the device's queue and
+    returns before it runs, and ``Model.execute`` does not wait for it: a
+    scalar operand (``layer_idx``) passed to a model right after
+    ``Buffer.zeros`` was read by the kernel as the allocation's stale bytes
+    (``layer_idx=4292902920``), more often behind a large fill queued
+    before it. This waits for the device's queue, so every later reader,
+    a model's launch included, sees the zeros.
+
+    Args:
+        shape: The buffer's shape.
+        dtype: Its MAX dtype.
+        device: Where it lives; the host CPU when ``None``.
+
+    Returns:
+        A buffer whose elements are all zero.
+    """
+    device = CPU() if device is None else device
+    buffer = Buffer.zeros(shape, dtype, device=device)
+    device.synchronize()
+    return buffer
 
 
 def to_numpy(buffer: Buffer) -> np.ndarray:

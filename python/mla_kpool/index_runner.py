@@ -36,7 +36,7 @@ from ._index_op import (
 from ._metadata import check_index_metadata
 from ._renamed import renamed_keyword
 from ._validate import mask_name
-from .buffers import to_buffer
+from .buffers import to_buffer, zeros
 from .index_cache import PagedIndexCache
 
 
@@ -179,7 +179,9 @@ def idle_operands(key: IndexKey, device: driver.Device) -> list[Buffer]:
 
     No tokens, requests, blocks or pages (offsets ``[0]``), packed strides,
     layer 0 and zero maxima; device operands on ``device``, host operands
-    on the CPU.
+    on the CPU. Every value is written when this returns
+    (:func:`mla_kpool.buffers.zeros`): a model run at once reads layer 0,
+    not the stale bytes of an unfinished fill.
     """
     cpu = driver.CPU()
     idle = []
@@ -189,7 +191,7 @@ def idle_operands(key: IndexKey, device: driver.Device) -> list[Buffer]:
             for d in t.shape
         ]
         where = cpu if t.device == DeviceRef.CPU() else device
-        idle.append(Buffer.zeros(shape, t.dtype, device=where))
+        idle.append(zeros(shape, t.dtype, where))
     for i in _STRIDES:
         idle[i] = to_buffer(np.array([-1], np.int64), cpu)
     return idle

@@ -32,7 +32,7 @@ from max.graph import (
 
 from . import _validate as v
 from . import graph as kpool_graph
-from .buffers import to_max_dtype
+from .buffers import to_max_dtype, zeros
 
 
 @dataclass(frozen=True)
@@ -185,12 +185,12 @@ class Op:
         """Operands on which the op does nothing, as buffers on ``device``.
 
         No ring slots, tokens or requests: every symbolic dim is 0 except
-        ``offsets``, which is ``[0]``; ``ape`` is zeros.
+        ``offsets``, which is ``[0]``; ``ape`` is zeros. The zeros are
+        written when this returns (:func:`mla_kpool.buffers.zeros`), so a
+        model run at once reads them.
         """
         return [
-            Buffer.zeros(
-                [_IDLE_SIZES.get(d, d) for d in dims], dtype, device=device
-            )
+            zeros([_IDLE_SIZES.get(d, d) for d in dims], dtype, device)
             for _, dtype, dims in self.operand_types(key)
         ]
 
