@@ -1,31 +1,23 @@
 #!/usr/bin/env bash
-# The one GPU run: the GPU tests, then each launch's kernel time beside
-# MAX's peers (python -m mla_kpool.bench.kernel_times), into one JSON
-# named <gpu>-<short commit>.json. Needs one NVIDIA GPU, MAX installed and
-# PyTorch (its profiler reads the kernel times); about 5-8 minutes warm or
-# cold on a lent H200's 16 host cores with nothing else running.
+# The one GPU run, within 540 s in all (GPU_RUN_BUDGET_S): a preflight of
+# seconds (MAX, this package and PyTorch import, a GPU is visible; else it
+# stops, exit status 2, with the reasons), the GPU tests while the timing
+# graphs compile, then each launch's kernel time beside MAX's peers and the
+# cost model's GPU constants (python -m mla_kpool.bench.kernel_times), into
+# one JSON named <gpu>-<short commit>.json, written after every step and
+# every timing item, its "steps" saying what each step took. Each step's
+# timeout comes from what is left of the budget. Needs one NVIDIA GPU, MAX
+# and PyTorch (its profiler reads the kernel times). Where the copy has no
+# .git, set MLA_KPOOL_COMMIT to the commit measured.
 #
 #   bash benchmarks/gpu_run.sh [OUT_DIR]      # default: benchmarks/results
 #
-# The timing graphs compile in two background processes while the tests
-# run (pytest-xdist workers), so MAX's compile cache is full before any
-# timing starts. Logs go next to the JSON.
+# Everything it writes (the JSON, the logs) goes to OUT_DIR. The steps are
+# benchmarks/gpu_run_steps.py; GPU_RUN_FAKE=1 runs them with fast fakes and
+# no GPU (tests/test_gpu_run.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-benchmarks/results}
-mkdir -p "$out"
-py=${PYTHON:-python}
-for item in index writers; do
-    timeout 420 "$py" -m mla_kpool.bench.kernel_times --compile \
-        --items "$item" >"$out/compile-$item.log" 2>&1 &
-done
-timeout 360 "$py" -m pytest -q -m gpu -n 10 -p no:cacheprovider tests \
-    >"$out/tests.log" 2>&1
-echo "tests: rc $?, $(tail -n 1 "$out/tests.log")"
-wait
-GPU_RUN_COMMAND="bash benchmarks/gpu_run.sh" timeout 300 \
-    "$py" -m mla_kpool.bench.kernel_times --out-dir "$out" \
-    --tests "$(tail -n 1 "$out/tests.log")" >"$out/times.log" 2>&1
-rc=$?
-tail -n 60 "$out/times.log"
-exit $rc
+budget=${GPU_RUN_BUDGET_S:-540}
+# A guard past the steps' own budget, in case the step runner itself hangs.
+exec timeout -k 5 "$((${budget%.*} + 20))" "${PYTHON:-python}" \
+    benchmarks/gpu_run_steps.py "$@"

@@ -37,7 +37,7 @@ def _refused(argv: list[str], capsys) -> str:
 @pytest.mark.parametrize(
     "argv, limit",
     [
-        (["demo", "--kpool", "257"], "must be at most 256, got 257"),
+        (["demo", "--kpool", "1025"], "must be at most 1,024, got 1,025"),
         (["demo", "--head-dim", "1025"], "must be at most 1,024, got 1,025"),
         (["demo", "--requests", "4097"], "must be at most 4,096, got 4,097"),
         (["demo", "--token-budget", "65537"], "must be at most 65,536"),
@@ -47,7 +47,7 @@ def _refused(argv: list[str], capsys) -> str:
         (["demo", "--spec-tokens", "65"], "must be at most 64"),
         (["demo", "--seed", str(2**53)], "must be at most"),
         (["bench", "--batches", "1", str(2**20 + 1)], "must be at most"),
-        (["bench", "--kpools", "4", "257"], "must be at most 256"),
+        (["bench", "--kpools", "4", "1025"], "must be at most 1,024"),
         (["bench", "--head-dim", "1025"], "must be at most 1,024"),
         (["bench", "--min-seconds", "61"], "must be at most 60, got 61"),
     ],
@@ -66,7 +66,7 @@ def test_each_number_has_an_upper_bound(argv, limit, capsys):
 
 @pytest.mark.parametrize(
     "parse, value",
-    [(_argtypes.kpool_option, 256), (_argtypes.head_dim_option, 1024)],
+    [(_argtypes.kpool_option, 1024), (_argtypes.head_dim_option, 1024)],
 )
 def test_the_bound_itself_is_accepted(parse, value):
     assert parse("1") == 1
@@ -123,6 +123,16 @@ def test_a_demo_past_this_machines_memory_is_refused(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "--max-running 64 and --head-dim 1024 need about" in err
     assert "more than the 1.0 GiB this machine has available" in err
+
+
+def test_a_demo_widening_past_this_machines_memory(monkeypatch, capsys):
+    """kpool 1024: each row of expand_topk is 512 * 1024 + 1023 positions."""
+    monkeypatch.setattr(demo, "available_memory", lambda: 4 * 2**30)
+    assert demo.run(_demo_args("--kpool", "1024")) == 2
+    err = capsys.readouterr().err
+    assert "--kpool 1024 and --pool-topk 512 widen each query row to" in err
+    assert "525,311 positions" in err
+    assert "lower --token-budget" in err
 
 
 def test_a_bench_grid_past_the_sweep_asks(capsys):

@@ -2,8 +2,10 @@
 
 The GPU script (benchmarks/gpu_run.sh) is only run on a GPU; what it rests
 on is checked here: profiler events cut into calls and summed per launch
-(made-up traces whose sums are known), the check of MAX's select against a
-sort of the rows (it must refuse a tie in the wrong order), and the peer
+(made-up traces whose sums are known), the cost model's constants from
+their kernels' times and the chase's cycle, the check of MAX's select
+against a sort of the rows (it must refuse a tie in the wrong order), and
+the peer
 op ``mla_kpool.max_select`` (benchmarks/peers): it loads in a graph, says
 on a CPU that it needs a GPU, and on a GPU selects what a sort selects.
 """
@@ -17,8 +19,15 @@ from max.graph import DeviceRef
 
 from kpool_cases import needs_mojo
 from mla_kpool.bench.kernel_times import (
+    BARRIER_ROUNDS,
+    CHASE_STEPS,
+    CONSTANT_KERNELS,
+    CONSTANTS,
+    COPY_BYTES,
     call_kernel_us,
+    chase_chain,
     check_select,
+    constants_from_us,
     max_select_graph,
     phase_us,
     split_calls,
@@ -71,6 +80,55 @@ def test_calls_that_launched_differently_are_refused(calls):
 def test_a_trace_without_kernels_is_refused():
     with pytest.raises(ValueError, match="0 kernels recorded over 3 calls"):
         split_calls([{"cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}], 3)
+
+
+def test_constants_come_from_their_kernels_times_with_units():
+    us = dict.fromkeys(CONSTANT_KERNELS, 1.0)
+    us.update(
+        copy=200.0,
+        chase=30_000.0,
+        bank_free=10.0,
+        bank_conflict=250.0,
+        atomic_same=64.0,
+        atomic_distinct=2.0,
+        barrier_on=50.0,
+        barrier_off=9.04,
+    )
+    got = constants_from_us(us)
+    assert list(got) == list(CONSTANTS)
+    assert got["dram_bandwidth"]["value"] == pytest.approx(
+        2 * COPY_BYTES / 200e-6 / 1e9
+    )
+    assert got["dram_bandwidth"]["unit"].startswith("GB/s")
+    assert got["l2_latency"]["value"] == pytest.approx(30e6 / CHASE_STEPS)
+    assert got["smem_bank_conflict_32way"]["value"] == pytest.approx(25.0)
+    assert got["atomic_same_address_32lanes"]["value"] == pytest.approx(32.0)
+    assert got["block_barrier"]["value"] == pytest.approx(
+        40.96e3 / BARRIER_ROUNDS
+    )
+    assert all(c["unit"] for c in got.values())
+
+
+def test_a_constant_without_its_kernels_is_left_out():
+    assert constants_from_us({"copy": 0.0, "chase": 10.0}) == {
+        "l2_latency": {
+            "value": pytest.approx(1e4 / CHASE_STEPS),
+            "unit": CONSTANTS["l2_latency"],
+        }
+    }
+
+
+def test_the_chase_visits_every_line_once_around():
+    words = 32 * 257
+    chain = chase_chain(words)
+    at, seen = 0, []
+    for _ in range(257):
+        seen.append(at)
+        at = int(chain[at])
+    assert at == 0
+    assert sorted(seen) == list(range(0, words, 32))
+    # Not the lines in order: no prefetcher may guess the next address.
+    assert seen != sorted(seen)
 
 
 def _sorted_top(scores: np.ndarray, bounds: np.ndarray, k: int) -> np.ndarray:

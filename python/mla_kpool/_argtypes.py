@@ -146,11 +146,13 @@ def available_memory() -> int | None:
 #: Largest ``kpool`` and ``head_dim`` the demo and the bench take: both
 #: are compile-time parameters of every writer kernel, and expand_topk
 #: unrolls its stores over ``kpool``, so a compile grows with them
-#: (``--kpool 1000000`` compiled for minutes at 2 GB). kpool 256 is 64
-#: times GLM-5-Next's and the largest the demo has been run at (about 2.5
-#: min cold on a busy 2-core VM, expand_topk 85 ms a call); head_dim 1024
-#: is 8 times GLM-5-Next's, where the GPU writers' block stops growing.
-MAX_KPOOL = 256
+#: (``--kpool 1000000`` compiled for minutes at 2 GB). kpool 1024 is 256
+#: times GLM-5-Next's and the largest the demo has been run at (``demo
+#: --kpool 1024 --requests 4``; at 256 about 2.5 min cold on a busy 2-core
+#: VM, expand_topk 85 ms a call); head_dim 1024 is 8 times GLM-5-Next's,
+#: where the GPU writers' block stops growing. What a run at such sizes
+#: holds in memory is checked after planning (the demo's ``check_size``).
+MAX_KPOOL = 1024
 MAX_HEAD_DIM = 1024
 
 #: argparse types of ``--kpool`` / ``--kpools`` and ``--head-dim``.

@@ -121,17 +121,29 @@ def cpu_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
         return False
 
 
-def git_commit(package_dir: Path = _PACKAGE_DIR) -> tuple[str, bool] | None:
+#: The environment variables that name the commit when there is no
+#: checkout to ask (a copy of the working tree without ``.git``, as a lent
+#: GPU machine gets): the sha, and ``1`` / ``0`` for tracked files changed.
+COMMIT_ENV = "MLA_KPOOL_COMMIT"
+DIRTY_ENV = "MLA_KPOOL_DIRTY"
+
+
+def git_commit(
+    package_dir: Path = _PACKAGE_DIR,
+) -> tuple[str, bool | None] | None:
     """The commit of the checkout this package is imported from.
 
     Only a repository whose ``python/mla_kpool`` is this package counts, so
     an installed wheel inside some other repository (a virtual environment
     kept in a project, say) reports ``None`` rather than that project's
-    commit.
+    commit. Without such a checkout (no ``.git``, or no ``git``), the
+    commit is :data:`COMMIT_ENV`'s value when set, and whether the files
+    differ from it :data:`DIRTY_ENV`'s (``None``, unknown, unless it is
+    ``1`` or ``0``).
 
     Returns:
         ``(commit sha, whether tracked files differ from it)``, or ``None``
-        outside a checkout or without ``git``.
+        outside a checkout with :data:`COMMIT_ENV` unset.
     """
 
     def git(*args: str) -> str | None:
@@ -150,7 +162,11 @@ def git_commit(package_dir: Path = _PACKAGE_DIR) -> tuple[str, bool] | None:
     found = git("rev-parse", "--show-toplevel", "HEAD")
     top, _, sha = (found or "").partition("\n")
     if not sha or Path(top).resolve() / _IN_REPO != package_dir.resolve():
-        return None
+        named = os.environ.get(COMMIT_ENV, "").strip()
+        if not named:
+            return None
+        dirty = {"1": True, "0": False}.get(os.environ.get(DIRTY_ENV, ""))
+        return named, dirty
     return sha, bool(git("status", "--porcelain", "--untracked-files=no"))
 
 

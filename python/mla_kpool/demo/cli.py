@@ -113,8 +113,11 @@ LONG_RUN_CALLS = {"cpu": 2000, "gpu": 2000, "gpu-emulated": 200}
 #: Bytes the demo keeps per element of ``head_dim`` of each token of each
 #: running request (its keys and gates, their float64 draws, the FP8 key
 #: cache and the oracle's float64 sequence; an upper estimate), for the
-#: memory check of :func:`check_fits`.
+#: memory check of :func:`check_size`.
 BYTES_PER_TOKEN_CHANNEL = 48
+#: Bytes per position of a call's expand_topk rows (int32: the op's
+#: output, the oracle's and the comparison's copies), for the same check.
+BYTES_PER_EXPANDED_ID = 12
 
 
 DESCRIPTION = (
@@ -376,16 +379,29 @@ def check_size(config: Config, plan_: Plan, long_run: bool) -> None:
             " --long-run"
             " to run it, or lower --requests, or raise --token-budget"
         )
+    have = available_memory()
+    if have is None:
+        return
     longest = max(r.end for r in plan_.requests)
     need = plan_.max_slots * longest * config.head_dim * BYTES_PER_TOKEN_CHANNEL
-    have = available_memory()
-    if have is not None and need > have:
+    if need > have:
         raise DemoError(
             f"--max-running {plan_.max_slots} and --head-dim"
             f" {config.head_dim} need about {need / 2**30:.1f} GiB for the"
             f" running requests' sequences (up to {longest:,} tokens each),"
             f" more than the {have / 2**30:.1f} GiB this machine has"
             " available; lower either"
+        )
+    tokens = max(sum(e.tokens for e in call) for call in plan_.calls)
+    width = config.pool_topk * config.kpool + config.kpool - 1
+    need = tokens * width * BYTES_PER_EXPANDED_ID
+    if need > have:
+        raise DemoError(
+            f"--kpool {config.kpool} and --pool-topk {config.pool_topk} widen"
+            f" each query row to {width:,} positions: about"
+            f" {need / 2**30:.1f} GiB for a call of {tokens:,} tokens, more"
+            f" than the {have / 2**30:.1f} GiB this machine has available;"
+            " lower --token-budget (or --kpool, --pool-topk)"
         )
 
 
