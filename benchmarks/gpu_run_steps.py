@@ -25,7 +25,8 @@ took, its status and timeout. The commit is the checkout's, or
 
 Everything the run writes goes to ``OUT_DIR``: the record, the logs, the
 profiler's passing trace files; Python writes no bytecode. Only MAX's own
-caches (``~/.cache/modular``, its Mojo package builds) live elsewhere.
+caches (``~/.cache/modular``, its Mojo package builds under ``$TMPDIR``)
+and the GPU tests' temporary directories (pytest's) live elsewhere.
 
 ``GPU_RUN_FAKE=1`` swaps the GPU parts for fast fakes (the preflight's
 PyTorch and GPU checks, the tests, the compile, and the timings for

@@ -1,10 +1,10 @@
 """Kernel time per launch of the ops and of MAX's peers on a GPU, one JSON.
 
 ``benchmarks/gpu_run.sh`` runs this after the GPU tests (``python -m
-mla_kpool.bench.kernel_times --out-dir DIR`` writes
-``DIR/<gpu>-<commit>.json``). Each *item* below times one call,
-``CALLS`` times after ``WARMUP``, and adds medians in microseconds to the
-run's ``us``:
+mla_kpool.bench.kernel_times --json DIR/<gpu>-<commit>.json``, the
+script's record; alone, ``--out-dir DIR`` writes that file). Each
+*item* below times one call, ``CALLS`` times after ``WARMUP``, and adds
+medians in microseconds to the run's ``us``:
 
 - ``index.<workload>.{plan,score,select,launches}``: ``index_top_k``'s
   GPU path on GLM-5-Next's decode (16 x 32K tokens) and 4,096-token
