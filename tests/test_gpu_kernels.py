@@ -13,7 +13,9 @@ select through that emulation against a plain sort of every candidate's
 rank key, and must fail with a planted off-by-one in its radix bucket, a
 histogram counted without atomics, a histogram cleared while counted, a
 rank sort that ranks in reverse, or a thread that offers nothing to a
-collective.
+collective. tests/mojo/test_profile.mojo checks the emulated profile's
+shared-memory counts (wavefronts, bank conflicts, atomics per address)
+on kernels whose answers are known.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ def test_gpu_kernels_compile_and_launch_shapes():
 @needs_mojo
 def test_phased_kernels_emulation_and_compile():
     run_mojo_suite("tests/mojo/test_block_phases.mojo")
+
+
+@needs_mojo
+def test_the_emulated_profile_counts_planted_patterns():
+    run_mojo_suite("tests/mojo/test_profile.mojo")
 
 
 @needs_mojo

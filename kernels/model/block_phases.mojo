@@ -40,13 +40,16 @@ writer, readers and atomic users (phase, thread) and fails the launch on
 
 The race check idea is the one of GPU race detectors (NVIDIA's
 compute-sanitizer racecheck): shadow state per shared word, checked at each
-access between two barriers.
+access between two barriers. A profiled launch (`profile_kernel`) also
+records every access with its source location (`profile`); the GPU build
+has no recording code.
 """
 
 from max.gpu.memory import AddressSpace
 from std.atomic import Atomic, Ordering, fence
-from std.math import max
+from std.math import max, min
 from std.memory import bitcast
+from std.reflection import SourceLocation, call_location
 from std.sys import is_amd_gpu, is_gpu, is_nvidia_gpu
 
 # The collectives, for the kernels that import them with the shared view.
@@ -70,6 +73,7 @@ from .collectives import (
     scratch_start,
     warp_lanes,
 )
+from .profile import ACCESS_ATOMIC, ACCESS_LOAD, ACCESS_STORE, LaunchProfile
 
 comptime Shared = BlockShared[MutAnyOrigin]
 """The view a phased body receives."""
@@ -159,6 +163,9 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
     var size: Int
     var phase: Int
     var thread: Int
+    var profile: Pointer[LaunchProfile, Self.origin]
+    """Where the emulation records each access (`profile.LaunchProfile`);
+    address 0 for none. Never read on a GPU."""
 
     def __init__(
         out self,
@@ -168,14 +175,27 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         size: Int,
         phase: Int,
         thread: Int,
+        profile: Pointer[LaunchProfile, MutAnyOrigin] = no_profile(),
     ):
-        """A view of `size` words; `shadow` is read only when `checked`."""
+        """A view of `size` words; `shadow` is read only when `checked`,
+        `profile` only when its address is not 0 (host code only)."""
         self.words = words
         self.shadow = shadow
         self.checked = checked
         self.size = size
         self.phase = phase
         self.thread = thread
+        self.profile = profile.unsafe_origin_cast[Self.origin]()
+
+    @always_inline
+    def _note[width: Int, kind: Int](self, site: SourceLocation, i: Int):
+        """Records an access at `site` in the launch's profile, if any.
+
+        Compiled for the host only: the GPU build has no recording code.
+        """
+        comptime if not is_gpu():
+            if Int(self.profile) != 0:
+                self.profile[].record(site, kind, self.thread, i, width)
 
     def _report(self, kind: Int, word: Int, other: Int):
         var report = self.shadow.unsafe_offset(_SHADOWS * self.size)
@@ -250,8 +270,8 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         self._join(2 * self.size + i)
 
     @always_inline
-    def load(self, i: Int) -> UInt32:
-        """Word `i` (0 if the emulation refused the access)."""
+    def _load(self, i: Int) -> UInt32:
+        """Word `i`, checked when emulated, not recorded."""
         if self.checked:
             if not self._in_range(i):
                 return 0
@@ -259,13 +279,42 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         return self.words[unsafe_offset=i]
 
     @always_inline
-    def store(self, i: Int, value: UInt32):
-        """Sets word `i` (dropped if the emulation refused the access)."""
+    def _store(self, i: Int, value: UInt32):
+        """Sets word `i`, checked when emulated, not recorded."""
         if self.checked:
             if not self._in_range(i):
                 return
             self._check_write(i)
         self.words[unsafe_offset=i] = value
+
+    @always_inline
+    def load(self, i: Int) -> UInt32:
+        """Word `i` (0 if the emulation refused the access)."""
+        self._note[1, ACCESS_LOAD](call_location(), i)
+        return self._load(i)
+
+    @always_inline
+    def store(self, i: Int, value: UInt32):
+        """Sets word `i` (dropped if the emulation refused the access)."""
+        self._note[1, ACCESS_STORE](call_location(), i)
+        self._store(i, value)
+
+    @always_inline
+    def store_words[width: Int](self, i: Int, value: SIMD[DType.uint32, width]):
+        """Stores words `i ..< i + width`: one vector store on a GPU.
+
+        Parameters:
+            width: Words (a power of two, at most 4); `i` must be a
+                multiple of it.
+        """
+        self._note[width, ACCESS_STORE](call_location(), i)
+        if self.checked:
+            comptime for w in range(width):
+                self._store(i + w, value[w])
+        else:
+            self.words.unsafe_offset(i).unsafe_store[
+                width=width, alignment=min(4 * width, 16)
+            ](0, value)
 
     @always_inline
     def atomic_add(self, i: Int, value: UInt32) -> UInt32:
@@ -275,6 +324,7 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         histogram); a plain access of it by another thread in that phase
         is a race the emulation reports.
         """
+        self._note[1, ACCESS_ATOMIC](call_location(), i)
         if self.checked:
             if not self._in_range(i):
                 return 0
@@ -295,6 +345,7 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
     @always_inline
     def atomic_max(self, i: Int, value: UInt32):
         """Raises word `i` to `value` atomically (relaxed) if it is lower."""
+        self._note[1, ACCESS_ATOMIC](call_location(), i)
         if self.checked:
             if not self._in_range(i):
                 return
@@ -315,7 +366,8 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
     @always_inline
     def load_f32(self, i: Int) -> Float32:
         """Word `i` as a float32 bit pattern."""
-        return bitcast[DType.float32, 1](self.load(i))
+        self._note[1, ACCESS_LOAD](call_location(), i)
+        return bitcast[DType.float32, 1](self._load(i))
 
     @always_inline
     def load_f32x[width: Int](self, i: Int) -> SIMD[DType.float32, width]:
@@ -324,10 +376,11 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         Parameters:
             width: Lanes (a power of two); `i` must be a multiple of it.
         """
+        self._note[width, ACCESS_LOAD](call_location(), i)
         if self.checked:
             var lanes = SIMD[DType.float32, width]()
             comptime for w in range(width):
-                lanes[w] = self.load_f32(i + w)
+                lanes[w] = bitcast[DType.float32, 1](self._load(i + w))
             return lanes
         return (
             self.words.unsafe_offset(i)
@@ -338,7 +391,15 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
     @always_inline
     def store_f32(self, i: Int, value: Float32):
         """Stores `value`'s bit pattern in word `i`."""
-        self.store(i, bitcast[DType.uint32, 1](value))
+        self._note[1, ACCESS_STORE](call_location(), i)
+        self._store(i, bitcast[DType.uint32, 1](value))
+
+
+@always_inline
+def no_profile() -> Pointer[LaunchProfile, MutAnyOrigin]:
+    """The profile pointer of a view that records nothing (address 0)."""
+    var none = 0
+    return Pointer[LaunchProfile, MutAnyOrigin](unsafe_from_address=none)
 
 
 def violation(

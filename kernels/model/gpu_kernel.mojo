@@ -34,6 +34,7 @@ from std.sys import size_of
 
 from .block_phases import (
     NO_COLLECTIVE,
+    no_profile,
     REPORT_WORDS,
     Lane,
     Shared,
@@ -48,6 +49,7 @@ from .block_phases import (
     violation,
 )
 from .operands import KernelOperands, check_kernel_layout
+from .profile import LaunchProfile
 from .parallel import check_launch, gpu_kernel, launch
 
 comptime STATIC_SHARED_BYTES = 48 * 1024
@@ -256,6 +258,51 @@ def emulate_kernel[K: GpuKernel](op: K.Operands, grid: Int) raises:
             access or collective that breaks the model, naming the block,
             phase, thread(s) and word.
     """
+    _emulate[K](op, grid, no_profile(), 0)
+
+
+def profile_kernel[
+    K: GpuKernel
+](
+    op: K.Operands, grid: Int, warp: Int, sample: Int = 0
+) raises -> LaunchProfile:
+    """Emulates a phased kernel as `emulate_kernel` does, recording every
+    shared access (`profile.LaunchProfile`).
+
+    Parameters:
+        K: The kernel's declaration.
+
+    Args:
+        op: The call's operands (host memory).
+        grid: Blocks of the launch.
+        warp: Lanes per warp of the target profiled (32 NVIDIA, 64 AMD).
+        sample: Emulate only this many blocks (the first of the shuffled
+            order) when the grid has more; 0 for every block. The others
+            do not run, so the launch's outputs are incomplete.
+
+    Returns:
+        The profile: per shared-memory site, requests, wavefronts and
+        ways; per phase, the critical path; blocks emulated.
+
+    Raises:
+        Error: As `emulate_kernel`.
+    """
+    var profile = LaunchProfile(String(K.name), warp, K.phases, grid)
+    var at = Pointer(to=profile).unsafe_origin_cast[MutAnyOrigin]()
+    _emulate[K](op, grid, at, sample)
+    return profile^
+
+
+def _emulate[
+    K: GpuKernel
+](
+    op: K.Operands,
+    grid: Int,
+    profile: Pointer[LaunchProfile, MutAnyOrigin],
+    sample: Int,
+) raises:
+    """`emulate_kernel`, recording into `profile` (address 0: none) and
+    running the first `sample` blocks of the shuffled order (0: all)."""
     _check_declaration[K]()
     check_kernel_layout[K.Operands]()
     comptime threads = K.block_threads
@@ -268,7 +315,10 @@ def emulate_kernel[K: GpuKernel](op: K.Operands, grid: Int) raises:
     var report = shadow_ptr.unsafe_offset(shadow_words(size) - REPORT_WORDS)
     var states = List[K.State](length=threads, fill=K.State())
     var lanes = List[Lane](length=threads, fill=Lane())
-    for b in block_order(grid):
+    var order = block_order(grid)
+    if sample > 0 and sample < grid:
+        order.resize(sample, 0)
+    for b in order:
         for i in range(size):
             words[i] = 0xDEADBEEF
         for i in range(len(shadow)):
@@ -283,15 +333,19 @@ def emulate_kernel[K: GpuKernel](op: K.Operands, grid: Int) raises:
                     t,
                     states[t],
                     lanes[t],
-                    Shared(word_ptr, shadow_ptr, True, size, p, t),
+                    Shared(word_ptr, shadow_ptr, True, size, p, t, profile),
                     op,
                 )
             if report[unsafe_offset=0] != 0:
                 raise Error(violation(K.name, b, report))
+            if Int(profile) != 0:
+                profile[].close_phase(p)
             check_lanes(K.name, b, p, lanes)
             comptime kind = K.collective(p)
             comptime if kind != NO_COLLECTIVE:
                 emulate_collective(K.name, kind, b, p, lanes)
+        if Int(profile) != 0:
+            profile[].close_block()
     # The views point into these lists: they must outlive every body call.
     _ = words^
     _ = shadow^

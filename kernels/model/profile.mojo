@@ -1,0 +1,377 @@
+"""What an emulated launch would ask of a GPU's shared memory, by site.
+
+`profile_kernel` (in `gpu_kernel`) runs a phased kernel over the emulated
+grid as `emulate_kernel` does, with a `LaunchProfile` behind every
+thread's `Shared` view: each load, store and atomic is recorded with its
+site (the source location of the call, as `call_location` gives it),
+thread, word and width. After each phase the records are grouped into
+warp requests, as a GPU issues them: the `n`-th access of a site by each
+thread of a warp is one request. For each request:
+
+- **wavefronts**: shared memory serves 32 banks of 4 bytes at a time
+  (128 bytes, one wavefront); a request of `w`-word accesses is served
+  `32 / w` lanes at a time (a 16-byte access: a quarter of a 32-lane
+  warp), and each such group takes as many wavefronts as the most
+  distinct words any one bank holds among its lanes (lanes reading the
+  same word share it, a broadcast). A conflict-free request takes one
+  wavefront per group; its **ways** are that most-loaded bank's count;
+- **atomics**: the most lanes of the request on one word (they
+  serialize on a GPU).
+
+Per launch: blocks and phases (a barrier after each phase but the last),
+the per-phase critical path (the most shared accesses any one thread made
+in that phase, over every block) and the accesses of the busiest and the
+idlest block. These are the counts Nsight Compute reports as shared
+wavefronts per request and bank conflicts, computed the way its
+documentation defines them; the emulation knows no timing.
+
+Only host code records (the GPU build of every kernel has no recording
+code: `BlockShared` compiles it under `not is_gpu()`), and only when a
+launch asks (`profile_kernel`); `emulate_kernel` passes no profile.
+"""
+
+from std.collections import Dict
+from std.math import max, min
+from std.reflection import SourceLocation
+
+comptime BANKS = 32
+"""Shared-memory banks (NVIDIA since Kepler; AMD's LDS on CDNA 3)."""
+
+comptime MAX_ACCESS_WORDS = 4
+"""The widest shared access one instruction makes (16 bytes: `LDS.128`,
+`ds_read_b128`)."""
+
+comptime ACCESS_LOAD = 0
+comptime ACCESS_STORE = 1
+comptime ACCESS_ATOMIC = 2
+
+
+def access_name(kind: Int) -> String:
+    """`load`, `store` or `atomic`."""
+    if kind == ACCESS_LOAD:
+        return "load"
+    if kind == ACCESS_STORE:
+        return "store"
+    return "atomic"
+
+
+def site_name(location: String) -> String:
+    """A source location as the profile names it: from `kernels/` for the
+    package's own files (`kernels/index/gpu/index_pick.mojo:218:20`), else
+    the file's name and place."""
+    var at = location.rfind("/kernels/")
+    if at >= 0:
+        return String(location[byte = at + 1 :])
+    var slash = location.rfind("/")
+    return String(location[byte = slash + 1 :])
+
+
+@fieldwise_init
+struct Access(Copyable, Movable):
+    """One thread's shared access in the phase being recorded."""
+
+    var thread: Int
+    var site: Int
+    var word: Int
+    var width: Int
+
+
+@fieldwise_init
+struct SiteCounts(Copyable, Movable):
+    """One site's requests over a launch."""
+
+    var name: String
+    """`file.mojo:line:column` of the access."""
+    var kind: Int
+    """`ACCESS_LOAD`, `ACCESS_STORE` or `ACCESS_ATOMIC`."""
+    var width: Int
+    """Words per lane (1, 2 or 4)."""
+    var requests: Int
+    var wavefronts: Int
+    var ideal_wavefronts: Int
+    """Wavefronts the same requests take without a bank conflict."""
+    var worst_ways: Int
+    """The most distinct words on one bank in one wavefront group."""
+    var max_lanes_per_address: Int
+    """Atomics: the most lanes of one request on one word."""
+    var atomic_lanes: Int
+    """Atomics: lanes summed over requests (mean lanes per address is
+    `atomic_lanes / atomic_addresses`)."""
+    var atomic_addresses: Int
+
+
+struct RequestCounts(Copyable, Movable):
+    """Wavefronts, ideal wavefronts, ways and atomic lanes of one request."""
+
+    var wavefronts: Int
+    var ideal: Int
+    var ways: Int
+    var max_lanes: Int
+    var addresses: Int
+    var lanes: Int
+
+    def __init__(out self):
+        self.wavefronts = 0
+        self.ideal = 0
+        self.ways = 0
+        self.max_lanes = 0
+        self.addresses = 0
+        self.lanes = 0
+
+
+def request_counts(
+    lanes: List[Int], words: List[Int], width: Int, warp: Int
+) -> RequestCounts:
+    """What one warp request costs shared memory.
+
+    Args:
+        lanes: Each access's lane in its warp (`thread % warp`).
+        words: Each access's first word (its `width` words follow).
+        width: Words per access (1, 2 or 4).
+        warp: Lanes per warp (32 on NVIDIA, 64 on AMD).
+
+    Returns:
+        Wavefronts (summed over the groups of `BANKS / width` lanes a
+        wavefront serves), the ideal (one per group with an access), the
+        worst ways and, counting accesses to one word, the most lanes on
+        one word, the distinct words and the lanes.
+    """
+    var out = RequestCounts()
+    var per_group = max(BANKS // max(width, 1), 1)
+    var groups = (warp + per_group - 1) // per_group
+    for g in range(groups):
+        # bank -> distinct first words of the accesses on it.
+        var banks = Dict[Int, List[Int]]()
+        var any = False
+        for a in range(len(lanes)):
+            if lanes[a] // per_group != g:
+                continue
+            any = True
+            for w in range(width):
+                var word = words[a] + w
+                var bank = word % BANKS
+                if bank not in banks:
+                    banks[bank] = List[Int]()
+                try:
+                    if word not in banks[bank]:
+                        banks[bank].append(word)
+                except:
+                    pass
+        if not any:
+            continue
+        var most = 1
+        for entry in banks.items():
+            most = max(most, len(entry.value))
+        out.wavefronts += most
+        out.ideal += 1
+        out.ways = max(out.ways, most)
+    var seen = Dict[Int, Int]()
+    for a in range(len(words)):
+        seen[words[a]] = seen.get(words[a], 0) + 1
+    for entry in seen.items():
+        out.max_lanes = max(out.max_lanes, entry.value)
+    out.addresses = len(seen)
+    out.lanes = len(words)
+    return out^
+
+
+struct LaunchProfile(Movable):
+    """A launch's shared-memory profile, filled by the emulation.
+
+    `record` is called by `BlockShared` for every access; the emulation
+    calls `close_phase` after each phase of each block and
+    `close_block` after each block.
+    """
+
+    var kernel: String
+    var warp: Int
+    var sites: List[SiteCounts]
+    var site_ids: Dict[String, Int]
+    var pending: List[Access]
+    var grid: Int
+    """Blocks of the launch (`blocks` of them emulated)."""
+    var blocks: Int
+    var phases: Int
+    var phase_path: List[Int]
+    """Per phase: the most shared accesses one thread made, over blocks."""
+    var block_accesses: Int
+    var busiest_block: Int
+    var idlest_block: Int
+
+    def __init__(out self, kernel: String, warp: Int, phases: Int, grid: Int):
+        """An empty profile of a launch of `grid` blocks of `kernel`, in
+        warps of `warp` lanes."""
+        self.kernel = kernel
+        self.warp = warp
+        self.grid = grid
+        self.sites = List[SiteCounts]()
+        self.site_ids = Dict[String, Int]()
+        self.pending = List[Access]()
+        self.blocks = 0
+        self.phases = phases
+        self.phase_path = List[Int](length=phases, fill=0)
+        self.block_accesses = 0
+        self.busiest_block = 0
+        self.idlest_block = -1
+
+    def record(
+        mut self,
+        site: SourceLocation,
+        kind: Int,
+        thread: Int,
+        word: Int,
+        width: Int,
+    ):
+        """Notes one access of `width` words at `word` by `thread`.
+
+        A vector wider than 16 bytes is the instructions a GPU runs for it:
+        one access of `MAX_ACCESS_WORDS` words each.
+        """
+        if width > MAX_ACCESS_WORDS:
+            for w in range(0, width, MAX_ACCESS_WORDS):
+                self.record(site, kind, thread, word + w, MAX_ACCESS_WORDS)
+            return
+        var name = site_name(String(site))
+        var id = self.site_ids.get(name, -1)
+        if id < 0:
+            id = len(self.sites)
+            self.site_ids[name] = id
+            self.sites.append(
+                SiteCounts(name^, kind, width, 0, 0, 0, 0, 0, 0, 0)
+            )
+        self.pending.append(Access(thread, id, word, width))
+
+    def close_phase(mut self, phase: Int):
+        """Folds the phase's accesses into warp requests, then forgets them.
+
+        The `n`-th access of a site by each thread of a warp is one
+        request (threads of a warp run the same instruction stream).
+        """
+        # (thread, site) -> accesses so far; request key -> its accesses.
+        var seen = Dict[Int, Int]()
+        var requests = Dict[Int, List[Int]]()
+        var order = List[Int]()
+        var per_thread = Dict[Int, Int]()
+        var site_count = len(self.sites)
+        for a in range(len(self.pending)):
+            ref access = self.pending[a]
+            var mine = access.thread * site_count + access.site
+            var n = seen.get(mine, 0)
+            seen[mine] = n + 1
+            per_thread[access.thread] = per_thread.get(access.thread, 0) + 1
+            var key = (n * site_count + access.site) * 65536 + (
+                access.thread // self.warp
+            )
+            if key not in requests:
+                requests[key] = List[Int]()
+                order.append(key)
+            try:
+                requests[key].append(a)
+            except:
+                pass
+        for key in order:
+            try:
+                ref members = requests[key]
+                var lanes = List[Int]()
+                var words = List[Int]()
+                var site = self.pending[members[0]].site
+                var width = self.pending[members[0]].width
+                for m in members:
+                    lanes.append(self.pending[m].thread % self.warp)
+                    words.append(self.pending[m].word)
+                var c = request_counts(lanes, words, width, self.warp)
+                ref s = self.sites[site]
+                s.requests += 1
+                s.wavefronts += c.wavefronts
+                s.ideal_wavefronts += c.ideal
+                s.worst_ways = max(s.worst_ways, c.ways)
+                if s.kind == ACCESS_ATOMIC:
+                    s.max_lanes_per_address = max(
+                        s.max_lanes_per_address, c.max_lanes
+                    )
+                    s.atomic_lanes += c.lanes
+                    s.atomic_addresses += c.addresses
+            except:
+                pass
+        var most = 0
+        for entry in per_thread.items():
+            most = max(most, entry.value)
+        self.phase_path[phase] = max(self.phase_path[phase], most)
+        self.block_accesses += len(self.pending)
+        self.pending.clear()
+
+    def close_block(mut self):
+        """Counts the block just emulated and its accesses."""
+        self.blocks += 1
+        self.busiest_block = max(self.busiest_block, self.block_accesses)
+        if self.idlest_block < 0:
+            self.idlest_block = self.block_accesses
+        else:
+            self.idlest_block = min(self.idlest_block, self.block_accesses)
+        self.block_accesses = 0
+
+    def json(self) -> String:
+        """The profile as one JSON object (one line)."""
+        var requests = 0
+        var wavefronts = 0
+        for s in self.sites:
+            requests += s.requests
+            wavefronts += s.wavefronts
+        var out = String(
+            '{"kernel": "',
+            self.kernel,
+            '", "warp": ',
+            self.warp,
+            ', "grid": ',
+            self.grid,
+            ', "blocks": ',
+            self.blocks,
+            ', "sampled_blocks": ',
+            self.blocks if self.blocks < self.grid else 0,
+            ', "phases": ',
+            self.phases,
+            ', "barriers_per_block": ',
+            max(self.phases - 1, 0),
+            ', "phase_path": [',
+        )
+        for p in range(len(self.phase_path)):
+            out += String(", " if p else "", self.phase_path[p])
+        out += String(
+            '], "busiest_block_accesses": ',
+            self.busiest_block,
+            ', "idlest_block_accesses": ',
+            max(self.idlest_block, 0),
+            ', "shared": {"requests": ',
+            requests,
+            ', "wavefronts": ',
+            wavefronts,
+            ', "sites": [',
+        )
+        for i in range(len(self.sites)):
+            ref s = self.sites[i]
+            out += String(
+                ", " if i else "",
+                '{"site": "',
+                s.name,
+                '", "access": "',
+                access_name(s.kind),
+                '", "width_words": ',
+                s.width,
+                ', "requests": ',
+                s.requests,
+                ', "wavefronts": ',
+                s.wavefronts,
+                ', "ideal_wavefronts": ',
+                s.ideal_wavefronts,
+                ', "ways": ',
+                s.worst_ways,
+                ', "max_lanes_per_address": ',
+                s.max_lanes_per_address,
+                ', "atomic_lanes": ',
+                s.atomic_lanes,
+                ', "atomic_addresses": ',
+                s.atomic_addresses,
+                "}",
+            )
+        out += "]}}"
+        return out^

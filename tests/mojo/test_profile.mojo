@@ -1,0 +1,212 @@
+"""The emulated profile's counts on planted kernels with known answers.
+
+Each kernel is one block of 64 threads (two 32-lane warps, or one 64-lane
+wave) doing one shared access a thread, whose bank pattern fixes the
+answer, counted here by hand:
+
+- a stride of 32 words: every lane of a warp on bank 0, 32 distinct
+  words: 32 wavefronts a request, 32-way;
+- a broadcast: every lane reads word 0: one wavefront;
+- 16-byte stores of consecutive words: a quarter warp's 8 lanes cover
+  the 32 banks once: 4 wavefronts a 32-lane request, no conflict;
+- 16-byte stores 8 words apart: a quarter warp's 8 lanes on 16 of the
+  banks, two lanes a bank: 2-way, 8 wavefronts a request;
+- 32 lanes adding to one word atomically: 32 lanes per address;
+- a site named by its source line, the per-phase critical path, the
+  barriers per block, and a sampled launch;
+- and the same kernel compiled for sm_90a has no recording code.
+"""
+
+from std.testing import TestSuite, assert_equal, assert_true
+
+from kernels.model.block_phases import Lane, Shared
+from kernels.model.gpu_kernel import GpuKernel, kernel_code, profile_kernel
+from kernels.model.operands import KernelOperands
+from kernels.model.profile import LaunchProfile, request_counts, site_name
+from kernels.model.ragged import Field
+
+comptime THREADS = 64
+comptime STRIDE = 0
+comptime BROADCAST = 1
+comptime WIDE = 2
+comptime WIDE_GAPPED = 3
+comptime ATOMIC = 4
+
+
+@fieldwise_init
+struct Operands[origin: MutOrigin](KernelOperands):
+    """A planted kernel's one output word."""
+
+    var out: Field[DType.uint32, Self.origin]
+
+
+comptime Op = Operands[MutAnyOrigin]
+
+
+struct Planted[pattern: Int](GpuKernel):
+    """Phase 0: every thread fills its own words (so reads are defined);
+    phase 1: the planted access."""
+
+    comptime Operands = Op
+    comptime name = "planted"
+    comptime block_threads = THREADS
+    comptime shared_words = 32 * THREADS
+    comptime phases = 2
+    comptime grid_rows = "1"
+
+    @staticmethod
+    def rows(op: Op) -> Int:
+        return 1
+
+    @staticmethod
+    def run_phase[
+        phase: Int
+    ](
+        b: Int,
+        t: Int,
+        mut state: Self.State,
+        mut lane: Lane,
+        s: Shared,
+        op: Op,
+    ):
+        comptime if phase == 0:
+            for w in range(32):
+                s.store(t * 32 + w, UInt32(t))
+        else:
+            comptime if Self.pattern == STRIDE:
+                op.out[unsafe_offset=0] += s.load(t * 32)
+            elif Self.pattern == BROADCAST:
+                op.out[unsafe_offset=0] += s.load(0)
+            elif Self.pattern == WIDE:
+                s.store_words[4](4 * t, SIMD[DType.uint32, 4](UInt32(t)))
+            elif Self.pattern == WIDE_GAPPED:
+                s.store_words[4](8 * t, SIMD[DType.uint32, 4](UInt32(t)))
+            else:
+                _ = s.atomic_add(0, 1)
+
+
+def _profile[pattern: Int](warp: Int, grid: Int = 1) raises -> LaunchProfile:
+    var out = List[UInt32](length=1, fill=0)
+    var op = Op(out.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]())
+    return profile_kernel[Planted[pattern]](op, grid, warp)
+
+
+def _site(p: LaunchProfile) raises -> Int:
+    """The planted access's site: the second one recorded (phase 0's store
+    is the first), named by its place in this file."""
+    assert_equal(len(p.sites), 2, p.json())
+    assert_true(p.sites[1].name.startswith("test_profile.mojo:"))
+    return 1
+
+
+def test_a_32_word_stride_is_32_way() raises:
+    var p = _profile[STRIDE](32)
+    ref s = p.sites[_site(p)]
+    assert_equal(s.requests, 2)  # two warps of 32 lanes
+    assert_equal(s.wavefronts, 64)
+    assert_equal(s.ideal_wavefronts, 2)
+    assert_equal(s.worst_ways, 32)
+
+
+def test_a_broadcast_is_one_wavefront() raises:
+    var p = _profile[BROADCAST](32)
+    ref s = p.sites[_site(p)]
+    assert_equal(s.requests, 2)
+    assert_equal(s.wavefronts, 2)
+    assert_equal(s.worst_ways, 1)
+
+
+def test_consecutive_16_byte_stores_are_conflict_free() raises:
+    var p = _profile[WIDE](32)
+    ref s = p.sites[_site(p)]
+    assert_equal(s.width, 4)
+    assert_equal(s.requests, 2)
+    assert_equal(s.wavefronts, 8)  # 4 quarter warps a request
+    assert_equal(s.ideal_wavefronts, 8)
+    assert_equal(s.worst_ways, 1)
+
+
+def test_16_byte_stores_8_words_apart_are_2_way() raises:
+    var p = _profile[WIDE_GAPPED](32)
+    ref s = p.sites[_site(p)]
+    assert_equal(s.wavefronts, 16)
+    assert_equal(s.ideal_wavefronts, 8)
+    assert_equal(s.worst_ways, 2)
+
+
+def test_32_lanes_on_one_atomic_word() raises:
+    var p = _profile[ATOMIC](32)
+    ref s = p.sites[_site(p)]
+    assert_equal(s.requests, 2)
+    assert_equal(s.max_lanes_per_address, 32)
+    assert_equal(s.atomic_lanes, 64)
+    assert_equal(s.atomic_addresses, 2)  # one word a request
+    # A 64-lane wave: one request of 64 lanes on the word.
+    var wave = _profile[ATOMIC](64)
+    assert_equal(wave.sites[_site(wave)].max_lanes_per_address, 64)
+
+
+def test_a_64_lane_wave_is_one_request_of_two_halves() raises:
+    var p = _profile[STRIDE](64)
+    ref s = p.sites[_site(p)]
+    assert_equal(s.requests, 1)
+    assert_equal(s.wavefronts, 64)
+    assert_equal(s.ideal_wavefronts, 2)
+    assert_equal(s.worst_ways, 32)
+
+
+def test_the_launch_counts() raises:
+    var p = _profile[STRIDE](32, grid=3)
+    assert_equal(p.grid, 3)
+    assert_equal(p.blocks, 3)
+    assert_equal(p.phases, 2)
+    # Phase 0: 32 stores a thread, one site each warp request; phase 1:
+    # one load a thread.
+    assert_equal(p.phase_path[0], 32)
+    assert_equal(p.phase_path[1], 1)
+    assert_equal(p.busiest_block, 64 * 33)
+    assert_equal(p.idlest_block, 64 * 33)
+    var text = p.json()
+    assert_true('"barriers_per_block": 1' in text, text)
+    assert_true('"sampled_blocks": 0' in text, text)
+
+
+def test_a_sampled_launch_says_so() raises:
+    var out = List[UInt32](length=1, fill=0)
+    var op = Op(out.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]())
+    var p = profile_kernel[Planted[BROADCAST]](op, 5, 32, sample=2)
+    assert_equal(p.grid, 5)
+    assert_equal(p.blocks, 2)
+    assert_true('"sampled_blocks": 2' in p.json(), p.json())
+
+
+def test_sites_are_named_from_the_package_root() raises:
+    assert_equal(
+        site_name("/x/y/kernels/index/gpu/index_pick.mojo:218:20"),
+        "kernels/index/gpu/index_pick.mojo:218:20",
+    )
+    assert_equal(site_name("/x/tests/mojo/t.mojo:3:4"), "t.mojo:3:4")
+
+
+def test_the_gpu_build_has_no_recording() raises:
+    # The same kernel for a GPU: plain shared loads and stores, nothing
+    # of the profile (its record calls are host code only).
+    var ptx = kernel_code[Planted[STRIDE], "sm_90a"]()
+    assert_true("ld.shared" in ptx and "st.shared" in ptx, ptx)
+    assert_true("call" not in ptx, ptx)
+    assert_true("LaunchProfile" not in ptx and "record" not in ptx, ptx)
+
+
+def test_request_counts_by_hand() raises:
+    # Lanes 0 and 16 on word 0 and 32 (both bank 0): 2-way; lane 1 on
+    # word 0 too (a broadcast with lane 0).
+    var c = request_counts([0, 16, 1], [0, 32, 0], 1, 32)
+    assert_equal(c.wavefronts, 2)
+    assert_equal(c.ideal, 1)
+    assert_equal(c.ways, 2)
+    assert_equal(c.max_lanes, 2)
+    assert_equal(c.addresses, 2)
+
+
+def main() raises:
+    TestSuite.discover_tests[__functions_in_module()]().run()
