@@ -33,6 +33,7 @@ MOJO_TREES = [
     "kernels",
     "python/mla_kpool/bench_noop",
     "python/mla_kpool/gpu_report",
+    "python/mla_kpool/gpu_profile",
     "benchmarks/peers",
 ]
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m mla_kpool {demo,bench,gpu-report}``.
+"""Command line: ``python -m mla_kpool {demo,bench,gpu-report,gpu-profile}``.
 
 The console script ``mla-kpool`` is the same. ``--version`` prints the
 package version. ``bench`` started from the command
@@ -12,10 +12,13 @@ the way it was started: ``mla-kpool`` for the console script,
 ``index_top_k`` and checks every pool and every selection against the
 oracle; ``bench`` times the writer ops, and ``index_top_k`` with ``--ops
 index_top_k``; ``gpu-report`` compiles every GPU kernel for sm_90a,
-sm_100a and gfx942 with no GPU and reports its resources and occupancy.
+sm_100a and gfx942 with no GPU and reports its resources and occupancy;
+``gpu-profile`` emulates index_top_k's GPU launches and counts what they
+ask of shared memory.
 
 Each subcommand lives in a module of this package (``mla_kpool.demo``,
-``mla_kpool.bench``, ``mla_kpool.gpu_report``) that provides
+``mla_kpool.bench``, ``mla_kpool.gpu_report``, ``mla_kpool.gpu_profile``)
+that provides
 ``DESCRIPTION`` (a sentence), ``add_arguments(parser)`` and
 ``run(args) -> int`` (the exit status).
 """
@@ -45,6 +48,11 @@ COMMANDS = {
     "gpu-report": (
         "mla_kpool.gpu_report",
         "compile every GPU kernel (no GPU needed): registers, occupancy",
+    ),
+    "gpu-profile": (
+        "mla_kpool.gpu_profile",
+        "emulate index_top_k's GPU launches (no GPU needed): shared-memory"
+        " wavefronts, bank conflicts, atomics per address",
     ),
 }
 
