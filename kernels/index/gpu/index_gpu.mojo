@@ -42,6 +42,7 @@ first. It has run on an NVIDIA H200 (docs/performance.md).
 """
 from max.gpu.host import DeviceContext
 from std.math import ceildiv, max, min
+from std.sys import is_gpu
 
 from ...model.block_phases import BLOCK_SUM, NO_COLLECTIVE, Lane, Shared
 from ...model.gpu_kernel import GpuKernel, launch_kernel
@@ -173,6 +174,7 @@ def plan_phase[
             _write_plan(op, end, tokens, thread, -1)
 
 
+@always_inline
 def select_row(row: Int, op: IndexTopK) -> SelectCall:
     """Window row `row`'s scores, bound, split words and output ids."""
     var t = op.work.first_row + row
@@ -266,6 +268,7 @@ struct SelectKernel[Op: type_of(IndexTopK), split: Bool](GpuKernel):
         return select_collective(phase, Self.split)
 
     @staticmethod
+    @always_inline
     def run_phase[
         phase: Int
     ](
@@ -277,16 +280,54 @@ struct SelectKernel[Op: type_of(IndexTopK), split: Bool](GpuKernel):
         op: Self.Operands,
     ):
         """`select_phase` on window row `block / slices`, its slice
-        `block % slices`."""
-        var slices = op.work.slices
-        select_phase[phase, Self.Op.k, Self.split](
-            thread,
-            state,
-            lane,
-            s,
-            select_row(block // slices, op),
-            block % slices,
-        )
+        `block % slices`.
+
+        Inlined into the GPU kernel, every phase (`select_phase` and what
+        it calls are `@always_inline` too): left to itself the AMDGPU
+        inliner kept each phase a function, called once, with its
+        arguments in scratch memory. The emulated grid calls
+        `_select_phase_host` instead, so that its host code keeps a
+        function per phase.
+        """
+        comptime if is_gpu():
+            var slices = op.work.slices
+            select_phase[phase, Self.Op.k, Self.split](
+                thread,
+                state,
+                lane,
+                s,
+                select_row(block // slices, op),
+                block % slices,
+            )
+        else:
+            _select_phase_host[phase, Self.Op, Self.split](
+                block, thread, state, lane, s, op
+            )
+
+
+@no_inline
+def _select_phase_host[
+    phase: Int, Op: type_of(IndexTopK), split: Bool
+](
+    block: Int,
+    thread: Int,
+    mut state: SelectState,
+    mut lane: Lane,
+    s: Shared,
+    op: Op,
+):
+    """`select_phase` out of line, for the emulated grid: the phase bodies
+    are `@always_inline` for the GPU, and `emulate_kernel`'s unrolled loop
+    over the phases would otherwise take them all into one function."""
+    var slices = op.work.slices
+    select_phase[phase, Op.k, split](
+        thread,
+        state,
+        lane,
+        s,
+        select_row(block // slices, op),
+        block % slices,
+    )
 
 
 def window_rows(candidates: Int, total_tokens: Int) -> Int:

@@ -237,6 +237,7 @@ def _shift(p: Int) -> Int:
     return 32 - DIGIT_BITS * (p + 1)
 
 
+@always_inline
 def pick_phase[
     phase: Int, k: Int
 ](thread: Int, mut state: SelectState, mut lane: Lane, s: Shared, row: Row,):
@@ -290,6 +291,7 @@ def pick_phase[
         _scatter_run[k](thread, state, lane, s, row, m, take_all)
 
 
+@always_inline
 def _decide[
     p: Int
 ](thread: Int, state: SelectState, mut lane: Lane, s: Shared, take_all: Bool,):
@@ -315,6 +317,7 @@ def _decide[
         s.store(_STATE + 1, state.need - above)
 
 
+@always_inline
 def _count[
     k: Int, p: Int
 ](thread: Int, mut state: SelectState, s: Shared, row: Row, take_all: Bool,):
@@ -363,6 +366,7 @@ def _selected(key: UInt32, threshold: UInt32, take_all: Bool) -> Int:
     return 1 if key == threshold else 0
 
 
+@always_inline
 def _count_run[
     k: Int
 ](
@@ -390,6 +394,7 @@ def _count_run[
     lane.offer(above << 32 | ties)
 
 
+@always_inline
 def _scatter_run[
     k: Int
 ](

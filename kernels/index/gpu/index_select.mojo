@@ -323,6 +323,7 @@ def _wide_digit(key: UInt32) -> Int:
     return Int(key >> UInt32(32 - WIDE_BITS))
 
 
+@always_inline
 def _slice_of(whole: SelectCall, slice: Int) -> Tuple[Int, Int]:
     """Block `slice`'s ids of a split row: `[slice * L, (slice + 1) * L)`
     within the bound, `L = ceil(width / slices)`."""
@@ -331,11 +332,13 @@ def _slice_of(whole: SelectCall, slice: Int) -> Tuple[Int, Int]:
     return (first, min(whole.bound, first + per))
 
 
+@always_inline
 def _capacity(whole: SelectCall) -> Int:
     """Pairs the row cache holds: keys in its first half, ids after."""
     return row_cache_words(whole.width) // 2
 
 
+@always_inline
 def _pick_row[split: Bool](whole: SelectCall, s: Shared, k: Int) -> Row:
     """What the selecting block picks from: a split row's compacted pairs
     when they fit the row cache, else the whole row."""
@@ -353,6 +356,7 @@ def _pick_row[split: Bool](whole: SelectCall, s: Shared, k: Int) -> Row:
     return Row(whole.scores, whole.bound, cache, False, 0)
 
 
+@always_inline
 def _split_phase[
     phase: Int, k: Int
 ](
@@ -473,6 +477,7 @@ def _kept_quad(
     return (keys, kept)
 
 
+@always_inline
 def select_phase[
     phase: Int, k: Int, split: Bool
 ](
@@ -484,6 +489,11 @@ def select_phase[
     slice: Int,
 ):
     """One thread's share of phase `phase` of a block's select.
+
+    `@always_inline`, as everything a phase calls, so that each phase is
+    inlined into the GPU kernel: LLVM's AMDGPU inliner kept a phase this
+    large as a function, called once per phase, its arguments passed
+    through scratch memory.
 
     A split launch's phases `_CLEAR ..< _PICK` count each row over its
     blocks and let the last to arrive compact its candidates; the
@@ -536,6 +546,7 @@ def select_phase[
             whole.ids[unsafe_offset=i] = id
 
 
+@always_inline
 def _rank_write[
     k: Int
 ](thread: Int, s: Shared, m: Int, ids: Field[DType.int32, MutAnyOrigin]):
