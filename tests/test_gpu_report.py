@@ -198,6 +198,59 @@ def test_no_kernel_spills(report: Report):
     assert not spilled, spilled
 
 
+NVDISASM = tools.find_nvdisasm()
+
+
+@needs_ptxas
+@pytest.mark.parametrize("arch", ARCHS)
+def test_no_kernel_calls_out_of_line_or_uses_scratch(report: Report, arch: str):
+    # Every phase of a phased kernel is inlined into it: no call and no
+    # scratch memory (a call's arguments and saved registers, spills, a
+    # stack array), read here from the code apart from the report's readers.
+    rows = report.arch_rows(arch)
+    assert rows
+    found = []
+    for row in rows:
+        code = report.code(row)
+        if arch.startswith("sm_"):
+            calls = len(re.findall(r"^\s*(?:@!?%\w+\s+)?call\b", code, re.M))
+            scratch = _ptxas_v(report.asm_dir / row["asm"], arch)["stack_bytes"]
+            if NVDISASM is not None:
+                assert row["calls_from"] == "sass", _name(row)
+                cubin = (report.asm_dir / row["asm"]).with_suffix(".cubin")
+                sass = subprocess.run(
+                    [NVDISASM, str(cubin)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+                assert "EXIT" in sass, _name(row)
+                # Not ptxas's own division subroutines (the row lists
+                # them apart): a slow path of one PTX instruction.
+                sites = re.findall(r"\bCALL\.(?:REL|ABS)\S*\s+(\S+)", sass)
+                ptxas_own = [t for t in sites if "$__cuda_" in t]
+                assert sum(row["subroutine_calls"].values()) == len(
+                    ptxas_own
+                ), _name(row)
+                calls = len(sites) - len(ptxas_own)
+        else:
+            assert row["calls_from"] == "asm", _name(row)
+            # A call, or a jump that is not a return (a tail call).
+            calls = len(re.findall(r"\bs_swappc_b64\b", code))
+            calls += len(re.findall(r"\bs_setpc_b64\s+s\[(?!30:31\])", code))
+            private = re.findall(
+                r"\.amdhsa_private_segment_fixed_size\s+(\d+)", code
+            )
+            assert len(private) == 1, _name(row)
+            scratch = int(private[0])
+            assert "s_endpgm" in code, _name(row)
+        assert row["calls"] == calls, _name(row)
+        assert row["scratch_bytes"] == scratch, _name(row)
+        if calls or scratch:
+            found.append(f"{_name(row)}: {calls} calls, {scratch} B scratch")
+    assert not found, found
+
+
 @needs_ptxas
 def test_no_kernel_has_a_ptxas_advisory(report: Report):
     nvidia = [row for row in report.rows if row["arch"].startswith("sm_")]
@@ -352,7 +405,8 @@ def test_without_ptxas_the_ptx_alone_is_reported(
     assert table and all(ln.split()[4] == "?" for ln in table)
     notes = [ln for ln in captured.out.splitlines() if ln.startswith("note:")]
     assert notes == [
-        "note: regs, spill, matrix: ? and occupancy empty on sm_* = ptxas not"
+        "note: regs, spill, scratch, matrix: ? and occupancy empty on sm_* ="
+        " ptxas not"
         f" found; install it with `pip install -e '.[gpu-report]'` in {root}"
         " (the nvidia-cuda-nvcc wheel)"
     ]
@@ -384,7 +438,8 @@ def test_without_nvdisasm_a_note_says_why_matrix_is_unknown(
     root = Path(__file__).resolve().parents[1]
     notes = [ln for ln in out if ln.startswith("note:")]
     assert notes == [
-        "note: matrix: ? on sm_* = nvdisasm not found; install it with"
+        "note: matrix: ? and calls read from the PTX on sm_* = nvdisasm not"
+        " found; install it with"
         f" `pip install -e '.[gpu-report]'` in {root} (the"
         " nvidia-cuda-nvdisasm wheel)"
     ]
@@ -406,7 +461,7 @@ def test_the_table_has_a_legend_and_no_note_when_every_tool_is_found(
     assert out.index("- " + LEGEND[0]) > max(rows)
     assert out[-1].startswith(f"verdict: {len(rows)} of {len(rows)} kernels")
     assert out[-1].endswith(
-        "clean: no spills, no ptxas advisories, every"
+        "clean: no spills, no calls, no scratch, no ptxas advisories, every"
         " parameter block the host's bytes"
     )
 
@@ -416,6 +471,8 @@ def test_the_legend_explains_every_column():
     assert columns == [
         "regs",
         "spill",
+        "calls",
+        "scratch",
         "smem",
         "thr",
         "param/host",

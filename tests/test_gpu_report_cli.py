@@ -19,12 +19,16 @@ from mla_kpool.__main__ import main
 from mla_kpool._argtypes import output_dir
 from mla_kpool.gpu_report import tools
 from mla_kpool.gpu_report.asm import (
+    amd_calls,
     amd_kernels,
+    ptx_calls,
     ptx_entries,
     ptx_facts,
     ptx_param_bytes,
     ptx_shared_bytes,
     ptxas_advisories,
+    sass_calls,
+    sass_subroutine_calls,
 )
 from mla_kpool.gpu_report.report import (
     COLUMNS,
@@ -102,11 +106,13 @@ def test_table_notes_name_the_missing_tool(monkeypatch, tmp_path):
     amd = _row(arch="gfx942", registers=30, machine_ops={"matrix": {}})
     assert table_notes([nvidia, amd], "ptxas", "nvdisasm") == []
     (note,) = table_notes([nvidia, amd], "ptxas", None)
-    assert note.startswith("matrix: ? on sm_* = nvdisasm not found")
+    assert note.startswith(
+        "matrix: ? and calls read from the PTX on sm_* = nvdisasm not found"
+    )
     assert "`pip install 'mla-kpool[gpu-report]'`" in note
     no_regs = _row(registers=None, machine_ops=None)
     (note,) = table_notes([no_regs], None, None)
-    assert note.startswith("regs, spill, matrix: ? and occupancy empty")
+    assert note.startswith("regs, spill, scratch, matrix: ? and occupancy")
     assert "ptxas not found" in note
     # AMD rows alone need neither tool.
     assert table_notes([amd], None, None) == []
@@ -206,6 +212,81 @@ def test_amd_reader_counts_only_explicit_arguments():
         "kernarg_bytes": 272,
         "param_bytes": 208,
     }
+
+
+#: A gfx942 kernel that calls a phase out of line (its arguments through
+#: 104 bytes of scratch), then the callee, which calls on and returns.
+AMD_CALLS = """
+k_1:
+\ts_getpc_b64 s[16:17]
+\ts_add_u32 s16, s16, phase_3@rel32@lo+4
+\ts_addc_u32 s17, s17, phase_3@rel32@hi+12
+\tscratch_store_dword off, v4, s33 offset:8
+\ts_swappc_b64 s[30:31], s[16:17]
+\ts_swappc_b64 s[30:31], s[18:19]
+\ts_endpgm
+\t.amdhsa_kernel k_1
+\t\t.amdhsa_private_segment_fixed_size 104
+\t.end_amdhsa_kernel
+phase_3:
+\ts_swappc_b64 s[30:31], s[4:5]
+\ts_setpc_b64 s[30:31]
+tail_4:
+\ts_setpc_b64 s[6:7]
+"""
+
+#: nvdisasm's listing of a cubin that calls a function of its own and an
+#: absolute address, predicated once, and ptxas's division subroutines
+#: (as ptxas 13 names them); the callee's return is no call.
+SASS_CALLS = """
+        /*0080*/                   CALL.REL.NOINC `(phase_3) ;
+        /*0090*/              @P0  CALL.REL.NOINC `(phase_4) ;
+        /*00a0*/                   CALL.ABS.NOINC 0x0 ;
+        /*00b0*/              @!P1 CALL.REL.NOINC \
+`($__internal_0_$__cuda_sm20_div_s64) ;
+        /*00c0*/                   CALL.REL.NOINC \
+`($__internal_1_$__cuda_sm3x_div_rn_noftz_f32_slowpath) ;
+        /*00d0*/                   CALL.REL.NOINC \
+`($__internal_0_$__cuda_sm20_div_s64) ;
+        /*00e0*/                   EXIT ;
+        .text.phase_3:
+        /*0000*/                   RET.REL.NODEC R20 `(k_1) ;
+"""
+
+#: PTX with a callee (a call prototype is no call) and two calls.
+PTX_CALLS = """
+.func phase_3(.param .b64 phase_3_param_0)
+{
+\tret;
+}
+.visible .entry k_1(
+\t.param .b64 k_1_param_0
+)
+{
+\tprototype_0 : .callprototype ()_ (.param .b64 _);
+\t{ // callseq 0, 0
+\tcall.uni phase_3, (param0);
+\t} // callseq 0
+\t@%p1 call phase_3, (param0);
+\tret;
+}
+"""
+
+
+def test_call_readers_count_calls_not_returns():
+    assert amd_calls(AMD_CALLS) == 4  # 3 s_swappc_b64, 1 tail s_setpc_b64
+    assert amd_calls(AMD) == 0
+    (facts,) = amd_kernels(AMD_CALLS).values()
+    assert facts["private_bytes"] == 104
+    assert sass_calls(SASS_CALLS) == 3
+    assert sass_subroutine_calls(SASS_CALLS) == {
+        "__cuda_sm20_div_s64": 2,
+        "__cuda_sm3x_div_rn_noftz_f32_slowpath": 1,
+    }
+    assert sass_subroutine_calls(SASS_CALLS.replace("$__internal", "x")) == {}
+    assert sass_calls("        /*0000*/   EXIT ;") == 0
+    assert ptx_calls(PTX_CALLS) == 2
+    assert ptx_calls(PTX) == 0
 
 
 @pytest.mark.parametrize(
@@ -430,6 +511,8 @@ def _full_row(**fields) -> dict:
             registers=40,
             spill_store_bytes=0,
             spill_load_bytes=0,
+            calls=0,
+            scratch_bytes=0,
             shared_bytes=1024,
             block_threads=256,
             machine_ops={"matrix": {}},
@@ -453,6 +536,14 @@ def test_the_table_columns_fit_their_widest_cell():
             assert line[start - 1] == " " and line[start] != " "
     assert lines[2].split()[2] == long
     assert lines[1].split()[4] == "40"  # regs, after the long kernel name
+    # calls and scratch after spill, each under its name.
+    header = lines[0].split()
+    assert header[4:8] == ["regs", "spill", "calls", "scratch"]
+    assert lines[1].split()[6:8] == ["0", "0"]
+    lines = table_lines([_full_row(calls=66, scratch_bytes=104)])
+    assert lines[1].split()[6:8] == ["66", "104"]
+    lines = table_lines([_full_row(calls=None, scratch_bytes=None)])
+    assert lines[1].split()[6:8] == ["?", "?"]
     assert lines[1].endswith("  H100 1.00 (blocks)")
 
 
@@ -478,28 +569,46 @@ def test_the_verdict_names_each_kernel_that_is_not_clean():
     clean = [_full_row(), _full_row(arch="gfx942")]
     assert verdict(clean) == (
         "verdict: 2 of 2 kernels (sm_90a, gfx942) clean: no spills, no"
-        " ptxas advisories, every parameter block the host's bytes"
+        " calls, no scratch, no ptxas advisories, every parameter block the"
+        " host's bytes"
     )
     bad = [
         *clean,
         _full_row(op="step", spill_store_bytes=8, spill_load_bytes=8),
         _full_row(kernel="x", advisories=["C7518: serialized"]),
         _full_row(op="compress", param_bytes=88, host_bytes=80),
+        _full_row(
+            arch="gfx942",
+            op="index_top_k",
+            kernel="select",
+            config="glm5next-k2048",
+            calls=66,
+            scratch_bytes=104,
+        ),
     ]
     assert verdict(bad) == (
-        "verdict: 3 of 5 kernels (sm_90a, gfx942) need a look:"
+        "verdict: 4 of 6 kernels (sm_90a, gfx942) need a look:"
         " sm_90a step/main [bf16-d128-kpool4]: spills 8/8 B;"
         " sm_90a ring_close/x [bf16-d128-kpool4]: advisories C7518;"
         " sm_90a compress/main [bf16-d128-kpool4]: parameter block 88 B,"
-        " host 80 B"
+        " host 80 B;"
+        " gfx942 index_top_k/select [glm5next-k2048]: calls 66, scratch"
+        " 104 B"
+    )
+    # A stack frame without calls (a local array) is not clean either.
+    assert verdict([_full_row(scratch_bytes=16)]) == (
+        "verdict: 1 of 1 kernels (sm_90a) need a look: sm_90a"
+        " ring_close/main [bf16-d128-kpool4]: scratch 16 B"
     )
     unknown = _full_row(
         registers=None,
         spill_store_bytes=None,
         spill_load_bytes=None,
+        scratch_bytes=None,
         advisories=None,
     )
     assert verdict([*clean, unknown]).endswith(
-        "; 1 with spills or advisories unknown (no ptxas: see the note)"
+        "; 1 with spills, scratch or advisories unknown (no ptxas: see the"
+        " note)"
     )
     assert verdict([*clean, unknown]).startswith("verdict: 2 of 3 kernels")

@@ -7,9 +7,10 @@ package's Mojo driver (``kernel_asm.mojo``) compiles every kernel of every
 op at the model shapes it names, then each kernel's code is read: PTX and
 ``ptxas -v`` on NVIDIA, the kernel descriptor and metadata on AMD. A table
 row and a JSON object per (kernel, config, arch) give registers, spills,
-shared memory, threads per block, the parameter block, the host's operand
-bytes and the theoretical occupancy per GPU; ``--json`` adds the
-rooflines (:mod:`mla_kpool.gpu_report.roofline`).
+out-of-line calls and scratch bytes, shared memory, threads per block,
+the parameter block, the host's operand bytes and the theoretical
+occupancy per GPU; ``--json`` adds the rooflines
+(:mod:`mla_kpool.gpu_report.roofline`).
 
 The run fails (exit status 1) when a kernel's parameter block differs from
 the bytes the host passes for it, since the kernels take their operand

@@ -12,6 +12,9 @@ both the report's files and fabricated snippets.
   per entry (:func:`parse_ptxas`).
 - AMDGPU assembly (``gfx*``): the ``.amdhsa_*`` kernel descriptor and the
   code object metadata (:func:`amd_kernels`).
+- Out-of-line calls in the code of a kernel and the functions it calls:
+  :func:`amd_calls`, :func:`sass_calls` (and the calls to ptxas's own
+  division subroutines, :func:`sass_subroutine_calls`), :func:`ptx_calls`.
 """
 
 from __future__ import annotations
@@ -312,3 +315,91 @@ def machine_ops(code: str) -> dict[str, dict[str, int]]:
         "matrix": dict(Counter(_MATRIX.findall(code))),
         "fma": dict(Counter(_FMA.findall(code))),
     }
+
+
+#: An AMDGPU call: ``s_swappc_b64`` jumps to a function and saves the
+#: return address. ``s_setpc_b64`` jumps without saving one: a return
+#: when its operand is the return address (``s[30:31]``), else a tail
+#: call.
+_AMD_CALL = re.compile(r"^\s*s_swappc_b64\b", re.M)
+_AMD_SETPC = re.compile(r"^\s*s_setpc_b64\s+(s\[\d+:\d+\])", re.M)
+#: The return address register pair of the AMDGPU calling convention.
+_AMD_RETURN_ADDRESS = "s[30:31]"
+
+
+def amd_calls(asm: str) -> int:
+    """Out-of-line calls in AMDGPU assembly.
+
+    Args:
+        asm: One kernel's ``.s`` file: the kernel and every function it
+            calls (counted too: a call from a callee is a call).
+
+    Returns:
+        The ``s_swappc_b64`` instructions (a call) plus the
+        ``s_setpc_b64`` whose operand is not ``s[30:31]`` (a tail call;
+        with ``s[30:31]`` it is a callee's return). 0 when every function
+        is inlined into the kernel.
+    """
+    tail = [r for r in _AMD_SETPC.findall(asm) if r != _AMD_RETURN_ADDRESS]
+    return len(_AMD_CALL.findall(asm)) + len(tail)
+
+
+#: A SASS call: ``CALL.REL`` (a function of the same cubin) or
+#: ``CALL.ABS`` (an absolute address), with any suffix (``.NOINC``), and
+#: its target (``nvdisasm`` names a function of the cubin in backquotes).
+_SASS_CALL = re.compile(r"\bCALL\.(?:REL|ABS)[\w.]*\s+([^;]*?)\s*;")
+#: A subroutine ptxas adds for an operation of the PTX (not a function of
+#: it): ``$__internal_0_$__cuda_sm20_div_s64`` (64-bit integer division),
+#: ``$__internal_1_$__cuda_sm3x_div_rn_noftz_f32_slowpath`` (the rare
+#: operands of an IEEE FP32 division).
+_PTXAS_SUBROUTINE = re.compile(r"^`?\(?\$__internal_\d+_\$(__cuda_\w+)\)?$")
+
+
+def _sass_targets(sass: str) -> list[str]:
+    return _SASS_CALL.findall(sass)
+
+
+def sass_calls(sass: str) -> int:
+    """Out-of-line calls in SASS (``nvdisasm``'s listing of a cubin).
+
+    Returns:
+        The ``CALL.REL`` and ``CALL.ABS`` instructions (with any suffix,
+        ``CALL.REL.NOINC``; predicated or not) but those of ptxas's own
+        subroutines (:func:`sass_subroutine_calls`): the calls the PTX's
+        code makes, which a kernel inlined whole has none of.
+    """
+    return sum(1 for t in _sass_targets(sass) if not _PTXAS_SUBROUTINE.match(t))
+
+
+def sass_subroutine_calls(sass: str) -> dict[str, int]:
+    """Calls in SASS to subroutines ptxas adds for single PTX operations.
+
+    ptxas expands a 64-bit integer division (``div.s64``) or an IEEE FP32
+    division (``div.rn.f32``) into a fast inline path and a call, taken
+    for the operands that path does not cover, to a subroutine of its own
+    that passes its arguments in registers (no stack frame). They are not
+    the kernel's functions left out of line, so :func:`sass_calls` leaves
+    them out.
+
+    Returns:
+        Subroutine (``__cuda_sm20_div_s64``, ...) -> its call sites.
+    """
+    found: Counter[str] = Counter()
+    for target in _sass_targets(sass):
+        if m := _PTXAS_SUBROUTINE.match(target):
+            found[m.group(1)] += 1
+    return dict(found)
+
+
+#: A PTX call instruction, optionally predicated: ``call.uni (r), f, (a);``
+#: or ``@%p1 call f;`` (not ``.callprototype`` declarations).
+_PTX_CALL = re.compile(r"^\s*(?:@!?%\w+\s+)?call(?:\.uni)?\s", re.M)
+
+
+def ptx_calls(ptx: str) -> int:
+    """``call`` instructions in a PTX module (its entries and functions).
+
+    The PTX's calls, before ``ptxas`` (which may inline a ``.func``):
+    what the report counts for an NVIDIA kernel when there is no SASS.
+    """
+    return len(_PTX_CALL.findall(ptx))

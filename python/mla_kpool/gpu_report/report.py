@@ -2,9 +2,9 @@
 
 :func:`kernel_rows` reads the driver's manifest and code for one target and
 adds, per kernel, what the code and (on NVIDIA) ``ptxas -v`` say: entry
-symbol, registers, spills, stack, barriers, shared memory, parameter block,
-then the theoretical occupancy on each GPU of the target
-(:mod:`mla_kpool.gpu_report.occupancy`).
+symbol, registers, spills, stack, out-of-line calls and scratch memory,
+barriers, shared memory, parameter block, then the theoretical occupancy on
+each GPU of the target (:mod:`mla_kpool.gpu_report.occupancy`).
 """
 
 from __future__ import annotations
@@ -14,13 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from .asm import (
+    amd_calls,
     amd_kernels,
     machine_ops,
     parse_ptxas,
+    ptx_calls,
     ptx_entries,
     ptx_param_bytes,
     ptx_shared_bytes,
     ptxas_advisories,
+    sass_calls,
+    sass_subroutine_calls,
 )
 from .tools import ToolError, install_command, run_nvdisasm, run_ptxas
 
@@ -69,9 +73,14 @@ def _nvidia_facts(
         "param_bytes": ptx_param_bytes(ptx, entry),
         "shared_bytes": ptx_shared_bytes(ptx, entry),
         "machine_ops": None,
+        # The PTX's calls until the SASS says what ptxas kept.
+        "calls": ptx_calls(ptx),
+        "calls_from": "ptx",
+        "subroutine_calls": None,
     }
     row.update(dict.fromkeys(PTXAS_FIELDS))
     row["advisories"] = None
+    row["scratch_bytes"] = None
     if ptxas is not None:
         cubin = path.with_suffix(".cubin") if nvdisasm else None
         output = run_ptxas(ptxas, arch, path, cubin)
@@ -79,13 +88,19 @@ def _nvidia_facts(
         row.update({k: facts[k] for k in PTXAS_FIELDS})
         row["advisories"] = ptxas_advisories(output).get(entry, [])
         row["shared_bytes"] = facts["shared_bytes"]
+        # Local memory per thread: the stack frame (spills included).
+        row["scratch_bytes"] = facts["stack_bytes"]
         if cubin is not None and nvdisasm is not None:
-            row["machine_ops"] = machine_ops(run_nvdisasm(nvdisasm, cubin))
+            sass = run_nvdisasm(nvdisasm, cubin)
+            row["machine_ops"] = machine_ops(sass)
+            row["calls"], row["calls_from"] = sass_calls(sass), "sass"
+            row["subroutine_calls"] = sass_subroutine_calls(sass)
     return row
 
 
 def _amd_facts(path: Path, prefix: str) -> Row:
-    kernels = amd_kernels(path.read_text())
+    code = path.read_text()
+    kernels = amd_kernels(code)
     entry = _entry(list(kernels), prefix, path.name)
     facts = kernels[entry]
     same = "param_bytes kernarg_bytes shared_bytes registers vgpr_count agprs"
@@ -100,8 +115,14 @@ def _amd_facts(path: Path, prefix: str) -> Row:
         "vgpr_spills": facts["vgpr_spills"],
         "sgpr_spills": facts["sgpr_spills"],
         "stack_bytes": facts["private_bytes"],
+        # Scratch per lane: the private segment (spills, stack, and the
+        # arguments and saved registers of out-of-line calls).
+        "scratch_bytes": facts["private_bytes"],
+        "calls": amd_calls(code),
+        "calls_from": "asm",
+        "subroutine_calls": {},  # LLVM inlines AMDGPU's divisions
         "barriers": None,
-        "machine_ops": machine_ops(path.read_text()),
+        "machine_ops": machine_ops(code),
         "advisories": [],  # the AMDGPU assembler prints none
     }
 
@@ -143,7 +164,15 @@ def kernel_rows(
         One dict per kernel: the manifest's fields, ``arch``, ``entry``,
         the code's facts (module docs), ``machine_ops``
         (:func:`.asm.machine_ops` of its SASS or AMDGPU assembly, or
-        ``None``) and the occupancy per GPU.
+        ``None``), ``calls`` (out-of-line calls: :func:`.asm.sass_calls`
+        of the SASS, else :func:`.asm.ptx_calls` of the PTX, or
+        :func:`.asm.amd_calls`; ``calls_from`` says which code:
+        ``"sass"``, ``"ptx"`` or ``"asm"``), ``subroutine_calls``
+        (:func:`.asm.sass_subroutine_calls`: ptxas's division
+        subroutines, not counted in ``calls``; ``None`` without SASS, empty
+        on AMDGPU), ``scratch_bytes`` (per
+        thread: the ptxas stack frame, ``None`` without ptxas, or the
+        AMDGPU private segment) and the occupancy per GPU.
 
     Raises:
         ToolError: If a kernel's symbol is not found once, or ptxas or
@@ -225,6 +254,8 @@ COLUMNS = (
     "config",
     "regs",
     "spill",
+    "calls",
+    "scratch",
     "smem",
     "thr",
     "param/host",
@@ -258,6 +289,14 @@ LEGEND = (
     " kernel descriptor asks for). spill: spill bytes stored/loaded per"
     " thread (gfx942: 4 per spilled VGPR). smem: shared memory (LDS) per"
     " block, bytes. thr: threads per block of the op's launch.",
+    "calls: out-of-line calls in the machine code (CALL.REL/CALL.ABS in"
+    " the SASS on sm_*, the PTX's call when there is no SASS; s_swappc_b64"
+    " and tail-call s_setpc_b64 on gfx942), callees' own calls included;"
+    " not the calls to the subroutines ptxas adds for a 64-bit integer or"
+    " IEEE FP32 division's rare operands (the JSON's subroutine_calls)."
+    " scratch: local memory per thread, bytes (sm_*: the ptxas stack"
+    " frame; gfx942: the private segment, which holds a call's arguments"
+    " and saved registers as well as spills).",
     "param/host: the kernel's parameter block / the bytes the host passes"
     " it (its operand struct by value); the report fails (exit 1) if they"
     " differ.",
@@ -284,20 +323,21 @@ def table_notes(
 
     Returns:
         A line per missing tool that left NVIDIA rows without facts:
-        without ptxas, regs, spill, matrix and occupancy; without nvdisasm
-        (ptxas found), matrix. Each names the command that installs it.
+        without ptxas, regs, spill, scratch, matrix and occupancy;
+        without nvdisasm (ptxas found), matrix (and calls are then the
+        PTX's). Each names the command that installs it.
     """
     nvidia = [row for row in rows if is_nvidia(row["arch"])]
     how = f"install it with {install_command()}"
     if ptxas is None and any(row["registers"] is None for row in nvidia):
         return [
-            "regs, spill, matrix: ? and occupancy empty on sm_* = ptxas not"
-            f" found; {how} (the nvidia-cuda-nvcc wheel)"
+            "regs, spill, scratch, matrix: ? and occupancy empty on sm_* ="
+            f" ptxas not found; {how} (the nvidia-cuda-nvcc wheel)"
         ]
     if nvdisasm is None and any(row["machine_ops"] is None for row in nvidia):
         return [
-            f"matrix: ? on sm_* = nvdisasm not found; {how} (the"
-            " nvidia-cuda-nvdisasm wheel)"
+            "matrix: ? and calls read from the PTX on sm_* = nvdisasm not"
+            f" found; {how} (the nvidia-cuda-nvdisasm wheel)"
         ]
     return []
 
@@ -305,10 +345,10 @@ def table_notes(
 def _cells(row: Row) -> list[str]:
     """A row's cells, in :data:`COLUMNS` order.
 
-    Registers, spill bytes (stores/loads), shared bytes, threads per
-    block, parameter and host bytes, matrix instructions in the code
-    (:func:`_matrix_cell`), ptxas advisories (:func:`_advisory_cell`),
-    occupancy per GPU.
+    Registers, spill bytes (stores/loads), out-of-line calls, scratch
+    bytes, shared bytes, threads per block, parameter and host bytes,
+    matrix instructions in the code (:func:`_matrix_cell`), ptxas
+    advisories (:func:`_advisory_cell`), occupancy per GPU.
     """
     spill = (
         f"{_cell(row['spill_store_bytes'])}/{_cell(row['spill_load_bytes'])}"
@@ -320,6 +360,8 @@ def _cells(row: Row) -> list[str]:
         row["config"],
         _cell(row["registers"]),
         spill,
+        _cell(row.get("calls")),
+        _cell(row.get("scratch_bytes")),
         str(row["shared_bytes"]),
         str(row["block_threads"]),
         f"{row['param_bytes']}/{row['host_bytes']}",
@@ -387,9 +429,10 @@ def config_legend(rows: list[Row]) -> list[str]:
 def verdict(rows: list[Row]) -> str:
     """One closing line: whether every kernel is clean, or which are not.
 
-    Clean: no spill bytes, no ptxas advisory, a parameter block of the
-    host's bytes. Kernels whose spills or advisories are unknown (no
-    ptxas) are counted as such, never as clean.
+    Clean: no spill bytes, no out-of-line call, no scratch bytes, no
+    ptxas advisory, a parameter block of the host's bytes. Kernels whose
+    spills, scratch or advisories are unknown (no ptxas) are counted as
+    such, never as clean.
     """
     archs = ", ".join(dict.fromkeys(row["arch"] for row in rows))
     dirty, unknown = [], 0
@@ -398,6 +441,10 @@ def verdict(rows: list[Row]) -> str:
         found = []
         if any(spills):
             found.append(f"spills {_cell(spills[0])}/{_cell(spills[1])} B")
+        if row.get("calls"):
+            found.append(f"calls {row['calls']}")
+        if row.get("scratch_bytes"):
+            found.append(f"scratch {row['scratch_bytes']} B")
         if row.get("advisories"):
             found.append(f"advisories {_advisory_cell(row)}")
         if row["param_bytes"] != row["host_bytes"]:
@@ -408,7 +455,12 @@ def verdict(rows: list[Row]) -> str:
         if found:
             name = f"{row['arch']} {row['op']}/{row['kernel']}"
             dirty.append(f"{name} [{row['config']}]: {', '.join(found)}")
-        elif None in spills or row.get("advisories") is None:
+        elif (
+            None in spills
+            or row.get("scratch_bytes") is None
+            or row.get("calls") is None
+            or row.get("advisories") is None
+        ):
             unknown += 1
     if dirty:
         return (
@@ -418,12 +470,12 @@ def verdict(rows: list[Row]) -> str:
     clean = len(rows) - unknown
     text = (
         f"verdict: {clean} of {len(rows)} kernels ({archs}) clean: no"
-        " spills, no ptxas advisories, every parameter block the host's"
-        " bytes"
+        " spills, no calls, no scratch, no ptxas advisories, every"
+        " parameter block the host's bytes"
     )
     if unknown:
         text += (
-            f"; {unknown} with spills or advisories unknown (no ptxas:"
-            " see the note)"
+            f"; {unknown} with spills, scratch or advisories unknown (no"
+            " ptxas: see the note)"
         )
     return text
