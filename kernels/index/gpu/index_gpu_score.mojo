@@ -211,6 +211,56 @@ def halving_sum[n: Int](v: SIMD[DType.float32, n]) -> Float32:
         )
 
 
+@always_inline
+def stage_query[
+    hp: Int, depth: Int, passes: Int, group: Int
+](s: Shared, thread: Int, threads: Int, query: Ptr[DType.uint8], heads: Int):
+    """Decodes a row's `heads x depth` FP8 query into the block's shared
+    words: head `h`, dim `d` at `(d * passes + h % passes) * group + h //
+    passes` (a pass's heads of a dim side by side), zero past `heads`.
+
+    A thread takes 16 dims of one head (one 16-byte load, where the row is
+    16-byte aligned), and consecutive threads take consecutive heads: each
+    of its 16 stores puts a warp's lanes on words `h % passes * group + h
+    // passes` of one dim, every bank once for 32 heads or more. (Threads
+    over consecutive dims of one head stored a dim's row, `hp` words,
+    apart: all on one bank, 32 ways.) The query is read in 16-byte pieces
+    `depth` bytes apart, whole sectors half used; it is a few KiB a block
+    against the block's keys.
+    """
+    comptime chunks = depth // 16
+    comptime if depth % 16 != 0:
+        # A depth of no 16-byte pieces: a byte a thread, dims in order.
+        for x in range(thread, hp * depth, threads):
+            var h = x // depth
+            var d = x % depth
+            var value = Float32(0)
+            if h < heads:
+                value = decode_e4m3_gpu[1](
+                    SIMD[DType.uint8, 1](query[unsafe_offset=x])
+                )[0]
+            s.store_f32((d * passes + h % passes) * group + h // passes, value)
+        return
+    var aligned = is_aligned[16](query)
+    for u in range(thread, hp * chunks, threads):
+        var h = u % hp
+        var first = (u // hp) * 16
+        var bytes = SIMD[DType.uint8, 16](0)
+        if h < heads:
+            var at = query.unsafe_offset(h * depth + first)
+            if aligned:
+                bytes = at.unsafe_load[width=16, alignment=16](0)
+            else:
+                comptime for i in range(16):
+                    bytes[i] = at[unsafe_offset=i]
+        var values = decode_e4m3_gpu[16](bytes)  # zero bytes past `heads`
+        comptime for i in range(16):
+            s.store_f32(
+                ((first + i) * passes + h % passes) * group + h // passes,
+                values[i],
+            )
+
+
 @no_inline
 def _checked_f32x[width: Int](s: Shared, i: Int) -> SIMD[DType.float32, width]:
     """`s.load_f32x` out of line: the emulation's checked read."""
@@ -319,17 +369,9 @@ def index_score_phase(
     if b < 0:
         return
     if phase == 0:
-        # Source order: consecutive threads read consecutive query bytes.
-        var query = op.q.unsafe_offset(t * heads * depth)
-        for x in range(thread, hp * depth, threads):
-            var h = x // depth
-            var d = x % depth
-            var value = Float32(0)
-            if h < heads:
-                value = decode_e4m3_gpu[1](
-                    SIMD[DType.uint8, 1](query[unsafe_offset=x])
-                )[0]
-            s.store_f32((d * passes + h % passes) * group + h // passes, value)
+        stage_query[hp, depth, passes, group](
+            s, thread, threads, op.q.unsafe_offset(t * heads * depth), heads
+        )
         return
     var j = (block % score_tiles(op)) * threads + thread
     if j >= Int(op.work.plan[unsafe_offset=2 * t + 1]):

@@ -414,10 +414,11 @@ def index_mfma_phase(
     var j = j0 + thread
     if thread >= MFMA_TILE or j >= bound:
         return
-    var word = MFMA_GROUPS * thread
-    var total = (s.load_f32(word) + s.load_f32(word + 1)) + (
-        s.load_f32(word + 2) + s.load_f32(word + 3)
-    )
+    # One 16-byte load of the candidate's four group sums: consecutive
+    # threads read consecutive 16 bytes (four scalar loads were 4-way).
+    comptime assert MFMA_GROUPS == 4, "a candidate's sums are 16 bytes"
+    var sums = s.load_f32x[4](MFMA_GROUPS * thread)
+    var total = (sums[0] + sums[1]) + (sums[2] + sums[3])
     # Every wave loads the whole query row: wave 0's lanes hold all of it.
     var row_nan = UInt32(0)
     for lane in range(MFMA_LANES):
