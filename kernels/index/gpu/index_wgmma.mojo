@@ -275,17 +275,19 @@ def write_scores[
     """A tile's scores: a thread per (`members` row, candidate from
     `first`) adds its four partial sums (one per thread of the quad that
     held the candidate) in a fixed order and multiplies by the key's
-    scale, once after the head sum, as DeepGEMM does."""
+    scale, once after the head sum, as DeepGEMM does. `partials` is a
+    multiple of 4 (`tile_words` keeps every region 16-byte aligned)."""
+    debug_assert(partials % 4 == 0, "partial sums are 16-byte aligned")
     for e in range(thread, rows * WGMMA_TILE, WGMMA_THREADS):
         var member = e // WGMMA_TILE
         var row = tile_row(op, first_row + member)
         var j = first + e % WGMMA_TILE
         if (members >> member) & 1 == 0 or j >= row.bound:
             continue
-        var word = partials + 4 * e
-        var total = (s.load_f32(word) + s.load_f32(word + 1)) + (
-            s.load_f32(word + 2) + s.load_f32(word + 3)
-        )
+        # One 16-byte load of the four sums: consecutive threads read
+        # consecutive 16 bytes (four scalar loads were 4-way conflicts).
+        var sums = s.load_f32x[4](partials + 4 * e)
+        var total = (sums[0] + sums[1]) + (sums[2] + sums[3])
         op.work.scores[
             unsafe_offset=(first_row + member) * op.work.candidates + j
         ] = (
