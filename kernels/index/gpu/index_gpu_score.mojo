@@ -338,6 +338,7 @@ def pass_sum[
     return halving_sum[heads](relu * w)
 
 
+@always_inline
 def index_score_phase(
     phase: Int, block: Int, thread: Int, s: Shared, op: IndexTopK
 ):
@@ -432,6 +433,7 @@ struct SimtScore[Op: type_of(IndexTopK)](GpuKernel):
         return op.work.candidates
 
     @staticmethod
+    @always_inline
     def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
         """`index_score_phase`, or `index_score_thread` untiled."""
         comptime if Self.tiled:
