@@ -300,10 +300,20 @@ def check_lanes(
 
 
 @always_inline
-def thread_run(thread: Int, threads: Int, count: Int) -> Tuple[Int, Int]:
+def thread_run[
+    odd: Bool = False
+](thread: Int, threads: Int, count: Int) -> Tuple[Int, Int]:
     """Thread `thread`'s contiguous run `[lo, hi)` of `count` items split
     over `threads`: the runs in thread order, so a block exclusive prefix
     sum of what each thread counts in its run places the runs in item order.
+
+    Parameters:
+        odd: Runs of an odd length (one item longer where the even split
+            is even; the last threads' runs then end early or are empty):
+            for items read from shared memory, where the `i`-th items of a
+            warp's runs are a run's length apart, an odd length puts them
+            on 32 different banks (an even one on `gcd(length, 32)`-way
+            conflicts).
 
     Args:
         thread: The thread, `0 ..< threads`.
@@ -311,5 +321,7 @@ def thread_run(thread: Int, threads: Int, count: Int) -> Tuple[Int, Int]:
         count: Items, at least 0.
     """
     var per = ceildiv(count, threads)
+    comptime if odd:
+        per |= 1
     var lo = min(thread * per, count)
     return (lo, min(lo + per, count))

@@ -324,7 +324,11 @@ def _count[
     """Pass `p`'s count: this thread's keys that match the prefix, by digit.
 
     Pass `p > 0` first takes the state the previous pass's decision
-    recorded; the other histogram is cleared for the next pass.
+    recorded; the other histogram is cleared for the next pass. The
+    histogram's atomics fall on the digits the scores have: keys that
+    share a digit serialize on its word (every lane of a warp, where a
+    row's scores cluster), and distinct digits may share a bank; no
+    layout avoids what the data decides.
 
     Parameters:
         k: Ids per output row.
@@ -384,7 +388,7 @@ def _count_run[
         state.need = s.load(_STATE + 1)
     var above: UInt64 = 0
     var ties: UInt64 = 0
-    var run = thread_run(thread, SELECT_THREADS, row.bound)
+    var run = thread_run[odd=True](thread, SELECT_THREADS, row.bound)
     for j in range(run[0], run[1]):
         var kind = _selected(row.key[k](s, j), state.prefix, take_all)
         if kind == 2:
@@ -408,13 +412,21 @@ def _scatter_run[
 ):
     """Writes this thread's selected pairs, and pads the pairs to the sort's
     width: the keys above `K` first, in id order; the `need` lowest ids at
-    `K` after all `m - need` of them."""
+    `K` after all `m - need` of them.
+
+    The pair stores land where the scores put them (each thread at its
+    own offsets), and a compacted row's ids are read only for the keys
+    selected, so a warp's lanes may share banks at both: up to 4-way in
+    the profile at DeepSeek-V3.2's decode, a few hundred requests a row.
+    Writing in id order is what lets the rank sort's ties fall to the
+    lower id without another key.
+    """
     var before = lane.result()
     var at = Int(before >> 32)
     var tie = Int(before & 0xFFFFFFFF)
     var need = 0 if take_all else Int(state.need)
     var above_total = m - need
-    var run = thread_run(thread, SELECT_THREADS, row.bound)
+    var run = thread_run[odd=True](thread, SELECT_THREADS, row.bound)
     for j in range(run[0], run[1]):
         var key = row.key[k](s, j)
         var kind = _selected(key, state.prefix, take_all)

@@ -318,6 +318,25 @@ comptime SelectCall = WindowRow[MutAnyOrigin]
 
 
 @always_inline
+def _wide_word(bucket: Int) -> Int:
+    """Where bucket `bucket` of the wide histogram lives in its words.
+
+    The offer and the decision read each thread's `_BUCKETS_PER_THREAD`
+    consecutive buckets, so a warp's lanes read words that far apart: in
+    bucket order, 8 buckets a thread put a warp's 32 reads on 4 banks (8
+    ways). XOR-ing a bucket's low bits with its 32-word line
+    (`(bucket >> 5)`) spreads them over every bank, and keeps each line's
+    words in that line (consecutive buckets, as the clear and the flush
+    read them, still fill a line once).
+    """
+    comptime assert (
+        _BUCKETS_PER_THREAD & (_BUCKETS_PER_THREAD - 1) == 0
+        and _BUCKETS_PER_THREAD <= 32
+    ), "a thread's buckets are a power of two within a 32-word line"
+    return bucket ^ ((bucket >> 5) & (_BUCKETS_PER_THREAD - 1))
+
+
+@always_inline
 def _wide_digit(key: UInt32) -> Int:
     """A key's bucket of the wide digit: its top `WIDE_BITS` bits."""
     return Int(key >> UInt32(32 - WIDE_BITS))
@@ -368,7 +387,14 @@ def _split_phase[
     slice: Int,
 ):
     """Phase `phase` (`_CLEAR ..< _PICK`) of a split row's count and
-    compaction (module docs, step 4)."""
+    compaction (module docs, step 4).
+
+    Two shared sites stay above 2-way, as the data decides: the wide
+    histogram's atomics (keys of one digit serialize on its word; distinct
+    digits may share a bank) and the compaction's stores (each thread
+    writes its kept keys from its own offset, up to 4-way in the profile
+    at DeepSeek-V3.2's decode, a few hundred requests a row).
+    """
     comptime wide = cache_start(k)
     var m = min(k, whole.bound)
     comptime if phase == _CLEAR:
@@ -377,15 +403,15 @@ def _split_phase[
             "a split row's cache holds its wide histogram (select_slices)",
         )
         for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
-            s.store(wide + i, 0)
+            s.store(wide + _wide_word(i), 0)
     elif phase == _COUNT:
         var ids = _slice_of(whole, slice)
         for j in range(ids[0] + thread, ids[1], SELECT_THREADS):
             var key = score_order(whole.scores[unsafe_offset=j])
-            _ = s.atomic_add(wide + _wide_digit(key), 1)
+            _ = s.atomic_add(wide + _wide_word(_wide_digit(key)), 1)
     elif phase == _FLUSH:
         for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
-            var count = s.load(wide + i)
+            var count = s.load(wide + _wide_word(i))
             if count != 0:
                 publish_add(whole.split, 1 + i, count)
         publish_fence()
@@ -400,7 +426,9 @@ def _split_phase[
         if state.selects:
             acquire_fence()
             for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
-                s.store(wide + i, read_published(whole.split, 1 + i))
+                s.store(
+                    wide + _wide_word(i), read_published(whole.split, 1 + i)
+                )
                 # Every block has added its part: zero for the next launch.
                 whole.split[unsafe_offset=1 + i] = 0
             if thread == 0:
@@ -415,7 +443,7 @@ def _split_phase[
         if state.selects:
             var top = WIDE_BUCKETS - 1 - _BUCKETS_PER_THREAD * thread
             for i in range(_BUCKETS_PER_THREAD):
-                state.count += s.load(wide + top - i)
+                state.count += s.load(wide + _wide_word(top - i))
         lane.offer(UInt64(state.count))
     elif phase == _DECIDE:
         if not state.selects:
@@ -424,7 +452,7 @@ def _split_phase[
         if above < m and m <= above + Int(state.count):
             var top = WIDE_BUCKETS - 1 - _BUCKETS_PER_THREAD * thread
             for i in range(_BUCKETS_PER_THREAD):
-                var count = Int(s.load(wide + top - i))
+                var count = Int(s.load(wide + _wide_word(top - i)))
                 if above + count >= m:
                     s.store(WIDE_STATE, UInt32(top - i))
                     s.store(WIDE_STATE + 1, UInt32(above + count))
