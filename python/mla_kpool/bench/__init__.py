@@ -554,8 +554,9 @@ def check_size(args: argparse.Namespace, todo: list[Case]) -> str | None:
     ) and not args.long_run:
         return (
             f"this grid is {describe_size(todo)}, more than --sweep's"
-            f" {LONG_RUN_CONFIGS} and {LONG_RUN_GRAPHS}; add --long-run to"
-            " run it, or name fewer --ops, --dtypes, --batches or --kpools"
+            f" {LONG_RUN_CONFIGS} configurations and {LONG_RUN_GRAPHS}"
+            " graphs; add --long-run to run it, or name fewer --ops,"
+            " --dtypes, --batches or --kpools"
         )
     have = available_memory()
     sized = [c for c in todo if c.op != INDEX_OP]
