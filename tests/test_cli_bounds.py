@@ -128,7 +128,7 @@ def test_a_demo_past_this_machines_memory_is_refused(monkeypatch, capsys):
 def test_a_demo_widening_past_this_machines_memory(monkeypatch, capsys):
     """kpool 1024: each row of expand_topk is 512 * 1024 + 1023 positions."""
     monkeypatch.setattr(demo, "available_memory", lambda: 4 * 2**30)
-    assert demo.run(_demo_args("--kpool", "1024")) == 2
+    assert demo.run(_demo_args("--kpool", "1024", "--long-run")) == 2
     err = capsys.readouterr().err
     assert "--kpool 1024 and --pool-topk 512 widen each query row to" in err
     assert "525,311 positions" in err
@@ -223,3 +223,22 @@ def test_a_line_every_interval_while_an_item_takes_long():
     after = log.getvalue()
     time.sleep(0.15)
     assert log.getvalue() == after  # closed: no more lines
+
+
+def test_a_demo_widening_past_the_default_many_times_asks(capsys):
+    """kpool 1024: expand_topk writes 256 times the default's positions."""
+    assert demo.run(_demo_args("--kpool", "1024")) == 2
+    err = capsys.readouterr().err
+    assert "query rows to 525,311 positions each in expand_topk" in err
+    assert "add --long-run" in err
+
+
+def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
+    import mla_kpool.demo as demo_package
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo_package, "run", interrupted)
+    assert cli.main(["demo"], prog=PROG) == 130
+    assert capsys.readouterr().err == f"\n{PROG} demo: interrupted\n"

@@ -132,3 +132,43 @@ def test_bad_options_exit_2_before_running(argv, message, capsys):
     err = capsys.readouterr().err
     assert err.startswith("usage: python -m mla_kpool gpu-profile")
     assert message in err
+
+
+def test_the_command_streams_the_drivers_launches(
+    tmp_path, monkeypatch, capsys
+):
+    """A stand-in for ``mojo`` that prints two launches: the table, the
+    verdict, the count, and the JSON of both."""
+    import mla_kpool.gpu_profile as gpu_profile
+
+    fake = tmp_path / "mojo"
+    lines = "\n".join(json.dumps(x) for x in (CONFLICTED, CLEAN))
+    fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{lines}\nEOF\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(gpu_profile, "mojo_command", lambda: str(fake))
+    out_json = tmp_path / "p.json"
+    assert main(["gpu-profile", "--json", str(out_json)]) == 0
+    captured = capsys.readouterr()
+    out = captured.out.splitlines()
+    assert out[1].startswith("glm5next-decode-16x32k  score_kernel")
+    assert out[-1] == verdict([CONFLICTED, CLEAN])
+    assert "gpu-profile: 2 launches in" in captured.err
+    doc = json.loads(out_json.read_text())
+    assert doc == {"arch": "sm_90a", "launches": [CONFLICTED, CLEAN]}
+
+
+def test_a_failed_driver_is_one_line(tmp_path, monkeypatch, capsys):
+    import mla_kpool.gpu_profile as gpu_profile
+
+    fake = tmp_path / "mojo"
+    fake.write_text(
+        "#!/bin/sh\necho 'x.mojo:1:1: error: no such thing' >&2\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(gpu_profile, "mojo_command", lambda: str(fake))
+    assert main(["gpu-profile"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        "gpu-profile: the driver failed: x.mojo:1:1: error: no such thing"
+        in err
+    )

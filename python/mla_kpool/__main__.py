@@ -86,6 +86,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         and a usage error 2, through ``SystemExit``. An option the
         subcommand does not know is that subcommand's usage error (its
         usage, ``<prog> <command>: error: ...``), not the top level's.
+        Ctrl-C ends a run with one line and status 130, no traceback.
     """
     parser = argparse.ArgumentParser(
         prog=program_name() if prog is None else prog,
@@ -119,7 +120,12 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         from .bench.blas import reexec_without_slow_blas
 
         reexec_without_slow_blas()
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, and the shell's status for an interrupt.
+        print(f"\n{args.prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

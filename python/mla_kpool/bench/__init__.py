@@ -691,7 +691,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--min-seconds",
-        type=float_in(0, MAX_MIN_SECONDS, "a configuration's timing"),
+        type=float_in(
+            0,
+            MAX_MIN_SECONDS,
+            "a minute a configuration is far past a stable median",
+        ),
         default=0.3,
         help="measure each configuration at least this long (0.3; at most"
         f" {MAX_MIN_SECONDS:g})",

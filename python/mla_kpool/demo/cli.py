@@ -110,6 +110,16 @@ MAX_SEED = 2**53 - 1
 #: devices (a minute or two), and on the emulated grid, where a call takes
 #: seconds, about twice its default 88.
 LONG_RUN_CALLS = {"cpu": 2000, "gpu": 2000, "gpu-emulated": 200}
+#: Positions expand_topk may write in a run before it asks for
+#: ``--long-run``: each query row widens to ``pool_topk * kpool + kpool -
+#: 1`` of them, and the oracle checks each. The default workload writes
+#: about 61 million (29,928 rows of 2,051) in well under a minute; at
+#: ``--kpool 1024`` it would write 256 times as many (an hour or more).
+LONG_RUN_POSITIONS = {
+    "cpu": 1_000_000_000,
+    "gpu": 1_000_000_000,
+    "gpu-emulated": 100_000_000,
+}
 #: Bytes the demo keeps per element of ``head_dim`` of each token of each
 #: running request (its keys and gates, their float64 draws, the FP8 key
 #: cache and the oracle's float64 sequence; an upper estimate), for the
@@ -145,7 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed",
         type=int_in(0, MAX_SEED, "a seed a JSON summary keeps exactly"),
         default=0,
-        help="workload seed (0)",
+        help="workload seed (0; below 2^53)",
     )
     add(
         "--dtype",
@@ -162,8 +172,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=head_dim_option,
         help=f"channels per key ({workload.DEFAULT_HEAD_DIM}; at most"
         f" {MAX_HEAD_DIM}); the indexer's keys spread over kpool cache rows"
-        " when head_dim is a multiple of kpool, else take whole rows (the"
-        " run's header says which)",
+        " when kpool divides head_dim and the page size (128), else take"
+        " whole rows (the run's header says which)",
     )
     add(
         "--requests",
@@ -251,11 +261,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--long-run",
         action="store_true",
-        help="run a workload of more calls than a run makes unasked"
+        help="run a workload larger than a run makes unasked: more calls"
         f" ({LONG_RUN_CALLS['cpu']:,} on cpu and gpu,"
         f" {LONG_RUN_CALLS['gpu-emulated']} on gpu-emulated, several times"
-        " the default workload's); without it such a run stops before"
-        " compiling and says its size",
+        " the default workload's) or more expand_topk positions"
+        f" ({LONG_RUN_POSITIONS['cpu']:,}, 16 times the default's); without"
+        " it such a run stops before compiling and says its size",
     )
     add(
         "--no-progress",
@@ -363,12 +374,14 @@ def check_size(config: Config, plan_: Plan, long_run: bool) -> None:
         long_run: Whether ``--long-run`` was given.
 
     Raises:
-        DemoError: If the plan makes more calls than
-            :data:`LONG_RUN_CALLS` allows on the device without
-            ``long_run``, or the running requests' sequences would not fit
-            in the memory this machine has available (about
+        DemoError: If, without ``long_run``, the plan makes more calls
+            than :data:`LONG_RUN_CALLS` or widens its rows to more
+            expand_topk positions than :data:`LONG_RUN_POSITIONS` allow on
+            the device; or if the running requests' sequences (about
             :data:`BYTES_PER_TOKEN_CHANNEL` bytes per token and channel of
-            every ring slot at the longest request's length).
+            every ring slot at the longest request's length) or a call's
+            widened rows (:data:`BYTES_PER_EXPANDED_ID` a position) would
+            not fit in the memory this machine has available.
     """
     limit = LONG_RUN_CALLS[config.device]
     calls = len(plan_.calls)
@@ -378,6 +391,18 @@ def check_size(config: Config, plan_: Plan, long_run: bool) -> None:
             f" {limit:,} calls a run on {config.device} makes unasked; add"
             " --long-run"
             " to run it, or lower --requests, or raise --token-budget"
+        )
+    tokens = sum(e.tokens for call in plan_.calls for e in call)
+    width = config.pool_topk * config.kpool + config.kpool - 1
+    limit = LONG_RUN_POSITIONS[config.device]
+    if tokens * width > limit and not long_run:
+        raise DemoError(
+            f"this workload widens {tokens:,} query rows to {width:,}"
+            f" positions each in expand_topk ({tokens * width:,} in all,"
+            f" with --kpool {config.kpool} and --pool-topk"
+            f" {config.pool_topk}), more than the {limit:,} a run on"
+            f" {config.device} writes unasked (hours); add --long-run to run"
+            " it, or lower --kpool, --pool-topk or --requests"
         )
     have = available_memory()
     if have is None:

@@ -31,6 +31,7 @@ from typing import Any
 
 from .._argtypes import int_in, output_file, usage_error
 from .._paths import KERNELS
+from .._progress import progress_for
 from ..gpu_report.tools import compile_error, mojo_command
 
 __all__ = [
@@ -58,6 +59,10 @@ CLEAN_WAYS = 2
 #: runs every thread on the host, a second or more for a scorer's.
 MAX_SAMPLE = 256
 
+#: Launches the driver profiles: plan, SIMT scorer, the target's tensor
+#: scorer and select, at each of 3 workloads.
+LAUNCHES = 12
+
 #: How long the driver takes, as the command says before it runs.
 RUN_TIME = (
     "about 1 min to compile and 1-2 min to run on 2 cores alone, 2-4 min"
@@ -67,7 +72,7 @@ RUN_TIME = (
 DESCRIPTION = (
     "Count what index_top_k's GPU launches ask of shared memory (requests,"
     " wavefronts, bank conflicts, atomics per address, barriers) by"
-    " emulating them at the documented workloads; no GPU needed."
+    f" emulating them at the documented workloads; no GPU needed ({RUN_TIME})."
 )
 
 
@@ -194,16 +199,27 @@ def run(args: argparse.Namespace) -> int:
     warp = ARCH_WARPS[args.arch]
     say(f"emulating index_top_k's launches for {args.arch} ({RUN_TIME})...")
     start = time.perf_counter()
-    proc = subprocess.run(
-        [mojo, "run", "-I", str(KERNELS.parent), str(DRIVER), str(warp),
-         str(args.sample)],
-        capture_output=True,
+    argv = [mojo, "run", "-I", str(KERNELS.parent), str(DRIVER)]
+    proc = subprocess.Popen(
+        [*argv, str(warp), str(args.sample)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        say(f"the driver failed: {compile_error(proc.stderr, proc.returncode)}")
+    )
+    progress = progress_for(
+        LAUNCHES, sys.stderr, desc="gpu-profile", unit="launches"
+    )
+    lines = []
+    assert proc.stdout is not None and proc.stderr is not None
+    for line in proc.stdout:  # a line a launch, as each one finishes
+        lines.append(line)
+        progress.update(1)
+    stderr = proc.stderr.read()
+    progress.close()
+    if proc.wait() != 0:
+        say(f"the driver failed: {compile_error(stderr, proc.returncode)}")
         return 1
-    launches = parse_lines(proc.stdout)
+    launches = parse_lines("".join(lines))
     say(f"{len(launches)} launches in {time.perf_counter() - start:.0f} s")
     for line in format_table(launches):
         print(line)

@@ -74,9 +74,16 @@ __all__ = [
     "run",
 ]
 
+#: How long one target's compile takes, as the report says before it:
+#: ``python -m mla_kpool gpu-report`` on 2-core VMs, 16-20 s a target
+#: alone, 125 s (load 7) and 207 s (load 4-8) for sm_90a beside other
+#: compiles.
+COMPILE_TIME = "16-20 s on 2 cores alone, 1-4 min beside other compiles"
+
 DESCRIPTION = (
     "Compile every GPU kernel for each target (no GPU needed) and report "
-    "registers, spills, shared memory, parameter bytes and occupancy."
+    "registers, spills, out-of-line calls, scratch, shared memory, "
+    f"parameter bytes and occupancy (each target {COMPILE_TIME})."
 )
 
 #: The targets the report takes: those whose GPUs (H100 and H200, B200,
@@ -133,13 +140,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep each kernel's code under DIR/<arch>/, created if needed "
         "(default: a temporary directory, removed)",
     )
-
-
-#: How long one target's compile takes, as the report says before it:
-#: ``python -m mla_kpool gpu-report`` on 2-core VMs, 16-20 s a target
-#: alone, 125 s (load 7) and 207 s (load 4-8) for sm_90a beside other
-#: compiles.
-COMPILE_TIME = "16-20 s on 2 cores alone, 1-4 min beside other compiles"
 
 
 def report(archs: list[str], asm_dir: Path, out=None, err=None) -> list[Row]:
