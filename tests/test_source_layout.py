@@ -41,6 +41,7 @@ PRODUCT = {
     "python/mla_kpool/_argtypes.py": "operand value checks the API shares",
     "python/mla_kpool/_paths.py": "how every API graph loads the kernels",
     "python/mla_kpool/_limits.py": "index_top_k's limits, the oracle's too",
+    "python/mla_kpool/_renamed.py": "the API's renamed keywords, warned",
     "python/mla_kpool/buffers.py": "host buffers and dtypes for the ops",
     "python/mla_kpool/ring.py": "the ring's slot bookkeeping for callers",
     "python/mla_kpool/index_cache.py": "the paged FP8 key cache index_top_k"
@@ -59,12 +60,14 @@ SCAFFOLDING = {
     " bench",
     "python/mla_kpool/calls.py": "the runner's call plumbing",
     "python/mla_kpool/__main__.py": "the command line",
+    "python/mla_kpool/_progress.py": "the demo's and the bench's progress",
     "python/mla_kpool/_sysinfo.py": "where a bench run was measured",
 }
 
 #: Counted on neither side.
 NEITHER = {
     "python/mla_kpool/gpu_report": "a developer tool (compiles GPU kernels)",
+    "python/mla_kpool/gpu_profile": "a developer tool (emulates GPU launches)",
     "python/mla_kpool/gpu_specs.py": "published GPU peaks for that tool",
 }
 
