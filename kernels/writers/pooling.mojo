@@ -247,7 +247,9 @@ def to_key_dtype[
     the quiet NaN `0x7FC0` with its sign: bit for bit what that runtime
     call returns (Mojo's runtime drops a NaN's payload; the tests check
     every high half). Subnormals round like the rest (bfloat16 has
-    float32's exponent range). A GPU converts in one instruction.
+    float32's exponent range), where a host whose compiler converts with
+    AVX512-BF16's `vcvtneps2bf16` flushes them to zero (and keeps a NaN's
+    payload). A GPU converts in one instruction.
     """
     comptime if dtype == DType.bfloat16 and not is_gpu():
         var bits = bitcast[DType.uint32, width](value)
