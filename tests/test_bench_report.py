@@ -212,7 +212,8 @@ def test_markdown_bad_file_exits_2(
     path = tmp_path / "bench.json"
     if content is not None:
         path.write_text(content)
-    assert main(["bench", "--markdown", str(path)]) == 2
+    # The program name as it was started, as argparse's own errors say.
+    assert main(["bench", "--markdown", str(path)], prog="mla-kpool") == 2
     err = capsys.readouterr().err
     assert err.startswith(f"mla-kpool bench: error: {path}: ")
     assert message in err
