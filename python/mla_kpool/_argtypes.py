@@ -1,13 +1,13 @@
 """argparse value types and usage errors shared by the subcommands.
 
-``demo``, ``bench`` and ``gpu-report`` use them. Each type checks its
-value while the command line is parsed, so a bad option is an argparse
-error (exit status 2) before anything compiles, with a message of the form
-"must be ..., got ...". Every number has an upper bound as well as a lower
-one (:func:`int_in`), with the reason in the message, so a run far past
-what a machine can do is refused in a second rather than found out after
-minutes of compiling. Problems found after parsing go through
-:func:`usage_error`, under the same program name.
+``demo``, ``bench``, ``gpu-report`` and ``gpu-profile`` use them. Each
+type checks its value while the command line is parsed, so a bad option
+is an argparse error (exit status 2) before anything compiles, with a
+message of the form "must be ..., got ...". Every number has an upper
+bound as well as a lower one (:func:`int_in`), with the reason in the
+message, so a run far past what a machine can do is refused in a second
+rather than found out after minutes of compiling. Problems found after
+parsing go through :func:`usage_error`, under the same program name.
 """
 
 from __future__ import annotations
@@ -162,16 +162,6 @@ kpool_option = int_in(
 head_dim_option = int_in(
     1, MAX_HEAD_DIM, "head_dim is a compile-time parameter of the kernels"
 )
-
-
-def non_negative_float(text: str) -> float:
-    """An argparse type: a finite number ``>= 0``."""
-    value = _convert(text, float, "a number")
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(
-            f"must be a finite number >= 0, got {text}"
-        )
-    return value
 
 
 def output_file(text: str) -> str:

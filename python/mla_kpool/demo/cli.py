@@ -26,6 +26,7 @@ from .._argtypes import (
 from .._limits import MAX_TOP_K
 from .._paths import compiled_kernels
 from .._progress import LINE_INTERVAL_S, LineProgress, progress_for
+from ..reference import expand_topk_width
 from ..runner import DEVICES, Runner
 from . import workload
 from .checked_run import (
@@ -392,13 +393,13 @@ def check_size(config: Config, plan_: Plan, long_run: bool) -> None:
             " --long-run"
             " to run it, or lower --requests, or raise --token-budget"
         )
-    tokens = sum(e.tokens for call in plan_.calls for e in call)
-    width = config.pool_topk * config.kpool + config.kpool - 1
+    rows = [sum(e.tokens for e in call) for call in plan_.calls]
+    width = expand_topk_width(config.pool_topk, config.kpool)
     limit = LONG_RUN_POSITIONS[config.device]
-    if tokens * width > limit and not long_run:
+    if sum(rows) * width > limit and not long_run:
         raise DemoError(
-            f"this workload widens {tokens:,} query rows to {width:,}"
-            f" positions each in expand_topk ({tokens * width:,} in all,"
+            f"this workload widens {sum(rows):,} query rows to {width:,}"
+            f" positions each in expand_topk ({sum(rows) * width:,} in all,"
             f" with --kpool {config.kpool} and --pool-topk"
             f" {config.pool_topk}), more than the {limit:,} a run on"
             f" {config.device} writes unasked (hours); add --long-run to run"
@@ -417,14 +418,12 @@ def check_size(config: Config, plan_: Plan, long_run: bool) -> None:
             f" more than the {have / 2**30:.1f} GiB this machine has"
             " available; lower either"
         )
-    tokens = max(sum(e.tokens for e in call) for call in plan_.calls)
-    width = config.pool_topk * config.kpool + config.kpool - 1
-    need = tokens * width * BYTES_PER_EXPANDED_ID
+    need = max(rows) * width * BYTES_PER_EXPANDED_ID
     if need > have:
         raise DemoError(
             f"--kpool {config.kpool} and --pool-topk {config.pool_topk} widen"
             f" each query row to {width:,} positions: about"
-            f" {need / 2**30:.1f} GiB for a call of {tokens:,} tokens, more"
+            f" {need / 2**30:.1f} GiB for a call of {max(rows):,} tokens, more"
             f" than the {have / 2**30:.1f} GiB this machine has available;"
             " lower --token-budget (or --kpool, --pool-topk)"
         )
