@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
+import expand_topk_cases as expand
 import ring_close_cases as rc
-import test_expand_topk as texp
 from kpool_cases import BF16, MAIN, STEP_CONFIGS, Config
 from mla_kpool import KERNELS
 from mla_kpool.runner import Runner
@@ -43,7 +43,9 @@ assert WIDE in STEP_CONFIGS
 
 
 def _expand_decode(runner: Runner) -> None:
-    texp._run(runner, next(c for c in texp.CASES if c.name == "decode_valid"))
+    expand.run_case(
+        runner, next(c for c in expand.CASES if c.name == "decode_valid")
+    )
 
 
 def _empty_batch(runner: Runner) -> None:
