@@ -50,7 +50,7 @@ from std.atomic import Atomic, Ordering, fence
 from std.math import max, min
 from std.memory import bitcast
 from std.reflection import SourceLocation, call_location
-from std.sys import is_amd_gpu, is_gpu, is_nvidia_gpu
+from std.sys import align_of, is_amd_gpu, is_gpu, is_nvidia_gpu, size_of
 
 # The collectives, for the kernels that import them with the shared view.
 from .collectives import (
@@ -393,6 +393,73 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         """Stores `value`'s bit pattern in word `i`."""
         self._note[1, ACCESS_STORE](call_location(), i)
         self._store(i, bitcast[DType.uint32, 1](value))
+
+    @always_inline
+    def _note_global[
+        kind: Int
+    ](self, site: SourceLocation, at: Int, bytes: Int):
+        """Records a global access of `bytes` bytes at address `at`, if the
+        launch is profiled (host code only, as `_note`)."""
+        comptime if not is_gpu():
+            if Int(self.profile) != 0:
+                self.profile[].record_global(site, kind, self.thread, at, bytes)
+
+    @always_inline
+    def global_load[
+        dtype: DType,
+        at: Origin,
+        //,
+        width: Int = 1,
+        alignment: Int = align_of[Scalar[dtype]](),
+    ](self, ptr: Pointer[Scalar[dtype], at], i: Int) -> SIMD[dtype, width]:
+        """Elements `i ..< i + width` of `ptr`, in global memory: one load of
+        `width` elements on a GPU, recorded by a profiled emulation.
+
+        Parameters:
+            dtype: Element type.
+            at: Origin of `ptr`.
+            width: Elements (a power of two, at most 16 bytes in all).
+            alignment: Bytes `ptr + i` is a multiple of.
+        """
+        self._note_global[ACCESS_LOAD](
+            call_location(),
+            Int(ptr) + i * size_of[dtype](),
+            width * size_of[dtype](),
+        )
+        return ptr.unsafe_offset(i).unsafe_load[
+            width=width, alignment=alignment
+        ](0)
+
+    @always_inline
+    def global_store[
+        dtype: DType,
+        at: MutOrigin,
+        //,
+        width: Int = 1,
+        alignment: Int = align_of[Scalar[dtype]](),
+    ](
+        self,
+        ptr: Pointer[Scalar[dtype], at],
+        i: Int,
+        value: SIMD[dtype, width],
+    ):
+        """Stores `value` at elements `i ..< i + width` of `ptr`, in global
+        memory: one store on a GPU, recorded by a profiled emulation.
+
+        Parameters:
+            dtype: Element type.
+            at: Origin of `ptr`.
+            width: Elements (a power of two, at most 16 bytes in all).
+            alignment: Bytes `ptr + i` is a multiple of.
+        """
+        self._note_global[ACCESS_STORE](
+            call_location(),
+            Int(ptr) + i * size_of[dtype](),
+            width * size_of[dtype](),
+        )
+        ptr.unsafe_offset(i).unsafe_store[width=width, alignment=alignment](
+            0, value
+        )
 
 
 @always_inline

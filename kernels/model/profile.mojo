@@ -31,6 +31,7 @@ launch asks (`profile_kernel`); `emulate_kernel` passes no profile.
 """
 
 from std.collections import Dict
+from std.bit import pop_count
 from std.math import max, min
 from std.reflection import SourceLocation
 
@@ -40,6 +41,10 @@ comptime BANKS = 32
 comptime MAX_ACCESS_WORDS = 4
 """The widest shared access one instruction makes (16 bytes: `LDS.128`,
 `ds_read_b128`)."""
+
+comptime SECTOR_BYTES = 32
+"""The unit global memory moves between L2 and an SM (a sector; NVIDIA
+since Volta, and a 64-byte line's half on CDNA 3, counted the same)."""
 
 comptime ACCESS_LOAD = 0
 comptime ACCESS_STORE = 1
@@ -98,6 +103,46 @@ struct SiteCounts(Copyable, Movable):
     """Atomics: lanes summed over requests (mean lanes per address is
     `atomic_lanes / atomic_addresses`)."""
     var atomic_addresses: Int
+
+
+@fieldwise_init
+struct GlobalAccess(Copyable, Movable):
+    """One thread's global access in the phase being recorded."""
+
+    var thread: Int
+    var site: Int
+    var address: Int
+    var bytes: Int
+
+
+@fieldwise_init
+struct GlobalSite(Copyable, Movable):
+    """One global-memory site's requests over a launch."""
+
+    var name: String
+    """`file.mojo:line:column` of the access."""
+    var kind: Int
+    """`ACCESS_LOAD` or `ACCESS_STORE`."""
+    var bytes: Int
+    """Bytes per lane."""
+    var requests: Int
+    var sectors: Int
+    """32-byte sectors the requests touched (each request's distinct ones)."""
+    var bytes_requested: Int
+    """Bytes the lanes asked for: sector efficiency is
+    `bytes_requested / (32 * sectors)`."""
+
+
+def request_sectors(addresses: List[Int], bytes: Int) -> Int:
+    """The distinct 32-byte sectors one warp request touches, its lanes
+    reading or writing `bytes` bytes from each of `addresses`."""
+    var seen = Dict[Int, Bool]()
+    for a in addresses:
+        for sector in range(
+            a // SECTOR_BYTES, (a + bytes - 1) // SECTOR_BYTES + 1
+        ):
+            seen[sector] = True
+    return len(seen)
 
 
 struct RequestCounts(Copyable, Movable):
@@ -188,6 +233,13 @@ struct LaunchProfile(Movable):
     var sites: List[SiteCounts]
     var site_ids: Dict[String, Int]
     var pending: List[Access]
+    var global_sites: List[GlobalSite]
+    var global_ids: Dict[String, Int]
+    var global_pending: List[GlobalAccess]
+    var read_bytes: Dict[Int, UInt32]
+    """Sector -> the bytes of it read (a bit each): distinct bytes read."""
+    var written_bytes: Dict[Int, UInt32]
+    """Sector -> the bytes of it written."""
     var grid: Int
     """Blocks of the launch (`blocks` of them emulated)."""
     var blocks: Int
@@ -207,6 +259,11 @@ struct LaunchProfile(Movable):
         self.sites = List[SiteCounts]()
         self.site_ids = Dict[String, Int]()
         self.pending = List[Access]()
+        self.global_sites = List[GlobalSite]()
+        self.global_ids = Dict[String, Int]()
+        self.global_pending = List[GlobalAccess]()
+        self.read_bytes = Dict[Int, UInt32]()
+        self.written_bytes = Dict[Int, UInt32]()
         self.blocks = 0
         self.phases = phases
         self.phase_path = List[Int](length=phases, fill=0)
@@ -240,6 +297,73 @@ struct LaunchProfile(Movable):
                 SiteCounts(name^, kind, width, 0, 0, 0, 0, 0, 0, 0)
             )
         self.pending.append(Access(thread, id, word, width))
+
+    def record_global(
+        mut self,
+        site: SourceLocation,
+        kind: Int,
+        thread: Int,
+        address: Int,
+        bytes: Int,
+    ):
+        """Notes one global access of `bytes` bytes at `address` by
+        `thread`, and the bytes it touches among the launch's distinct
+        bytes read or written."""
+        var name = site_name(String(site))
+        var id = self.global_ids.get(name, -1)
+        if id < 0:
+            id = len(self.global_sites)
+            self.global_ids[name] = id
+            self.global_sites.append(GlobalSite(name^, kind, bytes, 0, 0, 0))
+        self.global_pending.append(GlobalAccess(thread, id, address, bytes))
+        for b in range(address, address + bytes):
+            var sector = b // SECTOR_BYTES
+            var bit = UInt32(1) << UInt32(b % SECTOR_BYTES)
+            if kind == ACCESS_STORE:
+                self.written_bytes[sector] = (
+                    self.written_bytes.get(sector, 0) | bit
+                )
+            else:
+                self.read_bytes[sector] = self.read_bytes.get(sector, 0) | bit
+
+    def _close_global_phase(mut self):
+        """Folds the phase's global accesses into warp requests (as
+        `close_phase` does the shared ones)."""
+        var seen = Dict[Int, Int]()
+        var requests = Dict[Int, List[Int]]()
+        var order = List[Int]()
+        var site_count = len(self.global_sites)
+        for a in range(len(self.global_pending)):
+            ref access = self.global_pending[a]
+            var mine = access.thread * site_count + access.site
+            var n = seen.get(mine, 0)
+            seen[mine] = n + 1
+            var key = (n * site_count + access.site) * 65536 + (
+                access.thread // self.warp
+            )
+            if key not in requests:
+                requests[key] = List[Int]()
+                order.append(key)
+            try:
+                requests[key].append(a)
+            except:
+                pass
+        for key in order:
+            try:
+                ref members = requests[key]
+                var addresses = List[Int]()
+                var bytes = 0
+                ref first = self.global_pending[members[0]]
+                for m in members:
+                    addresses.append(self.global_pending[m].address)
+                    bytes += self.global_pending[m].bytes
+                ref g = self.global_sites[first.site]
+                g.requests += 1
+                g.sectors += request_sectors(addresses, first.bytes)
+                g.bytes_requested += bytes
+            except:
+                pass
+        self.global_pending.clear()
 
     def close_phase(mut self, phase: Int):
         """Folds the phase's accesses into warp requests, then forgets them.
@@ -299,6 +423,7 @@ struct LaunchProfile(Movable):
         self.phase_path[phase] = max(self.phase_path[phase], most)
         self.block_accesses += len(self.pending)
         self.pending.clear()
+        self._close_global_phase()
 
     def close_block(mut self):
         """Counts the block just emulated and its accesses."""
@@ -373,5 +498,57 @@ struct LaunchProfile(Movable):
                 s.atomic_addresses,
                 "}",
             )
-        out += "]}}"
+        out += "]}, "
+        out += self._global_json()
+        out += "}"
+        return out^
+
+    def _global_json(self) -> String:
+        """`"global": {...}`: requests, sectors, bytes asked for, distinct
+        bytes read and written, and per site the same."""
+        var requests = 0
+        var sectors = 0
+        var requested = 0
+        for g in self.global_sites:
+            requests += g.requests
+            sectors += g.sectors
+            requested += g.bytes_requested
+        var read = 0
+        for entry in self.read_bytes.items():
+            read += Int(pop_count(entry.value))
+        var written = 0
+        for entry in self.written_bytes.items():
+            written += Int(pop_count(entry.value))
+        var out = String(
+            '"global": {"requests": ',
+            requests,
+            ', "sectors": ',
+            sectors,
+            ', "bytes_requested": ',
+            requested,
+            ', "bytes_read": ',
+            read,
+            ', "bytes_written": ',
+            written,
+            ', "sites": [',
+        )
+        for i in range(len(self.global_sites)):
+            ref g = self.global_sites[i]
+            out += String(
+                ", " if i else "",
+                '{"site": "',
+                g.name,
+                '", "access": "',
+                access_name(g.kind),
+                '", "bytes_per_lane": ',
+                g.bytes,
+                ', "requests": ',
+                g.requests,
+                ', "sectors": ',
+                g.sectors,
+                ', "bytes_requested": ',
+                g.bytes_requested,
+                "}",
+            )
+        out += "]}"
         return out^

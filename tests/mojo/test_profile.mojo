@@ -12,6 +12,9 @@ answer, counted here by hand:
 - 16-byte stores 8 words apart: a quarter warp's 8 lanes on 16 of the
   banks, two lanes a bank: 2-way, 8 wavefronts a request;
 - 32 lanes adding to one word atomically: 32 lanes per address;
+- global reads of consecutive floats: 4 sectors a 32-lane request, all
+  of each sector asked for; the same reads 8 floats apart: 32 sectors,
+  an eighth of each; a store: its bytes written once each;
 - a site named by its source line, the per-phase critical path, the
   barriers per block, and a sampled launch;
 - and the same kernel compiled for sm_90a has no recording code.
@@ -22,7 +25,12 @@ from std.testing import TestSuite, assert_equal, assert_true
 from kernels.model.block_phases import Lane, Shared
 from kernels.model.gpu_kernel import GpuKernel, kernel_code, profile_kernel
 from kernels.model.operands import KernelOperands
-from kernels.model.profile import LaunchProfile, request_counts, site_name
+from kernels.model.profile import (
+    LaunchProfile,
+    request_counts,
+    request_sectors,
+    site_name,
+)
 from kernels.model.ragged import Field
 
 comptime THREADS = 64
@@ -31,13 +39,17 @@ comptime BROADCAST = 1
 comptime WIDE = 2
 comptime WIDE_GAPPED = 3
 comptime ATOMIC = 4
+comptime COALESCED = 5
+comptime STRIDED = 6
+comptime GLOBAL_STORE = 7
 
 
 @fieldwise_init
 struct Operands[origin: MutOrigin](KernelOperands):
-    """A planted kernel's one output word."""
+    """A planted kernel's one output word, and floats in global memory."""
 
     var out: Field[DType.uint32, Self.origin]
+    var data: Field[DType.float32, Self.origin]
 
 
 comptime Op = Operands[MutAnyOrigin]
@@ -81,14 +93,33 @@ struct Planted[pattern: Int](GpuKernel):
                 s.store_words[4](4 * t, SIMD[DType.uint32, 4](UInt32(t)))
             elif Self.pattern == WIDE_GAPPED:
                 s.store_words[4](8 * t, SIMD[DType.uint32, 4](UInt32(t)))
-            else:
+            elif Self.pattern == ATOMIC:
                 _ = s.atomic_add(0, 1)
+            elif Self.pattern == COALESCED:
+                _ = s.global_load(op.data, t)
+            elif Self.pattern == STRIDED:
+                _ = s.global_load(op.data, 8 * t)
+            else:
+                s.global_store(op.data, t, Float32(t))
+
+
+comptime DATA_FLOATS = 8 * THREADS
 
 
 def _profile[pattern: Int](warp: Int, grid: Int = 1) raises -> LaunchProfile:
     var out = List[UInt32](length=1, fill=0)
-    var op = Op(out.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]())
-    return profile_kernel[Planted[pattern]](op, grid, warp)
+    # Floats on a 32-byte boundary, so sectors fall where counted here.
+    var data = List[Float32](length=DATA_FLOATS + 8, fill=0)
+    var first = data.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+    var skip = (32 - Int(first) % 32) % 32 // 4
+    var op = Op(
+        out.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+        first.unsafe_offset(skip),
+    )
+    var p = profile_kernel[Planted[pattern]](op, grid, warp)
+    _ = data^
+    _ = out^
+    return p^
 
 
 def _site(p: LaunchProfile) raises -> Int:
@@ -146,6 +177,40 @@ def test_32_lanes_on_one_atomic_word() raises:
     assert_equal(wave.sites[_site(wave)].max_lanes_per_address, 64)
 
 
+def _global(p: LaunchProfile) raises -> Int:
+    """The planted global access's site: the only one recorded."""
+    assert_equal(len(p.global_sites), 1, p.json())
+    assert_true(p.global_sites[0].name.startswith("test_profile.mojo:"))
+    return 0
+
+
+def test_consecutive_floats_are_4_sectors_a_request() raises:
+    var p = _profile[COALESCED](32)
+    ref g = p.global_sites[_global(p)]
+    assert_equal(g.requests, 2)
+    assert_equal(g.sectors, 8)  # 32 lanes x 4 bytes = 4 whole sectors
+    assert_equal(g.bytes_requested, 2 * 32 * 4)
+    assert_true('"bytes_read": 256, "bytes_written": 0' in p.json(), p.json())
+
+
+def test_floats_8_apart_are_32_sectors_a_request() raises:
+    var p = _profile[STRIDED](32)
+    ref g = p.global_sites[_global(p)]
+    assert_equal(g.requests, 2)
+    assert_equal(g.sectors, 64)  # a sector a lane, 4 of its 32 bytes
+    assert_equal(g.bytes_requested, 256)
+    assert_true('"bytes_read": 256' in p.json(), p.json())
+
+
+def test_a_global_store_counts_its_bytes_written() raises:
+    # Three blocks write the same 64 floats: 256 distinct bytes.
+    var p = _profile[GLOBAL_STORE](32, grid=3)
+    ref g = p.global_sites[_global(p)]
+    assert_equal(g.requests, 6)
+    assert_equal(g.sectors, 24)
+    assert_true('"bytes_read": 0, "bytes_written": 256' in p.json(), p.json())
+
+
 def test_a_64_lane_wave_is_one_request_of_two_halves() raises:
     var p = _profile[STRIDE](64)
     ref s = p.sites[_site(p)]
@@ -173,7 +238,11 @@ def test_the_launch_counts() raises:
 
 def test_a_sampled_launch_says_so() raises:
     var out = List[UInt32](length=1, fill=0)
-    var op = Op(out.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]())
+    var data = List[Float32](length=1, fill=0)
+    var op = Op(
+        out.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+        data.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
+    )
     var p = profile_kernel[Planted[BROADCAST]](op, 5, 32, sample=2)
     assert_equal(p.grid, 5)
     assert_equal(p.blocks, 2)
@@ -195,6 +264,17 @@ def test_the_gpu_build_has_no_recording() raises:
     assert_true("ld.shared" in ptx and "st.shared" in ptx, ptx)
     assert_true("call" not in ptx, ptx)
     assert_true("LaunchProfile" not in ptx and "record" not in ptx, ptx)
+    # A global store: one plain `st.global`, nothing recorded.
+    var store = kernel_code[Planted[GLOBAL_STORE], "sm_90a"]()
+    assert_true("st.global" in store, store)
+    assert_true("call" not in store and "record" not in store, store)
+
+
+def test_request_sectors_by_hand() raises:
+    # A 16-byte access across a sector boundary touches two; a lane
+    # inside a sector another lane touched adds none.
+    assert_equal(request_sectors([24], 16), 2)
+    assert_equal(request_sectors([0, 4, 64], 4), 2)
 
 
 def test_request_counts_by_hand() raises:
