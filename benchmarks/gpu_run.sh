@@ -14,7 +14,7 @@
 #
 # Everything it writes (the JSON, the logs) goes to OUT_DIR. The steps are
 # benchmarks/gpu_run_steps.py; GPU_RUN_FAKE=1 runs them with fast fakes and
-# no GPU (tests/test_gpu_run.py).
+# no GPU (tests/cli/test_gpu_run.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 budget=${GPU_RUN_BUDGET_S:-540}

@@ -31,7 +31,7 @@ and the GPU tests' temporary directories (pytest's) live elsewhere.
 ``GPU_RUN_FAKE=1`` swaps the GPU parts for fast fakes (the preflight's
 PyTorch and GPU checks, the tests, the compile, and the timings for
 ``kernel_times --fake``): the CPU test of this flow
-(``tests/test_gpu_run.py``). ``GPU_RUN_FAKE_TESTS_S`` is the fake tests'
+(``tests/cli/test_gpu_run.py``). ``GPU_RUN_FAKE_TESTS_S`` is the fake tests'
 seconds.
 """
 

@@ -16,8 +16,8 @@ from max import driver
 from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph
 
-from kpool_cases import restore_environment
 from mla_kpool.runner import Runner
+from support.kpool_cases import restore_environment
 
 # Importing max.nn sets variables in the C-level environment that a later
 # subprocess would inherit (kpool_cases.INTEROP_VARIABLES); put them back to
@@ -26,7 +26,7 @@ restore_environment()
 
 #: pytester for the plugin's own test; compile_notice says on the terminal
 #: that a cold run compiles, and names a test while it compiles.
-pytest_plugins = ("pytester", "compile_notice")
+pytest_plugins = ("pytester", "support.compile_notice")
 
 _HAS_GPU = driver.accelerator_count() > 0
 
@@ -42,7 +42,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 #: The files whose cold run takes longest (the ``--durations`` of a cold
-#: ``.ci/run``), slowest first. Workers take whole files in collection
+#: ``.ci/run``), slowest first, by file name (unique across the area
+#: folders under tests/). Workers take whole files in collection
 #: order (``--no-loadscope-reorder`` in pyproject.toml keeps xdist from
 #: handing out the files with the most tests first), so these go first: a
 #: long file handed out last would leave the other workers idle while it

@@ -16,7 +16,8 @@ from ..model.ragged import Field, Ptr
 comptime TOP_K_LIMIT = 2048
 """Largest `k` the op accepts (MAX's limit for this op; the GPU select's
 pair area holds this many ids). `mla_kpool._limits.MAX_TOP_K` is its
-Python twin (tests/test_kernel_constants.py checks they agree)."""
+Python twin (tests/docs_and_layout/test_kernel_constants.py checks they
+agree)."""
 
 comptime F32_WIDTH = simd_width_of[DType.float32]()
 """Lanes of one float32 SIMD register."""

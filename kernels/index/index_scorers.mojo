@@ -35,8 +35,8 @@ comptime MFMA = "mfma"
 comptime GPU_SCORERS = (SIMT, WGMMA, MFMA)
 """The scorers with a kernel, in the order reports list them. The `scorer`
 names the op accepts are `AUTO` and these: the one place they are listed
-(`mla_kpool._index_op.SCORERS` is the Python twin; tests/
-test_kernel_constants.py checks they agree)."""
+(`mla_kpool._index_op.SCORERS` is the Python twin;
+tests/docs_and_layout/test_kernel_constants.py checks they agree)."""
 
 comptime ScoreKernel[
     scorer: StaticString, Op: type_of(IndexTopK), grouped: Bool = False

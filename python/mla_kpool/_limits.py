@@ -4,8 +4,8 @@ A leaf module (it imports nothing) so that :mod:`mla_kpool.reference`,
 written from the contract, can take the limit the contract states without
 importing the product's code; the product (:mod:`mla_kpool._index_op`,
 the demo, the bench) imports it too. Each value mirrors its definition in
-the Mojo kernels, and tests/test_kernel_constants.py checks that they
-agree.
+the Mojo kernels, and tests/docs_and_layout/test_kernel_constants.py
+checks that they agree.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """An operand struct with a 4-byte field: building this must fail.
 
-Not a test suite: `tests/test_operand_layout.py` builds it and expects
+Not a test suite: `tests/writers/test_operand_layout.py` builds it and expects
 `check_kernel_layout`'s compile-time message. `Int32` is 4 bytes, so the
 struct's bytes are not the 8-byte words a kernel argument copy assumes.
 """

@@ -1,8 +1,8 @@
 """Guarded-memory fuzz of expand_topk's CPU kernel and its emulated GPU grid.
 
 Runs without a GPU (`mojo run -I . tests/mojo/test_expand_topk.mojo`);
-`tests/test_expand_topk.py` runs it under pytest. A graph cannot guard an
-op's output (MAX allocates it), so this calls the kernel functions directly
+`tests/writers/test_expand_topk.py` runs it under pytest. A graph cannot guard
+an op's output (MAX allocates it), so this calls the kernel functions directly
 with the output inside a larger buffer whose guard regions hold a sentinel,
 and checks, over seeded random calls with broken metadata mixed in:
 

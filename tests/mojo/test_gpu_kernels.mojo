@@ -1,7 +1,7 @@
 """Compiles each GPU writer to PTX and AMDGCN and checks its launch shape.
 
 Runs without a GPU (`mojo run -I . tests/mojo/test_gpu_kernels.mojo`);
-`tests/test_gpu_kernels.py` runs it under pytest. The launch shape is the
+`tests/grid/test_gpu_kernels.py` runs it under pytest. The launch shape is the
 contract the kernels' indexing relies on: ring_close, seed_tail and compress
 give a thread 16 bytes of a row's channels and pack whole rows into blocks
 of 64 threads (a row of more than 1024 threads' channels strides); the

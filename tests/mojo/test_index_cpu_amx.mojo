@@ -1,7 +1,7 @@
 """Unit tests of the CPU prefill scorer's AMX block.
 
 Runs on a host with AMX (`mojo run -I . tests/mojo/test_index_cpu_amx.mojo`;
-`tests/test_index_cpu_prefill.py` runs it under pytest only where the CPU
+`tests/index/test_index_cpu_prefill.py` runs it under pytest only where the CPU
 has AMX-BF16). Writer against writer: the bfloat16 table against
 `decode_e4m3` on every byte; the prefill block's totals against the
 float32 register blocks' and the decode tiles' scores against the row

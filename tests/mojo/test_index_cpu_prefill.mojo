@@ -2,7 +2,7 @@
 register-blocked head block.
 
 Runs without a GPU (`mojo run -I . tests/mojo/test_index_cpu_prefill.mojo`);
-`tests/test_index_cpu_prefill.py` runs it under pytest. Writer against
+`tests/index/test_index_cpu_prefill.py` runs it under pytest. Writer against
 writer: the sorting network against `sort`, the pool's kept keys against the
 heap's (`heap_offer`, a bounded min-heap written here), bit for bit, and the prefill head blocks against the
 row scorer (`score_tile`) within float32 rounding of the head sum, and

@@ -17,7 +17,7 @@ candidates in one launch, row caches from the least a split allows to past
 sm_100a and gfx942.
 
 Built with `-D MLA_KPOOL_SELECT_K=k -D MLA_KPOOL_SELECT_SPLIT=0|1` (a
-planted fault's run in tests/test_gpu_kernels.py), only the checks of
+planted fault's run in tests/grid/test_gpu_kernels.py), only the checks of
 that one select kernel run, and only it compiles: the others return at
 once."""
 

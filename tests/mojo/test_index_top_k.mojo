@@ -1,7 +1,7 @@
 """Unit tests of the indexer's FP8 decode and candidate ranking.
 
 Runs without a GPU (`mojo run -I . tests/mojo/test_index_top_k.mojo`);
-`tests/test_index_kernel_units.py` runs it under pytest. The decode is
+`tests/index/test_index_kernel_units.py` runs it under pytest. The decode is
 checked against Mojo's own float8_e4m3fn conversion for all 256 bytes, the
 ranking key against the float order plus the id tie-break.
 """

@@ -15,7 +15,7 @@ through `emulate_kernel`, every shared-memory access checked:
 Inputs are small integers in e4m3fn and the weights and scales small
 powers of two, so every score is exact in float32 whatever the order of
 the sums, and each must equal the host's product exactly.
-tests/test_gpu_kernels.py plants faults in the scorer (a wrong register
+tests/grid/test_gpu_kernels.py plants faults in the scorer (a wrong register
 row, a wrong descriptor stride, the product in the staging phase, a
 segment's keys taken from the group's first request) and requires this
 file to fail.

@@ -1,7 +1,7 @@
 """The operand structs' layout check, on the real structs and on made-up ones.
 
 Runs without a GPU (`mojo run -I . tests/mojo/test_operand_layout.mojo`);
-`tests/test_operand_layout.py` runs it under pytest, and also builds
+`tests/writers/test_operand_layout.py` runs it under pytest, and also builds
 `operand_layout_refused.mojo`, whose struct with a 4-byte field must fail
 the build.
 """

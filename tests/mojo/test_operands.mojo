@@ -1,7 +1,7 @@
 """The operand shape checks every op's `execute` runs, and their messages.
 
 Runs without a GPU (`mojo run -I . tests/mojo/test_operands.mojo`);
-`tests/test_validation.py` runs it under pytest.
+`tests/writers/test_validation.py` runs it under pytest.
 """
 
 from std.testing import TestSuite, assert_equal, assert_true

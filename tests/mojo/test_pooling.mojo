@@ -1,7 +1,7 @@
 """Unit tests of the writers' shared pooling arithmetic.
 
 Runs without a GPU (`mojo run -I . tests/mojo/test_pooling.mojo`);
-`tests/test_pooling_units.py` runs it under pytest. The CPU's bfloat16
+`tests/writers/test_pooling_units.py` runs it under pytest. The CPU's bfloat16
 conversion in vector integer ops (`to_key_dtype`) against round to
 nearest, ties to even, written here lane by lane, bit for bit, and against
 the compiler's own float32 to bfloat16 cast wherever the host's cast

@@ -1,4 +1,5 @@
-"""Prints the GPU path's workspace and windows, for tests/test_kernel_constants.py.
+"""Prints the GPU path's workspace and windows, for
+tests/docs_and_layout/test_kernel_constants.py.
 
 `mojo run -I <root> window_rows_probe.mojo C0 T0 C1 T1 ...` prints
 `GPU_WORKSPACE_BYTES`, then `window_rows(Ci, Ti)` a line each, then

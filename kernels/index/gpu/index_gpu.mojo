@@ -73,7 +73,7 @@ from ...model.ragged import Ptr, read_index
 comptime GPU_WORKSPACE_BYTES = 1 << 28
 """Scores workspace per call (256 MiB): rows per window follow from it.
 `mla_kpool._limits` is the Python twin of this and of `window_rows`
-(tests/test_kernel_constants.py checks they agree)."""
+(tests/docs_and_layout/test_kernel_constants.py checks they agree)."""
 
 comptime PLAN_THREADS = 256
 """Threads per block of the plan launch (a request per block)."""

@@ -48,7 +48,8 @@ comptime TENSOR_MAX_DEPTH = 256
 and query heads then use 33 KiB of shared memory (under the 48 KiB a block
 gets statically), and each lane of `index_mfma` keeps 64 bytes of key and
 64 of query (32 VGPRs) in registers. `mla_kpool._index_op.TENSOR_MAX_DEPTH`
-is its Python twin (tests/test_kernel_constants.py checks they agree)."""
+is its Python twin (tests/docs_and_layout/test_kernel_constants.py checks
+they agree)."""
 
 
 @always_inline

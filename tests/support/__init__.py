@@ -1,0 +1,1 @@
+"""The suite's shared cases, checks and helpers (not tests themselves)."""
