@@ -121,6 +121,123 @@ def _buffer(name: str, value: object, dtype: DType, device: DeviceRef):
     return value
 
 
+def _fp8(device: DeviceRef) -> DType:
+    """The FP8 key dtype on ``device``: uint8 e4m3fn bytes on the CPU."""
+    return DType.uint8 if device.is_cpu() else DType.float8_e4m3fn
+
+
+def _validate_q(q: object) -> tuple[TensorValue, int, int]:
+    """``q``, rank 3 ``[T, num_heads, depth]`` FP8; its static heads, depth."""
+    q = v.check_tensor("q", q)
+    device = q.device
+    if q.rank != 3:
+        raise ValueError(
+            f"q must be rank 3 [T, num_heads, depth], got rank {q.rank}"
+            f" {v.fmt_shape(q.shape)}"
+        )
+    if q.dtype != _fp8(device):
+        where = (
+            "uint8 holding e4m3fn bytes on the CPU (MAX has no FP8 tensors"
+            " there)"
+            if device.is_cpu()
+            else "float8_e4m3fn on a GPU"
+        )
+        raise ValueError(f"q dtype must be {where}, got {q.dtype.name}")
+    return q, _static("q", q, 1), _static("q", q, 2)
+
+
+def _validate_q_s(q_s: object, q: TensorValue, heads: int) -> TensorValue:
+    """``q_s``, float32 ``[T, num_heads]`` with ``q``'s ``T`` and heads."""
+    q_s = _tensor(
+        "q_s", q_s, DType.float32, (2,), q.device, "rank 2 [T, num_heads]"
+    )
+    if q_s.shape[1] != heads or v._differ(q_s.shape[0], q.shape[0]):
+        raise ValueError(
+            f"q_s must be [T, num_heads] = {v.fmt_shape([q.shape[0], heads])}"
+            f" to match q, got {v.fmt_shape(q_s.shape)}"
+        )
+    return q_s
+
+
+def _validate_kv_blocks(
+    name: str, kv_blocks: object, device: DeviceRef, depth: int, kpool: int
+) -> tuple[BufferValue, int, int]:
+    """The key arena ``[num_blocks, 1, num_layers, page_size, 1, W]``.
+
+    ``W`` is ``depth`` (whole rows) or ``depth / kpool`` (spread rows,
+    whose pages then hold whole pools).
+
+    Returns:
+        The buffer, its static ``num_layers`` and ``page_size``.
+    """
+    blocks = _buffer(name, kv_blocks, _fp8(device), device)
+    layers = _static(name, blocks, 2)
+    page = _static(name, blocks, 3)
+    width = _static(name, blocks, 5)
+    if blocks.shape[1] != 1 or blocks.shape[4] != 1:
+        raise ValueError(
+            f"{name} must be [num_blocks, 1, num_layers, page_size,"
+            f" 1, W], got {v.fmt_shape(blocks.shape)}"
+        )
+    spread = width != depth
+    if spread and (kpool == 1 or depth % kpool or width != depth // kpool):
+        rows = depth // width if width and depth % width == 0 else 0
+        hint = f" (the spread rows of kpool={rows})" if rows > 1 else ""
+        raise ValueError(
+            f"{name} row width W must be depth={depth} (whole) or"
+            f" depth/kpool (spread, kpool={kpool}), got {width}{hint}"
+        )
+    if spread and page % kpool:
+        raise ValueError(
+            f"{name} page_size must be a multiple of kpool={kpool}"
+            f" in the spread layout, got {page}"
+        )
+    return blocks, layers, page
+
+
+def _validate_kv_scales(
+    name: str, kv_scales: object, device: DeviceRef, layers: int, page: int
+) -> BufferValue:
+    """The scale arena: float32, one scale per key row of ``kv_blocks``."""
+    if kv_scales is None:
+        raise ValueError(
+            f"{name} must be set: FP8 keys need their per-row scales"
+        )
+    scales = _buffer(name, kv_scales, DType.float32, device)
+    want = [1, layers, page, 1, 1]
+    if any(a != b for a, b in zip(scales.shape[1:], want, strict=True)):
+        raise ValueError(
+            f"{name} must be [num_blocks, 1, {layers}, {page}, 1, 1]"
+            f" to match kv_blocks, got {v.fmt_shape(scales.shape)}"
+        )
+    return scales
+
+
+def _validate_batch(
+    prefix: str,
+    lengths: TensorValue,
+    offsets: TensorValue,
+    lookup_table: TensorValue,
+    scales_lookup_table: TensorValue,
+) -> None:
+    """The per-request operands agree on ``B``, ``cache_lengths``' length.
+
+    ``input_row_offsets`` has ``B + 1`` entries, the two tables ``B`` rows.
+    """
+    batch = Dim(lengths.shape[0])
+    for name, value, extra in (
+        ("input_row_offsets", offsets, 1),
+        (f"{prefix}lookup_table", lookup_table, 0),
+        (f"{prefix}scales_lookup_table", scales_lookup_table, 0),
+    ):
+        if v._differ(value.shape[0], batch + extra):
+            raise ValueError(
+                f"{name} dim 0 must be B{' + 1' if extra else ''} to match"
+                f" {prefix}cache_lengths {v.fmt_shape(lengths.shape)}, got"
+                f" {v.fmt_shape(value.shape)}"
+            )
+
+
 def check_operands(
     q: object,
     q_s: object,
@@ -158,32 +275,10 @@ def check_operands(
         "quantization_granularity", quantization_granularity, 1
     )
     mask_str = mask_name(mask_str)
-    q = v.check_tensor("q", q)
-    device = q.device
-    fp8 = DType.uint8 if device.is_cpu() else DType.float8_e4m3fn
-    if q.rank != 3:
-        raise ValueError(
-            f"q must be rank 3 [T, num_heads, depth], got rank {q.rank}"
-            f" {v.fmt_shape(q.shape)}"
-        )
-    if q.dtype != fp8:
-        where = (
-            "uint8 holding e4m3fn bytes on the CPU (MAX has no FP8 tensors"
-            " there)"
-            if device.is_cpu()
-            else "float8_e4m3fn on a GPU"
-        )
-        raise ValueError(f"q dtype must be {where}, got {q.dtype.name}")
-    heads, depth = _static("q", q, 1), _static("q", q, 2)
-    q_s = _tensor(
-        "q_s", q_s, DType.float32, (2,), device, "rank 2 [T, num_heads]"
-    )
-    if q_s.shape[1] != heads or v._differ(q_s.shape[0], q.shape[0]):
-        raise ValueError(
-            f"q_s must be [T, num_heads] = {v.fmt_shape([q.shape[0], heads])}"
-            f" to match q, got {v.fmt_shape(q_s.shape)}"
-        )
-    u32 = DType.uint32
+    q, heads, depth = _validate_q(q)
+    device, cpu = q.device, DeviceRef.CPU()
+    q_s = _validate_q_s(q_s, q, heads)
+    u32, i64 = DType.uint32, DType.int64
     offsets = _tensor(
         "input_row_offsets",
         input_row_offsets,
@@ -192,41 +287,12 @@ def check_operands(
         device,
         "rank 1 [B + 1]",
     )
-    blocks = _buffer(f"{prefix}kv_blocks", kv_blocks, fp8, device)
-    layers = _static(f"{prefix}kv_blocks", blocks, 2)
-    page = _static(f"{prefix}kv_blocks", blocks, 3)
-    width = _static(f"{prefix}kv_blocks", blocks, 5)
-    if blocks.shape[1] != 1 or blocks.shape[4] != 1:
-        raise ValueError(
-            f"{prefix}kv_blocks must be [num_blocks, 1, num_layers, page_size,"
-            f" 1, W], got {v.fmt_shape(blocks.shape)}"
-        )
-    spread = width != depth
-    if spread and (kpool == 1 or depth % kpool or width != depth // kpool):
-        rows = depth // width if width and depth % width == 0 else 0
-        hint = f" (the spread rows of kpool={rows})" if rows > 1 else ""
-        raise ValueError(
-            f"{prefix}kv_blocks row width W must be depth={depth} (whole) or"
-            f" depth/kpool (spread, kpool={kpool}), got {width}{hint}"
-        )
-    if spread and page % kpool:
-        raise ValueError(
-            f"{prefix}kv_blocks page_size must be a multiple of kpool={kpool}"
-            f" in the spread layout, got {page}"
-        )
-    if kv_scales is None:
-        raise ValueError(
-            f"{prefix}kv_scales must be set: FP8 keys need their per-row scales"
-        )
-    scales = _buffer(f"{prefix}kv_scales", kv_scales, DType.float32, device)
-    want = [1, layers, page, 1, 1]
-    if any(a != b for a, b in zip(scales.shape[1:], want, strict=True)):
-        raise ValueError(
-            f"{prefix}kv_scales must be [num_blocks, 1, {layers}, {page}, 1, 1]"
-            f" to match kv_blocks, got {v.fmt_shape(scales.shape)}"
-        )
-    cpu = DeviceRef.CPU()
-    i64 = DType.int64
+    blocks, layers, page = _validate_kv_blocks(
+        f"{prefix}kv_blocks", kv_blocks, device, depth, kpool
+    )
+    scales = _validate_kv_scales(
+        f"{prefix}kv_scales", kv_scales, device, layers, page
+    )
     strides = [
         _tensor(f"{prefix}{n}", s, i64, (1,), cpu, "rank 1 [1]")
         for n, s in (
@@ -252,18 +318,7 @@ def check_operands(
         )
     ]
     layer = _tensor("layer_idx", layer_idx, u32, (0,), cpu, "a scalar")
-    batch = Dim(lengths.shape[0])
-    for name, value, extra in (
-        ("input_row_offsets", offsets, 1),
-        (f"{prefix}lookup_table", tables[0], 0),
-        (f"{prefix}scales_lookup_table", tables[1], 0),
-    ):
-        if v._differ(value.shape[0], batch + extra):
-            raise ValueError(
-                f"{name} dim 0 must be B{' + 1' if extra else ''} to match"
-                f" {prefix}cache_lengths {v.fmt_shape(lengths.shape)}, got"
-                f" {v.fmt_shape(value.shape)}"
-            )
+    _validate_batch(prefix, lengths, offsets, *tables)
     values = (
         q, q_s, offsets, blocks, strides[0], lengths, tables[0], maxima[0],
         maxima[1], scales, strides[1], tables[1], layer,
