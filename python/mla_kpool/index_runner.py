@@ -328,45 +328,21 @@ def prepare(
             anything is compiled or copied.
     """
     gpu = runner.device_name == "gpu"
-    if gpu_op not in ("auto", "ours"):
-        raise ValueError(f"gpu_op must be 'auto' or 'ours', got {gpu_op!r}")
+    emulated = runner.device_name == "gpu-emulated"
+    _validate_gpu_op(gpu_op)
     scorer = check_scorer(
         scorer,
         DeviceRef.GPU() if gpu else DeviceRef.CPU(),
-        runner.device_name == "gpu-emulated",
+        emulated,
         np.shape(q)[-1] if np.ndim(q) == 3 else None,
     )
-    if not isinstance(cache, PagedIndexCache):
-        raise TypeError(
-            "cache must be a mla_kpool.index_cache.PagedIndexCache, got"
-            f" {type(cache).__name__}"
-        )
+    _validate_cache(cache)
     q = _fp8_bytes(q)
-    q_s = _float32("q_s", q_s)
-    if q_s.shape != q.shape[:2]:
-        # Checked here: the graph would only say that a symbolic dim of
-        # input 1 does not match, naming neither operand.
-        raise ValueError(
-            f"q_s must be [T, num_heads] = {list(q.shape[:2])} to match q"
-            f" {list(q.shape)}, got {list(q_s.shape)}"
-        )
-    batch = len(cache.cache_lengths)
-    input_row_offsets = _offsets(input_row_offsets, batch)
-    layer_idx = check_int("layer_idx", layer_idx, 0, 2**32 - 1)
-    if layer_idx >= cache.num_layers:
-        # The op raises too, but only once the graph runs, after a compile.
-        raise ValueError(
-            f"layer_idx must be below the cache's {cache.num_layers} layers,"
-            f" got {layer_idx}"
-        )
+    q_s = _validate_q_s(q_s, q)
+    input_row_offsets = _offsets(input_row_offsets, len(cache.cache_lengths))
+    layer_idx = _validate_layer_idx(layer_idx, cache)
     top_k = check_int("top_k", top_k, 1, MAX_TOP_K)
-    kpool = check_int("kpool", kpool, 1)
-    if kpool != cache.kpool:
-        # The op sees only the rows, and would name their width.
-        raise ValueError(
-            f"kpool must be the cache's kpool={cache.kpool} (its"
-            f" {cache.layout} rows of W={cache.width}), got {kpool}"
-        )
+    kpool = _validate_kpool(kpool, cache)
     mask = mask_name(mask)
     key = IndexKey(
         num_heads=int(q.shape[1]),
@@ -379,7 +355,7 @@ def prepare(
         mask=mask,
         quantization_granularity=int(quantization_granularity),
         gpu=gpu,
-        emulate_gpu=runner.device_name == "gpu-emulated",
+        emulate_gpu=emulated,
         gpu_op=gpu_op if gpu else "auto",
         scorer=scorer,
     )
@@ -387,22 +363,129 @@ def prepare(
         check_index_metadata(
             input_row_offsets, cache, layer_idx, total_tokens=q.shape[0]
         )
+    maxima = _maxima(
+        input_row_offsets, cache, k_max_prompt_length, k_max_cache_length
+    )
+    args, arenas = _device_operands(
+        runner, q, q_s, input_row_offsets, cache, layer_idx, maxima,
+        key_arena, scale_arena,
+    )  # fmt: skip
+    return runner.index_model(key), args, arenas
+
+
+def _validate_gpu_op(gpu_op: object) -> None:
+    """Raises ``ValueError`` unless ``gpu_op`` is ``"auto"`` or ``"ours"``."""
+    if gpu_op not in ("auto", "ours"):
+        raise ValueError(f"gpu_op must be 'auto' or 'ours', got {gpu_op!r}")
+
+
+def _validate_cache(cache: object) -> None:
+    """Raises ``TypeError`` unless ``cache`` is a :class:`PagedIndexCache`."""
+    if not isinstance(cache, PagedIndexCache):
+        raise TypeError(
+            "cache must be a mla_kpool.index_cache.PagedIndexCache, got"
+            f" {type(cache).__name__}"
+        )
+
+
+def _validate_q_s(q_s: Any, q: np.ndarray) -> np.ndarray:
+    """``q_s`` as float32 ``[T, H]`` with ``q``'s ``T`` and ``H``.
+
+    Raises:
+        ValueError: For an array of another dtype or shape.
+    """
+    q_s = _float32("q_s", q_s)
+    if q_s.shape != q.shape[:2]:
+        # Checked here: the graph would only say that a symbolic dim of
+        # input 1 does not match, naming neither operand.
+        raise ValueError(
+            f"q_s must be [T, num_heads] = {list(q.shape[:2])} to match q"
+            f" {list(q.shape)}, got {list(q_s.shape)}"
+        )
+    return q_s
+
+
+def _validate_layer_idx(layer_idx: Any, cache: PagedIndexCache) -> int:
+    """``layer_idx`` as an int in uint32, below the cache's layer count.
+
+    Raises:
+        TypeError: If it is not an int.
+        ValueError: If it is out of range.
+    """
+    layer_idx = check_int("layer_idx", layer_idx, 0, 2**32 - 1)
+    if layer_idx >= cache.num_layers:
+        # The op raises too, but only once the graph runs, after a compile.
+        raise ValueError(
+            f"layer_idx must be below the cache's {cache.num_layers} layers,"
+            f" got {layer_idx}"
+        )
+    return layer_idx
+
+
+def _validate_kpool(kpool: Any, cache: PagedIndexCache) -> int:
+    """``kpool`` as an int, the cache's own.
+
+    Raises:
+        TypeError: If it is not an int.
+        ValueError: If it is below 1 or not the cache's.
+    """
+    kpool = check_int("kpool", kpool, 1)
+    if kpool != cache.kpool:
+        # The op sees only the rows, and would name their width.
+        raise ValueError(
+            f"kpool must be the cache's kpool={cache.kpool} (its"
+            f" {cache.layout} rows of W={cache.width}), got {kpool}"
+        )
+    return kpool
+
+
+def _maxima(
+    input_row_offsets: np.ndarray,
+    cache: PagedIndexCache,
+    k_max_prompt_length: int | None,
+    k_max_cache_length: int | None,
+) -> tuple[int, int]:
+    """``(k_max_prompt_length, k_max_cache_length)``, defaults filled in.
+
+    The maxima are uint32 operands: a length near 2^32 saturates them (the
+    op gives that request -1 rows; the maxima only size scratch).
+
+    Raises:
+        TypeError: For a given maximum that is not an int.
+        ValueError: For one outside uint32.
+    """
     offsets = np.asarray(input_row_offsets).astype(np.int64)
     lengths = cache.cache_lengths.astype(np.int64)
     new = np.diff(offsets) if len(offsets) > 1 else np.zeros(0, np.int64)
-    # The maxima are uint32 operands: a length near 2^32 saturates them
-    # (the op gives that request -1 rows; the maxima only size scratch).
     if k_max_prompt_length is None:
         k_max_prompt_length = int(np.clip(new, 0, None).max(initial=0))
     if k_max_cache_length is None:
         total = lengths + np.clip(new, 0, None)
         k_max_cache_length = min(int(total.max(initial=0)), 2**32 - 1)
-    k_max_prompt_length = check_int(
-        "k_max_prompt_length", k_max_prompt_length, 0, 2**32 - 1
+    return (
+        check_int("k_max_prompt_length", k_max_prompt_length, 0, 2**32 - 1),
+        check_int("k_max_cache_length", k_max_cache_length, 0, 2**32 - 1),
     )
-    k_max_cache_length = check_int(
-        "k_max_cache_length", k_max_cache_length, 0, 2**32 - 1
-    )
+
+
+def _device_operands(
+    runner: Any,
+    q: np.ndarray,
+    q_s: np.ndarray,
+    input_row_offsets: np.ndarray,
+    cache: PagedIndexCache,
+    layer_idx: int,
+    maxima: tuple[int, int],
+    key_arena: tuple[np.ndarray, int] | None,
+    scale_arena: tuple[np.ndarray, int] | None,
+) -> tuple[list[Buffer], tuple[Buffer, Buffer]]:
+    """The 13 operands on ``runner``'s device, in the op's order.
+
+    Returns:
+        ``(operands, (key_buffer, scale_buffer))``, the last two the whole
+        flat arenas as bound (:func:`bind_arena`).
+    """
+    gpu = runner.device_name == "gpu"
     fp8 = DType.float8_e4m3fn if gpu else DType.uint8
     dev, cpu = runner.device, driver.CPU()
     keys, key_whole = bind_arena(
@@ -430,14 +513,14 @@ def prepare(
         to_buffer(np.array([cache.page_stride], np.int64), cpu),
         to_buffer(_u32(cache.cache_lengths), dev),
         to_buffer(_u32(cache.lookup_table), dev),
-        to_buffer(_u32([k_max_prompt_length]), cpu),
-        to_buffer(_u32([k_max_cache_length]), cpu),
+        to_buffer(_u32([maxima[0]]), cpu),
+        to_buffer(_u32([maxima[1]]), cpu),
         scales,
         to_buffer(np.array([cache.scales_page_stride], np.int64), cpu),
         to_buffer(_u32(cache.scales_lookup_table), dev),
         to_buffer(_u32(layer_idx), cpu),
     ]
-    return runner.index_model(key), args, (key_whole, scale_whole)
+    return args, (key_whole, scale_whole)
 
 
 def _fp8_bytes(q: Any) -> np.ndarray:
