@@ -1,8 +1,8 @@
 """The runner's op table: each op's operands, graph types, key and checks.
 
 :data:`OPS` describes every op :class:`mla_kpool.runner.Runner` runs once,
-by the :mod:`mla_kpool.graph` wrapper it calls (its operands are read from
-the wrapper's signature); :func:`model_key` keys a model from a
+by the :mod:`mla_kpool.graph` wrapper it calls and the operands it passes
+it, listed by name; :func:`model_key` keys a model from a
 configuration, and :meth:`Op.check` judges a call's host operands as the
 graph wrapper would, before anything compiles or is written. The names
 are also importable from :mod:`mla_kpool.runner`.
@@ -11,7 +11,6 @@ are also importable from :mod:`mla_kpool.runner`.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -105,32 +104,24 @@ _INDEX_OPERANDS = (
 class Op:
     """One op the runner can compile and run.
 
-    Its operands, their order and its options are read from the
-    :mod:`mla_kpool.graph` wrapper's signature: the parameters before
-    ``kpool`` are the operands, and a wrapper that takes
-    ``always_select_tail`` gets :attr:`ModelKey.always_select_tail`.
-
     Attributes:
         kind: The :attr:`ModelKey.kind` it is compiled under.
         wrapper: The :mod:`mla_kpool.graph` function that adds it to a
             graph; called as ``wrapper(*operands, kpool, emulate_gpu=...,
             **options)``.
+        operands: Every operand's name, in the wrapper's argument order
+            (its parameters before ``kpool``; tests/writers/test_runner_ops.py
+            checks that they agree).
         options: Fixed keyword arguments for ``wrapper``.
+        selects: Whether the wrapper takes ``always_select_tail``
+            (expand_topk), which :attr:`ModelKey.always_select_tail` gives.
     """
 
     kind: str
     wrapper: Callable[..., Any]
+    operands: tuple[str, ...]
     options: tuple[tuple[str, Any], ...] = ()
-
-    @functools.cached_property
-    def _parameters(self) -> list[str]:
-        return list(inspect.signature(self.wrapper).parameters)
-
-    @functools.cached_property
-    def operands(self) -> tuple[str, ...]:
-        """Every operand's name, in argument order."""
-        names = self._parameters
-        return tuple(names[: names.index("kpool")])
+    selects: bool = False
 
     @functools.cached_property
     def tensors(self) -> tuple[str, ...]:
@@ -145,11 +136,6 @@ class Op:
     def indices(self) -> tuple[str, ...]:
         """The index operands in argument order, after :attr:`tensors`."""
         return tuple(n for n in self.operands if n in _INDEX_OPERANDS)
-
-    @property
-    def selects(self) -> bool:
-        """Whether the op takes ``always_select_tail`` (expand_topk)."""
-        return "always_select_tail" in self._parameters
 
     @property
     def in_place(self) -> bool:
@@ -325,16 +311,35 @@ class Op:
         )
 
 
+#: Each wrapper's operands, in its argument order.
+_RING_CLOSE = (
+    "tail", "k", "gate", "ape",
+    "input_row_offsets", "cache_lengths", "slot_idx",
+)  # fmt: skip
+_COMPRESS = (
+    "k", "gate", "ape",
+    "input_row_offsets", "pool_row_offsets", "cache_lengths",
+)  # fmt: skip
+_SEED_TAIL = (
+    "tail", "k", "gate",
+    "input_row_offsets", "cache_lengths", "slot_idx",
+)  # fmt: skip
+_STEP = (
+    "tail", "k", "gate", "ape",
+    "input_row_offsets", "cache_lengths", "slot_idx",
+)  # fmt: skip
+_EXPAND = ("pool_ids", "input_row_offsets", "cache_lengths")
+
 #: Every op the runner runs, by :attr:`ModelKey.kind`.
 OPS: dict[str, Op] = {
     op.kind: op
     for op in (
-        Op("ring_close", kpool_graph.ring_close),
-        Op("compress", kpool_graph.compress),
-        Op("seed_tail", kpool_graph.seed_tail),
-        Op("step", kpool_graph.kpool_step),
-        Op("step3", kpool_graph.kpool_step, (("fused", False),)),
-        Op("expand_topk", kpool_graph.expand_topk),
+        Op("ring_close", kpool_graph.ring_close, _RING_CLOSE),
+        Op("compress", kpool_graph.compress, _COMPRESS),
+        Op("seed_tail", kpool_graph.seed_tail, _SEED_TAIL),
+        Op("step", kpool_graph.kpool_step, _STEP),
+        Op("step3", kpool_graph.kpool_step, _STEP, (("fused", False),)),
+        Op("expand_topk", kpool_graph.expand_topk, _EXPAND, selects=True),
     )
 }
 

@@ -14,6 +14,7 @@ and outputs.
 from __future__ import annotations
 
 import ctypes
+import inspect
 
 import ml_dtypes
 import numpy as np
@@ -50,6 +51,16 @@ def _operands() -> dict[str, object]:
         "cache_lengths": np.zeros(1, np.int32),
         "slot_idx": [0],
     }
+
+
+@pytest.mark.parametrize("kind", list(OPS))
+def test_listed_operands_are_the_wrappers(kind: str) -> None:
+    # The table names each op's operands; the wrapper it calls takes them
+    # positionally, so the two orders must agree.
+    op = OPS[kind]
+    names = list(inspect.signature(op.wrapper).parameters)
+    assert op.operands == tuple(names[: names.index("kpool")])
+    assert op.selects == ("always_select_tail" in names)
 
 
 @pytest.mark.parametrize("kind", list(OPS))
