@@ -287,7 +287,14 @@ def profile_kernel[
     Raises:
         Error: As `emulate_kernel`.
     """
-    var profile = LaunchProfile(String(K.name), warp, K.phases, grid)
+    var profile = LaunchProfile(
+        String(K.name),
+        warp,
+        K.phases,
+        grid,
+        K.block_threads,
+        4 * (launch_words[K](op) + scratch_words[K]()),
+    )
     var at = Pointer(to=profile).unsafe_origin_cast[MutAnyOrigin]()
     _emulate[K](op, grid, at, sample)
     return profile^

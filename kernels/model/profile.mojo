@@ -129,8 +129,8 @@ struct GlobalSite(Copyable, Movable):
     var sectors: Int
     """32-byte sectors the requests touched (each request's distinct ones)."""
     var bytes_requested: Int
-    """Bytes the lanes asked for: sector efficiency is
-    `bytes_requested / (32 * sectors)`."""
+    """Distinct bytes each request asked for, summed: sector efficiency
+    is `bytes_requested / (32 * sectors)`."""
 
 
 def request_sectors(addresses: List[Int], bytes: Int) -> Int:
@@ -142,6 +142,17 @@ def request_sectors(addresses: List[Int], bytes: Int) -> Int:
             a // SECTOR_BYTES, (a + bytes - 1) // SECTOR_BYTES + 1
         ):
             seen[sector] = True
+    return len(seen)
+
+
+def request_bytes(addresses: List[Int], bytes: Int) -> Int:
+    """The distinct bytes one warp request asks for: lanes on the same
+    bytes (a broadcast) ask for them once, as Nsight Compute counts the
+    sector bytes a request uses."""
+    var seen = Dict[Int, Bool]()
+    for a in addresses:
+        for b in range(a, a + bytes):
+            seen[b] = True
     return len(seen)
 
 
@@ -246,13 +257,37 @@ struct LaunchProfile(Movable):
     var phases: Int
     var phase_path: List[Int]
     """Per phase: the most shared accesses one thread made, over blocks."""
+    var phase_global: List[Int]
+    """Per phase: the most global accesses one thread made, over blocks."""
+    var phase_cold: List[Int]
+    """Per phase: the most global accesses one thread made that touched a
+    sector its block had not (a miss of an L1 that kept all the block's
+    sectors), over blocks."""
+    var block_sectors: Dict[Int, Bool]
+    """The sectors the block being emulated has touched."""
+    var cold_sectors: Int
+    """Sectors first touched by their block, over the launch's blocks."""
+    var block_threads: Int
+    var shared_bytes: Int
+    """Shared memory a block of the launch uses."""
     var block_accesses: Int
     var busiest_block: Int
     var idlest_block: Int
 
-    def __init__(out self, kernel: String, warp: Int, phases: Int, grid: Int):
+    def __init__(
+        out self,
+        kernel: String,
+        warp: Int,
+        phases: Int,
+        grid: Int,
+        block_threads: Int = 0,
+        shared_bytes: Int = 0,
+    ):
         """An empty profile of a launch of `grid` blocks of `kernel`, in
-        warps of `warp` lanes."""
+        warps of `warp` lanes (`block_threads` threads and `shared_bytes`
+        of shared memory a block)."""
+        self.block_threads = block_threads
+        self.shared_bytes = shared_bytes
         self.kernel = kernel
         self.warp = warp
         self.grid = grid
@@ -267,6 +302,10 @@ struct LaunchProfile(Movable):
         self.blocks = 0
         self.phases = phases
         self.phase_path = List[Int](length=phases, fill=0)
+        self.phase_global = List[Int](length=phases, fill=0)
+        self.phase_cold = List[Int](length=phases, fill=0)
+        self.block_sectors = Dict[Int, Bool]()
+        self.cold_sectors = 0
         self.block_accesses = 0
         self.busiest_block = 0
         self.idlest_block = -1
@@ -326,9 +365,30 @@ struct LaunchProfile(Movable):
             else:
                 self.read_bytes[sector] = self.read_bytes.get(sector, 0) | bit
 
-    def _close_global_phase(mut self):
+    def _close_global_phase(mut self, phase: Int):
         """Folds the phase's global accesses into warp requests (as
         `close_phase` does the shared ones)."""
+        var per_thread = Dict[Int, Int]()
+        var cold = Dict[Int, Int]()
+        for access in self.global_pending:
+            per_thread[access.thread] = per_thread.get(access.thread, 0) + 1
+            var new = 0
+            for sector in range(
+                access.address // SECTOR_BYTES,
+                (access.address + access.bytes - 1) // SECTOR_BYTES + 1,
+            ):
+                if sector not in self.block_sectors:
+                    self.block_sectors[sector] = True
+                    new += 1
+            if new:
+                self.cold_sectors += new
+                cold[access.thread] = cold.get(access.thread, 0) + 1
+        for entry in per_thread.items():
+            self.phase_global[phase] = max(
+                self.phase_global[phase], entry.value
+            )
+        for entry in cold.items():
+            self.phase_cold[phase] = max(self.phase_cold[phase], entry.value)
         var seen = Dict[Int, Int]()
         var requests = Dict[Int, List[Int]]()
         var order = List[Int]()
@@ -352,15 +412,13 @@ struct LaunchProfile(Movable):
             try:
                 ref members = requests[key]
                 var addresses = List[Int]()
-                var bytes = 0
                 ref first = self.global_pending[members[0]]
                 for m in members:
                     addresses.append(self.global_pending[m].address)
-                    bytes += self.global_pending[m].bytes
                 ref g = self.global_sites[first.site]
                 g.requests += 1
                 g.sectors += request_sectors(addresses, first.bytes)
-                g.bytes_requested += bytes
+                g.bytes_requested += request_bytes(addresses, first.bytes)
             except:
                 pass
         self.global_pending.clear()
@@ -423,7 +481,7 @@ struct LaunchProfile(Movable):
         self.phase_path[phase] = max(self.phase_path[phase], most)
         self.block_accesses += len(self.pending)
         self.pending.clear()
-        self._close_global_phase()
+        self._close_global_phase(phase)
 
     def close_block(mut self):
         """Counts the block just emulated and its accesses."""
@@ -434,6 +492,7 @@ struct LaunchProfile(Movable):
         else:
             self.idlest_block = min(self.idlest_block, self.block_accesses)
         self.block_accesses = 0
+        self.block_sectors.clear()
 
     def json(self) -> String:
         """The profile as one JSON object (one line)."""
@@ -457,10 +516,20 @@ struct LaunchProfile(Movable):
             self.phases,
             ', "barriers_per_block": ',
             max(self.phases - 1, 0),
+            ', "block_threads": ',
+            self.block_threads,
+            ', "shared_bytes": ',
+            self.shared_bytes,
             ', "phase_path": [',
         )
         for p in range(len(self.phase_path)):
             out += String(", " if p else "", self.phase_path[p])
+        out += '], "phase_global": ['
+        for p in range(len(self.phase_global)):
+            out += String(", " if p else "", self.phase_global[p])
+        out += '], "phase_cold": ['
+        for p in range(len(self.phase_cold)):
+            out += String(", " if p else "", self.phase_cold[p])
         out += String(
             '], "busiest_block_accesses": ',
             self.busiest_block,
@@ -524,6 +593,8 @@ struct LaunchProfile(Movable):
             requests,
             ', "sectors": ',
             sectors,
+            ', "cold_sectors": ',
+            self.cold_sectors,
             ', "bytes_requested": ',
             requested,
             ', "bytes_read": ',

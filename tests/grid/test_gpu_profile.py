@@ -1,8 +1,8 @@
-"""``gpu-profile`` without running its driver: options, table, verdict.
+"""``gpu-profile`` without running its driver: records, estimate, table.
 
 The counts themselves are the emulated profile's, checked on kernels with
 known answers in tests/mojo/test_profile.mojo; here the command's reading
-of the driver's lines.
+of the driver's lines, and the estimate worked by hand.
 """
 
 from __future__ import annotations
@@ -12,7 +12,19 @@ import json
 import pytest
 
 from mla_kpool.__main__ import main
-from mla_kpool.gpu_profile import format_table, parse_lines, verdict
+from mla_kpool.bench.bounds import WORKLOADS
+from mla_kpool.gpu_profile import (
+    format_table,
+    launch_record,
+    parse_lines,
+    report_registers,
+    verdict,
+)
+from mla_kpool.gpu_profile.estimate import (
+    COST_MODELS,
+    estimate_us,
+    launch_counts,
+)
 
 
 def _site(site: str, ways: int, requests: int, **more) -> dict:
@@ -25,26 +37,55 @@ def _site(site: str, ways: int, requests: int, **more) -> dict:
         "ideal_wavefronts": requests,
         "ways": ways,
         "max_lanes_per_address": 0,
+        "atomic_lanes": 0,
+        "atomic_addresses": 0,
     } | more
 
 
-def _launch(kernel: str, *sites: dict) -> dict:
+def _load(site: str, requests: int, sectors: int, used: int) -> dict:
+    """A global load site: ``used`` bytes asked for of its sectors'."""
+    return {
+        "site": site,
+        "access": "load",
+        "bytes_per_lane": 4,
+        "requests": requests,
+        "sectors": sectors,
+        "bytes_requested": used,
+    }
+
+
+def _launch(kernel: str, *sites: dict, loads: tuple = ()) -> dict:
     requests = sum(s["requests"] for s in sites)
     wavefronts = sum(s["wavefronts"] for s in sites)
     return {
         "op": "index_top_k",
-        "workload": "glm5next-decode-16x32k",
+        "workload": "glm5-next-decode",
         "arch": "sm_90a",
         "window_rows": 16,
         "profile": {
             "kernel": kernel,
             "grid": 512,
             "blocks": 16,
+            "sampled_blocks": 16,
             "barriers_per_block": 1,
+            "block_threads": 256,
+            "shared_bytes": 16384,
+            "phase_path": [1, 4],
+            "phase_global": [0, 2],
+            "phase_cold": [0, 1],
             "shared": {
                 "requests": requests,
                 "wavefronts": wavefronts,
                 "sites": list(sites),
+            },
+            "global": {
+                "requests": sum(s["requests"] for s in loads),
+                "sectors": sum(s["sectors"] for s in loads),
+                "cold_sectors": sum(s["sectors"] for s in loads) // 2,
+                "bytes_requested": sum(s["bytes_requested"] for s in loads),
+                "bytes_read": 1_000_000,
+                "bytes_written": 0,
+                "sites": list(loads),
             },
         },
     }
@@ -54,6 +95,12 @@ CONFLICTED = _launch(
     "mla_kpool_index_score_kernel",
     _site("kernels/index/gpu/index_gpu_score.mojo:332:24", 32, 2048),
     _site("kernels/index/gpu/index_gpu_score.mojo:217:20", 1, 6144),
+    # 100 requests of 16 sectors, half of each asked for: 50%.
+    loads=(
+        _load(
+            "kernels/index/gpu/index_gpu_score.mojo:126:64", 100, 1600, 25600
+        ),
+    ),
 )
 CLEAN = _launch(
     "mla_kpool_index_select_kernel",
@@ -64,56 +111,159 @@ CLEAN = _launch(
         10,
         access="atomic",
         max_lanes_per_address=18,
+        atomic_lanes=36,
+        atomic_addresses=4,
     ),
+    loads=(_load("kernels/index/gpu/index_pick.mojo:152:53", 10, 40, 1280),),
 )
 
 
-def test_the_table_names_the_worst_site_and_its_ways():
-    header, conflicted, clean, note = format_table([CONFLICTED, CLEAN])
-    assert header.split()[:8] == [
-        "workload",
-        "kernel",
-        "blocks",
-        "bar",
-        "requests",
-        "wf/req",
-        "ways",
-        "atomic",
-    ]
-    # 2,048 requests at 32 wavefronts and 6,144 at 1: 71,680 / 8,192.
-    assert conflicted.split() == [
-        "glm5next-decode-16x32k",
-        "score_kernel",
-        "16/512",
-        "1",
-        "8,192",
-        "8.75",
-        "32",
-        "-",
-        "kernels/index/gpu/index_gpu_score.mojo:332:24",
-    ]
+RECORDS = [launch_record(CONFLICTED), launch_record(CLEAN)]
+
+
+def test_a_record_has_the_documented_fields():
+    record = RECORDS[1]
+    assert record["kernel"] == "mla_kpool_index_select_kernel"
+    assert record["blocks"] == 512 and record["sampled_blocks"] == 16
+    assert record["shared"]["worst"][0] == {
+        "site": "kernels/index/gpu/index_pick.mojo:218:26",
+        "ways": 2,
+    }
+    # 36 lanes on 4 words: 9 a word on average, 18 at most.
+    assert record["atomics"] == {
+        "max_lanes_per_address": 18,
+        "mean_lanes_per_address": 9.0,
+    }
+    g = record["global"]
+    assert g["load_efficiency"] == 1280 / (32 * 40)
+    # 16 of 512 blocks emulated: their distinct bytes, 32 times.
+    assert g["launch_bytes"] == 32_000_000
+    assert g["bound_bytes"] == WORKLOADS["glm5-next-decode"]["bytes"]
+    assert set(record["estimate_us"]) == {"H100", "H200"}
+    assert set(record["waves"]) == {"H100", "H200"}
+
+
+def test_the_table_names_the_worst_sites_and_the_estimates():
+    header, conflicted, clean, *notes = format_table(RECORDS)
+    assert header.split()[:11] == [
+        "workload", "kernel", "blocks", "bar", "requests", "wf/req", "ways",
+        "atomic", "sec/req", "ld", "eff",
+    ]  # fmt: skip
+    assert header.split()[11:] == [
+        "MB", "H100", "us", "H200", "us", "worst", "site",
+    ]  # fmt: skip
+    # 2,048 requests at 32 wavefronts and 6,144 at 1: 71,680 / 8,192;
+    # 1,600 sectors over 100 requests, half of each used.
+    cells = conflicted.split()
+    assert cells[:11] == [
+        "glm5-next-decode", "score_kernel", "16/512", "1", "8,192", "8.75",
+        "32", "-", "16.0", "50%", "32.00",
+    ]  # fmt: skip
+    assert cells[-1] == "kernels/index/gpu/index_gpu_score.mojo:332:24"
     # 100 requests at 2 wavefronts and 10 at 1: 210 / 110.
-    assert clean.split()[5:8] == ["1.91", "2", "18"]
-    assert note == (
+    assert clean.split()[5:10] == ["1.91", "2", "18", "4.0", "100%"]
+    assert notes == [
         "  32-way: kernels/index/gpu/index_gpu_score.mojo:332:24 (store, 4"
         " bytes a lane; 2,048 requests, 65,536 wavefronts for 2,048) in"
-        " glm5next-decode-16x32k mla_kpool_index_score_kernel"
-    )
+        " glm5-next-decode mla_kpool_index_score_kernel",
+        "  50% of sectors used: kernels/index/gpu/index_gpu_score.mojo:126:64"
+        " (load, 4 bytes a lane; 100 requests, 16.0 sectors each) in"
+        " glm5-next-decode mla_kpool_index_score_kernel",
+    ]
 
 
-def test_the_verdict_names_the_kernels_past_2_way():
-    assert verdict([CLEAN]) == (
-        "verdict: 1 launches, every shared site at most 2-way"
+def test_the_verdict_names_what_is_not_clean():
+    assert verdict([RECORDS[1]]) == (
+        "verdict: 1 launches, every shared site at most 2-way, every"
+        " launch's loads at least 80% of their sectors"
     )
-    assert verdict([CONFLICTED, CLEAN, CONFLICTED]) == (
+    assert verdict([RECORDS[0], RECORDS[1], RECORDS[0]]) == (
         "verdict: 1 kernels with a shared site past 2-way:"
-        " mla_kpool_index_score_kernel"
+        " mla_kpool_index_score_kernel; 1 kernels whose loads use under 80%"
+        " of their sectors: mla_kpool_index_score_kernel"
+    )
+
+
+def _bare(**more) -> dict:
+    """A launch of 132 blocks of 256 threads, every block emulated, with
+    no shared memory: phase 0 reads global memory, phase 1 only waits."""
+    return {
+        "grid": 132,
+        "blocks": 132,
+        "block_threads": 256,
+        "shared_bytes": 0,
+        "phase_path": [0, 0],
+        "phase_global": [1, 0],
+        "phase_cold": [1, 0],
+        "shared": {"requests": 0, "wavefronts": 0, "sites": []},
+        "global": {
+            "requests": 0,
+            "sectors": 0,
+            "cold_sectors": 0,
+            "bytes_requested": 0,
+            "bytes_read": 3_350_000,
+            "bytes_written": 0,
+            "sites": [],
+        },
+    } | more
+
+
+def test_the_estimate_by_hand():
+    h100 = COST_MODELS["H100"]
+    est = estimate_us(_bare(), h100)
+    # 3.35 MB at 3.35 TB/s: 1 us. One wave (8 blocks of 8 warps fit an
+    # SM); phase 0: barrier 40 + HBM latency 480 + one access at 4 cycles,
+    # phase 1: barrier 40; 564 cycles at 1.98 GHz.
+    assert est["waves"] == 1
+    assert est["dram"] == pytest.approx(1.0)
+    assert est["latency"] == pytest.approx(564 / 1980)
+    assert est["us"] == pytest.approx(2.0 + 1.0 + 564 / 1980)
+    # The H200's HBM moves the same bytes at 4.8 TB/s.
+    h200 = estimate_us(_bare(), COST_MODELS["H200"])
+    assert h200["dram"] == pytest.approx(3.35 / 4.8)
+    # 1,056 blocks: 8 a SM resident, 1 wave; 1,057: 2 waves.
+    assert estimate_us(_bare(grid=1057, blocks=1057), h100)["waves"] == 2
+    # Registers limit residency: 255 a thread leaves one 256-thread block
+    # an SM, 132 blocks a wave.
+    assert estimate_us(_bare(grid=264, blocks=264), h100, 255)["waves"] == 2
+
+
+def test_l2_traffic_is_the_sectors_blocks_touch_first():
+    # 171,875 sectors of 32 bytes: 5.5 MB at 5.5 TB/s, 1 us; sectors a
+    # block touched before are its L1's.
+    bare = _bare()
+    bare["global"] |= {"sectors": 10**6, "cold_sectors": 171_875}
+    assert estimate_us(bare, COST_MODELS["H100"])["l2"] == pytest.approx(1.0)
+
+
+def test_the_estimate_scales_a_sampled_launch():
+    sampled = _bare(grid=1320, blocks=132)
+    assert launch_counts(sampled)["dram_bytes"] == 33_500_000
+    assert estimate_us(sampled, COST_MODELS["H100"])["dram"] == (
+        pytest.approx(10.0)
     )
 
 
 def test_the_driver_lines_are_json_objects():
     text = json.dumps(CLEAN) + "\n\n" + json.dumps(CONFLICTED) + "\n"
     assert parse_lines(text) == [CLEAN, CONFLICTED]
+
+
+def test_registers_come_from_a_gpu_report_json(tmp_path):
+    report = tmp_path / "r.json"
+    report.write_text(
+        json.dumps(
+            {
+                "kernels": [
+                    {"arch": "sm_90a", "kernel": "k", "registers": 40},
+                    {"arch": "sm_90a", "kernel": "k", "registers": 56},
+                    {"arch": "gfx942", "kernel": "k", "registers": 90},
+                    {"arch": "sm_90a", "kernel": "j", "registers": None},
+                ]
+            }
+        )
+    )
+    assert report_registers(str(report), "sm_90a") == {"k": 56}
 
 
 @pytest.mark.parametrize(
@@ -150,11 +300,11 @@ def test_the_command_streams_the_drivers_launches(
     assert main(["gpu-profile", "--json", str(out_json)]) == 0
     captured = capsys.readouterr()
     out = captured.out.splitlines()
-    assert out[1].startswith("glm5next-decode-16x32k  score_kernel")
-    assert out[-1] == verdict([CONFLICTED, CLEAN])
+    assert out[1].startswith("glm5-next-decode  score_kernel")
+    assert out[-1] == verdict(RECORDS)
     assert "gpu-profile: 2 launches in" in captured.err
     doc = json.loads(out_json.read_text())
-    assert doc == {"arch": "sm_90a", "launches": [CONFLICTED, CLEAN]}
+    assert doc == {"arch": "sm_90a", "launches": RECORDS}
 
 
 def test_a_failed_driver_is_one_line(tmp_path, monkeypatch, capsys):

@@ -28,6 +28,7 @@ from kernels.model.operands import KernelOperands
 from kernels.model.profile import (
     LaunchProfile,
     request_counts,
+    request_bytes,
     request_sectors,
     site_name,
 )
@@ -189,6 +190,7 @@ def test_consecutive_floats_are_4_sectors_a_request() raises:
     ref g = p.global_sites[_global(p)]
     assert_equal(g.requests, 2)
     assert_equal(g.sectors, 8)  # 32 lanes x 4 bytes = 4 whole sectors
+    assert_equal(p.cold_sectors, 8)
     assert_equal(g.bytes_requested, 2 * 32 * 4)
     assert_true('"bytes_read": 256, "bytes_written": 0' in p.json(), p.json())
 
@@ -208,6 +210,13 @@ def test_a_global_store_counts_its_bytes_written() raises:
     ref g = p.global_sites[_global(p)]
     assert_equal(g.requests, 6)
     assert_equal(g.sectors, 24)
+    # Each block's first touch of its 8 sectors; they are new to it.
+    assert_equal(p.cold_sectors, 24)
+    assert_equal(p.phase_global[0], 0)
+    assert_equal(p.phase_global[1], 1)  # one store a thread
+    # The first of 8 threads to store in a sector opens it: one cold
+    # access at most a thread.
+    assert_equal(p.phase_cold[1], 1)
     assert_true('"bytes_read": 0, "bytes_written": 256' in p.json(), p.json())
 
 
@@ -229,6 +238,8 @@ def test_the_launch_counts() raises:
     # one load a thread.
     assert_equal(p.phase_path[0], 32)
     assert_equal(p.phase_path[1], 1)
+    assert_equal(p.phase_global[1], 0)
+    assert_true('"block_threads": 64, "shared_bytes": 8192' in p.json())
     assert_equal(p.busiest_block, 64 * 33)
     assert_equal(p.idlest_block, 64 * 33)
     var text = p.json()
@@ -275,6 +286,8 @@ def test_request_sectors_by_hand() raises:
     # inside a sector another lane touched adds none.
     assert_equal(request_sectors([24], 16), 2)
     assert_equal(request_sectors([0, 4, 64], 4), 2)
+    # Two lanes on the same word (a broadcast) ask for its bytes once.
+    assert_equal(request_bytes([0, 0, 8], 4), 8)
 
 
 def test_request_counts_by_hand() raises:

@@ -175,11 +175,11 @@ def plan_phase[
 
 
 @always_inline
-def select_row(row: Int, op: IndexTopK) -> SelectCall:
+def select_row(row: Int, op: IndexTopK, s: Shared) -> SelectCall:
     """Window row `row`'s scores, bound, split words and output ids."""
     var t = op.work.first_row + row
-    var b = Int(op.work.plan[unsafe_offset=2 * t])
-    var bound = Int(op.work.plan[unsafe_offset=2 * t + 1]) if b >= 0 else 0
+    var b = Int(s.global_load(op.work.plan, 2 * t))
+    var bound = Int(s.global_load(op.work.plan, 2 * t + 1)) if b >= 0 else 0
     return SelectCall(
         op.work.scores.unsafe_offset(row * op.work.candidates),
         bound,
@@ -296,7 +296,7 @@ struct SelectKernel[Op: type_of(IndexTopK), split: Bool](GpuKernel):
                 state,
                 lane,
                 s,
-                select_row(block // slices, op),
+                select_row(block // slices, op, s),
                 block % slices,
             )
         else:
@@ -325,7 +325,7 @@ def _select_phase_host[
         state,
         lane,
         s,
-        select_row(block // slices, op),
+        select_row(block // slices, op, s),
         block % slices,
     )
 

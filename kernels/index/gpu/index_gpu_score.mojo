@@ -96,7 +96,9 @@ def candidate_tile(op: IndexTopK, block: Int, tile: Int) -> CandidateTile:
 @always_inline
 def load_e4m3[
     width: Int
-](src: Ptr[DType.uint8], at: Int, aligned: Bool) -> SIMD[DType.float32, width]:
+](s: Shared, src: Ptr[DType.uint8], at: Int, aligned: Bool) -> SIMD[
+    DType.float32, width
+]:
     """Bytes `at ..< at + width` of `src`, decoded (`decode_e4m3_gpu`).
 
     One `width`-byte load when `aligned` (the caller checked that
@@ -108,6 +110,7 @@ def load_e4m3[
         width: Bytes (a power of two, at most 16).
 
     Args:
+        s: The thread's view (records the loads in a profiled emulation).
         src: The bytes.
         at: First byte.
         aligned: `src + at` is a multiple of `width` bytes.
@@ -117,15 +120,13 @@ def load_e4m3[
     """
     var bytes = SIMD[DType.uint8, width]()
     comptime if width == 1:
-        bytes[0] = src[unsafe_offset=at]
+        bytes = s.global_load(src, at)
     else:
         if aligned:
-            bytes = src.unsafe_offset(at).unsafe_load[
-                width=width, alignment=width
-            ](0)
+            bytes = s.global_load[width=width, alignment=width](src, at)
         else:
             comptime for i in range(width):
-                bytes[i] = src[unsafe_offset=at + i]
+                bytes[i] = s.global_load(src, at + i)[0]
     return decode_e4m3_gpu[width](bytes)
 
 
@@ -138,7 +139,7 @@ def is_aligned[width: Int](src: Ptr[DType.uint8]) -> Bool:
 @always_inline
 def dot_heads[
     chunk: Int
-](op: IndexTopK, key: Ptr[DType.uint8], t: Int) -> Float32:
+](s: Shared, op: IndexTopK, key: Ptr[DType.uint8], t: Int) -> Float32:
     """Row `t`'s weighted sum of ReLU'd head dots with `key`.
 
     Per head, the dims in ascending order; the query's and the key's
@@ -149,18 +150,20 @@ def dot_heads[
         var query = op.q.unsafe_offset((t * op.num_heads + h) * op.depth)
         var dot = Float32(0)
         for c in range(0, op.depth, chunk):
-            var x = load_e4m3[chunk](query, c, True)
-            var y = load_e4m3[chunk](key, c, True)
+            var x = load_e4m3[chunk](s, query, c, True)
+            var y = load_e4m3[chunk](s, key, c, True)
             comptime for i in range(chunk):
                 dot += x[i] * y[i]
         # ReLU that keeps a NaN a NaN, as the CPU kernel's.
         var relu = Float32(0) if dot < 0 else dot
-        total += relu * op.qs[unsafe_offset=t * op.num_heads + h]
+        total += relu * s.global_load(op.qs, t * op.num_heads + h)[0]
     return total
 
 
 @always_inline
-def score_candidate(op: IndexTopK, b: Int, t: Int, j: Int) -> Float32:
+def score_candidate(
+    s: Shared, op: IndexTopK, b: Int, t: Int, j: Int
+) -> Float32:
     """Row `t`'s score of request `b`'s candidate `j` (float32 sums).
 
     Wide loads when the key and the row's query are aligned to
@@ -173,25 +176,27 @@ def score_candidate(op: IndexTopK, b: Int, t: Int, j: Int) -> Float32:
     var query = op.q.unsafe_offset(t * op.num_heads * op.depth)
     var total: Float32
     if is_aligned[chunk](key) and is_aligned[chunk](query):
-        total = dot_heads[chunk](op, key, t)
+        total = dot_heads[chunk](s, op, key, t)
     else:
-        total = dot_heads[1](op, key, t)
-    return total * op.k_scales[unsafe_offset=at.scale]
+        total = dot_heads[1](s, op, key, t)
+    return total * s.global_load(op.k_scales, at.scale)[0]
 
 
-def index_score_thread(block: Int, thread: Int, op: IndexTopK):
+def index_score_thread(block: Int, thread: Int, s: Shared, op: IndexTopK):
     """Scores one (row, candidate) of the window into the workspace."""
     comptime threads = score_threads[op.num_heads, op.depth]()
     var row = block // score_tiles(op)
     var j = (block % score_tiles(op)) * threads + thread
     var t = op.work.first_row + row
-    var b = Int(op.work.plan[unsafe_offset=2 * t])
-    var bound = Int(op.work.plan[unsafe_offset=2 * t + 1])
+    var b = Int(s.global_load(op.work.plan, 2 * t))
+    var bound = Int(s.global_load(op.work.plan, 2 * t + 1))
     if b < 0 or j >= bound:
         return
-    op.work.scores[
-        unsafe_offset=row * op.work.candidates + j
-    ] = score_candidate(op, b, t, j)
+    s.global_store(
+        op.work.scores,
+        row * op.work.candidates + j,
+        score_candidate(s, op, b, t, j),
+    )
 
 
 @always_inline
@@ -237,9 +242,7 @@ def stage_query[
             var d = x % depth
             var value = Float32(0)
             if h < heads:
-                value = decode_e4m3_gpu[1](
-                    SIMD[DType.uint8, 1](query[unsafe_offset=x])
-                )[0]
+                value = decode_e4m3_gpu[1](s.global_load(query, x))[0]
             s.store_f32((d * passes + h % passes) * group + h // passes, value)
         return
     var aligned = is_aligned[16](query)
@@ -248,12 +251,12 @@ def stage_query[
         var first = (u // hp) * 16
         var bytes = SIMD[DType.uint8, 16](0)
         if h < heads:
-            var at = query.unsafe_offset(h * depth + first)
+            var at = h * depth + first
             if aligned:
-                bytes = at.unsafe_load[width=16, alignment=16](0)
+                bytes = s.global_load[width=16, alignment=16](query, at)
             else:
                 comptime for i in range(16):
-                    bytes[i] = at[unsafe_offset=i]
+                    bytes[i] = s.global_load(query, at + i)[0]
         var values = decode_e4m3_gpu[16](bytes)  # zero bytes past `heads`
         comptime for i in range(16):
             s.store_f32(
@@ -300,7 +303,7 @@ def score_pass[
     """
     var acc = SIMD[DType.float32, heads](0)
     for c in range(0, depth, chunk):
-        var k = load_e4m3[chunk](key, c, True)
+        var k = load_e4m3[chunk](s, key, c, True)
         comptime for i in range(chunk):
             acc = shared_f32x[heads](s, ((c + i) * passes + p) * heads).fma(
                 k[i], acc
@@ -335,7 +338,7 @@ def pass_sum[
     var w = SIMD[DType.float32, heads](0)
     comptime for m in range(heads):
         if passes * m + p < num_heads:
-            w[m] = weights[unsafe_offset=passes * m + p]
+            w[m] = s.global_load(weights, passes * m + p)[0]
     return halving_sum[heads](relu * w)
 
 
@@ -367,7 +370,7 @@ def index_score_phase(
     comptime chunk = key_chunk[depth]()
     var row = block // score_tiles(op)
     var t = op.work.first_row + row
-    var b = Int(op.work.plan[unsafe_offset=2 * t])
+    var b = Int(s.global_load(op.work.plan, 2 * t))
     if b < 0:
         return
     if phase == 0:
@@ -376,7 +379,7 @@ def index_score_phase(
         )
         return
     var j = (block % score_tiles(op)) * threads + thread
-    if j >= Int(op.work.plan[unsafe_offset=2 * t + 1]):
+    if j >= Int(s.global_load(op.work.plan, 2 * t + 1)):
         return
     var at = candidate_at(op, b, j)
     var key = op.k_blocks.unsafe_offset(at.key)
@@ -394,8 +397,10 @@ def index_score_phase(
             if p == i:
                 sums[i] = sum
     var total = halving_sum[passes](sums)
-    op.work.scores[unsafe_offset=row * op.work.candidates + j] = (
-        total * op.k_scales[unsafe_offset=at.scale]
+    s.global_store(
+        op.work.scores,
+        row * op.work.candidates + j,
+        total * s.global_load(op.k_scales, at.scale),
     )
 
 
@@ -440,4 +445,4 @@ struct SimtScore[Op: type_of(IndexTopK)](GpuKernel):
         comptime if Self.tiled:
             index_score_phase(phase, block, thread, s, op)
         else:
-            index_score_thread(block, thread, op)
+            index_score_thread(block, thread, s, op)

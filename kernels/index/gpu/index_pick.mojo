@@ -138,6 +138,7 @@ def starts_aligned(scores: Field[DType.float32, MutAnyOrigin]) -> Bool:
 
 @always_inline
 def quad_keys(
+    s: Shared,
     scores: Field[DType.float32, MutAnyOrigin],
     first: Int,
     bound: Int,
@@ -148,15 +149,13 @@ def quad_keys(
     all 4 are in it, else a load each; 0 past `bound`."""
     var keys = SIMD[DType.uint32, 4](0)
     if aligned and first + 4 <= bound:
-        var v = scores.unsafe_offset(first).unsafe_load[width=4, alignment=16](
-            0
-        )
+        var v = s.global_load[width=4, alignment=16](scores, first)
         comptime for l in range(4):
             keys[l] = score_order(v[l])
     else:
         comptime for l in range(4):
             if first + l < bound:
-                keys[l] = score_order(scores[unsafe_offset=first + l])
+                keys[l] = score_order(s.global_load(scores, first + l))
     return keys
 
 
@@ -216,7 +215,7 @@ struct SelectRow[origin: MutOrigin](Copyable, TrivialRegisterPassable):
         """Candidate `j`'s key, from the cache or from global memory."""
         if self.cached():
             return s.load(cache_start(k) + j)
-        return score_order(self.scores[unsafe_offset=j])
+        return score_order(s.global_load(self.scores, j))
 
     @always_inline
     def id[k: Int](self, s: Shared, j: Int) -> UInt32:
@@ -267,7 +266,8 @@ def pick_phase[
         if row.cached() and not row.compact:
             for j in range(thread, row.bound, SELECT_THREADS):
                 s.store(
-                    cache_start(k) + j, score_order(row.scores[unsafe_offset=j])
+                    cache_start(k) + j,
+                    score_order(s.global_load(row.scores, j)),
                 )
         state.prefix = 0
         state.need = UInt32(m)

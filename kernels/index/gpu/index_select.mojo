@@ -407,7 +407,7 @@ def _split_phase[
     elif phase == _COUNT:
         var ids = _slice_of(whole, slice)
         for j in range(ids[0] + thread, ids[1], SELECT_THREADS):
-            var key = score_order(whole.scores[unsafe_offset=j])
+            var key = score_order(s.global_load(whole.scores, j))
             _ = s.atomic_add(wide + _wide_word(_wide_digit(key)), 1)
     elif phase == _FLUSH:
         for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
@@ -430,9 +430,9 @@ def _split_phase[
                     wide + _wide_word(i), read_published(whole.split, 1 + i)
                 )
                 # Every block has added its part: zero for the next launch.
-                whole.split[unsafe_offset=1 + i] = 0
+                s.global_store(whole.split, 1 + i, 0)
             if thread == 0:
-                whole.split[unsafe_offset=0] = 0
+                s.global_store(whole.split, 0, 0)
                 if m == 0:
                     # No key is taken: no bucket, no candidate.
                     s.store(WIDE_STATE, UInt32(WIDE_BUCKETS))
@@ -465,7 +465,7 @@ def _split_phase[
             var aligned = starts_aligned(whole.scores)
             var run = thread_run(thread, SELECT_THREADS, quads(whole.bound))
             for q in range(run[0], run[1]):
-                var quad = _kept_quad(whole, q, bucket, aligned)
+                var quad = _kept_quad(s, whole, q, bucket, aligned)
                 comptime for l in range(4):
                     if quad[1][l]:
                         kept += 1
@@ -482,7 +482,7 @@ def _split_phase[
         var aligned = starts_aligned(whole.scores)
         var run = thread_run(thread, SELECT_THREADS, quads(whole.bound))
         for q in range(run[0], run[1]):
-            var quad = _kept_quad(whole, q, bucket, aligned)
+            var quad = _kept_quad(s, whole, q, bucket, aligned)
             comptime for l in range(4):
                 if quad[1][l]:
                     s.store(wide + at, quad[0][l])
@@ -492,13 +492,13 @@ def _split_phase[
 
 @always_inline
 def _kept_quad(
-    whole: SelectCall, q: Int, bucket: Int, aligned: Bool
+    s: Shared, whole: SelectCall, q: Int, bucket: Int, aligned: Bool
 ) -> Tuple[SIMD[DType.uint32, 4], SIMD[DType.bool, 4]]:
     """Group `q`'s keys (candidates `4 q ..< 4 q + 4`, `quad_keys`) and
     which of them the compaction keeps: in the row, and in `bucket` or
     above. The compaction's count and its scatter read the row through
     this one test, so they agree on every candidate."""
-    var keys = quad_keys(whole.scores, 4 * q, whole.bound, aligned)
+    var keys = quad_keys(s, whole.scores, 4 * q, whole.bound, aligned)
     var kept = SIMD[DType.bool, 4](fill=False)
     comptime for l in range(4):
         kept[l] = 4 * q + l < whole.bound and _wide_digit(keys[l]) >= bucket
@@ -571,7 +571,7 @@ def select_phase[
             var id = Int32(-1)
             if i < m:
                 id = Int32(s.load(PAIRS + sort_width(k) + i))
-            whole.ids[unsafe_offset=i] = id
+            s.global_store(whole.ids, i, id)
 
 
 @always_inline
@@ -603,9 +603,9 @@ def _rank_write[
         for j in range(m):
             if ordered_rank_key(s.load(PAIRS + j), s.load(id_at + j)) > mine:
                 rank += 1
-        ids[unsafe_offset=rank] = Int32(id)
+        s.global_store(ids, rank, Int32(id))
     for i in range(m + thread, k, SELECT_THREADS):
-        ids[unsafe_offset=i] = -1
+        s.global_store(ids, i, -1)
 
 
 @always_inline

@@ -1,17 +1,23 @@
-"""``python -m mla_kpool gpu-profile``: index_top_k's shared-memory costs.
+"""``python -m mla_kpool gpu-profile``: index_top_k's launches, counted.
 
-What index_top_k's GPU launches ask of shared memory, counted on the
-emulated grid, no GPU needed. The driver (``launches.mojo``, run with
-``mojo``) builds an index_top_k call at each documented workload
-(GLM-5-Next's decode of 16 requests at 32K tokens and 4,096-token
-prefill, DeepSeek-V3.2's decode), emulates each launch with every shared
-access recorded (``kernels/model/profile.mojo``) and prints one JSON line
-a launch. This module prints them as a table, in Nsight Compute's words:
-shared requests and wavefronts (banks of 4 bytes, 32 of them; a 16-byte
-access served a quarter warp at a time), the worst site's ways (a bank
-conflict's degree), the most lanes of one request on one atomic word,
-barriers per block, and closes with a verdict: which launches have a
-site past 2-way.
+What index_top_k's GPU launches ask of memory, counted on the emulated
+grid, no GPU needed. The driver (``launches.mojo``, run with ``mojo``)
+builds an index_top_k call at each documented workload (GLM-5-Next's
+decode of 16 requests at 32K tokens and 4,096-token prefill,
+DeepSeek-V3.2's decode), emulates each launch with every shared access
+and every global access made through the thread's view recorded
+(``kernels/model/profile.mojo``) and prints one JSON line a launch. This
+module makes each a record (:func:`launch_record`) and prints them as a
+table, in Nsight Compute's words: shared requests and wavefronts (banks
+of 4 bytes, 32 of them; a 16-byte access served a quarter warp at a
+time), the worst site's ways (a bank conflict's degree), the most lanes
+of one request on one atomic word, global sectors per request and their
+efficiency (bytes asked for over 32 bytes a sector), the distinct bytes
+moved beside the roofline's for the call
+(:data:`mla_kpool.bench.bounds.WORKLOADS`), barriers per block, and an
+estimated time per GPU of the target (:mod:`.estimate`). It closes with a
+verdict: which launches have a shared site past 2-way or global loads
+under 80% sector efficiency.
 
 Launches of many blocks run a sample of them (``--sample``); a select
 runs that many blocks' worth of whole rows. Counts are those of the
@@ -32,7 +38,10 @@ from typing import Any
 from .._argtypes import int_in, output_file, usage_error
 from .._paths import KERNELS
 from .._progress import progress_for
+from ..bench.bounds import WORKLOADS
 from ..gpu_report.tools import compile_error, mojo_command
+from ..gpu_specs import ARCH_GPUS
+from .estimate import COST_MODELS, estimate_us, launch_counts
 
 __all__ = [
     "ARCH_WARPS",
@@ -40,6 +49,7 @@ __all__ = [
     "DRIVER",
     "add_arguments",
     "format_table",
+    "launch_record",
     "parse_lines",
     "run",
     "verdict",
@@ -54,6 +64,12 @@ ARCH_WARPS = {"sm_90a": 32, "gfx942": 64}
 
 #: Most ways a site may have and be called clean.
 CLEAN_WAYS = 2
+
+#: Least sector efficiency of a launch's global loads called clean.
+CLEAN_SECTOR_EFFICIENCY = 0.8
+
+#: Worst shared sites a record lists.
+WORST_SITES = 3
 
 #: Most blocks a launch may emulate (``--sample``): each emulated block
 #: runs every thread on the host, a second or more for a scorer's.
@@ -94,6 +110,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " rows",
     )
     parser.add_argument(
+        "--report",
+        metavar="FILE",
+        help="a gpu-report --json file: its registers per kernel set the"
+        " occupancy of the estimate (without it, registers do not limit"
+        " the resident blocks)",
+    )
+    parser.add_argument(
         "--json",
         metavar="FILE",
         type=output_file,
@@ -107,56 +130,185 @@ def parse_lines(text: str) -> list[dict[str, Any]]:
 
 
 def _worst(launch: dict[str, Any]) -> dict[str, Any] | None:
-    sites = launch["profile"]["shared"]["sites"]
+    sites = launch["shared"]["sites"]
     return max(sites, key=lambda s: (s["ways"], s["wavefronts"]), default=None)
 
 
+def _efficiency(sites: list[dict[str, Any]]) -> float | None:
+    """Bytes asked for over the sectors' bytes, over ``sites``."""
+    sectors = sum(s["sectors"] for s in sites)
+    if not sectors:
+        return None
+    return sum(s["bytes_requested"] for s in sites) / (32 * sectors)
+
+
+def launch_record(
+    line: dict[str, Any], registers: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """One launch's record from the driver's line.
+
+    Args:
+        line: The driver's JSON object (``op``, ``workload``, ``arch``,
+            ``window_rows``, ``profile``).
+        registers: Registers per thread by kernel name (gpu-report's),
+            for the estimate's occupancy; a kernel missing is not limited
+            by registers.
+
+    Returns:
+        ``op``, ``kernel``, ``workload``, ``arch``, ``window_rows``,
+        ``blocks`` (the grid), ``sampled_blocks`` (blocks emulated, 0 if
+        all), ``barriers_per_block``, ``block_threads``, ``shared``
+        (``requests``, ``wavefronts``, ``worst``: the worst sites' ``site``
+        and ``ways``, ``sites``), ``atomics`` (``max_lanes_per_address``,
+        ``mean_lanes_per_address``), ``global`` (``requests``,
+        ``sectors``, ``cold_sectors`` (first touched by their block),
+        ``bytes_requested``, ``bytes_read``, ``bytes_written``: the
+        emulated blocks'; ``load_efficiency``;
+        ``launch_bytes``: distinct bytes scaled to the grid;
+        ``bound_bytes``: the roofline's for the whole call; ``sites``),
+        ``phase_path``, ``phase_global``, ``waves`` and ``estimate_us`` per
+        GPU of the arch, and ``estimate_parts_us``.
+    """
+    p = line["profile"]
+    shared = p["shared"]
+    glob = p["global"]
+    atomics = [s for s in shared["sites"] if s["access"] == "atomic"]
+    lanes = sum(s["atomic_lanes"] for s in atomics)
+    addresses = sum(s["atomic_addresses"] for s in atomics)
+    worst = sorted(
+        shared["sites"], key=lambda s: (-s["ways"], -s["wavefronts"])
+    )
+    loads = [s for s in glob["sites"] if s["access"] == "load"]
+    workload = WORKLOADS.get(line["workload"])
+    estimates, parts, waves = {}, {}, {}
+    for gpu in ARCH_GPUS[line["arch"]]:
+        est = estimate_us(
+            p, COST_MODELS[gpu], (registers or {}).get(p["kernel"], 0)
+        )
+        estimates[gpu] = round(est["us"], 2)
+        waves[gpu] = est["waves"]
+        parts[gpu] = {
+            k: round(est[k], 2) for k in ("dram", "l2", "shared", "latency")
+        }
+    return {
+        "op": line["op"],
+        "kernel": p["kernel"],
+        "workload": line["workload"],
+        "arch": line["arch"],
+        "window_rows": line["window_rows"],
+        "blocks": p["grid"],
+        "sampled_blocks": p["sampled_blocks"],
+        "barriers_per_block": p["barriers_per_block"],
+        "block_threads": p["block_threads"],
+        "shared": {
+            "requests": shared["requests"],
+            "wavefronts": shared["wavefronts"],
+            "worst": [
+                {"site": s["site"], "ways": s["ways"]}
+                for s in worst[:WORST_SITES]
+            ],
+            "sites": shared["sites"],
+        },
+        "atomics": {
+            "max_lanes_per_address": max(
+                (s["max_lanes_per_address"] for s in atomics), default=0
+            ),
+            "mean_lanes_per_address": round(lanes / addresses, 2)
+            if addresses
+            else 0,
+        },
+        "global": {
+            **{k: glob[k] for k in (
+                "requests", "sectors", "cold_sectors", "bytes_requested",
+                "bytes_read", "bytes_written",
+            )},
+            "load_efficiency": _efficiency(loads),
+            "launch_bytes": round(launch_counts(p)["dram_bytes"]),
+            "bound_bytes": workload["bytes"] if workload else None,
+            "sites": glob["sites"],
+        },
+        "phase_path": p["phase_path"],
+        "phase_global": p["phase_global"],
+        "waves": waves,
+        "estimate_us": estimates,
+        "estimate_parts_us": parts,
+    }  # fmt: skip
+
+
 def format_table(launches: list[dict[str, Any]]) -> list[str]:
-    """A line per launch, then a line per site past :data:`CLEAN_WAYS`.
+    """A line per launch (:func:`launch_record`), then one per flaw.
+
+    A flaw is a shared site past :data:`CLEAN_WAYS` or a global load site
+    under :data:`CLEAN_SECTOR_EFFICIENCY`.
 
     Columns: workload, kernel, blocks emulated of the grid, barriers per
     block, shared requests, wavefronts per request, the worst site's ways,
-    the most lanes of a request on one atomic word.
+    the most lanes of a request on one atomic word, global sectors per
+    request, the loads' sector efficiency, the launch's distinct MB (the
+    grid's), the estimated microseconds on each GPU of the target.
     """
+    gpus = sorted({g for launch in launches for g in launch["estimate_us"]})
     rows = [
         ("workload", "kernel", "blocks", "bar", "requests", "wf/req", "ways",
-         "atomic", "worst site"),
+         "atomic", "sec/req", "ld eff", "MB", *(f"{g} us" for g in gpus),
+         "worst site"),
     ]  # fmt: skip
     notes = []
     for launch in launches:
-        p = launch["profile"]
-        shared = p["shared"]
+        shared, glob = launch["shared"], launch["global"]
         worst = _worst(launch)
-        atomic = max(
-            (s["max_lanes_per_address"] for s in shared["sites"]), default=0
-        )
+        atomic = launch["atomics"]["max_lanes_per_address"]
         per = shared["wavefronts"] / max(shared["requests"], 1)
+        sectors = glob["sectors"] / max(glob["requests"], 1)
+        eff = glob["load_efficiency"]
+        emulated = launch["sampled_blocks"] or launch["blocks"]
         rows.append(
             (
                 launch["workload"],
-                p["kernel"].removeprefix("mla_kpool_index_"),
-                f"{p['blocks']}/{p['grid']}",
-                str(p["barriers_per_block"]),
+                launch["kernel"].removeprefix("mla_kpool_index_"),
+                f"{emulated}/{launch['blocks']}",
+                str(launch["barriers_per_block"]),
                 f"{shared['requests']:,}",
                 f"{per:.2f}",
                 str(worst["ways"]) if worst else "-",
                 str(atomic) if atomic else "-",
+                f"{sectors:.1f}" if glob["requests"] else "-",
+                f"{eff:.0%}" if eff is not None else "-",
+                f"{glob['launch_bytes'] / 1e6:.2f}",
+                *(
+                    f"{launch['estimate_us'][g]:.1f}"
+                    if g in launch["estimate_us"]
+                    else "-"
+                    for g in gpus
+                ),
                 worst["site"] if worst else "-",
             )
         )
+        where = f"in {launch['workload']} {launch['kernel']}"
         for s in shared["sites"]:
             if s["ways"] > CLEAN_WAYS:
                 notes.append(
                     f"  {s['ways']}-way: {s['site']} ({s['access']},"
                     f" {4 * s['width_words']} bytes a lane; {s['requests']:,}"
                     f" requests, {s['wavefronts']:,} wavefronts for"
-                    f" {s['ideal_wavefronts']:,}) in {launch['workload']}"
-                    f" {p['kernel']}"
+                    f" {s['ideal_wavefronts']:,}) {where}"
                 )
+        for s in glob["sites"]:
+            e = _efficiency([s])
+            if s["access"] == "load" and e is not None:
+                if e < CLEAN_SECTOR_EFFICIENCY:
+                    notes.append(
+                        f"  {e:.0%} of sectors used: {s['site']} (load,"
+                        f" {s['bytes_per_lane']} bytes a lane;"
+                        f" {s['requests']:,} requests,"
+                        f" {s['sectors'] / s['requests']:.1f} sectors each)"
+                        f" {where}"
+                    )
+    last = len(rows[0]) - 1
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(
-            cell.ljust(w) if i in (0, 1, 8) else cell.rjust(w)
+            cell.ljust(w) if i in (0, 1, last) else cell.rjust(w)
             for i, (cell, w) in enumerate(zip(row, widths, strict=True))
         ).rstrip()
         for row in rows
@@ -165,23 +317,64 @@ def format_table(launches: list[dict[str, Any]]) -> list[str]:
 
 
 def verdict(launches: list[dict[str, Any]]) -> str:
-    """One line: every launch at most :data:`CLEAN_WAYS` ways, or which not."""
-    over = sorted(
+    """One line: every launch clean, or which are not.
+
+    Clean: every shared site at most :data:`CLEAN_WAYS` ways, the loads at
+    least :data:`CLEAN_SECTOR_EFFICIENCY` of their sectors.
+    """
+    ways = sorted(
         {
-            launch["profile"]["kernel"]
+            launch["kernel"]
             for launch in launches
             if (w := _worst(launch)) is not None and w["ways"] > CLEAN_WAYS
         }
     )
-    if not over:
+    loads = sorted(
+        {
+            launch["kernel"]
+            for launch in launches
+            if (e := launch["global"]["load_efficiency"]) is not None
+            and e < CLEAN_SECTOR_EFFICIENCY
+        }
+    )
+    if not ways and not loads:
         return (
             f"verdict: {len(launches)} launches, every shared site at most"
-            f" {CLEAN_WAYS}-way"
+            f" {CLEAN_WAYS}-way, every launch's loads at least"
+            f" {CLEAN_SECTOR_EFFICIENCY:.0%} of their sectors"
         )
-    return (
-        f"verdict: {len(over)} kernels with a shared site past"
-        f" {CLEAN_WAYS}-way: {', '.join(over)}"
-    )
+    parts = []
+    if ways:
+        parts.append(
+            f"{len(ways)} kernels with a shared site past {CLEAN_WAYS}-way:"
+            f" {', '.join(ways)}"
+        )
+    if loads:
+        parts.append(
+            f"{len(loads)} kernels whose loads use under"
+            f" {CLEAN_SECTOR_EFFICIENCY:.0%} of their sectors:"
+            f" {', '.join(loads)}"
+        )
+    return "verdict: " + "; ".join(parts)
+
+
+def report_registers(path: str, arch: str) -> dict[str, int]:
+    """Registers per thread by kernel name, from gpu-report's ``--json``.
+
+    The most of any of a kernel's configurations compiled for ``arch``.
+
+    Raises:
+        OSError, ValueError, KeyError: If the file cannot be read or is
+            not gpu-report's JSON.
+    """
+    doc = json.loads(Path(path).read_text())
+    out: dict[str, int] = {}
+    for row in doc["kernels"]:
+        if row["arch"] == arch and row.get("registers") is not None:
+            out[row["kernel"]] = max(
+                out.get(row["kernel"], 0), row["registers"]
+            )
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -197,6 +390,16 @@ def run(args: argparse.Namespace) -> int:
         say("the mojo command is not found; install the `mojo` package")
         return 1
     warp = ARCH_WARPS[args.arch]
+    registers = None
+    if args.report:
+        try:
+            registers = report_registers(args.report, args.arch)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return usage_error(
+                args,
+                f"argument --report: {args.report!r} is not a readable"
+                f" gpu-report --json file: {e}",
+            )
     say(f"emulating index_top_k's launches for {args.arch} ({RUN_TIME})...")
     start = time.perf_counter()
     argv = [mojo, "run", "-I", str(KERNELS.parent), str(DRIVER)]
@@ -219,7 +422,9 @@ def run(args: argparse.Namespace) -> int:
     if proc.wait() != 0:
         say(f"the driver failed: {compile_error(stderr, proc.returncode)}")
         return 1
-    launches = parse_lines("".join(lines))
+    launches = [
+        launch_record(line, registers) for line in parse_lines("".join(lines))
+    ]
     say(f"{len(launches)} launches in {time.perf_counter() - start:.0f} s")
     for line in format_table(launches):
         print(line)

@@ -5,7 +5,8 @@ each printed as one JSON line.
 `mojo run -I <package parent> launches.mojo WARP SAMPLE` profiles, in warps
 of `WARP` lanes (32 for sm_*, 64 for gfx942), the plan, each scorer the
 target builds and the select of GLM-5-Next's decode (16 requests of 32K
-tokens) and 4,096-token prefill and DeepSeek-V3.2's decode. A launch of
+tokens) and 4,096-token prefill and DeepSeek-V3.2's decode. Workloads are
+named as `mla_kpool.bench.bounds.WORKLOADS` names them. A launch of
 more than `SAMPLE` blocks runs `SAMPLE` of them (`sampled_blocks` in its
 line; its counts are those blocks'; a select runs as many whole rows as
 `SAMPLE` blocks hold, `window_rows` in its line). The call is the op's own
@@ -256,12 +257,12 @@ def main() raises:
     # GLM-5-Next (H 32, D 128, kpool 4 spread, top 512): decode of 16
     # requests at 32K tokens, and a 4,096-token prefill (null mask).
     _call[32, 128, 512, 4, True](
-        "glm5next-decode-16x32k", 16, 32 * 1024 - 1, 1, warp, sample
+        "glm5-next-decode", 16, 32 * 1024 - 1, 1, warp, sample
     )
     _call[32, 128, 512, 4, True](
-        "glm5next-prefill-4096", 1, 0, 4096, warp, sample
+        "glm5-next-prefill", 1, 0, 4096, warp, sample
     )
     # DeepSeek-V3.2 (H 64, D 128, kpool 1, top 2048): decode, 16 x 32K.
     _call[64, 128, 2048, 1, False](
-        "dsv32-decode-16x32k", 16, 32 * 1024 - 1, 1, warp, sample
+        "deepseek-v3.2-decode", 16, 32 * 1024 - 1, 1, warp, sample
     )
