@@ -294,6 +294,14 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         return self._load(i)
 
     @always_inline
+    def tensor_operand_load(self, i: Int) -> UInt32:
+        """Word `i` as a tensor-core instruction reads its shared operand
+        (wgmma's descriptor): checked when emulated like any read, but
+        not a thread's request, so a profile does not record it (the
+        instruction emulators in `index/gpu` read through this)."""
+        return self._load(i)
+
+    @always_inline
     def store(self, i: Int, value: UInt32):
         """Sets word `i` (dropped if the emulation refused the access)."""
         self._note[1, ACCESS_STORE](call_location(), i)
@@ -429,6 +437,53 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         return ptr.unsafe_offset(i).unsafe_load[
             width=width, alignment=alignment
         ](0)
+
+    @always_inline
+    def note_global_load[
+        dtype: DType, at: Origin, //, width: Int = 1
+    ](self, ptr: Pointer[Scalar[dtype], at], i: Int):
+        """Records the load of elements `i ..< i + width` of `ptr` that the
+        caller makes itself, without loading: `global_load`'s record for a
+        load in code shared with the CPU path, which takes no view (the
+        writers' member loads, `pooling._member`, and their metadata reads).
+
+        Host code only, as `_note_global`: a GPU build has nothing of it. A
+        load wider than 16 bytes is recorded as the 16-byte loads a GPU
+        makes of it, one request each.
+
+        Parameters:
+            dtype: Element type.
+            at: Origin of `ptr`.
+            width: Elements (a power of two).
+        """
+        comptime bytes = width * size_of[dtype]()
+        comptime piece = min(bytes, 16)
+        var site = call_location()
+        comptime for p in range(0, bytes, piece):
+            self._note_global[ACCESS_LOAD](
+                site, Int(ptr) + i * size_of[dtype]() + p, piece
+            )
+
+    @always_inline
+    def note_global_store[
+        dtype: DType, at: Origin, //, width: Int = 1
+    ](self, ptr: Pointer[Scalar[dtype], at], i: Int):
+        """`note_global_load`'s twin for a store the caller makes itself
+        (the step's scan, whose body docs/kernels.md quotes): records it,
+        stores nothing; nothing on a GPU.
+
+        Parameters:
+            dtype: Element type.
+            at: Origin of `ptr`.
+            width: Elements (a power of two).
+        """
+        comptime bytes = width * size_of[dtype]()
+        comptime piece = min(bytes, 16)
+        var site = call_location()
+        comptime for p in range(0, bytes, piece):
+            self._note_global[ACCESS_STORE](
+                site, Int(ptr) + i * size_of[dtype]() + p, piece
+            )
 
     @always_inline
     def global_store[

@@ -20,6 +20,7 @@ unspecified (each row still holds zeros or some request's pool).
 import extensibility
 from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
+from std.sys import is_gpu
 
 from ..model.operands import (
     KernelOperands,
@@ -38,6 +39,9 @@ from .gpu_rows import (
     gpu_aligned,
     gpu_rows_per_block,
     gpu_writer_threads,
+    note_last_span_at,
+    note_span,
+    profiled,
     row_lane,
 )
 from .pooling import PoolMembers, cpu_pool_row, gpu_pool_row, zero_row
@@ -174,25 +178,44 @@ def compress_cpu(op: Compress):
     )
 
 
-def compress_lane(lane: RowLane, op: Compress):
+@always_inline
+def note_pool_row_of(s: Shared, op: Compress, b: Int, row: Int):
+    """Records `pool_row_of(op, b, row)`'s metadata reads (host code only,
+    when profiled: its conditions evaluated again)."""
+    comptime if not is_gpu():
+        if b < 0 or not profiled(s):
+            return
+        note_span(s, op.call.input_row_offsets, b)
+        s.note_global_load(op.call.cache_lengths, b)
+        s.note_global_load(op.pool_row_offsets, b)
+        var span = token_span(
+            op.call.input_row_offsets, b, op.call.total_tokens
+        )
+        var c = read_index(op.call.cache_lengths, b)
+        if span.ok and c >= 0 and row >= read_index(op.pool_row_offsets, b):
+            s.note_global_load(op.pool_row_offsets, b + 1)
+
+
+def compress_lane(lane: RowLane, s: Shared, op: Compress):
     """One GPU thread of compress: its channels of output row `lane.row`.
 
     Finds the owner of the row by binary search over `pool_row_offsets`
     and writes the thread's channels (`gpu_rows.row_lane`) of the owner's
     pool, or zeros when no request owns the row. The caller skips rows
-    past `out_rows`.
+    past `out_rows`. Global memory goes through the thread's view `s`
+    (recorded in a profiled emulation).
     """
     comptime head_dim = op.head_dim
     var row = lane.row
-    var first = pool_row_of(
-        op,
-        owner(
-            last_span_at(op.pool_row_offsets, op.call.batch, row), op.call.batch
-        ),
-        row,
+    var b = owner(
+        last_span_at(op.pool_row_offsets, op.call.batch, row), op.call.batch
     )
+    note_last_span_at(s, op.pool_row_offsets, op.call.batch, row)
+    var first = pool_row_of(op, b, row)
+    note_pool_row_of(s, op, b, row)
     gpu_pool_row[op.dtype, op.kpool, head_dim](
         lane,
+        s,
         PoolMembers[op.dtype].new_rows(
             op.call.k, op.call.gate, max(first, 0) * head_dim
         ),
@@ -229,7 +252,7 @@ struct CompressKernel[Op: type_of(Compress)](GpuKernel):
         """`compress_lane` for the thread's output row, if any."""
         var lane = row_lane[op.dtype, op.head_dim](block, thread)
         if lane.row < op.out_rows:
-            compress_lane(lane, op)
+            compress_lane(lane, s, op)
 
 
 @extensibility.register("mo.mla.kpool.compress")

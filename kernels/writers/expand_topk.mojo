@@ -40,6 +40,7 @@ import extensibility
 from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
 from std.math import ceildiv, iota, max, min
+from std.sys import is_gpu
 
 from ..model.operands import (
     ANY,
@@ -59,6 +60,7 @@ from ..model.collectives import thread_run
 from ..model.gpu_kernel import GpuKernel, launch_kernel
 from ..model.parallel import cpu_for_each_range
 from ..model.ragged import Field, Ptr, last_span_at, read_index, token_span
+from .gpu_rows import note_last_span_at, note_span, profiled
 
 comptime POSITION_LIMIT = 1 << 31
 """Most positions a query may see: its newest one must fit int32."""
@@ -161,6 +163,24 @@ def query_visible(op: ExpandTopK, row: Int) -> Int:
         return 0
     var visible = c + (row - span.start) + 1
     return visible if visible <= POSITION_LIMIT else 0
+
+
+@always_inline
+def note_query_visible(s: Shared, op: ExpandTopK, row: Int):
+    """Records `query_visible(op, row)`'s metadata reads (host code only,
+    when profiled: its search and conditions evaluated again)."""
+    comptime if not is_gpu():
+        if not profiled(s):
+            return
+        note_last_span_at(s, op.input_row_offsets, op.batch, row)
+        var b = last_span_at(op.input_row_offsets, op.batch, row)
+        if b < 0 or b >= op.batch:
+            return
+        note_span(s, op.input_row_offsets, b)
+        var span = token_span(op.input_row_offsets, b, op.total_tokens)
+        if not span.ok or row < span.start or row >= span.start + span.n:
+            return
+        s.note_global_load(op.cache_lengths, b)
 
 
 @always_inline
@@ -288,17 +308,18 @@ def expand_topk_phase[
     var run = thread_run(thread, threads, pool_topk)
     comptime if phase == 0:
         state.visible = query_visible(op, row)
+        note_query_visible(s, op, row)
         var complete = state.visible // kpool
         var count = 0
         for j in range(run[0], run[1]):
-            if _valid(read_index(ids, j), complete):
+            if _valid(Int(s.global_load(ids, j)), complete):
                 count += 1
         lane.offer(UInt64(count))
     elif phase == 1:
         var complete = state.visible // kpool
         var at = Int(lane.result())
         for j in range(run[0], run[1]):
-            var p = read_index(ids, j)
+            var p = Int(s.global_load(ids, j))
             if _valid(p, complete):
                 s.store(at, UInt32(p))
                 at += 1
@@ -316,7 +337,7 @@ def expand_topk_phase[
                 value = Int32(Int(s.load(col // kpool)) * kpool + col % kpool)
             elif col < filled + partial:
                 value = Int32(state.visible - partial + col - filled)
-            dest[unsafe_offset=col] = value
+            s.global_store(dest, col, value)
 
 
 struct ExpandTopKKernel[Op: type_of(ExpandTopK)](GpuKernel):
@@ -358,42 +379,44 @@ struct ExpandTopKKernel[Op: type_of(ExpandTopK)](GpuKernel):
         expand_topk_phase[phase](block, thread, state, lane, s, op)
 
 
-def expand_topk_warp_thread(block: Int, thread: Int, op: ExpandTopK):
+def expand_topk_warp_thread(block: Int, thread: Int, s: Shared, op: ExpandTopK):
     """One thread of the warp kernel: token row `block`, every 32nd column.
 
     Thread `i` of the warp writes columns `i`, `i + 32`, ... Every thread
     walks the row's ids in selection order, counting the columns the valid
     ones fill, and writes the positions that land in its columns; then its
     tail columns, then `-1`. The threads never communicate, so the result
-    does not depend on their order.
+    does not depend on their order. Global memory goes through the
+    thread's view `s` (recorded in a profiled emulation).
     """
     comptime kpool = op.kpool
     comptime width = op.width
     comptime stride = GPU_EXPAND_WARP
     var row = block
     var visible = query_visible(op, row)
+    note_query_visible(s, op, row)
     var complete = visible // kpool
     var ids = op.pool_ids.unsafe_offset(row * op.pool_topk)
     var dest = op.positions.unsafe_offset(row * width)
     var col = thread
     var filled = 0
     for j in range(op.pool_topk):
-        var p = read_index(ids, j)
+        var p = Int(s.global_load(ids, j))
         if _valid(p, complete):
             filled += kpool
             # Column `col` holds member `col - (filled - kpool)` of pool p.
             while col < filled:
-                dest[unsafe_offset=col] = Int32(
-                    p * kpool - filled + kpool + col
+                s.global_store(
+                    dest, col, Int32(p * kpool - filled + kpool + col)
                 )
                 col += stride
     comptime if op.always_select_tail:
         filled += visible % kpool
         while col < filled:
-            dest[unsafe_offset=col] = Int32(visible - filled + col)
+            s.global_store(dest, col, Int32(visible - filled + col))
             col += stride
     while col < width:
-        dest[unsafe_offset=col] = -1
+        s.global_store(dest, col, Int32(-1))
         col += stride
 
 
@@ -414,7 +437,7 @@ struct ExpandTopKWarpKernel[Op: type_of(ExpandTopK)](GpuKernel):
     @staticmethod
     def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
         """`expand_topk_warp_thread`."""
-        expand_topk_warp_thread(block, thread, op)
+        expand_topk_warp_thread(block, thread, s, op)
 
 
 def launch_expand_topk[

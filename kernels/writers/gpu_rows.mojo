@@ -30,10 +30,11 @@ The vector accesses follow the 128-bit loads of fast GPU kernels (MAX's
 """
 
 from std.math import max, min
-from std.sys import align_of, size_of
+from std.sys import align_of, is_gpu, size_of
 
+from ..model.block_phases import Shared
 from ..model.parallel import GPU_MAX_BLOCK
-from ..model.ragged import Ptr
+from ..model.ragged import Ptr, read_index
 
 comptime GPU_ACCESS_BYTES = 16
 """Bytes one thread loads or stores at once: a 128-bit access."""
@@ -123,28 +124,76 @@ def access_alignment[dtype: DType, width: Int]() -> Int:
 @always_inline
 def _copy_channels[
     dtype: DType, head_dim: Int, alignment: Int
-](lane: RowLane, dest: Ptr[dtype], src: Ptr[dtype]):
+](lane: RowLane, s: Shared, dest: Ptr[dtype], src: Ptr[dtype]):
     """`copy_channels` with the accesses' alignment fixed."""
     comptime width = gpu_channel_width[dtype, head_dim]()
     for ch in range(lane.first, head_dim, lane.stride):
-        dest.unsafe_store[width=width, alignment=alignment](
-            ch, src.unsafe_load[width=width, alignment=alignment](ch)
+        s.global_store[width=width, alignment=alignment](
+            dest,
+            ch,
+            s.global_load[width=width, alignment=alignment](src, ch),
         )
 
 
 @always_inline
 def copy_channels[
     dtype: DType, head_dim: Int
-](lane: RowLane, dest: Ptr[dtype], src: Ptr[dtype], aligned: Bool):
+](lane: RowLane, s: Shared, dest: Ptr[dtype], src: Ptr[dtype], aligned: Bool):
     """Copies the thread's channels of one `head_dim` row from `src` to
     `dest`: 16-byte accesses when `aligned` (`gpu_aligned` of both
-    operands' bases), else element accesses."""
+    operands' bases), else element accesses; through the thread's view
+    `s` (recorded in a profiled emulation)."""
     comptime width = gpu_channel_width[dtype, head_dim]()
     if aligned:
         _copy_channels[dtype, head_dim, access_alignment[dtype, width]()](
-            lane, dest, src
+            lane, s, dest, src
         )
     else:
         _copy_channels[dtype, head_dim, align_of[Scalar[dtype]]()](
-            lane, dest, src
+            lane, s, dest, src
         )
+
+
+# The metadata reads of the helpers the CPU path shares (`token_span`,
+# `last_span_at`, `read_index` in `ragged`, the writers' plans): the GPU
+# path records them beside the call with `Shared.note_global_load`, so the
+# helpers take no view and the CPU kernels stay as they are. Host code
+# only: a GPU build has nothing of them.
+
+
+@always_inline
+def profiled(s: Shared) -> Bool:
+    """Whether `s` records its accesses (a profiled emulation); a constant
+    False on a GPU."""
+    comptime if is_gpu():
+        return False
+    else:
+        return Int(s.profile) != 0
+
+
+@always_inline
+def note_span[dtype: DType](s: Shared, input_row_offsets: Ptr[dtype], b: Int):
+    """Records `ragged.token_span`'s reads of request `b`'s offsets."""
+    comptime if not is_gpu():
+        s.note_global_load(input_row_offsets, b)
+        s.note_global_load(input_row_offsets, b + 1)
+
+
+@always_inline
+def note_last_span_at[
+    dtype: DType
+](s: Shared, row_offsets: Ptr[dtype], batch: Int, row: Int):
+    """Records the reads of `ragged.last_span_at(row_offsets, batch, row)`:
+    its binary search walked again on the host, when profiled."""
+    comptime if not is_gpu():
+        if not profiled(s):
+            return
+        var lo = 0
+        var hi = batch + 1
+        while lo < hi:
+            var mid = (lo + hi) // 2
+            s.note_global_load(row_offsets, mid)
+            if read_index(row_offsets, mid) <= row:
+                lo = mid + 1
+            else:
+                hi = mid

@@ -38,6 +38,7 @@ from std.sys import (
 from std.utils.numerics import nan, neg_inf
 
 from .gpu_rows import RowLane, access_alignment, gpu_channel_width
+from ..model.block_phases import Shared
 from ..model.ragged import Ptr
 
 comptime ACCUM = DType.float32
@@ -269,12 +270,17 @@ def pool_channels[
     key_alignment: Int = align_of[Scalar[dtype]](),
     ape_alignment: Int = align_of[Float32](),
 ](
+    s: Shared,
     members: PoolMembers[dtype],
     ape: Ptr[DType.float32],
     row_stride: Int,
     ch: Int,
 ) -> SIMD[dtype, width]:
     """Pools channels `[ch, ch + width)` of one pool (the GPU writers' path).
+
+    The member loads are `_member`'s, shared with the CPU path; the
+    thread's view `s` records them beside it (`note_global_load`: the gate
+    and ape in pass 1, whose key load is dead, all three in pass 2).
 
     Parameters:
         dtype: Key and gate dtype (float32, bfloat16 or float16).
@@ -284,6 +290,7 @@ def pool_channels[
         ape_alignment: Alignment the ape loads may claim.
 
     Args:
+        s: The thread's view (records the loads in a profiled emulation).
         members: Where the pool's members are.
         ape: `[kpool, row_stride]` float32 within-pool position embedding.
         row_stride: Elements between consecutive member rows (`head_dim`).
@@ -299,6 +306,8 @@ def pool_channels[
         var member = _member[dtype, width, key_alignment, ape_alignment](
             m[0], m[1], ape, m[2] + ch, q * row_stride + ch
         )
+        s.note_global_load[width](m[1], m[2] + ch)
+        s.note_global_load[width](ape, q * row_stride + ch)
         peak = max(peak, member[0])
     # Pass 2: weights and the weighted sum, members in order q = 0..kpool-1.
     var total = SIMD[ACCUM, width](0)
@@ -309,6 +318,9 @@ def pool_channels[
         var member = _member[dtype, width, key_alignment, ape_alignment](
             m[0], m[1], ape, m[2] + ch, q * row_stride + ch
         )
+        s.note_global_load[width](m[1], m[2] + ch)
+        s.note_global_load[width](ape, q * row_stride + ch)
+        s.note_global_load[width](m[0], m[2] + ch)
         _accumulate(member[0], member[1], peak, total, acc, undefined)
     return _pooled[dtype](total, acc, undefined)
 
@@ -322,6 +334,7 @@ def _gpu_pool_row[
     ape_alignment: Int,
 ](
     lane: RowLane,
+    s: Shared,
     members: PoolMembers[dtype],
     ape: Ptr[DType.float32],
     dest: Ptr[dtype],
@@ -334,8 +347,8 @@ def _gpu_pool_row[
         if pooled:
             value = pool_channels[
                 dtype, width, kpool, key_alignment, ape_alignment
-            ](members, ape, head_dim, ch)
-        dest.unsafe_store[width=width, alignment=key_alignment](ch, value)
+            ](s, members, ape, head_dim, ch)
+        s.global_store[width=width, alignment=key_alignment](dest, ch, value)
 
 
 @always_inline
@@ -343,6 +356,7 @@ def gpu_pool_row[
     dtype: DType, kpool: Int, head_dim: Int
 ](
     lane: RowLane,
+    s: Shared,
     members: PoolMembers[dtype],
     ape: Ptr[DType.float32],
     dest: Ptr[dtype],
@@ -358,6 +372,8 @@ def gpu_pool_row[
 
     Args:
         lane: The thread's channels (`first`, `first + stride`, ...).
+        s: The thread's view: the loads and stores go through it (recorded
+            in a profiled emulation).
         members: Where the pool's members are.
         ape: `[kpool, head_dim]` float32 within-pool position embedding.
         dest: The output row.
@@ -373,7 +389,7 @@ def gpu_pool_row[
             head_dim,
             access_alignment[dtype, width](),
             access_alignment[DType.float32, width](),
-        ](lane, members, ape, dest, pooled)
+        ](lane, s, members, ape, dest, pooled)
     else:
         _gpu_pool_row[
             dtype,
@@ -381,7 +397,7 @@ def gpu_pool_row[
             head_dim,
             align_of[Scalar[dtype]](),
             align_of[Float32](),
-        ](lane, members, ape, dest, pooled)
+        ](lane, s, members, ape, dest, pooled)
 
 
 comptime CPU_PREFETCH_POOL_BYTES = 16 * 1024

@@ -38,6 +38,7 @@ from .gpu_rows import (
     gpu_aligned,
     gpu_rows_per_block,
     gpu_writer_threads,
+    note_span,
     row_lane,
 )
 from .pooling import (
@@ -277,21 +278,33 @@ def ring_close_cpu(op: RingClose):
     )
 
 
-def ring_close_lane(lane: RowLane, op: RingClose):
+@always_inline
+def note_plan_close(s: Shared, b: Int, op: RingClose):
+    """Records `plan_close`'s metadata reads of request `b` (host code
+    only: `gpu_rows.note_span`)."""
+    note_span(s, op.call.input_row_offsets, b)
+    s.note_global_load(op.call.cache_lengths, b)
+    s.note_global_load(op.ring.slot_idx, b)
+
+
+def ring_close_lane(lane: RowLane, s: Shared, op: RingClose):
     """One GPU thread of ring_close: its channels of request `lane.row`.
 
     The thread's request and channels are `gpu_rows.row_lane`'s (16 bytes
     of channels per thread, several requests per block); the caller skips
     rows past the batch. The request's first thread writes
     `closed_pool[b]`. A request with nothing to close writes -1 and zeros
-    and never touches the ring.
+    and never touches the ring. Global memory goes through the thread's
+    view `s` (recorded in a profiled emulation).
     """
     comptime head_dim = op.head_dim
     var plan = plan_close(lane.row, op)
+    note_plan_close(s, lane.row, op)
     if lane.first == 0:
-        op.closed_pool[unsafe_offset=lane.row] = Int32(plan.pool)
+        s.global_store(op.closed_pool, lane.row, Int32(plan.pool))
     gpu_pool_row[op.dtype, op.kpool, head_dim](
         lane,
+        s,
         plan.members,
         op.ape,
         op.pooled.unsafe_offset(lane.row * head_dim),
@@ -337,7 +350,7 @@ struct RingCloseKernel[Op: type_of(RingClose)](GpuKernel):
         """`ring_close_lane` for the thread's request, if any."""
         var lane = row_lane[op.dtype, op.head_dim](block, thread)
         if lane.row < op.call.batch:
-            ring_close_lane(lane, op)
+            ring_close_lane(lane, s, op)
 
 
 @extensibility.register("mo.mla.kpool.ring_close")

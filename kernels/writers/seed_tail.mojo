@@ -39,6 +39,7 @@ from .gpu_rows import (
     gpu_aligned,
     gpu_rows_per_block,
     gpu_writer_threads,
+    note_span,
     row_lane,
 )
 from ..model.ragged import (
@@ -177,15 +178,26 @@ def seed_tail_cpu(op: SeedTail):
     )
 
 
-def seed_tail_lane(lane: RowLane, op: SeedTail):
+@always_inline
+def note_plan_stash(s: Shared, b: Int, op: SeedTail):
+    """Records `plan_stash`'s metadata reads of request `b` (host code
+    only: `gpu_rows.note_span`)."""
+    note_span(s, op.call.input_row_offsets, b)
+    s.note_global_load(op.call.cache_lengths, b)
+    s.note_global_load(op.ring.slot_idx, b)
+
+
+def seed_tail_lane(lane: RowLane, s: Shared, op: SeedTail):
     """One GPU thread of seed_tail: its channels of request `lane.row`.
 
     Copies the thread's channels (`gpu_rows.row_lane`) of each of the
     request's trailing positions into its ring slot; the caller skips rows
-    past the batch.
+    past the batch. Global memory goes through the thread's view `s`
+    (recorded in a profiled emulation).
     """
     comptime head_dim = op.head_dim
     var stash = plan_stash(lane.row, op)
+    note_plan_stash(s, lane.row, op)
     var aligned = gpu_aligned(
         Int(op.call.k) | Int(op.call.gate) | Int(op.ring.tail)
     )
@@ -194,12 +206,14 @@ def seed_tail_lane(lane: RowLane, op: SeedTail):
         var dst = (pos % op.ring.ring_len) * head_dim
         copy_channels[op.dtype, head_dim](
             lane,
+            s,
             stash.ring_key.unsafe_offset(dst),
             op.call.k.unsafe_offset(src),
             aligned,
         )
         copy_channels[op.dtype, head_dim](
             lane,
+            s,
             stash.ring_gate.unsafe_offset(dst),
             op.call.gate.unsafe_offset(src),
             aligned,
@@ -230,7 +244,7 @@ struct SeedTailKernel[Op: type_of(SeedTail)](GpuKernel):
         """`seed_tail_lane` for the thread's request, if any."""
         var lane = row_lane[op.dtype, op.head_dim](block, thread)
         if lane.row < op.call.batch:
-            seed_tail_lane(lane, op)
+            seed_tail_lane(lane, s, op)
 
 
 @extensibility.register("mo.mla.kpool.seed_tail")

@@ -54,7 +54,7 @@ import extensibility
 from extensibility import InputTensor, OutputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
-from std.sys import num_physical_cores
+from std.sys import is_gpu, num_physical_cores
 
 from .compress import CompressOperands, compress_lane, compress_rows
 from ..model.operands import (
@@ -78,6 +78,7 @@ from .gpu_rows import (
     RowLane,
     gpu_rows_per_block,
     gpu_writer_threads,
+    note_span,
     row_lane,
 )
 from ..model.ragged import Field, full_pools, read_index
@@ -186,10 +187,24 @@ def step_pool_count(op: Step, b: Int) -> Int:
 
 
 @always_inline
-def write_first_pool(op: Step, b: Int):
+def note_pool_count(s: Shared, op: Step, b: Int):
+    """Records `step_pool_count(op, b)`'s metadata reads (host code only:
+    `gpu_rows.note_span`)."""
+    note_span(s, op.close.call.input_row_offsets, b)
+    s.note_global_load(op.close.call.cache_lengths, b)
+
+
+@always_inline
+def first_pool_id(op: Step, b: Int) -> Int64:
     """`first_pool[b]`: `(c + kpool - 1) // kpool`, rounded down."""
     var c = read_index(op.close.call.cache_lengths, b)
-    op.first_pool[unsafe_offset=b] = Int64((c + op.kpool - 1) // op.kpool)
+    return Int64((c + op.kpool - 1) // op.kpool)
+
+
+@always_inline
+def write_first_pool(op: Step, b: Int):
+    """Writes `first_pool[b]` (`first_pool_id`), on the CPU."""
+    op.first_pool[unsafe_offset=b] = first_pool_id(op, b)
 
 
 def scan_pool_rows(op: Step):
@@ -279,25 +294,49 @@ def step_scan_phase[phase: Int](thread: Int, mut lane: Lane, op: Step):
             )
 
 
-def step_thread(block: Int, thread: Int, op: Step):
+@always_inline
+def note_scan_phase[phase: Int](thread: Int, s: Shared, op: Step):
+    """Records `step_scan_phase[phase]`'s global accesses (host code only).
+
+    The scan's body is docs/kernels.md's example, word for word, so it
+    takes no view: its thread's reads of each request's metadata
+    (`step_pool_count`) and, in phase 1, its writes of `pool_row_offsets`
+    are noted beside it, in the same order per site.
+    """
+    comptime if not is_gpu():
+        var run = thread_run(thread, SCAN_THREADS, op.close.call.batch)
+        comptime if phase == 1:
+            if thread == 0:
+                s.note_global_store(op.pool_row_offsets, 0)
+        for b in range(run[0], run[1]):
+            note_pool_count(s, op, b)
+            comptime if phase == 1:
+                s.note_global_store(op.pool_row_offsets, b + 1)
+
+
+def step_thread(block: Int, thread: Int, s: Shared, op: Step):
     """One GPU thread of launch 2 (see the module): a request or a row.
 
     Row `r < batch` of the launch's row space (`gpu_rows.row_lane`):
     `ring_close_lane`, then `seed_tail_lane` (the same channels, so each
     ring channel is read before the same thread overwrites it) and, on the
     request's first thread, `first_pool[r]`. Row `batch + i`:
-    `compress_lane` for output row `i`.
+    `compress_lane` for output row `i`. Global memory goes through the
+    thread's view `s` (recorded in a profiled emulation).
     """
     var lane = row_lane[op.dtype, op.head_dim](block, thread)
     var batch = op.close.call.batch
     if lane.row < batch:
-        ring_close_lane(lane, op.close)
-        seed_tail_lane(lane, seed_of(op))
+        ring_close_lane(lane, s, op.close)
+        seed_tail_lane(lane, s, seed_of(op))
         if lane.first == 0:
-            write_first_pool(op, lane.row)
+            s.global_store(op.first_pool, lane.row, first_pool_id(op, lane.row))
+            s.note_global_load(op.close.call.cache_lengths, lane.row)
     elif lane.row < batch + op.out_rows:
         compress_lane(
-            RowLane(lane.row - batch, lane.first, lane.stride), compress_of(op)
+            RowLane(lane.row - batch, lane.first, lane.stride),
+            s,
+            compress_of(op),
         )
 
 
@@ -333,6 +372,7 @@ struct StepScanKernel[Op: type_of(Step)](GpuKernel):
     ):
         """`step_scan_phase`."""
         step_scan_phase[phase](thread, lane, op)
+        note_scan_phase[phase](thread, s, op)
 
 
 struct StepKernel[Op: type_of(Step)](GpuKernel):
@@ -357,7 +397,7 @@ struct StepKernel[Op: type_of(Step)](GpuKernel):
     @staticmethod
     def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
         """`step_thread`."""
-        step_thread(block, thread, op)
+        step_thread(block, thread, s, op)
 
 
 @extensibility.register("mla_kpool.step")

@@ -85,6 +85,16 @@ def test_ptx_sm_90a() raises:
     _check_asm(asm[6], "sm_90a", "kpool_expand_topk_warp_kernel_")
 
 
+def test_the_gpu_build_records_nothing() raises:
+    # The writers' global accesses go through the thread's view, recorded
+    # only by a profiled emulation: a GPU build has no call, nothing of the
+    # profile, and still its plain global loads and stores.
+    for a in _compile_all["sm_90a"]():
+        assert_true("call" not in a, a)
+        assert_true("LaunchProfile" not in a and "record" not in a, a)
+        assert_true("ld.global" in a and "st.global" in a, a)
+
+
 def test_ptx_sm_100a() raises:
     var asm = _compile_all["sm_100a"]()
     for a in asm:
