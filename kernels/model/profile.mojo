@@ -131,6 +131,11 @@ struct GlobalSite(Copyable, Movable):
     var bytes_requested: Int
     """Distinct bytes each request asked for, summed: sector efficiency
     is `bytes_requested / (32 * sectors)`."""
+    var uniform_requests: Int
+    """Requests whose lanes all read or wrote the same bytes (a value
+    every thread of the warp needs: one sector, served once)."""
+    var uniform_sectors: Int
+    var uniform_bytes: Int
 
 
 def request_sectors(addresses: List[Int], bytes: Int) -> Int:
@@ -353,7 +358,9 @@ struct LaunchProfile(Movable):
         if id < 0:
             id = len(self.global_sites)
             self.global_ids[name] = id
-            self.global_sites.append(GlobalSite(name^, kind, bytes, 0, 0, 0))
+            self.global_sites.append(
+                GlobalSite(name^, kind, bytes, 0, 0, 0, 0, 0, 0)
+            )
         self.global_pending.append(GlobalAccess(thread, id, address, bytes))
         for b in range(address, address + bytes):
             var sector = b // SECTOR_BYTES
@@ -416,9 +423,15 @@ struct LaunchProfile(Movable):
                 for m in members:
                     addresses.append(self.global_pending[m].address)
                 ref g = self.global_sites[first.site]
+                var sectors = request_sectors(addresses, first.bytes)
+                var asked = request_bytes(addresses, first.bytes)
                 g.requests += 1
-                g.sectors += request_sectors(addresses, first.bytes)
-                g.bytes_requested += request_bytes(addresses, first.bytes)
+                g.sectors += sectors
+                g.bytes_requested += asked
+                if asked == first.bytes:
+                    g.uniform_requests += 1
+                    g.uniform_sectors += sectors
+                    g.uniform_bytes += asked
             except:
                 pass
         self.global_pending.clear()
@@ -619,6 +632,12 @@ struct LaunchProfile(Movable):
                 g.sectors,
                 ', "bytes_requested": ',
                 g.bytes_requested,
+                ', "uniform_requests": ',
+                g.uniform_requests,
+                ', "uniform_sectors": ',
+                g.uniform_sectors,
+                ', "uniform_bytes": ',
+                g.uniform_bytes,
                 "}",
             )
         out += "]}"

@@ -51,6 +51,9 @@ def _load(site: str, requests: int, sectors: int, used: int) -> dict:
         "requests": requests,
         "sectors": sectors,
         "bytes_requested": used,
+        "uniform_requests": 0,
+        "uniform_sectors": 0,
+        "uniform_bytes": 0,
     }
 
 
@@ -114,7 +117,12 @@ CLEAN = _launch(
         atomic_lanes=36,
         atomic_addresses=4,
     ),
-    loads=(_load("kernels/index/gpu/index_pick.mojo:152:53", 10, 40, 1280),),
+    loads=(
+        _load("kernels/index/gpu/index_pick.mojo:152:53", 10, 40, 1280),
+        # A value every lane reads: one sector a request, 8 bytes of it.
+        _load("kernels/index/gpu/index_gpu.mojo:181:30", 5, 5, 40)
+        | {"uniform_requests": 5, "uniform_sectors": 5, "uniform_bytes": 40},
+    ),
 )
 
 
@@ -160,8 +168,9 @@ def test_the_table_names_the_worst_sites_and_the_estimates():
         "32", "-", "16.0", "50%", "32.00",
     ]  # fmt: skip
     assert cells[-1] == "kernels/index/gpu/index_gpu_score.mojo:332:24"
-    # 100 requests at 2 wavefronts and 10 at 1: 210 / 110.
-    assert clean.split()[5:10] == ["1.91", "2", "18", "4.0", "100%"]
+    # 100 requests at 2 wavefronts and 10 at 1: 210 / 110; 45 sectors
+    # over 15 global requests; the uniform ones not in the efficiency.
+    assert clean.split()[5:10] == ["1.91", "2", "18", "3.0", "100%"]
     assert notes == [
         "  32-way: kernels/index/gpu/index_gpu_score.mojo:332:24 (store, 4"
         " bytes a lane; 2,048 requests, 65,536 wavefronts for 2,048) in"
@@ -322,3 +331,31 @@ def test_a_failed_driver_is_one_line(tmp_path, monkeypatch, capsys):
         "gpu-profile: the driver failed: x.mojo:1:1: error: no such thing"
         in err
     )
+
+
+#: The writers' launches the driver prints: the op's registered name and
+#: the workload's in bench.bounds (the step's scan and rows share one).
+WRITER_LAUNCHES = [
+    (op, f"{name}-b{batch}")
+    for batch in (64, 4096)
+    for op, name in (
+        ("mo.mla.kpool.ring_close", "ring_close"),
+        ("mo.mla.kpool.compress", "compress"),
+        ("mo.mla.kpool.seed_tail", "seed_tail"),
+        ("mo.mla.kpool.expand_topk", "expand_topk"),
+    )
+] + [("mla_kpool.step", "step-b4096")] * 2
+
+
+def test_a_writer_launch_finds_its_roofline_bytes():
+    from mla_kpool.gpu_profile import LAUNCHES
+
+    assert LAUNCHES == 12 + len(WRITER_LAUNCHES)
+    for op, workload in WRITER_LAUNCHES:
+        line = _launch("kpool_ring_close_kernel")
+        record = launch_record(
+            line | {"op": op, "workload": workload, "window_rows": 0}
+        )
+        assert record["op"] == op and record["workload"] == workload
+        assert record["global"]["bound_bytes"] == WORKLOADS[workload]["bytes"]
+        assert record["window_rows"] == 0

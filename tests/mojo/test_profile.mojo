@@ -12,6 +12,7 @@ answer, counted here by hand:
 - 16-byte stores 8 words apart: a quarter warp's 8 lanes on 16 of the
   banks, two lanes a bank: 2-way, 8 wavefronts a request;
 - 32 lanes adding to one word atomically: 32 lanes per address;
+- a global read of one float by every lane: uniform, one sector;
 - global reads of consecutive floats: 4 sectors a 32-lane request, all
   of each sector asked for; the same reads 8 floats apart: 32 sectors,
   an eighth of each; a store: its bytes written once each;
@@ -43,6 +44,7 @@ comptime ATOMIC = 4
 comptime COALESCED = 5
 comptime STRIDED = 6
 comptime GLOBAL_STORE = 7
+comptime GLOBAL_UNIFORM = 8
 
 
 @fieldwise_init
@@ -100,6 +102,8 @@ struct Planted[pattern: Int](GpuKernel):
                 _ = s.global_load(op.data, t)
             elif Self.pattern == STRIDED:
                 _ = s.global_load(op.data, 8 * t)
+            elif Self.pattern == GLOBAL_UNIFORM:
+                op.out[unsafe_offset=0] += UInt32(s.global_load(op.data, 0)[0])
             else:
                 s.global_store(op.data, t, Float32(t))
 
@@ -192,6 +196,7 @@ def test_consecutive_floats_are_4_sectors_a_request() raises:
     assert_equal(g.sectors, 8)  # 32 lanes x 4 bytes = 4 whole sectors
     assert_equal(p.cold_sectors, 8)
     assert_equal(g.bytes_requested, 2 * 32 * 4)
+    assert_equal(g.uniform_requests, 0)
     assert_true('"bytes_read": 256, "bytes_written": 0' in p.json(), p.json())
 
 
@@ -202,6 +207,17 @@ def test_floats_8_apart_are_32_sectors_a_request() raises:
     assert_equal(g.sectors, 64)  # a sector a lane, 4 of its 32 bytes
     assert_equal(g.bytes_requested, 256)
     assert_true('"bytes_read": 256' in p.json(), p.json())
+
+
+def test_a_uniform_load_is_one_sector_served_once() raises:
+    var p = _profile[GLOBAL_UNIFORM](32)
+    ref g = p.global_sites[_global(p)]
+    assert_equal(g.requests, 2)
+    assert_equal(g.sectors, 2)
+    assert_equal(g.bytes_requested, 8)  # 4 bytes a request, asked once
+    assert_equal(g.uniform_requests, 2)
+    assert_equal(g.uniform_sectors, 2)
+    assert_equal(g.uniform_bytes, 8)
 
 
 def test_a_global_store_counts_its_bytes_written() raises:

@@ -175,11 +175,28 @@ def plan_phase[
 
 
 @always_inline
-def select_row(row: Int, op: IndexTopK, s: Shared) -> SelectCall:
-    """Window row `row`'s scores, bound, split words and output ids."""
+def select_row[
+    phase: Int, split: Bool
+](row: Int, op: IndexTopK, s: Shared, mut state: SelectState) -> SelectCall:
+    """Window row `row`'s scores, bound, split words and output ids.
+
+    An unsplit select reads the row's bound from the plan in phase 0 and
+    keeps it in `state` (every phase read the same two words again after
+    its barrier: 41-53 registers on sm_90a, 32 with it kept). A split
+    select reads it in each phase: kept, it took 40 registers to 48, half
+    an SM's warps instead of three quarters.
+    """
     var t = op.work.first_row + row
-    var b = Int(s.global_load(op.work.plan, 2 * t))
-    var bound = Int(s.global_load(op.work.plan, 2 * t + 1)) if b >= 0 else 0
+    var bound: Int
+    comptime if split or phase == 0:
+        var b = Int(s.global_load(op.work.plan, 2 * t))
+        bound = 0
+        if b >= 0:
+            bound = Int(s.global_load(op.work.plan, 2 * t + 1))
+        comptime if not split:
+            state.bound = UInt32(bound)
+    else:
+        bound = Int(state.bound)
     return SelectCall(
         op.work.scores.unsafe_offset(row * op.work.candidates),
         bound,
@@ -291,13 +308,11 @@ struct SelectKernel[Op: type_of(IndexTopK), split: Bool](GpuKernel):
         """
         comptime if is_gpu():
             var slices = op.work.slices
+            var row = select_row[phase, Self.split](
+                block // slices, op, s, state
+            )
             select_phase[phase, Self.Op.k, Self.split](
-                thread,
-                state,
-                lane,
-                s,
-                select_row(block // slices, op, s),
-                block % slices,
+                thread, state, lane, s, row, block % slices
             )
         else:
             _select_phase_host[phase, Self.Op, Self.split](
@@ -320,13 +335,9 @@ def _select_phase_host[
     are `@always_inline` for the GPU, and `emulate_kernel`'s unrolled loop
     over the phases would otherwise take them all into one function."""
     var slices = op.work.slices
+    var row = select_row[phase, split](block // slices, op, s, state)
     select_phase[phase, Op.k, split](
-        thread,
-        state,
-        lane,
-        s,
-        select_row(block // slices, op, s),
-        block % slices,
+        thread, state, lane, s, row, block % slices
     )
 
 

@@ -174,6 +174,9 @@ struct SelectState(Copyable, Defaultable, TrivialRegisterPassable):
     var selects: Bool
     """Whether this block selects its row: an unsplit row's block, or the
     last of a split row's blocks to arrive."""
+    var bound: UInt32
+    """The row's candidates, read from the plan in the first phase (every
+    later phase would read the same two words again after its barrier)."""
 
     def __init__(out self):
         """Before the first pass."""
@@ -182,6 +185,7 @@ struct SelectState(Copyable, Defaultable, TrivialRegisterPassable):
         self.count = 0
         self.pairs = 0
         self.selects = False
+        self.bound = 0
 
 
 @fieldwise_init

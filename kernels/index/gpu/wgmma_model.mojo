@@ -119,7 +119,10 @@ def accumulator_element(thread: Int, register: Int) -> Tuple[Int, Int]:
 @always_inline
 def shared_byte(s: Shared, address: Int) -> UInt8:
     """Byte `address` of the block's shared words (little-endian words)."""
-    return UInt8((s.load(address // 4) >> UInt32(8 * (address % 4))) & 0xFF)
+    return UInt8(
+        (s.tensor_operand_load(address // 4) >> UInt32(8 * (address % 4)))
+        & 0xFF
+    )
 
 
 def wgmma_e4m3_model[

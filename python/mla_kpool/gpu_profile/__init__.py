@@ -1,12 +1,17 @@
-"""``python -m mla_kpool gpu-profile``: index_top_k's launches, counted.
+"""``python -m mla_kpool gpu-profile``: the GPU launches, counted.
 
-What index_top_k's GPU launches ask of memory, counted on the emulated
-grid, no GPU needed. The driver (``launches.mojo``, run with ``mojo``)
-builds an index_top_k call at each documented workload (GLM-5-Next's
-decode of 16 requests at 32K tokens and 4,096-token prefill,
-DeepSeek-V3.2's decode), emulates each launch with every shared access
-and every global access made through the thread's view recorded
-(``kernels/model/profile.mojo``) and prints one JSON line a launch. This
+What index_top_k's and the writers' GPU launches ask of memory, counted
+on the emulated grid, no GPU needed. The driver (``launches.mojo``, run
+with ``mojo``) builds an index_top_k call at each documented workload
+(GLM-5-Next's decode of 16 requests at 32K tokens and 4,096-token
+prefill, DeepSeek-V3.2's decode) and each writer's call at the bench's
+workloads (ring_close, compress, seed_tail and expand_topk at batch 64
+and 4,096, the fused step's scan and rows at 4,096; ``op`` the op's
+registered name, ``workload`` its name in
+:data:`mla_kpool.bench.bounds.WORKLOADS`), emulates each launch with
+every shared access and every global access made through the thread's
+view recorded (``kernels/model/profile.mojo``) and prints one JSON line
+a launch. This
 module makes each a record (:func:`launch_record`) and prints them as a
 table, in Nsight Compute's words: shared requests and wavefronts (banks
 of 4 bytes, 32 of them; a 16-byte access served a quarter warp at a
@@ -75,9 +80,11 @@ WORST_SITES = 3
 #: runs every thread on the host, a second or more for a scorer's.
 MAX_SAMPLE = 256
 
-#: Launches the driver profiles: plan, SIMT scorer, the target's tensor
-#: scorer and select, at each of 3 workloads.
-LAUNCHES = 12
+#: Launches the driver profiles: index_top_k's plan, SIMT scorer, the
+#: target's tensor scorer and select at each of 3 workloads (12); the
+#: writers' ring_close, compress, seed_tail and expand_topk at 2 batches
+#: and the fused step's 2 launches at one (10).
+LAUNCHES = 12 + 10
 
 #: How long the driver takes, as the command says before it runs.
 RUN_TIME = (
@@ -135,11 +142,17 @@ def _worst(launch: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _efficiency(sites: list[dict[str, Any]]) -> float | None:
-    """Bytes asked for over the sectors' bytes, over ``sites``."""
-    sectors = sum(s["sectors"] for s in sites)
+    """Bytes asked for over the sectors' bytes, ``None`` without sectors.
+
+    Over ``sites``' requests that are not uniform: a uniform request
+    (every lane on the same bytes) is one sector of a value the whole
+    warp needs, not a stream to coalesce.
+    """
+    sectors = sum(s["sectors"] - s["uniform_sectors"] for s in sites)
     if not sectors:
         return None
-    return sum(s["bytes_requested"] for s in sites) / (32 * sectors)
+    asked = sum(s["bytes_requested"] - s["uniform_bytes"] for s in sites)
+    return asked / (32 * sectors)
 
 
 def launch_record(
@@ -149,7 +162,7 @@ def launch_record(
 
     Args:
         line: The driver's JSON object (``op``, ``workload``, ``arch``,
-            ``window_rows``, ``profile``).
+            ``window_rows`` (0 for a writer: no windows), ``profile``).
         registers: Registers per thread by kernel name (gpu-report's),
             for the estimate's occupancy; a kernel missing is not limited
             by registers.
@@ -163,7 +176,8 @@ def launch_record(
         ``mean_lanes_per_address``), ``global`` (``requests``,
         ``sectors``, ``cold_sectors`` (first touched by their block),
         ``bytes_requested``, ``bytes_read``, ``bytes_written``: the
-        emulated blocks'; ``load_efficiency``;
+        emulated blocks'; ``load_efficiency`` (of the requests that are
+        not uniform);
         ``launch_bytes``: distinct bytes scaled to the grid;
         ``bound_bytes``: the roofline's for the whole call; ``sites``),
         ``phase_path``, ``phase_global``, ``waves`` and ``estimate_us`` per
