@@ -249,6 +249,11 @@ def launch_record(
     }  # fmt: skip
 
 
+def _estimate_cell(launch: dict[str, Any], gpu: str) -> str:
+    us = launch["estimate_us"].get(gpu)
+    return "-" if us is None else f"{us:.1f}"
+
+
 def format_table(launches: list[dict[str, Any]]) -> list[str]:
     """A line per launch (:func:`launch_record`), then one per flaw.
 
@@ -289,12 +294,7 @@ def format_table(launches: list[dict[str, Any]]) -> list[str]:
                 f"{sectors:.1f}" if glob["requests"] else "-",
                 f"{eff:.0%}" if eff is not None else "-",
                 f"{glob['launch_bytes'] / 1e6:.2f}",
-                *(
-                    f"{launch['estimate_us'][g]:.1f}"
-                    if g in launch["estimate_us"]
-                    else "-"
-                    for g in gpus
-                ),
+                *(_estimate_cell(launch, g) for g in gpus),
                 worst["site"] if worst else "-",
             )
         )
