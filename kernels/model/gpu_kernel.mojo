@@ -34,6 +34,7 @@ from std.sys import size_of
 
 from .block_phases import (
     NO_COLLECTIVE,
+    PROFILE_BUILD,
     no_profile,
     REPORT_WORDS,
     Lane,
@@ -287,6 +288,10 @@ def profile_kernel[
     Raises:
         Error: As `emulate_kernel`.
     """
+    comptime assert PROFILE_BUILD, (
+        "profile_kernel records only in a build with -D MLA_KPOOL_PROFILE"
+        " (block_phases.PROFILE_BUILD)"
+    )
     var profile = LaunchProfile(
         String(K.name),
         warp,

@@ -31,7 +31,7 @@ from ..model.operands import (
     expect_shape,
     expect_target,
 )
-from ..model.block_phases import Shared
+from ..model.block_phases import PROFILE_BUILD, Shared
 from ..model.gpu_kernel import GpuKernel, launch_kernel
 from ..model.parallel import cpu_for_each_range
 from .gpu_rows import (
@@ -182,18 +182,19 @@ def compress_cpu(op: Compress):
 def note_pool_row_of(s: Shared, op: Compress, b: Int, row: Int):
     """Records `pool_row_of(op, b, row)`'s metadata reads (host code only,
     when profiled: its conditions evaluated again)."""
-    comptime if not is_gpu():
-        if b < 0 or not profiled(s):
-            return
-        note_span(s, op.call.input_row_offsets, b)
-        s.note_global_load(op.call.cache_lengths, b)
-        s.note_global_load(op.pool_row_offsets, b)
-        var span = token_span(
-            op.call.input_row_offsets, b, op.call.total_tokens
-        )
-        var c = read_index(op.call.cache_lengths, b)
-        if span.ok and c >= 0 and row >= read_index(op.pool_row_offsets, b):
-            s.note_global_load(op.pool_row_offsets, b + 1)
+    comptime if PROFILE_BUILD:
+        comptime if not is_gpu():
+            if b < 0 or not profiled(s):
+                return
+            note_span(s, op.call.input_row_offsets, b)
+            s.note_global_load(op.call.cache_lengths, b)
+            s.note_global_load(op.pool_row_offsets, b)
+            var span = token_span(
+                op.call.input_row_offsets, b, op.call.total_tokens
+            )
+            var c = read_index(op.call.cache_lengths, b)
+            if span.ok and c >= 0 and row >= read_index(op.pool_row_offsets, b):
+                s.note_global_load(op.pool_row_offsets, b + 1)
 
 
 def compress_lane(lane: RowLane, s: Shared, op: Compress):

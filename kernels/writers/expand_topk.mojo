@@ -53,6 +53,7 @@ from ..model.operands import (
 from ..model.block_phases import (
     BLOCK_EXCLUSIVE_SUM,
     NO_COLLECTIVE,
+    PROFILE_BUILD,
     Lane,
     Shared,
 )
@@ -169,18 +170,19 @@ def query_visible(op: ExpandTopK, row: Int) -> Int:
 def note_query_visible(s: Shared, op: ExpandTopK, row: Int):
     """Records `query_visible(op, row)`'s metadata reads (host code only,
     when profiled: its search and conditions evaluated again)."""
-    comptime if not is_gpu():
-        if not profiled(s):
-            return
-        note_last_span_at(s, op.input_row_offsets, op.batch, row)
-        var b = last_span_at(op.input_row_offsets, op.batch, row)
-        if b < 0 or b >= op.batch:
-            return
-        note_span(s, op.input_row_offsets, b)
-        var span = token_span(op.input_row_offsets, b, op.total_tokens)
-        if not span.ok or row < span.start or row >= span.start + span.n:
-            return
-        s.note_global_load(op.cache_lengths, b)
+    comptime if PROFILE_BUILD:
+        comptime if not is_gpu():
+            if not profiled(s):
+                return
+            note_last_span_at(s, op.input_row_offsets, op.batch, row)
+            var b = last_span_at(op.input_row_offsets, op.batch, row)
+            if b < 0 or b >= op.batch:
+                return
+            note_span(s, op.input_row_offsets, b)
+            var span = token_span(op.input_row_offsets, b, op.total_tokens)
+            if not span.ok or row < span.start or row >= span.start + span.n:
+                return
+            s.note_global_load(op.cache_lengths, b)
 
 
 @always_inline

@@ -32,7 +32,7 @@ The vector accesses follow the 128-bit loads of fast GPU kernels (MAX's
 from std.math import max, min
 from std.sys import align_of, is_gpu, size_of
 
-from ..model.block_phases import Shared
+from ..model.block_phases import PROFILE_BUILD, Shared
 from ..model.parallel import GPU_MAX_BLOCK
 from ..model.ragged import Ptr, read_index
 
@@ -174,9 +174,10 @@ def profiled(s: Shared) -> Bool:
 @always_inline
 def note_span[dtype: DType](s: Shared, input_row_offsets: Ptr[dtype], b: Int):
     """Records `ragged.token_span`'s reads of request `b`'s offsets."""
-    comptime if not is_gpu():
-        s.note_global_load(input_row_offsets, b)
-        s.note_global_load(input_row_offsets, b + 1)
+    comptime if PROFILE_BUILD:
+        comptime if not is_gpu():
+            s.note_global_load(input_row_offsets, b)
+            s.note_global_load(input_row_offsets, b + 1)
 
 
 @always_inline
@@ -185,15 +186,16 @@ def note_last_span_at[
 ](s: Shared, row_offsets: Ptr[dtype], batch: Int, row: Int):
     """Records the reads of `ragged.last_span_at(row_offsets, batch, row)`:
     its binary search walked again on the host, when profiled."""
-    comptime if not is_gpu():
-        if not profiled(s):
-            return
-        var lo = 0
-        var hi = batch + 1
-        while lo < hi:
-            var mid = (lo + hi) // 2
-            s.note_global_load(row_offsets, mid)
-            if read_index(row_offsets, mid) <= row:
-                lo = mid + 1
-            else:
-                hi = mid
+    comptime if PROFILE_BUILD:
+        comptime if not is_gpu():
+            if not profiled(s):
+                return
+            var lo = 0
+            var hi = batch + 1
+            while lo < hi:
+                var mid = (lo + hi) // 2
+                s.note_global_load(row_offsets, mid)
+                if read_index(row_offsets, mid) <= row:
+                    lo = mid + 1
+                else:
+                    hi = mid

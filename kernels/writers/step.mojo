@@ -68,6 +68,7 @@ from ..model.operands import (
 from ..model.block_phases import (
     BLOCK_EXCLUSIVE_SUM,
     NO_COLLECTIVE,
+    PROFILE_BUILD,
     Lane,
     Shared,
 )
@@ -303,15 +304,16 @@ def note_scan_phase[phase: Int](thread: Int, s: Shared, op: Step):
     (`step_pool_count`) and, in phase 1, its writes of `pool_row_offsets`
     are noted beside it, in the same order per site.
     """
-    comptime if not is_gpu():
-        var run = thread_run(thread, SCAN_THREADS, op.close.call.batch)
-        comptime if phase == 1:
-            if thread == 0:
-                s.note_global_store(op.pool_row_offsets, 0)
-        for b in range(run[0], run[1]):
-            note_pool_count(s, op, b)
+    comptime if PROFILE_BUILD:
+        comptime if not is_gpu():
+            var run = thread_run(thread, SCAN_THREADS, op.close.call.batch)
             comptime if phase == 1:
-                s.note_global_store(op.pool_row_offsets, b + 1)
+                if thread == 0:
+                    s.note_global_store(op.pool_row_offsets, 0)
+            for b in range(run[0], run[1]):
+                note_pool_count(s, op, b)
+                comptime if phase == 1:
+                    s.note_global_store(op.pool_row_offsets, b + 1)
 
 
 def step_thread(block: Int, thread: Int, s: Shared, op: Step):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from mla_kpool.gpu_profile import PROFILE_DEFINE
 from support.kpool_cases import (
     ROOT,
     mojo_hardware_test,
@@ -47,7 +48,7 @@ def test_phased_kernels_emulation_and_compile():
 
 @needs_mojo
 def test_the_emulated_profile_counts_planted_patterns():
-    run_mojo_suite("tests/mojo/test_profile.mojo")
+    run_mojo_suite("tests/mojo/test_profile.mojo", defines=(PROFILE_DEFINE,))
 
 
 @needs_mojo

@@ -259,12 +259,14 @@ def run_mojo_file(
 
 
 @functools.cache
-def _mojo_suite(test_file: str) -> tuple[str, dict[str, str]]:
+def _mojo_suite(
+    test_file: str, defines: tuple[str, ...] = ()
+) -> tuple[str, dict[str, str]]:
     """One run of a ``tests/mojo`` suite: its output, and each test's
     result (``PASS``, ``FAIL`` or ``SKIP``) by name; run once per process,
     so a suite's hardware tests are read from the run that checked the
     rest."""
-    status, output = run_mojo_file(test_file)
+    status, output = run_mojo_file(test_file, defines=defines)
     results = dict(
         (name, result)
         for result, name in re.findall(
@@ -275,7 +277,11 @@ def _mojo_suite(test_file: str) -> tuple[str, dict[str, str]]:
     return output, results
 
 
-def run_mojo_suite(test_file: str, may_skip: tuple[str, ...] = ()) -> str:
+def run_mojo_suite(
+    test_file: str,
+    may_skip: tuple[str, ...] = (),
+    defines: tuple[str, ...] = (),
+) -> str:
     """Runs a ``tests/mojo`` file's ``TestSuite``; asserts every test passed.
 
     The suite must report as many tests as the file defines (its
@@ -288,6 +294,7 @@ def run_mojo_suite(test_file: str, may_skip: tuple[str, ...] = ()) -> str:
     Args:
         test_file: Path relative to the repository root.
         may_skip: Tests the suite may skip.
+        defines: ``-D`` names the suite is compiled with.
 
     Returns:
         The suite's output.
@@ -295,7 +302,7 @@ def run_mojo_suite(test_file: str, may_skip: tuple[str, ...] = ()) -> str:
     defined = re.findall(
         r"^def (test_\w+)\(", (ROOT / test_file).read_text(), re.M
     )
-    output, results = _mojo_suite(test_file)
+    output, results = _mojo_suite(test_file, defines)
     summary = re.search(
         r"(\d+) tests run: (\d+) passed , (\d+) failed , (\d+) skipped",
         output,

@@ -52,6 +52,7 @@ __all__ = [
     "ARCH_WARPS",
     "DESCRIPTION",
     "DRIVER",
+    "PROFILE_DEFINE",
     "add_arguments",
     "format_table",
     "launch_record",
@@ -62,6 +63,10 @@ __all__ = [
 
 #: The driver: a JSON line per launch on stdout.
 DRIVER = Path(__file__).resolve().parent / "launches.mojo"
+
+#: The define that compiles the recording in (``block_phases.PROFILE_BUILD``):
+#: no other build has it.
+PROFILE_DEFINE = "MLA_KPOOL_PROFILE"
 
 #: Lanes per warp of each target profiled: its scorers follow the warp
 #: (wgmma on sm_90a, mfma on gfx942).
@@ -416,7 +421,8 @@ def run(args: argparse.Namespace) -> int:
             )
     say(f"emulating index_top_k's launches for {args.arch} ({RUN_TIME})...")
     start = time.perf_counter()
-    argv = [mojo, "run", "-I", str(KERNELS.parent), str(DRIVER)]
+    argv = [mojo, "run", "-D", PROFILE_DEFINE, "-I", str(KERNELS.parent)]
+    argv.append(str(DRIVER))
     proc = subprocess.Popen(
         [*argv, str(warp), str(args.sample)],
         stdout=subprocess.PIPE,
