@@ -13,8 +13,8 @@ the way it was started: ``mla-kpool`` for the console script,
 oracle; ``bench`` times the writer ops, and ``index_top_k`` with ``--ops
 index_top_k``; ``gpu-report`` compiles every GPU kernel for sm_90a,
 sm_100a and gfx942 with no GPU and reports its resources and occupancy;
-``gpu-profile`` emulates index_top_k's GPU launches and counts what they
-ask of shared memory.
+``gpu-profile`` emulates the GPU launches, counts what they ask of
+memory and estimates their time.
 
 Each subcommand lives in a module of this package (``mla_kpool.demo``,
 ``mla_kpool.bench``, ``mla_kpool.gpu_report``, ``mla_kpool.gpu_profile``)
@@ -51,8 +51,8 @@ COMMANDS = {
     ),
     "gpu-profile": (
         "mla_kpool.gpu_profile",
-        "emulate index_top_k's GPU launches (no GPU needed): shared-memory"
-        " wavefronts, bank conflicts, atomics per address",
+        "emulate the GPU launches (no GPU needed): bank conflicts, atomics"
+        " per address, global sectors and bytes, an estimated time",
     ),
 }
 

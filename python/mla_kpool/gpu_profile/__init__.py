@@ -10,7 +10,7 @@ and 4,096, the fused step's scan and rows at 4,096; ``op`` the op's
 registered name, ``workload`` its name in
 :data:`mla_kpool.bench.bounds.WORKLOADS`), emulates each launch with
 every shared access and every global access made through the thread's
-view recorded (``kernels/model/profile.mojo``) and prints one JSON line
+view recorded (``kernels/grid/profile.mojo``) and prints one JSON line
 a launch. This
 module makes each a record (:func:`launch_record`) and prints them as a
 table, in Nsight Compute's words: shared requests and wavefronts (banks
@@ -98,9 +98,11 @@ RUN_TIME = (
 )
 
 DESCRIPTION = (
-    "Count what index_top_k's GPU launches ask of shared memory (requests,"
-    " wavefronts, bank conflicts, atomics per address, barriers) by"
-    f" emulating them at the documented workloads; no GPU needed ({RUN_TIME})."
+    "Count what index_top_k's and the writers' GPU launches ask of memory"
+    " (shared wavefronts and bank conflicts, atomics per address, global"
+    " sectors per request and bytes, barriers) by emulating them at the"
+    " documented workloads, and estimate each launch's time on the"
+    f" target's GPUs; no GPU needed ({RUN_TIME})."
 )
 
 
@@ -419,7 +421,7 @@ def run(args: argparse.Namespace) -> int:
                 f"argument --report: {args.report!r} is not a readable"
                 f" gpu-report --json file: {e}",
             )
-    say(f"emulating index_top_k's launches for {args.arch} ({RUN_TIME})...")
+    say(f"emulating the GPU launches for {args.arch} ({RUN_TIME})...")
     start = time.perf_counter()
     argv = [mojo, "run", "-D", PROFILE_DEFINE, "-I", str(KERNELS.parent)]
     argv.append(str(DRIVER))
