@@ -246,6 +246,11 @@ def test_no_kernel_calls_out_of_line_or_uses_scratch(report: Report, arch: str):
             assert "s_endpgm" in code, _name(row)
         assert row["calls"] == calls, _name(row)
         assert row["scratch_bytes"] == scratch, _name(row)
+        # The memory instructions by barrier segment: no local memory.
+        ops = row["memory_ops"]
+        if ops is not None:
+            assert ops["local"] == 0, _name(row)
+            assert sum(seg["instructions"] for seg in ops["segments"]) > 0
         if calls or scratch:
             found.append(f"{_name(row)}: {calls} calls, {scratch} B scratch")
     assert not found, found

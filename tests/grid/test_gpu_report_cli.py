@@ -21,6 +21,7 @@ from mla_kpool.gpu_report import tools
 from mla_kpool.gpu_report.asm import (
     amd_calls,
     amd_kernels,
+    memory_ops,
     ptx_calls,
     ptx_entries,
     ptx_facts,
@@ -612,3 +613,52 @@ def test_the_verdict_names_each_kernel_that_is_not_clean():
         " note)"
     )
     assert verdict([*clean, unknown]).startswith("verdict: 2 of 3 kernels")
+
+
+SASS_SEGMENTS = """
+        /*0000*/                   LDG.E R3, desc[UR10][R6.64+0x4] ;
+        /*0010*/               @P1 LDG.E.128 R8, desc[UR10][R6.64] ;
+        /*0020*/                   STS.64 [R2], R4 ;
+        /*0030*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0040*/                   LDS.U8 R1, [R2+0x3] ;
+        /*0050*/                   ATOMS.POPC.INC.32 RZ, [R8+URZ+0x1810] ;
+        /*0060*/              @!P0 ATOMG.E.ADD.STRONG.GPU PT, RZ, [R6.64], R17 ;
+        /*0070*/                   STL [R1+0x8], R3 ;
+        /*0080*/                   IADD3 R1, R1, 0x1, RZ ;
+        /*0090*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*00a0*/                   STG.E desc[UR10][R6.64], R3 ;
+"""
+
+AMD_SEGMENTS = """
+\tglobal_load_dwordx4 v[0:3], v[4:5], off
+\tds_write_b64 v1, v[2:3]
+\ts_barrier
+\tds_read2st64_b32 v[6:7], v1 offset1:4
+\tds_bpermute_b32 v8, v9, v10
+\tds_add_u32 v1, v2
+\tbuffer_wbl2
+\tscratch_store_dword off, v1, s33
+\ts_barrier
+\tglobal_store_dword v[4:5], v1, off
+"""
+
+
+def test_memory_instructions_by_barrier_segment():
+    sass = memory_ops(SASS_SEGMENTS)
+    assert [seg["instructions"] for seg in sass["segments"]] == [3, 5, 1]
+    assert sass["segments"][0]["ops"] == {
+        "LDG.32": 1, "LDG.128": 1, "STS.64": 1,
+    }  # fmt: skip
+    assert sass["segments"][1]["ops"] == {
+        "LDS.8": 1, "ATOMS": 1, "ATOMG": 1, "STL.32": 1,
+    }  # fmt: skip
+    assert sass["ops"]["STG.32"] == 1
+    assert sass["local"] == 1
+    amd = memory_ops(AMD_SEGMENTS)
+    assert [seg["instructions"] for seg in amd["segments"]] == [2, 5, 1]
+    assert amd["segments"][1]["ops"] == {
+        "ds_read2.32": 1, "ds_permute": 1, "ds_atomic": 1, "local": 1,
+    }  # fmt: skip
+    assert amd["ops"]["global_load.128"] == 1
+    assert amd["ops"]["global_store.32"] == 1
+    assert amd["local"] == 1

@@ -12,6 +12,8 @@ both the report's files and fabricated snippets.
   per entry (:func:`parse_ptxas`).
 - AMDGPU assembly (``gfx*``): the ``.amdhsa_*`` kernel descriptor and the
   code object metadata (:func:`amd_kernels`).
+- Memory instructions by barrier segment, kind and width in SASS or
+  AMDGPU assembly (:func:`memory_ops`).
 - Out-of-line calls in the code of a kernel and the functions it calls:
   :func:`amd_calls`, :func:`sass_calls` (and the calls to ptxas's own
   division subroutines, :func:`sass_subroutine_calls`), :func:`ptx_calls`.
@@ -314,6 +316,128 @@ def machine_ops(code: str) -> dict[str, dict[str, int]]:
     return {
         "matrix": dict(Counter(_MATRIX.findall(code))),
         "fma": dict(Counter(_FMA.findall(code))),
+    }
+
+
+#: One SASS instruction line of ``nvdisasm``'s listing: its address
+#: comment, an optional predicate, the mnemonic.
+_SASS_INSTRUCTION = re.compile(
+    r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M
+)
+#: One AMDGPU instruction line: an indented lowercase mnemonic.
+_AMD_INSTRUCTION = re.compile(r"^\s+([a-z][a-z0-9_]*)\b", re.M)
+#: SASS memory mnemonics (the part before the first dot).
+_SASS_MEMORY = {
+    "LDG", "STG", "LDS", "STS", "LDL", "STL", "LD", "ST", "LDSM",
+    "ATOMS", "ATOMG", "ATOM", "RED", "LDGSTS",
+}  # fmt: skip
+#: SASS access widths by suffix (32 bits without one).
+_SASS_WIDTH = {
+    ".128": 128,
+    ".64": 64,
+    ".U8": 8,
+    ".S8": 8,
+    ".U16": 16,
+    ".S16": 16,
+}
+#: AMDGPU memory instruction prefixes and the name the counts give them.
+_AMD_MEMORY = (
+    ("global_atomic", "global_atomic"),
+    ("global_load", "global_load"),
+    ("global_store", "global_store"),
+    ("ds_read2", "ds_read2"),
+    ("ds_write2", "ds_write2"),
+    ("ds_read", "ds_read"),
+    ("ds_write", "ds_write"),
+    ("ds_bpermute", "ds_permute"),
+    ("ds_permute", "ds_permute"),
+    ("ds_", "ds_atomic"),
+    ("scratch_", "local"),
+    ("buffer_load", "local"),
+    ("buffer_store", "local"),
+)
+_AMD_WIDTH = re.compile(r"(?:dwordx(\d)|dword|b(\d+)|[ui](8|16))$")
+
+
+def _sass_op(mnemonic: str) -> str | None:
+    base = mnemonic.split(".", 1)[0]
+    if base not in _SASS_MEMORY:
+        return None
+    if base in ("ATOMS", "ATOMG", "ATOM", "RED"):
+        return base
+    rest = mnemonic[len(base) :]
+    width = next((w for sfx, w in _SASS_WIDTH.items() if sfx in rest), 32)
+    return f"{base}.{width}"
+
+
+def _amd_op(mnemonic: str) -> str | None:
+    for prefix, name in _AMD_MEMORY:
+        if mnemonic.startswith(prefix):
+            if name in ("global_atomic", "ds_atomic", "ds_permute", "local"):
+                return name
+            m = _AMD_WIDTH.search(mnemonic)
+            if m is None:
+                return name
+            words, bits, small = m.groups()
+            width = 32 * int(words) if words else int(bits or small or 32)
+            return f"{name}.{width}"
+    return None
+
+
+def memory_ops(code: str) -> dict:
+    """Static memory instructions of one kernel's code, by barrier segment.
+
+    The code is cut at each block barrier (SASS ``BAR.SYNC``, AMDGPU
+    ``s_barrier``); each segment counts its instructions and its memory
+    instructions by kind and width in bits (SASS ``LDG.128``, ``LDS.32``,
+    ``STS.64``, ``ATOMS``, ``ATOMG``, ``RED``, local ``LDL``/``STL``;
+    AMDGPU ``global_load.128``, ``ds_read.32``, ``ds_read2.32`` (two
+    words), ``ds_atomic``, ``ds_permute`` (a cross-lane move through the
+    LDS crossbar), ``global_atomic``, ``local``: scratch). Static counts:
+    a loop body counts once.
+
+    Args:
+        code: SASS (``nvdisasm``'s listing) or AMDGPU assembly of one
+            kernel.
+
+    Returns:
+        ``{"segments": [{"instructions": n, "ops": {kind: count}}],
+        "ops": {kind: count}, "local": n}``: the segments in code order,
+        the kernel's totals, and its local-memory (spill, stack)
+        instructions.
+    """
+    sass = _SASS_INSTRUCTION.findall(code)
+    if sass:
+        mnemonics, classify = sass, _sass_op
+
+        def barrier(m: str) -> bool:
+            return m.startswith("BAR.SYNC") or m == "BAR"
+    else:
+        mnemonics, classify = _AMD_INSTRUCTION.findall(code), _amd_op
+
+        def barrier(m: str) -> bool:
+            return m == "s_barrier"
+
+    segments = [{"instructions": 0, "ops": Counter()}]
+    for m in mnemonics:
+        if barrier(m):
+            segments.append({"instructions": 0, "ops": Counter()})
+            continue
+        segments[-1]["instructions"] += 1
+        op = classify(m)
+        if op is not None:
+            segments[-1]["ops"][op] += 1
+    total = sum((seg["ops"] for seg in segments), Counter())
+    local = sum(
+        n for op, n in total.items() if op.startswith(("LDL", "STL", "local"))
+    )
+    return {
+        "segments": [
+            {"instructions": seg["instructions"], "ops": dict(seg["ops"])}
+            for seg in segments
+        ],
+        "ops": dict(total),
+        "local": local,
     }
 
 

@@ -17,6 +17,7 @@ from .asm import (
     amd_calls,
     amd_kernels,
     machine_ops,
+    memory_ops,
     parse_ptxas,
     ptx_calls,
     ptx_entries,
@@ -73,6 +74,7 @@ def _nvidia_facts(
         "param_bytes": ptx_param_bytes(ptx, entry),
         "shared_bytes": ptx_shared_bytes(ptx, entry),
         "machine_ops": None,
+        "memory_ops": None,
         # The PTX's calls until the SASS says what ptxas kept.
         "calls": ptx_calls(ptx),
         "calls_from": "ptx",
@@ -93,6 +95,7 @@ def _nvidia_facts(
         if cubin is not None and nvdisasm is not None:
             sass = run_nvdisasm(nvdisasm, cubin)
             row["machine_ops"] = machine_ops(sass)
+            row["memory_ops"] = memory_ops(sass)
             row["calls"], row["calls_from"] = sass_calls(sass), "sass"
             row["subroutine_calls"] = sass_subroutine_calls(sass)
     return row
@@ -123,6 +126,7 @@ def _amd_facts(path: Path, prefix: str) -> Row:
         "subroutine_calls": {},  # LLVM inlines AMDGPU's divisions
         "barriers": None,
         "machine_ops": machine_ops(code),
+        "memory_ops": memory_ops(code),
         "advisories": [],  # the AMDGPU assembler prints none
     }
 
@@ -158,16 +162,19 @@ def kernel_rows(
         ptxas: The assembler for NVIDIA targets, or ``None`` (registers,
             spills, stack, barriers and occupancy are then unknown).
         nvdisasm: NVIDIA's disassembler, or ``None`` (an NVIDIA row's
-            ``machine_ops`` are then unknown; they need ptxas too).
+            ``machine_ops`` and ``memory_ops`` are then unknown; they need
+            ptxas too).
 
     Returns:
         One dict per kernel: the manifest's fields, ``arch``, ``entry``,
         the code's facts (module docs), ``machine_ops``
         (:func:`.asm.machine_ops` of its SASS or AMDGPU assembly, or
-        ``None``), ``calls`` (out-of-line calls: :func:`.asm.sass_calls`
-        of the SASS, else :func:`.asm.ptx_calls` of the PTX, or
-        :func:`.asm.amd_calls`; ``calls_from`` says which code:
-        ``"sass"``, ``"ptx"`` or ``"asm"``), ``subroutine_calls``
+        ``None``), ``memory_ops`` (:func:`.asm.memory_ops`: its memory
+        instructions by barrier segment, kind and width, or ``None``),
+        ``calls`` (out-of-line calls: :func:`.asm.sass_calls` of the SASS,
+        else :func:`.asm.ptx_calls` of the PTX, or :func:`.asm.amd_calls`;
+        ``calls_from`` says which code: ``"sass"``, ``"ptx"`` or
+        ``"asm"``), ``subroutine_calls``
         (:func:`.asm.sass_subroutine_calls`: ptxas's division
         subroutines, not counted in ``calls``; ``None`` without SASS, empty
         on AMDGPU), ``scratch_bytes`` (per
