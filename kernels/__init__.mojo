@@ -21,18 +21,18 @@ of them builds it; `seed_tail` only copies rows into the ring.
 three writers' work and the pool row offsets for one call in one op, bitwise
 equal to the three-op sequence.
 
-`mla_kpool.index_top_k` (`index_top_k.mojo`, also under a name of this
+`mla_kpool.index_top_k` (`top_k.mojo`, also under a name of this
 package's own) is the indexer that consumes the pooled keys: MAX 26.7's
 `mo.mla.indexer.ragged.float8.paged` (same parameters and operands) on the
 CPU, where MAX has none. It scores each query token against a paged FP8 key
-cache and keeps the ids of its best `k` keys or pools. Its CPU path
-(`index_cpu.mojo`, scoring in `index_cpu_score.mojo`) and its GPU path
-(`index_gpu.mojo`: the plan, score and select launches; the scorers in
-`index_gpu_score.mojo` with `index_gpu_shape.mojo`, `index_wgmma.mojo` and
-`index_mfma.mojo`, picked in `index_scorers.mojo`; the select in
-`index_select.mojo`) share the operand struct (`index_operands.mojo`), the rows scored and their bounds
-(`index_plan.mojo`), the FP8 decode (`index_fp8.mojo`) and the candidate
-order (`index_rank.mojo`).
+cache and keeps the ids of its best `k` keys or pools. Under `index/`,
+its CPU path (`cpu/tasks.mojo`, scoring in `cpu/score.mojo`) and its GPU
+path (`gpu/launches.mojo`: the plan, score and select launches; the
+scorers in `gpu/score.mojo` with `gpu/shape.mojo`, `gpu/wgmma.mojo` and
+`gpu/mfma.mojo`, picked in `scorers.mojo`; the select in
+`gpu/select.mojo`) share the operand struct (`operands.mojo`), the rows
+scored and their bounds (`plan.mojo`), the FP8 decode (`fp8.mojo`) and the
+candidate order (`rank.mojo`).
 
 Every GPU kernel is declared once, next to its body, as a
 `gpu_kernel.GpuKernel` (name, operands, threads, shared words, phases,

@@ -19,7 +19,7 @@ median of 7 timed calls:
 from std.sys import size_of
 from std.time import perf_counter_ns
 
-from kernels.index.cpu.index_cpu_block import (
+from kernels.index.cpu.block import (
     PREFILL_HEADS,
     PREFILL_TILE,
     PREFILL_VECTORS,
@@ -27,9 +27,9 @@ from kernels.index.cpu.index_cpu_block import (
     score_head_block_pairs,
     use_pairs,
 )
-from kernels.index.cpu.index_cpu_score import score_tile, scratch
-from kernels.index.index_operands import F32_WIDTH, padded_heads_of
-from kernels.model.ragged import RaggedCall, Ring
+from kernels.index.cpu.score import score_tile, scratch
+from kernels.index.operands import F32_WIDTH, padded_heads_of
+from kernels.grid.ragged import RaggedCall, Ring
 from kernels.writers.ring_close import RingCloseOperands, ring_close_cpu
 
 comptime F32 = DType.float32

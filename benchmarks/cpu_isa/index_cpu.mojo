@@ -14,9 +14,9 @@ as the bench counts). `MLA_KPOOL_CPU_AMX=0` turns the AMX blocks off.
 
 from std.time import perf_counter_ns
 
-from kernels.index.cpu.index_cpu import index_top_k_cpu
-from kernels.index.cpu.index_cpu_score import scratch
-from kernels.index.index_operands import IndexOperands, no_workspace
+from kernels.index.cpu.tasks import index_top_k_cpu
+from kernels.index.cpu.score import scratch
+from kernels.index.operands import IndexOperands, no_workspace
 
 comptime U32 = DType.uint32
 comptime H = 32

@@ -22,7 +22,7 @@ from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
 from std.sys import is_gpu
 
-from ..model.operands import (
+from ..grid.operands import (
     KernelOperands,
     dims,
     expect_offsets,
@@ -31,9 +31,9 @@ from ..model.operands import (
     expect_shape,
     expect_target,
 )
-from ..model.block_phases import PROFILE_BUILD, Shared
-from ..model.gpu_kernel import GpuKernel, launch_kernel
-from ..model.parallel import cpu_for_each_range
+from ..grid.block_phases import PROFILE_BUILD, Shared
+from ..grid.gpu_kernel import GpuKernel, launch_kernel
+from ..grid.parallel import cpu_for_each_range
 from .gpu_rows import (
     RowLane,
     gpu_aligned,
@@ -45,7 +45,7 @@ from .gpu_rows import (
     row_lane,
 )
 from .pooling import PoolMembers, cpu_pool_row, gpu_pool_row, zero_row
-from ..model.ragged import (
+from ..grid.ragged import (
     Field,
     RaggedCall,
     full_pools,

@@ -42,7 +42,7 @@ from max.gpu.host import DeviceContext
 from std.math import ceildiv, iota, max, min
 from std.sys import is_gpu
 
-from ..model.operands import (
+from ..grid.operands import (
     ANY,
     KernelOperands,
     dims,
@@ -50,17 +50,17 @@ from ..model.operands import (
     expect_shape,
     expect_target,
 )
-from ..model.block_phases import (
+from ..grid.block_phases import (
     BLOCK_EXCLUSIVE_SUM,
     NO_COLLECTIVE,
     PROFILE_BUILD,
     Lane,
     Shared,
 )
-from ..model.collectives import thread_run
-from ..model.gpu_kernel import GpuKernel, launch_kernel
-from ..model.parallel import cpu_for_each_range
-from ..model.ragged import Field, Ptr, last_span_at, read_index, token_span
+from ..grid.collectives import thread_run
+from ..grid.gpu_kernel import GpuKernel, launch_kernel
+from ..grid.parallel import cpu_for_each_range
+from ..grid.ragged import Field, Ptr, last_span_at, read_index, token_span
 from .gpu_rows import note_last_span_at, note_span, profiled
 
 comptime POSITION_LIMIT = 1 << 31

@@ -32,9 +32,9 @@ The vector accesses follow the 128-bit loads of fast GPU kernels (MAX's
 from std.math import max, min
 from std.sys import align_of, is_gpu, size_of
 
-from ..model.block_phases import PROFILE_BUILD, Shared
-from ..model.parallel import GPU_MAX_BLOCK
-from ..model.ragged import Ptr, read_index
+from ..grid.block_phases import PROFILE_BUILD, Shared
+from ..grid.parallel import GPU_MAX_BLOCK
+from ..grid.ragged import Ptr, read_index
 
 comptime GPU_ACCESS_BYTES = 16
 """Bytes one thread loads or stores at once: a 128-bit access."""

@@ -38,8 +38,8 @@ from std.sys import (
 from std.utils.numerics import nan, neg_inf
 
 from .gpu_rows import RowLane, access_alignment, gpu_channel_width
-from ..model.block_phases import Shared
-from ..model.ragged import Ptr
+from ..grid.block_phases import Shared
+from ..grid.ragged import Ptr
 
 comptime ACCUM = DType.float32
 """Scores, weights and sums are float32 whatever the key dtype."""

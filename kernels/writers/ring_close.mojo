@@ -21,7 +21,7 @@ from extensibility import InputTensor, OutputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 
-from ..model.operands import (
+from ..grid.operands import (
     KernelOperands,
     dims,
     expect_offsets,
@@ -30,9 +30,9 @@ from ..model.operands import (
     expect_shape,
     expect_target,
 )
-from ..model.block_phases import Shared
-from ..model.gpu_kernel import GpuKernel, launch_kernel
-from ..model.parallel import cpu_for_each_range
+from ..grid.block_phases import Shared
+from ..grid.gpu_kernel import GpuKernel, launch_kernel
+from ..grid.parallel import cpu_for_each_range
 from .gpu_rows import (
     RowLane,
     gpu_aligned,
@@ -48,7 +48,7 @@ from .pooling import (
     gpu_pool_row,
     zero_row,
 )
-from ..model.ragged import (
+from ..grid.ragged import (
     Field,
     RaggedCall,
     Ring,

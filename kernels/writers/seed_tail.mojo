@@ -21,7 +21,7 @@ from max.gpu.host import DeviceContext
 from std.algorithm import vectorize
 from std.sys import simd_width_of
 
-from ..model.operands import (
+from ..grid.operands import (
     KernelOperands,
     dims,
     expect_offsets,
@@ -30,9 +30,9 @@ from ..model.operands import (
     expect_shape,
     expect_target,
 )
-from ..model.block_phases import Shared
-from ..model.gpu_kernel import GpuKernel, launch_kernel
-from ..model.parallel import cpu_for_each_range
+from ..grid.block_phases import Shared
+from ..grid.gpu_kernel import GpuKernel, launch_kernel
+from ..grid.parallel import cpu_for_each_range
 from .gpu_rows import (
     RowLane,
     copy_channels,
@@ -42,7 +42,7 @@ from .gpu_rows import (
     note_span,
     row_lane,
 )
-from ..model.ragged import (
+from ..grid.ragged import (
     Field,
     Ptr,
     RaggedCall,

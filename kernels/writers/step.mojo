@@ -57,7 +57,7 @@ from max.gpu.host import DeviceContext
 from std.sys import is_gpu, num_physical_cores
 
 from .compress import CompressOperands, compress_lane, compress_rows
-from ..model.operands import (
+from ..grid.operands import (
     KernelOperands,
     dims,
     expect_offsets,
@@ -65,16 +65,16 @@ from ..model.operands import (
     expect_shape,
     expect_target,
 )
-from ..model.block_phases import (
+from ..grid.block_phases import (
     BLOCK_EXCLUSIVE_SUM,
     NO_COLLECTIVE,
     PROFILE_BUILD,
     Lane,
     Shared,
 )
-from ..model.collectives import thread_run
-from ..model.gpu_kernel import GpuKernel, launch_kernel
-from ..model.parallel import cpu_for_each_range
+from ..grid.collectives import thread_run
+from ..grid.gpu_kernel import GpuKernel, launch_kernel
+from ..grid.parallel import cpu_for_each_range
 from .gpu_rows import (
     RowLane,
     gpu_rows_per_block,
@@ -82,7 +82,7 @@ from .gpu_rows import (
     note_span,
     row_lane,
 )
-from ..model.ragged import Field, full_pools, read_index
+from ..grid.ragged import Field, full_pools, read_index
 from .ring_close import (
     RingCloseOperands,
     close_requests,

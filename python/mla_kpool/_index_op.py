@@ -338,16 +338,16 @@ def check_operands(
 #: gfx942 GPU, else FP32 FMAs), ``"simt"`` (FP32 FMAs on every GPU), ``"wgmma"``
 #: (Hopper's FP8 tensor cores, sm_90) and ``"mfma"`` (MI300's FP8 matrix
 #: cores, gfx942). Kernels: ``AUTO`` and ``GPU_SCORERS`` in
-#: kernels/index/index_scorers.mojo.
+#: kernels/index/scorers.mojo.
 SCORERS = ("auto", "simt", "wgmma", "mfma")
 
 #: Largest depth the tensor scorers take: their tiles of keys and query
 #: heads must fit a block's static shared memory (``TENSOR_MAX_DEPTH`` in
-#: kernels/index/gpu/index_gpu_score.mojo; the op refuses a larger one too).
+#: kernels/index/gpu/score.mojo; the op refuses a larger one too).
 TENSOR_MAX_DEPTH = 256
 
 #: The tensor scorers and the architecture names (``max.driver``'s) of
-#: the GPUs that run them (``scorer_gpu`` in kernels/index/index_scorers.mojo).
+#: the GPUs that run them (``scorer_gpu`` in kernels/index/scorers.mojo).
 _TENSOR_ARCH = {
     "wgmma": ("sm_90", "an sm_90 GPU (Hopper)"),
     "mfma": ("gfx942", "a gfx942 GPU (MI300)"),

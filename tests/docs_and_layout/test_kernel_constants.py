@@ -35,13 +35,11 @@ _OPS = {
 
 
 def _kernel_files() -> dict[str, Path]:
-    """Every kernel module under ``kernels/``, by file name (the names are
-    unique across its folders; the packages' ``__init__.mojo`` hold only
+    """Every kernel module under ``kernels/``, by its path there
+    (``index/operands.mojo``; the packages' ``__init__.mojo`` hold only
     docstrings)."""
     files = [p for p in KERNELS.rglob("*.mojo") if p.name != "__init__.mojo"]
-    by_name = {p.name: p for p in files}
-    assert len(by_name) == len(files), "two kernel files share a name"
-    return dict(sorted(by_name.items()))
+    return dict(sorted((p.relative_to(KERNELS).as_posix(), p) for p in files))
 
 
 def kernel_code(name: str) -> str:
@@ -51,7 +49,7 @@ def kernel_code(name: str) -> str:
 
 
 def all_kernel_code() -> dict[str, str]:
-    """Every kernel file's code, by file name."""
+    """Every kernel file's code, by its path under ``kernels/``."""
     return {name: kernel_code(name) for name in _kernel_files()}
 
 
@@ -92,14 +90,14 @@ def test_comptime_int_reads_literal_expressions():
 
 def test_the_top_k_limit_is_defined_once_and_agrees():
     file, value = comptime_int("TOP_K_LIMIT")
-    assert (file, value) == ("index_operands.mojo", _limits.MAX_TOP_K)
+    assert (file, value) == ("index/operands.mojo", _limits.MAX_TOP_K)
     # No other kernel constant repeats it (the select's pair area used to).
     others = [
         (f, m)
         for f, code in all_kernel_code().items()
         for m in re.findall(rf"^comptime (\w+) = {value}$", code, re.M)
     ]
-    assert others == [("index_operands.mojo", "TOP_K_LIMIT")]
+    assert others == [("index/operands.mojo", "TOP_K_LIMIT")]
     # Python's users take the one definition, the oracle included.
     assert _index_op.MAX_TOP_K is _limits.MAX_TOP_K
     assert ref_indexer.MAX_TOP_K is _limits.MAX_TOP_K
@@ -107,27 +105,27 @@ def test_the_top_k_limit_is_defined_once_and_agrees():
 
 def test_the_tensor_depth_limit_is_defined_once_and_agrees():
     file, value = comptime_int("TENSOR_MAX_DEPTH")
-    assert file == "index_gpu_score.mojo"
+    assert file == "index/gpu/score.mojo"
     assert value == _index_op.TENSOR_MAX_DEPTH
     stale = [
         f
         for f, code in all_kernel_code().items()
         if re.search(r"^comptime \w+_MAX_DEPTH = ", code, re.M)
-        and f != "index_gpu_score.mojo"
+        and f != "index/gpu/score.mojo"
     ]
     assert stale == []
 
 
 def _gpu_scorers(strings: dict[str, str]) -> list[str]:
     """``GPU_SCORERS``'s names, resolved through ``strings``."""
-    code = kernel_code("index_scorers.mojo")
+    code = kernel_code("index/scorers.mojo")
     listed = re.search(r"^comptime GPU_SCORERS = \(([^)]*)\)$", code, re.M)
     assert listed, "GPU_SCORERS not found"
     return [strings[n.strip()] for n in listed[1].split(",") if n.strip()]
 
 
 def test_the_scorer_names_agree():
-    strings = comptime_strings("index_scorers.mojo")
+    strings = comptime_strings("index/scorers.mojo")
     assert tuple([strings["AUTO"], *_gpu_scorers(strings)]) == _index_op.SCORERS
 
 
@@ -139,13 +137,13 @@ def test_each_scorer_name_is_written_once_in_the_kernels():
         for m in re.findall(rf'"({names})"', code)
     ]
     assert sorted(uses) == sorted(
-        ("index_scorers.mojo", n) for n in _index_op.SCORERS
+        ("index/scorers.mojo", n) for n in _index_op.SCORERS
     )
 
 
 def test_the_tensor_scorers_gpus_agree():
-    strings = comptime_strings("index_scorers.mojo")
-    code = kernel_code("index_scorers.mojo")
+    strings = comptime_strings("index/scorers.mojo")
+    code = kernel_code("index/scorers.mojo")
     body = re.search(r"^def scorer_gpu\[.*?(?=^def )", code, re.M | re.DOTALL)
     assert body, "scorer_gpu not found"
     families = {
@@ -161,7 +159,10 @@ def test_the_tensor_scorers_gpus_agree():
 
 def test_the_gpu_workspace_agrees():
     file, value = comptime_int("GPU_WORKSPACE_BYTES")
-    assert (file, value) == ("index_gpu.mojo", _limits.GPU_WORKSPACE_BYTES)
+    assert (file, value) == (
+        "index/gpu/launches.mojo",
+        _limits.GPU_WORKSPACE_BYTES,
+    )
 
 
 def test_the_bench_counts_windows_with_the_one_formula():

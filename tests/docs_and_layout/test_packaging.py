@@ -127,7 +127,7 @@ def test_wheel_carries_mojo_sources(wheel: Path, source: str, dest: str):
     sources = sorted(root.rglob("*.mojo"))
     assert sources
     if not source.endswith("gpu_report"):
-        # The package and each of its folders (kernels/model, ...).
+        # The package and each of its folders (kernels/grid, ...).
         folders = {p.parent for p in sources}
         assert all(f / "__init__.mojo" in sources for f in folders), folders
     names = {p: f"{dest}/{p.relative_to(root).as_posix()}" for p in sources}

@@ -129,7 +129,7 @@ MUTANTS = [
         # Without the launcher's guard an empty batch launches an empty
         # grid, which a GPU refuses and the emulator refuses the same way.
         "launch_missing_empty_grid_guard",
-        "model/parallel.mojo",
+        "grid/parallel.mojo",
         "    if grid == 0:\n        return\n",
         "",
         _empty_batch,

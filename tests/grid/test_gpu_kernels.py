@@ -149,7 +149,7 @@ SELECT_MUTANTS = [
         # The last block leaves the row's histogram as the launch left it:
         # the next launch would count on top of it.
         "histogram_left_for_the_next_launch",
-        "                whole.split[unsafe_offset=1 + i] = 0\n",
+        "                s.global_store(whole.split, 1 + i, 0)\n",
         "",
         "left its counter or histogram set",
     ),
@@ -171,8 +171,8 @@ SELECT_MUTANTS = [
     ),
 ]
 
-#: The mutants planted in index_select.mojo (the split and the sort); the
-#: others are a pick's, in index_pick.mojo.
+#: The mutants planted in select.mojo (the split and the sort); the
+#: others are a pick's, in pick.mojo.
 _IN_SELECT = (
     "select_by_block_order",
     "wide_bucket_off_by_one",
@@ -201,7 +201,7 @@ _SELECT_KERNEL = {
     "mutant", SELECT_MUTANTS, ids=[m[0] for m in SELECT_MUTANTS]
 )
 def test_index_select_planted_faults_fail(mutant, tmp_path: Path):
-    kernel = "index_select" if mutant[0] in _IN_SELECT else "index_pick"
+    kernel = "select" if mutant[0] in _IN_SELECT else "pick"
     k, split = _SELECT_KERNEL.get(mutant[0], (512, False))
     _planted_fault_fails(
         mutant,
@@ -301,7 +301,7 @@ WGMMA_MUTANTS = [
 def test_wgmma_scorer_planted_faults_fail(mutant, tmp_path: Path):
     _planted_fault_fails(
         mutant,
-        "index/gpu/index_wgmma.mojo",
+        "index/gpu/wgmma.mojo",
         "tests/mojo/test_index_wgmma.mojo",
         tmp_path,
     )
@@ -376,7 +376,7 @@ MFMA_MUTANTS = [
 def test_mfma_scorer_planted_faults_fail(mutant, tmp_path: Path):
     _planted_fault_fails(
         mutant,
-        "index/gpu/index_mfma.mojo",
+        "index/gpu/mfma.mojo",
         "tests/mojo/test_index_mfma.mojo",
         tmp_path,
     )

@@ -96,20 +96,16 @@ def _launch(kernel: str, *sites: dict, loads: tuple = ()) -> dict:
 
 CONFLICTED = _launch(
     "mla_kpool_index_score_kernel",
-    _site("kernels/index/gpu/index_gpu_score.mojo:332:24", 32, 2048),
-    _site("kernels/index/gpu/index_gpu_score.mojo:217:20", 1, 6144),
+    _site("kernels/index/gpu/score.mojo:332:24", 32, 2048),
+    _site("kernels/index/gpu/score.mojo:217:20", 1, 6144),
     # 100 requests of 16 sectors, half of each asked for: 50%.
-    loads=(
-        _load(
-            "kernels/index/gpu/index_gpu_score.mojo:126:64", 100, 1600, 25600
-        ),
-    ),
+    loads=(_load("kernels/index/gpu/score.mojo:126:64", 100, 1600, 25600),),
 )
 CLEAN = _launch(
     "mla_kpool_index_select_kernel",
-    _site("kernels/index/gpu/index_pick.mojo:218:26", 2, 100),
+    _site("kernels/index/gpu/pick.mojo:218:26", 2, 100),
     _site(
-        "kernels/index/gpu/index_pick.mojo:358:29",
+        "kernels/index/gpu/pick.mojo:358:29",
         1,
         10,
         access="atomic",
@@ -118,9 +114,9 @@ CLEAN = _launch(
         atomic_addresses=4,
     ),
     loads=(
-        _load("kernels/index/gpu/index_pick.mojo:152:53", 10, 40, 1280),
+        _load("kernels/index/gpu/pick.mojo:152:53", 10, 40, 1280),
         # A value every lane reads: one sector a request, 8 bytes of it.
-        _load("kernels/index/gpu/index_gpu.mojo:181:30", 5, 5, 40)
+        _load("kernels/index/gpu/launches.mojo:181:30", 5, 5, 40)
         | {"uniform_requests": 5, "uniform_sectors": 5, "uniform_bytes": 40},
     ),
 )
@@ -134,7 +130,7 @@ def test_a_record_has_the_documented_fields():
     assert record["kernel"] == "mla_kpool_index_select_kernel"
     assert record["blocks"] == 512 and record["sampled_blocks"] == 16
     assert record["shared"]["worst"][0] == {
-        "site": "kernels/index/gpu/index_pick.mojo:218:26",
+        "site": "kernels/index/gpu/pick.mojo:218:26",
         "ways": 2,
     }
     # 36 lanes on 4 words: 9 a word on average, 18 at most.
@@ -167,15 +163,15 @@ def test_the_table_names_the_worst_sites_and_the_estimates():
         "glm5-next-decode", "score_kernel", "16/512", "1", "8,192", "8.75",
         "32", "-", "16.0", "50%", "32.00",
     ]  # fmt: skip
-    assert cells[-1] == "kernels/index/gpu/index_gpu_score.mojo:332:24"
+    assert cells[-1] == "kernels/index/gpu/score.mojo:332:24"
     # 100 requests at 2 wavefronts and 10 at 1: 210 / 110; 45 sectors
     # over 15 global requests; the uniform ones not in the efficiency.
     assert clean.split()[5:10] == ["1.91", "2", "18", "3.0", "100%"]
     assert notes == [
-        "  32-way: kernels/index/gpu/index_gpu_score.mojo:332:24 (store, 4"
+        "  32-way: kernels/index/gpu/score.mojo:332:24 (store, 4"
         " bytes a lane; 2,048 requests, 65,536 wavefronts for 2,048) in"
         " glm5-next-decode mla_kpool_index_score_kernel",
-        "  50% of sectors used: kernels/index/gpu/index_gpu_score.mojo:126:64"
+        "  50% of sectors used: kernels/index/gpu/score.mojo:126:64"
         " (load, 4 bytes a lane; 100 requests, 16.0 sectors each) in"
         " glm5-next-decode mla_kpool_index_score_kernel",
     ]

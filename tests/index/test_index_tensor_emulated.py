@@ -4,8 +4,8 @@
 own phases on the host: the tiles and fragments it loads, the descriptors
 it builds, the accumulator registers it reads, with the instruction itself
 computed by a host model written from the ISA's tables
-(``kernels/index/gpu/wgmma_model.mojo`` from the PTX ISA,
-``kernels/index/gpu/mfma_model.mojo`` from AMD's CDNA3 tables; checked
+(``kernels/index/gpu/emulated/wgmma.mojo`` from the PTX ISA,
+``kernels/index/gpu/emulated/mfma.mojo`` from AMD's CDNA3 tables; checked
 against them in tests/mojo). Each case is checked against the float64
 oracle within that scorer's error bound
 (``mla_kpool.reference.index_tolerance``), and ties must still go to the

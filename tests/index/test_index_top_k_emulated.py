@@ -5,7 +5,7 @@ malformed metadata, NaN ranking, ties past 4,096 at the k-th score, more
 than 262,144 candidate pools, guarded fuzz), with the op's GPU path: the
 plan, score and select launches run on the host for every block, thread and
 phase (``Runner("gpu-emulated")``), the select's phases under the
-shared-memory checks of ``kernels/model/block_phases.mojo``. Those shapes
+shared-memory checks of ``kernels/grid/block_phases.mojo``. Those shapes
 take the tiled scorer (the row's query in shared memory); one more test
 covers the untiled scorer that a query too large for it takes. A file of
 its own so that the two devices' compiles go to different workers.

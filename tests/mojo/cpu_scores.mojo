@@ -7,7 +7,7 @@ Imported by `test_index_cpu_prefill.mojo` and `test_index_cpu_amx.mojo`
 from std.math import abs, max
 from std.testing import assert_true
 
-from kernels.index.index_fp8 import decode_e4m3
+from kernels.index.fp8 import decode_e4m3
 
 
 def e4m3(i: Int) -> Float32:

@@ -14,13 +14,13 @@ exactly, and every score past a row's bound to stay unwritten.
 
 from std.testing import assert_equal
 
-from kernels.index.index_fp8 import decode_e4m3
+from kernels.index.fp8 import decode_e4m3
 from max.gpu.host import DeviceContext
 
-from kernels.model.gpu_kernel import launch_kernel
-from kernels.index.index_operands import IndexOperands, IndexWorkspace
-from kernels.index.index_scorers import ScoreKernel
-from kernels.model.ragged import Ptr
+from kernels.grid.gpu_kernel import launch_kernel
+from kernels.index.operands import IndexOperands, IndexWorkspace
+from kernels.index.scorers import ScoreKernel
+from kernels.grid.ragged import Ptr
 
 comptime ROWS = 6
 """Query rows of the call."""

@@ -7,9 +7,9 @@ struct's bytes are not the 8-byte words a kernel argument copy assumes.
 
 from max.gpu.host import DeviceContext
 
-from kernels.model.operands import KernelOperands
-from kernels.model.parallel import launch
-from kernels.model.ragged import Field
+from kernels.grid.operands import KernelOperands
+from kernels.grid.parallel import launch
+from kernels.grid.ragged import Field
 
 
 @fieldwise_init

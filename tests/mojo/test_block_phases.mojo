@@ -31,7 +31,7 @@ from std.atomic import Atomic, Ordering
 from std.math import max
 from std.testing import TestSuite, assert_equal, assert_true
 
-from kernels.model.block_phases import (
+from kernels.grid.block_phases import (
     BLOCK_EXCLUSIVE_SUM,
     BLOCK_MAX,
     BLOCK_SUM,
@@ -47,9 +47,9 @@ from kernels.model.block_phases import (
     arrive,
     block_order,
 )
-from kernels.model.gpu_kernel import GpuKernel, emulate_kernel, kernel_code
-from kernels.model.operands import KernelOperands
-from kernels.model.ragged import Field, Ptr
+from kernels.grid.gpu_kernel import GpuKernel, emulate_kernel, kernel_code
+from kernels.grid.operands import KernelOperands
+from kernels.grid.ragged import Field, Ptr
 
 comptime BLOCK = 8
 

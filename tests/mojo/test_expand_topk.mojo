@@ -25,7 +25,7 @@ from kernels.writers.expand_topk import (
     launch_expand_topk,
     row_width,
 )
-from kernels.model.ragged import Ptr
+from kernels.grid.ragged import Ptr
 
 comptime SENTINEL = Int32(0x5A5A5A5A)
 comptime GUARD = 67

@@ -14,7 +14,7 @@ a warp per row past 8,192 ids.
 from max.gpu.host import DeviceContext
 from std.testing import TestSuite, assert_equal, assert_true
 
-from kernels.model.block_phases import Shared
+from kernels.grid.block_phases import Shared
 from kernels.writers.compress import CompressKernel, CompressOperands
 from kernels.writers.expand_topk import (
     GPU_EXPAND_SHARED_IDS,
@@ -23,14 +23,14 @@ from kernels.writers.expand_topk import (
     ExpandTopKWarpKernel,
     row_width,
 )
-from kernels.model.gpu_kernel import (
+from kernels.grid.gpu_kernel import (
     GpuKernel,
     grid_blocks,
     kernel_code,
     launch_kernel,
 )
-from kernels.model.operands import KernelOperands
-from kernels.model.parallel import check_launch, emulate_grid
+from kernels.grid.operands import KernelOperands
+from kernels.grid.parallel import check_launch, emulate_grid
 from kernels.writers.ring_close import RingCloseKernel, RingCloseOperands
 from kernels.writers.seed_tail import SeedTailKernel, SeedTailOperands
 from kernels.writers.step import StepKernel, StepOperands, StepScanKernel

@@ -16,7 +16,7 @@ from std.memory import bitcast
 from std.testing import TestSuite, assert_equal, assert_true
 
 from cpu_scores import check_scores, e4m3
-from kernels.index.cpu.index_cpu_amx import (
+from kernels.index.cpu.amx import (
     AMX_HEADS,
     AMX_ROW_TILE,
     BF16_LANES,
@@ -30,7 +30,7 @@ from kernels.index.cpu.index_cpu_amx import (
     score_row_amx,
     score_tile_amx,
 )
-from kernels.index.cpu.index_cpu_block import (
+from kernels.index.cpu.block import (
     PREFILL_HEADS,
     PREFILL_TILE,
     prefill_heads_of,
@@ -38,9 +38,9 @@ from kernels.index.cpu.index_cpu_block import (
     transpose_tile,
     transpose_tile_pairs,
 )
-from kernels.index.cpu.index_cpu_score import score_tile, scratch
-from kernels.index.index_operands import padded_heads_of
-from kernels.index.index_fp8 import decode_e4m3
+from kernels.index.cpu.score import score_tile, scratch
+from kernels.index.operands import padded_heads_of
+from kernels.index.fp8 import decode_e4m3
 
 
 def byte(i: Int) -> UInt8:

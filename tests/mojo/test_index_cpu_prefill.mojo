@@ -16,7 +16,7 @@ from std.memory import bitcast
 from std.testing import TestSuite, assert_equal, assert_true
 
 from cpu_scores import check_scores, e4m3
-from kernels.index.cpu.index_cpu_block import (
+from kernels.index.cpu.block import (
     PREFILL_HEADS,
     PREFILL_TILE,
     bf16_pairs,
@@ -28,11 +28,11 @@ from kernels.index.cpu.index_cpu_block import (
     transpose_tile_pairs,
     use_pairs,
 )
-from kernels.index.index_fp8 import decode_e4m3
-from kernels.index.cpu.index_cpu_score import score_tile, scratch
-from kernels.index.index_operands import padded_heads_of
-from kernels.model.ragged import Ptr
-from kernels.index.index_rank import (
+from kernels.index.fp8 import decode_e4m3
+from kernels.index.cpu.score import score_tile, scratch
+from kernels.index.operands import padded_heads_of
+from kernels.grid.ragged import Ptr
+from kernels.index.rank import (
     keep_best,
     kth_best,
     offer_pool,

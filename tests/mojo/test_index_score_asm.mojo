@@ -1,6 +1,6 @@
 """The indexer's GPU scorers in machine code: what the tuning relies on.
 
-Compiles the FP32 scorer's declaration (`index_gpu_score.SimtScore`) for
+Compiles the FP32 scorer's declaration (`score.SimtScore`) for
 sm_90a and sm_100a (PTX) and gfx942 (AMDGCN) at GLM-5-Next's shape (32
 heads x 128 dims, kpool 4 spread over rows of 32 bytes) and
 DeepSeek-V3.2's (64 heads x 128 dims, kpool 1), both tiled, and at 128
@@ -18,15 +18,15 @@ from std.testing import TestSuite, assert_equal, assert_false, assert_true
 
 from asm_fields import amdhsa_field
 
-from kernels.model.gpu_kernel import kernel_code
-from kernels.index.index_fp8 import decode_e4m3
-from kernels.index.gpu.index_gpu_score import SimtScore
-from kernels.index.gpu.index_gpu_shape import (
+from kernels.grid.gpu_kernel import kernel_code
+from kernels.index.fp8 import decode_e4m3
+from kernels.index.gpu.score import SimtScore
+from kernels.index.gpu.shape import (
     SCORE_THREADS,
     score_threads,
     tile_words,
 )
-from kernels.index.index_operands import IndexOperands
+from kernels.index.operands import IndexOperands
 
 comptime U32 = DType.uint32
 comptime Glm = IndexOperands[

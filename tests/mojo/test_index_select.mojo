@@ -27,15 +27,15 @@ from std.random import random_float64, random_ui64, seed
 from std.sys import get_defined_int
 from std.testing import TestSuite, assert_equal, assert_true
 
-from kernels.model.block_phases import Lane, Shared
-from kernels.model.gpu_kernel import GpuKernel, emulate_kernel, kernel_code
-from kernels.index.index_rank import rank_key
-from kernels.index.gpu.index_select import (
+from kernels.grid.block_phases import Lane, Shared
+from kernels.grid.gpu_kernel import GpuKernel, emulate_kernel, kernel_code
+from kernels.index.rank import rank_key
+from kernels.index.gpu.select import (
     CACHE_WORDS,
     RANK_SORT_PAIRS,
     SELECT_THREADS,
-    SelectCall,
     SelectState,
+    WindowRow,
     select_collective,
     select_max_words,
     select_phase,
@@ -43,8 +43,8 @@ from kernels.index.gpu.index_select import (
     select_shared_words,
     split_words,
 )
-from kernels.model.operands import KernelOperands
-from kernels.model.ragged import Field, Ptr
+from kernels.grid.operands import KernelOperands
+from kernels.grid.ragged import Field, Ptr
 
 
 def _expected(scores: List[Float32], bound: Int, k: Int) -> List[Int32]:
@@ -77,7 +77,7 @@ comptime Select = SelectOperands[MutAnyOrigin]
 
 struct SelectTest[k: Int, split: Bool](GpuKernel):
     """The select over a batch of rows, `slices` blocks each (`split`: more
-    than one), as the op declares it (`index_gpu.SelectKernel`) but on
+    than one), as the op declares it (`launches.SelectKernel`) but on
     this file's operands."""
 
     comptime Operands = Select
@@ -118,7 +118,7 @@ struct SelectTest[k: Int, split: Bool](GpuKernel):
         op: Select,
     ):
         var r = b // op.slices
-        var row = SelectCall(
+        var row = WindowRow[MutAnyOrigin](
             op.scores.unsafe_offset(r * op.width),
             Int(op.bounds[unsafe_offset=r]),
             op.width,

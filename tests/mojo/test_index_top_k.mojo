@@ -9,8 +9,8 @@ ranking key against the float order plus the id tie-break.
 from std.memory import bitcast
 from std.testing import TestSuite, assert_equal, assert_false, assert_true
 
-from kernels.index.index_fp8 import decode_e4m3, decode_row
-from kernels.index.index_rank import rank_key
+from kernels.index.fp8 import decode_e4m3, decode_row
+from kernels.index.rank import rank_key
 
 
 def test_decode_matches_the_dtype_conversion_for_every_byte() raises:

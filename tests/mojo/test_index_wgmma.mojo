@@ -25,7 +25,7 @@ from std.testing import TestSuite
 
 from exact_scorer_call import ExactCall
 
-from kernels.index.gpu.index_wgmma_tiles import group_rows, groups_blocks
+from kernels.index.gpu.wgmma_tiles import group_rows, groups_blocks
 
 # Small e4m3fn integers: 0, +-1 .. +-4.
 comptime CODES = SIMD[DType.uint8, 8](

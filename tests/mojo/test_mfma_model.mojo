@@ -31,9 +31,9 @@ from std.testing import TestSuite, assert_equal, assert_true
 
 from asm_fields import amdhsa_field
 
-from kernels.model.gpu_kernel import kernel_code
-from kernels.index.index_fp8 import decode_e4m3
-from kernels.index.gpu.index_mfma import (
+from kernels.grid.gpu_kernel import kernel_code
+from kernels.index.fp8 import decode_e4m3
+from kernels.index.gpu.mfma import (
     MFMA_THREADS,
     MfmaScore,
     fn_to_fnuz_words,
@@ -41,15 +41,15 @@ from kernels.index.gpu.index_mfma import (
     mfma_steps,
     mfma_words,
 )
-from kernels.index.index_operands import IndexOperands
-from kernels.index.gpu.mfma_model import (
+from kernels.index.operands import IndexOperands
+from kernels.index.gpu.emulated.mfma import (
     decode_e4m3fnuz,
     mfma_accumulator_element,
     mfma_f32_16x16x32_fp8_model,
     mfma_operand_element,
     mfma_operand_lane,
 )
-from kernels.model.ragged import Ptr
+from kernels.grid.ragged import Ptr
 
 comptime U32 = DType.uint32
 comptime Glm = IndexOperands[

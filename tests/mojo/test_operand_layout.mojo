@@ -12,9 +12,9 @@ from std.testing import TestSuite, assert_equal
 
 from kernels.writers.compress import CompressOperands
 from kernels.writers.expand_topk import ExpandTopKOperands
-from kernels.model.operands import KernelOperands, kernel_words
-from kernels.model.parallel import launch
-from kernels.model.ragged import Field
+from kernels.grid.operands import KernelOperands, kernel_words
+from kernels.grid.parallel import launch
+from kernels.grid.ragged import Field
 from kernels.writers.ring_close import RingCloseOperands
 from kernels.writers.seed_tail import SeedTailOperands
 from kernels.writers.step import StepOperands

@@ -7,7 +7,7 @@ Runs without a GPU (`mojo run -I . tests/mojo/test_operands.mojo`);
 from std.testing import TestSuite, assert_equal, assert_true
 from std.utils.index import IndexList
 
-from kernels.model.operands import (
+from kernels.grid.operands import (
     ANY,
     dims,
     expect_pool_rows,

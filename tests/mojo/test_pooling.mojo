@@ -18,9 +18,9 @@ from std.testing import TestSuite, assert_equal, assert_true
 
 from max.gpu.host import DeviceContext
 
-from kernels.model.gpu_kernel import launch_kernel
-from kernels.index.cpu.index_cpu_score import scratch
-from kernels.model.ragged import RaggedCall, Ring
+from kernels.grid.gpu_kernel import launch_kernel
+from kernels.index.cpu.score import scratch
+from kernels.grid.ragged import RaggedCall, Ring
 from kernels.writers.pooling import to_key_dtype
 from kernels.writers.ring_close import (
     RingCloseKernel,

@@ -23,17 +23,17 @@ answer, counted here by hand:
 
 from std.testing import TestSuite, assert_equal, assert_true
 
-from kernels.model.block_phases import Lane, Shared
-from kernels.model.gpu_kernel import GpuKernel, kernel_code, profile_kernel
-from kernels.model.operands import KernelOperands
-from kernels.model.profile import (
+from kernels.grid.block_phases import Lane, Shared
+from kernels.grid.gpu_kernel import GpuKernel, kernel_code, profile_kernel
+from kernels.grid.operands import KernelOperands
+from kernels.grid.profile import (
     LaunchProfile,
     request_counts,
     request_bytes,
     request_sectors,
     site_name,
 )
-from kernels.model.ragged import Field
+from kernels.grid.ragged import Field
 
 comptime THREADS = 64
 comptime STRIDE = 0
@@ -278,8 +278,8 @@ def test_a_sampled_launch_says_so() raises:
 
 def test_sites_are_named_from_the_package_root() raises:
     assert_equal(
-        site_name("/x/y/kernels/index/gpu/index_pick.mojo:218:20"),
-        "kernels/index/gpu/index_pick.mojo:218:20",
+        site_name("/x/y/kernels/index/gpu/pick.mojo:218:20"),
+        "kernels/index/gpu/pick.mojo:218:20",
     )
     assert_equal(site_name("/x/tests/mojo/t.mojo:3:4"), "t.mojo:3:4")
 

@@ -7,7 +7,7 @@ core matrices of 8 rows x 16 bytes, LBO between core matrices along K, SBO
 between groups of 8 rows; the `m64nNk32` D fragment figure, whose first
 rows read T0: d0 d1 at (0, 0) (0, 1), d2 d3 at (8, 0) (8, 1), d4 d5 at
 (0, 8) (0, 9); T1 two columns on; T4 one row down; warp 1 sixteen rows
-down). The scorer's own tile layout (`index_wgmma.tile_byte` and
+down). The scorer's own tile layout (`wgmma.tile_byte` and
 `descriptor`) is then read back through the model, which must find every
 element where the scorer put it. The scorer's kernel compiles for sm_90a
 with four `wgmma` e4m3 instructions for depth 128.
@@ -35,15 +35,15 @@ from std.sys import has_accelerator
 from std.sys.info import is_nvidia_gpu
 from std.testing import TestSuite, assert_equal, assert_true
 
-from kernels.model.block_phases import Shared
-from kernels.index.index_fp8 import decode_e4m3
-from kernels.index.gpu.index_wgmma_tiles import (
+from kernels.grid.block_phases import Shared
+from kernels.index.fp8 import decode_e4m3
+from kernels.index.gpu.wgmma_tiles import (
     CORE_BYTES,
     descriptor,
     tile_byte,
 )
-from kernels.model.ragged import Ptr
-from kernels.index.gpu.wgmma_model import (
+from kernels.grid.ragged import Ptr
+from kernels.index.gpu.emulated.wgmma import (
     accumulator_element,
     decode_descriptor,
     kmajor_byte,

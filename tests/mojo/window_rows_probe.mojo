@@ -9,9 +9,9 @@ tests/docs_and_layout/test_kernel_constants.py.
 
 from std.sys import argv
 
-from kernels.index.gpu.index_gpu import GPU_WORKSPACE_BYTES, window_rows
-from kernels.index.gpu.index_select import select_slices
-from kernels.index.gpu.index_wgmma import wgmma_groups_rows
+from kernels.index.gpu.launches import GPU_WORKSPACE_BYTES, window_rows
+from kernels.index.gpu.select import select_slices
+from kernels.index.gpu.wgmma import wgmma_groups_rows
 
 
 def main() raises:

@@ -624,7 +624,7 @@ def test_guard_catches_planted_slot_off_by_one(
     """
     kernels = tmp_path / "kernels"
     shutil.copytree(KERNELS, kernels)
-    ragged = kernels / "model" / "ragged.mojo"
+    ragged = kernels / "grid" / "ragged.mojo"
     source = ragged.read_text()
     good, bad = "slot < max_slots", "slot <= max_slots"
     assert source.count(good) == 1, "the planted line moved; update the test"

@@ -3,7 +3,7 @@
 Each op's operand struct is copied byte for byte into a GPU kernel's
 argument buffer, which is right only while every field is an 8-byte
 pointer, ``Int`` or ``Int64``. ``check_kernel_layout``
-(kernels/model/operands.mojo) enforces that at compile time.
+(kernels/grid/operands.mojo) enforces that at compile time.
 ``tests/mojo/test_operand_layout.mojo`` checks the real structs pass and an
 all-word struct launches;
 ``tests/mojo/operand_layout_refused.mojo`` launches the same way a struct

@@ -1,4 +1,4 @@
-"""`index_top_k`'s CPU path: the driver (`index_cpu`), the decode scorer
-(`index_cpu_score`), the register-blocked prefill scorer
-(`index_cpu_prefill`, `index_cpu_block`).
+"""`index_top_k`'s CPU path: the tasks over the cores (`tasks`), the decode scorer
+(`score`), the register-blocked prefill scorer
+(`prefill`, `block`).
 """

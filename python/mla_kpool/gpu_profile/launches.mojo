@@ -32,13 +32,13 @@ from std.math import ceildiv, max, min
 from std.random import random_float64, random_ui64, seed
 from std.sys import argv
 
-from kernels.index.gpu.index_gpu import PlanKernel, SelectKernel
-from kernels.index.gpu.index_select import select_slices, split_words
-from kernels.index.index_operands import IndexOperands, IndexWorkspace
-from kernels.index.index_scorers import MFMA, SIMT, WGMMA, ScoreKernel
-from kernels.index.gpu.index_wgmma import wgmma_groups_rows
-from kernels.model.gpu_kernel import GpuKernel, grid_blocks, profile_kernel
-from kernels.model.ragged import RaggedCall, Ring
+from kernels.index.gpu.launches import PlanKernel, SelectKernel
+from kernels.index.gpu.select import select_slices, split_words
+from kernels.index.operands import IndexOperands, IndexWorkspace
+from kernels.index.scorers import MFMA, SIMT, WGMMA, ScoreKernel
+from kernels.index.gpu.wgmma import wgmma_groups_rows
+from kernels.grid.gpu_kernel import GpuKernel, grid_blocks, profile_kernel
+from kernels.grid.ragged import RaggedCall, Ring
 from kernels.writers.compress import CompressKernel, CompressOperands
 from kernels.writers.expand_topk import (
     ExpandTopKKernel,

@@ -15,22 +15,22 @@ the rooflines' issue bounds.
 
 Each kernel is compiled from the same declaration the op's `execute`
 launches (`kernel_code`), for the scorers the target builds
-(`index_scorers.scorer_targets`).
+(`scorers.scorer_targets`).
 """
 
 from std.sys import argv, get_defined_string
 
 from kernels.writers.compress import CompressKernel, CompressOperands
 from kernels.writers.expand_topk import ExpandTopKKernel, ExpandTopKOperands
-from kernels.model.gpu_kernel import (
+from kernels.grid.gpu_kernel import (
     GpuKernel,
     block_shared_words,
     host_bytes,
     kernel_code,
 )
-from kernels.index.gpu.index_gpu import PlanKernel, SelectKernel
-from kernels.index.index_operands import IndexOperands
-from kernels.index.index_scorers import GPU_SCORERS, ScoreKernel, scorer_targets
+from kernels.index.gpu.launches import PlanKernel, SelectKernel
+from kernels.index.operands import IndexOperands
+from kernels.index.scorers import GPU_SCORERS, ScoreKernel, scorer_targets
 from kernels.writers.ring_close import RingCloseKernel, RingCloseOperands
 from kernels.writers.seed_tail import SeedTailKernel, SeedTailOperands
 from kernels.writers.step import StepKernel, StepOperands, StepScanKernel

@@ -6,9 +6,9 @@ descending score order, ties by ascending id, then `-1` (the contract of
 `index_top_k`, with NaN ranking as `-inf`, below every number).
 
 A block of `SELECT_THREADS` (512) threads selects one row, in phases of
-the kernel model (`model/block_phases`: compile-time phases, per-thread
+the kernel model (`grid/block_phases`: compile-time phases, per-thread
 state in registers, shared-memory atomics, block collectives), each phase
-below followed by a barrier. Steps 1-3 are a *pick* (`index_pick`): the
+below followed by a barrier. Steps 1-3 are a *pick* (`pick`): the
 row's top `k` into shared memory, unsorted.
 
 1. **Load**: a row of at most `CACHE_WORDS` candidates is read from global
@@ -88,7 +88,7 @@ memory, within an MI300X workgroup's 64 KiB) for k 2048.
 from std.bit import log2_floor, next_power_of_two
 from std.math import ceildiv, max, min
 
-from ...model.block_phases import (
+from ...grid.block_phases import (
     BLOCK_EXCLUSIVE_SUM,
     BLOCK_MAX,
     NO_COLLECTIVE,
@@ -100,16 +100,16 @@ from ...model.block_phases import (
     publish_fence,
     read_published,
 )
-from ...model.collectives import thread_run
-from ...model.ragged import Field
-from ..index_rank import ordered_rank_key, score_order
-from .index_pick import (
+from ...grid.collectives import thread_run
+from ...grid.ragged import Field
+from ..rank import ordered_rank_key, score_order
+from .pick import (
     CACHE_WORDS,
     PAIRS,
     PICK_PHASES,
     SELECT_THREADS,
     WIDE_STATE,
-    Row,
+    PickCandidates,
     SelectState,
     cache_start,
     pick_collective,
@@ -292,10 +292,12 @@ def select_max_words(k: Int) -> Int:
 
 @fieldwise_init
 struct WindowRow[origin: MutOrigin](Copyable, TrivialRegisterPassable):
-    """A window row's select: its scores, split words and output.
+    """A window row's select, as a select block receives it: its scores,
+    split words and output.
 
     Parameters:
-        origin: Origin of the pointers (`MutAnyOrigin`, as `SelectCall`).
+        origin: Origin of the pointers (`MutAnyOrigin` in the kernels: a
+            struct's pointer fields must name a parameter).
     """
 
     var scores: Field[DType.float32, Self.origin]
@@ -311,10 +313,6 @@ struct WindowRow[origin: MutOrigin](Copyable, TrivialRegisterPassable):
     (unread unsplit)."""
     var ids: Field[DType.int32, Self.origin]
     """The row's `k` output ids."""
-
-
-comptime SelectCall = WindowRow[MutAnyOrigin]
-"""The window row a select block receives."""
 
 
 @always_inline
@@ -343,7 +341,7 @@ def _wide_digit(key: UInt32) -> Int:
 
 
 @always_inline
-def _slice_of(whole: SelectCall, slice: Int) -> Tuple[Int, Int]:
+def _slice_of(whole: WindowRow[MutAnyOrigin], slice: Int) -> Tuple[Int, Int]:
     """Block `slice`'s ids of a split row: `[slice * L, (slice + 1) * L)`
     within the bound, `L = ceil(width / slices)`."""
     var per = ceildiv(whole.width, whole.slices)
@@ -352,27 +350,33 @@ def _slice_of(whole: SelectCall, slice: Int) -> Tuple[Int, Int]:
 
 
 @always_inline
-def _capacity(whole: SelectCall) -> Int:
+def _capacity(whole: WindowRow[MutAnyOrigin]) -> Int:
     """Pairs the row cache holds: keys in its first half, ids after."""
     return row_cache_words(whole.width) // 2
 
 
 @always_inline
-def _pick_row[split: Bool](whole: SelectCall, s: Shared, k: Int) -> Row:
+def _pick_row[
+    split: Bool
+](whole: WindowRow[MutAnyOrigin], s: Shared, k: Int) -> PickCandidates[
+    MutAnyOrigin
+]:
     """What the selecting block picks from: a split row's compacted pairs
     when they fit the row cache, else the whole row."""
     var cache = row_cache_words(whole.width)
     comptime if split:
         var n = Int(s.load(WIDE_STATE + 1))
         if n <= _capacity(whole):
-            return Row(
+            return PickCandidates[MutAnyOrigin](
                 whole.scores,
                 n,
                 cache,
                 True,
                 cache_start(k) + _capacity(whole),
             )
-    return Row(whole.scores, whole.bound, cache, False, 0)
+    return PickCandidates[MutAnyOrigin](
+        whole.scores, whole.bound, cache, False, 0
+    )
 
 
 @always_inline
@@ -383,7 +387,7 @@ def _split_phase[
     mut state: SelectState,
     mut lane: Lane,
     s: Shared,
-    whole: SelectCall,
+    whole: WindowRow[MutAnyOrigin],
     slice: Int,
 ):
     """Phase `phase` (`_CLEAR ..< _PICK`) of a split row's count and
@@ -492,7 +496,11 @@ def _split_phase[
 
 @always_inline
 def _kept_quad(
-    s: Shared, whole: SelectCall, q: Int, bucket: Int, aligned: Bool
+    s: Shared,
+    whole: WindowRow[MutAnyOrigin],
+    q: Int,
+    bucket: Int,
+    aligned: Bool,
 ) -> Tuple[SIMD[DType.uint32, 4], SIMD[DType.bool, 4]]:
     """Group `q`'s keys (candidates `4 q ..< 4 q + 4`, `quad_keys`) and
     which of them the compaction keeps: in the row, and in `bucket` or
@@ -513,7 +521,7 @@ def select_phase[
     mut state: SelectState,
     mut lane: Lane,
     s: Shared,
-    whole: SelectCall,
+    whole: WindowRow[MutAnyOrigin],
     slice: Int,
 ):
     """One thread's share of phase `phase` of a block's select.

@@ -5,7 +5,7 @@ a 16 x 32 bfloat16 tile by a 32 x 16 one into 16 x 16 float32 sums: 16,384
 flops an instruction, about 16 times the float32 FMA rate of the same core
 (3.2 TFLOP/s against 0.2 on one core of a Sapphire Rapids VM). e4m3fn
 queries and keys are exact in bfloat16 and their products exact in
-float32 (`index_cpu_block.mojo`), so a tile product differs from the
+float32 (`block.mojo`), so a tile product differs from the
 float32 walk only in the float32 rounding of its sums, as the pair form
 does; AMX reads its bfloat16 inputs with denormals as zero, and no e4m3fn
 value is a bfloat16 denormal.
@@ -38,10 +38,10 @@ from std.os import getenv
 from std.sys import inlined_assembly, llvm_intrinsic
 from std.sys.info import CompilationTarget
 
-from .index_cpu_block import PREFILL_HEADS, PREFILL_TILE, fold_heads
-from ..index_fp8 import decode_e4m3
-from ..index_operands import F32_WIDTH
-from ...model.ragged import Ptr
+from .block import PREFILL_HEADS, PREFILL_TILE, fold_heads
+from ..fp8 import decode_e4m3
+from ..operands import F32_WIDTH
+from ...grid.ragged import Ptr
 
 
 comptime AMX_HEADS = 32

@@ -3,7 +3,7 @@
 Three launches, with the same answer as the CPU path (`index_top_k_cpu`):
 
 Each launch is a kernel declaration (`gpu_kernel.GpuKernel`): `PlanKernel`,
-the scorer's (`index_scorers.ScoreKernel`: `SimtScore`, `WgmmaScore`,
+the scorer's (`scorers.ScoreKernel`: `SimtScore`, `WgmmaScore`,
 `MfmaScore`) and `SelectKernel`.
 
 1. **Plan** (`plan_phase`, a block per request, two phases): each row's
@@ -13,7 +13,7 @@ the scorer's (`index_scorers.ScoreKernel`: `SimtScore`, `WgmmaScore`,
    the offsets before the request and of its pages, a block sum counts
    what failed, then they write the request's rows. The offsets are read
    on the device: nothing of the call's metadata goes to the host.
-2. **Score** (`index_gpu_score.index_score_phase`, a block per (row, tile of
+2. **Score** (`score.index_score_phase`, a block per (row, tile of
    `score_threads` candidates), two phases): the row's FP8 query decoded
    once into shared memory, then a thread per candidate reads its key's
    bytes (16 per load where aligned; decoded by the hardware's FP8
@@ -22,10 +22,10 @@ the scorer's (`index_scorers.ScoreKernel`: `SimtScore`, `WgmmaScore`,
    ReLU, the head weights and the key's scale applied there, into a
    float32 workspace row (`index_score_thread`, untiled, for shapes whose
    query does not fit the block's shared memory). The launch's shape is
-   `index_gpu_shape.mojo`'s. That is the `"simt"` scorer (`SimtScore`); the tensor
-   scorers (`index_wgmma.mojo` on sm_90, `index_mfma.mojo` on gfx942)
-   fill the same workspace row, as `index_scorers.mojo` picks.
-3. **Select** (`index_select.select_phase`, a block per row): the top
+   `shape.mojo`'s. That is the `"simt"` scorer (`SimtScore`); the tensor
+   scorers (`wgmma.mojo` on sm_90, `mfma.mojo` on gfx942)
+   fill the same workspace row, as `scorers.mojo` picks.
+3. **Select** (`select.select_phase`, a block per row): the top
    `k` ids of the workspace row in the contract's order.
 
 Rows go through in windows: the workspace holds `window` rows of
@@ -44,21 +44,21 @@ from max.gpu.host import DeviceContext
 from std.math import ceildiv, max, min
 from std.sys import is_gpu
 
-from ...model.block_phases import BLOCK_SUM, NO_COLLECTIVE, Lane, Shared
-from ...model.gpu_kernel import GpuKernel, launch_kernel
-from ..index_operands import IndexTopK
-from ..index_plan import (
+from ...grid.block_phases import BLOCK_SUM, NO_COLLECTIVE, Lane, Shared
+from ...grid.gpu_kernel import GpuKernel, launch_kernel
+from ..operands import IndexTopK
+from ..plan import (
     candidate_bound,
     end_well_formed,
     page_in_arenas,
     span_pages,
 )
-from ..index_scorers import SIMT, ScoreKernel
-from .index_wgmma import wgmma_groups_rows
-from .index_select import (
+from ..scorers import SIMT, ScoreKernel
+from .wgmma import wgmma_groups_rows
+from .select import (
     SELECT_THREADS,
-    SelectCall,
     SelectState,
+    WindowRow,
     select_collective,
     select_max_words,
     select_phase,
@@ -67,7 +67,7 @@ from .index_select import (
     select_slices,
     split_words,
 )
-from ...model.ragged import Ptr, read_index
+from ...grid.ragged import Ptr, read_index
 
 
 comptime GPU_WORKSPACE_BYTES = 1 << 28
@@ -101,7 +101,7 @@ def plan_phase[
     """Block `b`'s share of the plan: request `b`'s rows, and the rows no
     request holds where `b` is the one that knows them.
 
-    The rule of the CPU path (`index_plan.scored_prefix`, `request_span`),
+    The rule of the CPU path (`plan.scored_prefix`, `request_span`),
     a request per block: request `b`'s rows are planned when the offsets
     are well formed up to its end (`end_well_formed` for every request
     through `b`, `offsets[0] == 0`), and scored when its cache length is
@@ -177,7 +177,9 @@ def plan_phase[
 @always_inline
 def select_row[
     phase: Int, split: Bool
-](row: Int, op: IndexTopK, s: Shared, mut state: SelectState) -> SelectCall:
+](row: Int, op: IndexTopK, s: Shared, mut state: SelectState) -> WindowRow[
+    MutAnyOrigin
+]:
     """Window row `row`'s scores, bound, split words and output ids.
 
     An unsplit select reads the row's bound from the plan in phase 0 and
@@ -197,7 +199,7 @@ def select_row[
             state.bound = UInt32(bound)
     else:
         bound = Int(state.bound)
-    return SelectCall(
+    return WindowRow[MutAnyOrigin](
         op.work.scores.unsafe_offset(row * op.work.candidates),
         bound,
         op.work.candidates,
@@ -252,7 +254,7 @@ comptime _SPLIT_SELECT = "mla_kpool_index_split_select_kernel"
 struct SelectKernel[Op: type_of(IndexTopK), split: Bool](GpuKernel):
     """Launch 3: a block per window row selects its top `k`, or (`split`)
     `select_slices` blocks per row count it and the last selects
-    (`index_select.select_phase`)."""
+    (`select.select_phase`)."""
 
     comptime Operands = Self.Op
     comptime State = SelectState
@@ -271,7 +273,7 @@ struct SelectKernel[Op: type_of(IndexTopK), split: Bool](GpuKernel):
 
     @staticmethod
     def columns(op: Self.Operands) -> Int:
-        """Blocks per row (`index_select.select_slices`)."""
+        """Blocks per row (`select.select_slices`)."""
         return op.work.slices
 
     @staticmethod
@@ -363,7 +365,7 @@ def index_top_k_gpu[
     Parameters:
         emulate: Run every launch over the emulated grid on the CPU.
         scorer: `"simt"`, `"wgmma"` or `"mfma"`, as
-            `index_scorers.scorer_kernel` chose it (`ScoreKernel` maps it
+            `scorers.scorer_kernel` chose it (`ScoreKernel` maps it
             to its kernel).
 
     Args:

@@ -2,7 +2,7 @@
 
 Metadata is not trusted. `scored_prefix` walks the offsets while they are
 well formed (`end_well_formed`: the CPU path once per call; the GPU's
-plan launch checks them a block per request, `index_gpu.plan_phase`);
+plan launch checks them a block per request, `launches.plan_phase`);
 `request_span` decides whether a request is scored at all (`span_pages`,
 `page_in_arenas`: the GPU plan's threads share the pages);
 `candidate_bound` is the candidates a row sees; and `page_bases` is where
@@ -12,8 +12,8 @@ Every function here is device-safe: no allocation, no raising.
 
 from std.math import ceildiv
 
-from .index_operands import IndexTopK
-from ..model.ragged import Ptr, read_index
+from .operands import IndexTopK
+from ..grid.ragged import Ptr, read_index
 
 
 @always_inline

@@ -2,7 +2,7 @@
 
 `score_order` maps a float32 score to a uint32 of the same order (NaN as
 `-inf`, below every number); `rank_key` adds the tie rule (the lower id
-ranks higher). The GPU select (`index_select.mojo`) radix-selects on
+ranks higher). The GPU select (`select.mojo`) radix-selects on
 `score_order`; the CPU path keeps each row's best `k` rank keys in a
 pool of `2k` cut back by a radix select (`offer_pool`, `keep_best`,
 `RowPools`), and writes them best first (`write_row`, a bitonic sorting
@@ -14,7 +14,7 @@ from std.math import iota, isnan, max, min
 from std.sys.intrinsics import compressed_store
 from std.memory import bitcast, stack_allocation
 
-from ..model.ragged import Ptr
+from ..grid.ragged import Ptr
 
 
 @always_inline

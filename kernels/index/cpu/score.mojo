@@ -10,16 +10,16 @@ from std.math import max
 from std.sys import PrefetchOptions, prefetch
 from std.memory import stack_allocation
 
-from .index_cpu_amx import E4m3ToBf16
-from ..index_fp8 import decode_row
-from ..index_operands import (
+from .amx import E4m3ToBf16
+from ..fp8 import decode_row
+from ..operands import (
     F32_WIDTH,
     IndexTopK,
     head_vectors_of,
     padded_heads_of,
 )
-from ..index_plan import page_bases
-from ...model.ragged import Ptr
+from ..plan import page_bases
+from ...grid.ragged import Ptr
 
 
 @always_inline

@@ -62,7 +62,7 @@ def access_name(kind: Int) -> String:
 
 def site_name(location: String) -> String:
     """A source location as the profile names it: from `kernels/` for the
-    package's own files (`kernels/index/gpu/index_pick.mojo:218:20`), else
+    package's own files (`kernels/index/gpu/pick.mojo:218:20`), else
     the file's name and place."""
     var at = location.rfind("/kernels/")
     if at >= 0:

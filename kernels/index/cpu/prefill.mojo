@@ -1,7 +1,7 @@
 """The CPU prefill scorer of `index_top_k`: many rows against one key tile.
 
 A chunk of query rows scores a tile of candidates like a small GEMM: the
-tile's keys are decoded and transposed once (`index_cpu_block.mojo`: one
+tile's keys are decoded and transposed once (`block.mojo`: one
 SIMD register holds a dim, or a dim pair, of `F32_WIDTH` candidates), and
 every row of the chunk that sees any of them walks its heads over the
 tile a register block at a time. The tile (8-16 KiB at depth 128) stays
@@ -15,14 +15,14 @@ dims, its heads' ReLU (keeping a NaN) and weights are applied in registers
 and added, head by head, to the row's running totals; the key scales
 multiply the totals once every head is in. Where the CPU has AMX-BF16 a
 row's 32 heads at a time go through tile products instead
-(`index_cpu_amx.score_row_amx`, the same transposed tile in pair words),
+(`amx.score_row_amx`, the same transposed tile in pair words),
 then through the same ReLU and weights. Each row's scores go to its pool
-(`index_rank.RowPools`).
+(`rank.RowPools`).
 """
 
 from std.math import max
 
-from .index_cpu_amx import (
+from .amx import (
     AMX_HEADS,
     E4m3ToBf16,
     amx_begin,
@@ -32,7 +32,7 @@ from .index_cpu_amx import (
     amx_usable,
     score_row_amx,
 )
-from .index_cpu_block import (
+from .block import (
     PREFILL_HEADS,
     PREFILL_TILE,
     PREFILL_VECTORS,
@@ -45,12 +45,12 @@ from .index_cpu_block import (
     transpose_tile_pairs,
     use_pairs,
 )
-from .index_cpu_score import decode_candidates, scratch
-from ..index_fp8 import decode_row
-from ..index_operands import F32_WIDTH, IndexTopK
-from ..index_plan import candidate_bound
-from ..index_rank import RowPools
-from ...model.ragged import Ptr
+from .score import decode_candidates, scratch
+from ..fp8 import decode_row
+from ..operands import F32_WIDTH, IndexTopK
+from ..plan import candidate_bound
+from ..rank import RowPools
+from ...grid.ragged import Ptr
 
 
 comptime CPU_PREFILL_MIN_ROWS = 4

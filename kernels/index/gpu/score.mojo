@@ -13,10 +13,10 @@ key's scale, and write a float32 workspace row.
 
 from std.math import ceildiv, min
 
-from ...model.block_phases import Shared
-from ...model.gpu_kernel import GpuKernel
-from ..index_fp8 import decode_e4m3_gpu
-from .index_gpu_shape import (
+from ...grid.block_phases import Shared
+from ...grid.gpu_kernel import GpuKernel
+from ..fp8 import decode_e4m3_gpu
+from .shape import (
     key_chunk,
     padded_heads_pow2,
     pass_heads,
@@ -26,9 +26,9 @@ from .index_gpu_shape import (
     tile_words,
     tiled_scorer,
 )
-from ..index_operands import IndexTopK
-from ..index_plan import CacheSlot, page_bases
-from ...model.ragged import Ptr
+from ..operands import IndexTopK
+from ..plan import CacheSlot, page_bases
+from ...grid.ragged import Ptr
 
 
 @always_inline
@@ -44,9 +44,9 @@ def candidate_at(op: IndexTopK, b: Int, j: Int) -> CacheSlot:
 
 
 comptime TENSOR_MAX_DEPTH = 256
-"""Largest `depth` the tensor scorers take: `index_wgmma`'s tiles of keys
+"""Largest `depth` the tensor scorers take: `wgmma`'s tiles of keys
 and query heads then use 33 KiB of shared memory (under the 48 KiB a block
-gets statically), and each lane of `index_mfma` keeps 64 bytes of key and
+gets statically), and each lane of `mfma` keeps 64 bytes of key and
 64 of query (32 VGPRs) in registers. `mla_kpool._index_op.TENSOR_MAX_DEPTH`
 is its Python twin (tests/docs_and_layout/test_kernel_constants.py checks
 they agree)."""

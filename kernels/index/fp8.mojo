@@ -10,7 +10,7 @@ CPU path's queries and keys).
 from std.memory import bitcast
 from std.sys.info import is_nvidia_gpu
 
-from ..model.ragged import Ptr
+from ..grid.ragged import Ptr
 
 
 comptime DECODE_WIDTH = 16

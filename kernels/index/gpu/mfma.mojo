@@ -49,9 +49,9 @@ Numerics: products of e4m3 values are exact; the MFMA adds them with its
 own adder (CDNA3 FP8 MFMA: fewer bits than a float32 FMA chain), the head
 sum and the scale are float32 in a fixed order, so the scores are the same
 on every launch. On the emulated grid the instruction is
-`mfma_model.mfma_f32_16x16x32_fp8_model`, written from the ISA tables.
+`emulated.mfma.mfma_f32_16x16x32_fp8_model`, written from the ISA tables.
 
-Shapes: any `num_heads`; `depth` up to `index_gpu_score.TENSOR_MAX_DEPTH`
+Shapes: any `num_heads`; `depth` up to `score.TENSOR_MAX_DEPTH`
 (each lane keeps `depth / 4` bytes of key and of query in registers).
 """
 
@@ -60,11 +60,11 @@ from std.math import ceildiv, min
 from std.memory import bitcast
 from std.sys.info import is_amd_gpu
 
-from ...model.block_phases import Shared
-from ...model.gpu_kernel import GpuKernel
-from .index_gpu_score import candidate_at, candidate_tile, is_aligned
-from ..index_operands import IndexTopK
-from .mfma_model import (
+from ...grid.block_phases import Shared
+from ...grid.gpu_kernel import GpuKernel
+from .score import candidate_at, candidate_tile, is_aligned
+from ..operands import IndexTopK
+from .emulated.mfma import (
     MFMA_ACC,
     MFMA_K,
     MFMA_LANES,
@@ -72,7 +72,7 @@ from .mfma_model import (
     MFMA_N,
     mfma_f32_16x16x32_fp8_model,
 )
-from ...model.ragged import Ptr
+from ...grid.ragged import Ptr
 
 
 comptime MFMA_TILE = 64

@@ -48,9 +48,9 @@ Numerics: the products of e4m3 values are exact, but the tensor core adds
 them with fewer bits than a float32 FMA chain (docs/ops.md derives the
 bound the tests use); the head sum and the scale are float32 in a fixed
 order, so the scores are the same on every launch. On the emulated grid the instruction is
-`wgmma_model.wgmma_e4m3_model`, written from the PTX ISA.
+`emulated.wgmma.wgmma_e4m3_model`, written from the PTX ISA.
 
-Shapes: any `num_heads`; `depth` up to `index_gpu_score.TENSOR_MAX_DEPTH`
+Shapes: any `num_heads`; `depth` up to `score.TENSOR_MAX_DEPTH`
 (a tile of keys and one of query heads must fit the block's static shared
 memory).
 """
@@ -68,11 +68,11 @@ from std.math import ceildiv, max
 from std.sys import inlined_assembly
 from std.sys.info import is_nvidia_gpu
 
-from ...model.block_phases import Lane, Shared
-from ...model.gpu_kernel import GpuKernel
-from .index_gpu_score import candidate_at
-from ..index_operands import IndexTopK
-from .index_wgmma_tiles import (
+from ...grid.block_phases import Lane, Shared
+from ...grid.gpu_kernel import GpuKernel
+from .score import candidate_at
+from ..operands import IndexTopK
+from .wgmma_tiles import (
     CORE_BYTES,
     WGMMA_HEADS,
     WGMMA_SPAN,
@@ -90,7 +90,7 @@ from .index_wgmma_tiles import (
     tile_row,
     wgmma_tile_flops,
 )
-from .wgmma_model import WGMMA_FP8_K, wgmma_e4m3_model
+from .emulated.wgmma import WGMMA_FP8_K, wgmma_e4m3_model
 
 
 @fieldwise_init

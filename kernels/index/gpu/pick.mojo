@@ -1,9 +1,9 @@
 """A pick: one block's top `k` of a row's scores (or of the candidates a
 split row's last block compacted) into shared memory, unsorted: the load,
-radix select and collect of the GPU select (`index_select` has the whole
+radix select and collect of the GPU select (`select` has the whole
 select and its docs: the split, the sort, the output).
 
-A pick runs `PICK_PHASES` phases of the kernel model (`model/block_phases`):
+A pick runs `PICK_PHASES` phases of the kernel model (`grid/block_phases`):
 the load (a row of at most `CACHE_WORDS` keys into shared memory), 4 radix
 passes of 8 bits (count with shared atomics, offer the bucket counts to a
 block exclusive prefix sum, decide the k-th key's bucket), the collect's
@@ -18,15 +18,15 @@ and ids (2 x `sort_width(k)`), then the row cache (`row_cache_words`).
 from std.bit import next_power_of_two
 from std.math import ceildiv, max, min
 
-from ...model.block_phases import (
+from ...grid.block_phases import (
     BLOCK_EXCLUSIVE_SUM,
     NO_COLLECTIVE,
     Lane,
     Shared,
 )
-from ...model.collectives import thread_run
-from ...model.ragged import Field
-from ..index_rank import score_order
+from ...grid.collectives import thread_run
+from ...grid.ragged import Field
+from ..rank import score_order
 
 
 comptime SELECT_THREADS = 512
@@ -60,7 +60,7 @@ with that prefix the top k still takes."""
 
 comptime WIDE_STATE = _STATE + 2
 """A split row's (threshold bucket, candidates at or above it): what its
-last block decided from the row's wide histogram (`index_select`)."""
+last block decided from the row's wide histogram (`select`)."""
 
 
 comptime PAIRS = WIDE_STATE + 2
@@ -189,12 +189,13 @@ struct SelectState(Copyable, Defaultable, TrivialRegisterPassable):
 
 
 @fieldwise_init
-struct SelectRow[origin: MutOrigin](Copyable, TrivialRegisterPassable):
-    """What one pick reads: a row's scores, or candidates already compacted
-    into the row cache.
+struct PickCandidates[origin: MutOrigin](Copyable, TrivialRegisterPassable):
+    """What one pick reads, as a select phase receives it: a row's scores,
+    or candidates already compacted into the row cache.
 
     Parameters:
-        origin: Origin of the pointers (`MutAnyOrigin`, as `Row`).
+        origin: Origin of the pointers (`MutAnyOrigin` in the kernels: a
+            struct's pointer fields must name a parameter).
     """
 
     var scores: Field[DType.float32, Self.origin]
@@ -230,10 +231,6 @@ struct SelectRow[origin: MutOrigin](Copyable, TrivialRegisterPassable):
         return UInt32(j)
 
 
-comptime Row = SelectRow[MutAnyOrigin]
-"""The pick a select phase receives."""
-
-
 @always_inline
 def _shift(p: Int) -> Int:
     """The lowest bit of pass `p`'s digit."""
@@ -243,7 +240,13 @@ def _shift(p: Int) -> Int:
 @always_inline
 def pick_phase[
     phase: Int, k: Int
-](thread: Int, mut state: SelectState, mut lane: Lane, s: Shared, row: Row,):
+](
+    thread: Int,
+    mut state: SelectState,
+    mut lane: Lane,
+    s: Shared,
+    row: PickCandidates[MutAnyOrigin],
+):
     """One thread's share of phase `phase` of a pick of `row`'s top `k`
     into the pairs (module docs, steps 1-3).
 
@@ -324,7 +327,13 @@ def _decide[
 @always_inline
 def _count[
     k: Int, p: Int
-](thread: Int, mut state: SelectState, s: Shared, row: Row, take_all: Bool,):
+](
+    thread: Int,
+    mut state: SelectState,
+    s: Shared,
+    row: PickCandidates[MutAnyOrigin],
+    take_all: Bool,
+):
     """Pass `p`'s count: this thread's keys that match the prefix, by digit.
 
     Pass `p > 0` first takes the state the previous pass's decision
@@ -382,7 +391,7 @@ def _count_run[
     mut state: SelectState,
     mut lane: Lane,
     s: Shared,
-    row: Row,
+    row: PickCandidates[MutAnyOrigin],
     take_all: Bool,
 ):
     """Takes the k-th key `K` and `need`, then offers this run's counts of
@@ -410,7 +419,7 @@ def _scatter_run[
     state: SelectState,
     mut lane: Lane,
     s: Shared,
-    row: Row,
+    row: PickCandidates[MutAnyOrigin],
     m: Int,
     take_all: Bool,
 ):

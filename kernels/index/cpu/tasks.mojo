@@ -5,12 +5,12 @@ A task per (request, chunk of `CPU_ROW_CHUNK` query rows, or
 a few rows (a decode) decodes its queries once (transposed, heads
 innermost), then walks the candidates a tile at a time: decode the tile's
 keys and scales to float32 once, score it for every row of the chunk
-(`index_cpu_score.mojo`), and offer the scores to one bounded pool per
-row (`index_rank.RowPools`), which holds a superset of the row's best `k`
+(`score.mojo`), and offer the scores to one bounded pool per
+row (`rank.RowPools`), which holds a superset of the row's best `k`
 seen so far. A chunk of at least `CPU_PREFILL_MIN_ROWS` rows (a prefill)
-takes the register-blocked prefill scorer (`index_cpu_prefill.mojo`),
+takes the register-blocked prefill scorer (`prefill.mojo`),
 which scores many rows against each transposed key tile. Where the CPU
-has AMX-BF16, both score on AMX tiles (`index_cpu_amx.mojo`;
+has AMX-BF16, both score on AMX tiles (`amx.mojo`;
 `keep_rows_amx` for the few-row form). Memory per task is bounded by the
 chunk, the tile and `k`, never by the context length.
 """
@@ -19,7 +19,7 @@ from max.algorithm import sync_parallelize
 from std.math import ceildiv, max, min
 from std.sys import num_physical_cores
 
-from .index_cpu_amx import (
+from .amx import (
     AMX_HEADS,
     AMX_ROW_TILE,
     E4m3ToBf16,
@@ -31,13 +31,13 @@ from .index_cpu_amx import (
     amx_usable,
     score_tile_amx,
 )
-from .index_cpu_prefill import CPU_PREFILL_MIN_ROWS, keep_top_k_prefill
-from .index_cpu_score import decode_candidates, scratch, score_tile
-from ..index_fp8 import decode_row
-from ..index_operands import IndexTopK
-from ..index_plan import candidate_bound, request_span
-from ..index_rank import RowPools, keep_best, write_row
-from ...model.ragged import Ptr, read_index
+from .prefill import CPU_PREFILL_MIN_ROWS, keep_top_k_prefill
+from .score import decode_candidates, scratch, score_tile
+from ..fp8 import decode_row
+from ..operands import IndexTopK
+from ..plan import candidate_bound, request_span
+from ..rank import RowPools, keep_best, write_row
+from ...grid.ragged import Ptr, read_index
 
 
 comptime CPU_ROW_CHUNK = 16

@@ -1,6 +1,6 @@
 """The wgmma scorer's blocks: their shapes, shared memory and staging.
 
-What `index_wgmma.mojo`'s phases stand on: how many rows and tiles a
+What `wgmma.mojo`'s phases stand on: how many rows and tiles a
 block takes (`group_rows`, `TileShape`), where its key tiles, query tile
 and partial sums lie in shared memory, the K-major core-matrix layout
 `wgmma` reads (`tile_byte`, `descriptor`, from the PTX ISA's "Shared
@@ -14,12 +14,12 @@ from std.math import ceildiv, max, min
 from std.memory import bitcast
 from std.sys.info import is_nvidia_gpu
 
-from ...model.block_phases import Shared
-from ...model.gpu_kernel import STATIC_SHARED_BYTES
-from .index_gpu_score import candidate_at, is_aligned
-from ..index_operands import IndexTopK
-from ...model.ragged import Ptr
-from .wgmma_model import WGMMA_FP8_K
+from ...grid.block_phases import Shared
+from ...grid.gpu_kernel import STATIC_SHARED_BYTES
+from .score import candidate_at, is_aligned
+from ..operands import IndexTopK
+from ...grid.ragged import Ptr
+from .emulated.wgmma import WGMMA_FP8_K
 
 
 comptime WGMMA_TILE = 64

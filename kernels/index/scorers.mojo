@@ -3,9 +3,9 @@
 | `scorer` | runs on | kernel |
 | --- | --- | --- |
 | `"auto"` | every target | `"wgmma"` on an sm_90 GPU, `"mfma"` on a gfx942 one (for the depths they take), else `"simt"` |
-| `"simt"` | every GPU, the emulated grid | FP32 FMAs (`index_gpu_score.mojo`) |
-| `"wgmma"` | sm_90 GPUs, the emulated grid | Hopper FP8 tensor cores (`index_wgmma.mojo`) |
-| `"mfma"` | gfx942 GPUs, the emulated grid | CDNA3 FP8 matrix cores (`index_mfma.mojo`) |
+| `"simt"` | every GPU, the emulated grid | FP32 FMAs (`score.mojo`) |
+| `"wgmma"` | sm_90 GPUs, the emulated grid | Hopper FP8 tensor cores (`wgmma.mojo`) |
+| `"mfma"` | gfx942 GPUs, the emulated grid | CDNA3 FP8 matrix cores (`mfma.mojo`) |
 
 The choice is made when the op is compiled, from its target
 (`_accelerator_arch()`: MAX names an H100 / H200 `nvidia:sm_90a` and an
@@ -14,10 +14,10 @@ MI300X `amdgpu:gfx942`), so a GPU builds only the scorer it runs.
 
 from std.sys.info import _accelerator_arch
 
-from .gpu.index_gpu_score import TENSOR_MAX_DEPTH, SimtScore, tensor_fits
-from .gpu.index_mfma import MfmaScore
-from .index_operands import IndexTopK
-from .gpu.index_wgmma import WgmmaScore
+from .gpu.score import TENSOR_MAX_DEPTH, SimtScore, tensor_fits
+from .gpu.mfma import MfmaScore
+from .operands import IndexTopK
+from .gpu.wgmma import WgmmaScore
 
 
 comptime AUTO = "auto"
@@ -62,7 +62,7 @@ def scorer_gpu[scorer: StaticString]() -> StaticString:
 
 def is_tensor_scorer[scorer: StaticString]() -> Bool:
     """Whether `scorer` is a tensor scorer: one GPU family builds it, for
-    the depths `index_gpu_score.tensor_fits` takes."""
+    the depths `score.tensor_fits` takes."""
     return scorer_gpu[scorer]() != ""
 
 

@@ -7,9 +7,9 @@ of the `k` best to sparse attention. This is MAX 26.7's
 same order), under this package's own name so that MAX's builtin stays in
 place for the GPUs it serves. This file holds the contract and the
 registration with its operand checks; the kernels are the CPU path
-(`index_cpu.mojo`) and the GPU path (`index_gpu.mojo`), over the
-operands of `index_operands.mojo` and the rows planned by
-`index_plan.mojo`.
+(`cpu/tasks.mojo`) and the GPU path (`gpu/launches.mojo`), over the
+operands of `operands.mojo` and the rows planned by
+`plan.mojo`.
 
 Score of query row `t` (of request `b`) for candidate `j`:
 
@@ -50,13 +50,13 @@ from max.gpu.host import DeviceContext
 from std.math import max, min
 from std.utils.index import IndexList
 
-from .cpu.index_cpu import index_top_k_cpu, scratch
-from .gpu.index_gpu import index_top_k_gpu, window_rows
-from .index_operands import TOP_K_LIMIT, IndexOperands, no_workspace
-from .index_plan import scored_prefix
-from .index_scorers import AUTO, check_scorer, scorer_kernel
-from .gpu.index_select import select_slices, split_words
-from ..model.operands import ANY, dims, expect_shape, expect_target
+from .cpu.tasks import index_top_k_cpu, scratch
+from .gpu.launches import index_top_k_gpu, window_rows
+from .operands import TOP_K_LIMIT, IndexOperands, no_workspace
+from .plan import scored_prefix
+from .scorers import AUTO, check_scorer, scorer_kernel
+from .gpu.select import select_slices, split_words
+from ..grid.operands import ANY, dims, expect_shape, expect_target
 
 
 def block_stride_of(
@@ -127,9 +127,10 @@ struct MLAKPoolIndexTopK:
             mask_str: `"null"` or `"causal"`.
             kpool: Tokens per candidate (1: every cache row).
             target: `"cpu"` or a GPU, filled in by the graph compiler.
-            emulate_gpu: On a CPU target, run the GPU path (`index_gpu`)
-                over an emulated grid instead of the CPU kernel.
-            scorer: The GPU path's scorer (`index_scorers.mojo`):
+            emulate_gpu: On a CPU target, run the GPU path
+                (`gpu/launches.mojo`) over an emulated grid instead of the
+                CPU kernel.
+            scorer: The GPU path's scorer (`scorers.mojo`):
                 `"auto"`, `"simt"` (FP32 FMAs), `"wgmma"` (sm_90 tensor
                 cores) or `"mfma"` (gfx942 matrix cores); the tensor ones
                 also over the emulated grid with `emulate_gpu`.
@@ -304,7 +305,7 @@ struct MLAKPoolIndexTopK:
             return
         comptime on_cpu = target == "cpu" and not emulate_gpu
         var offsets = input_row_offsets.unsafe_ptr()
-        # The GPU path reads the offsets on the device (`index_gpu.plan_phase`).
+        # The GPU path reads the offsets on the device (`launches.plan_phase`).
         var scored = batch
         comptime if on_cpu:
             scored = scored_prefix(offsets, batch, total_tokens)

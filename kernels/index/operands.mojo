@@ -1,16 +1,16 @@
 """One `mla_kpool.index_top_k` call as its kernels see it: `IndexOperands`.
 
 The call's tensor pointers, sizes and cache geometry, shared by the CPU
-path (`index_cpu.mojo`) and the GPU path (`index_gpu.mojo`). The op's
-contract and the checks that fill the struct are in `index_top_k.mojo`;
-how the offsets and pages are read is in `index_plan.mojo`.
+path (`cpu/tasks.mojo`) and the GPU path (`gpu/launches.mojo`). The op's
+contract and the checks that fill the struct are in `top_k.mojo`;
+how the offsets and pages are read is in `plan.mojo`.
 """
 
 from std.math import ceildiv
 from std.sys import simd_width_of
 
-from ..model.operands import KernelOperands
-from ..model.ragged import Field, Ptr
+from ..grid.operands import KernelOperands
+from ..grid.ragged import Field, Ptr
 
 
 comptime TOP_K_LIMIT = 2048
@@ -45,7 +45,7 @@ struct IndexWorkspace[origin: MutOrigin](Copyable, TrivialRegisterPassable):
     """
 
     var plan: Field[DType.int64, Self.origin]
-    """`[2 * T]` each row's request and bound (`index_gpu`)."""
+    """`[2 * T]` each row's request and bound (`gpu/launches.mojo`)."""
     var scores: Field[DType.float32, Self.origin]
     """`[window, candidates]` score workspace."""
     var split: Field[DType.uint32, Self.origin]

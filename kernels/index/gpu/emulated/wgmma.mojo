@@ -32,8 +32,8 @@ not modelled: a descriptor that uses them yields NaN, so a scorer that
 starts using them fails its emulated tests until the model grows.
 """
 
-from ...model.block_phases import Shared
-from ..index_fp8 import decode_e4m3
+from ....grid.block_phases import Shared
+from ...fp8 import decode_e4m3
 
 
 comptime WGMMA_FP8_K = 32

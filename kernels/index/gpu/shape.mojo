@@ -1,17 +1,17 @@
 """`index_top_k`'s GPU score launch shape: threads, heads per pass, shared words.
 
 Shapes whose float32 query fits `SCORE_SHARED_LIMIT` words take the tiled
-scorer (`index_gpu_score.index_score_phase`), whose blocks grow with the
+scorer (`score.index_score_phase`), whose blocks grow with the
 query (`score_threads`) and which keeps `pass_heads` heads in registers per
 pass over a key; the others take the untiled one at `SCORE_THREADS` per
-block. The launch (`index_gpu.mojo`), the scorers and gpu-report's driver
+block. The launch (`launches.mojo`), the scorers and gpu-report's driver
 all read these.
 """
 
 from std.bit import next_power_of_two
 from std.math import ceildiv, max, min
 
-from ..index_operands import IndexTopK
+from ..operands import IndexTopK
 
 
 comptime SCORE_THREADS = 128

@@ -29,8 +29,8 @@ from std.memory import bitcast, stack_allocation
 from std.sys import llvm_intrinsic
 from std.sys.info import CompilationTarget
 
-from ..index_operands import F32_WIDTH
-from ...model.ragged import Ptr
+from ..operands import F32_WIDTH
+from ...grid.ragged import Ptr
 
 
 comptime CPU_REGISTERS = 32 if F32_WIDTH >= 16 else 16
