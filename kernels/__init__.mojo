@@ -16,32 +16,15 @@ builtins, so that a graph loading this package runs them on CPU and GPU:
 `ring_close`, `compress` and the fused step share the per-channel pooling
 routine in `pooling.mojo`, so a pool comes out bitwise identical whichever
 of them builds it; `seed_tail` only copies rows into the ring.
+`mla_kpool.step` (`step.mojo`, a name of this package's own) does the three
+writers' work and the pool row offsets for one call in one op, bitwise equal
+to the three-op sequence. The writers are in `writers/`.
 
-`mla_kpool.step` (`step.mojo`, under a name of this package's own) does the
-three writers' work and the pool row offsets for one call in one op, bitwise
-equal to the three-op sequence.
-
-`mla_kpool.index_top_k` (`top_k.mojo`, also under a name of this
+`mla_kpool.index_top_k` (`index/top_k.mojo`, also under a name of this
 package's own) is the indexer that consumes the pooled keys: MAX 26.7's
 `mo.mla.indexer.ragged.float8.paged` (same parameters and operands) on the
-CPU, where MAX has none. It scores each query token against a paged FP8 key
-cache and keeps the ids of its best `k` keys or pools. Under `index/`,
-its CPU path (`cpu/tasks.mojo`, scoring in `cpu/score.mojo`) and its GPU
-path (`gpu/launches.mojo`: the plan, score and select launches; the
-scorers in `gpu/score.mojo` with `gpu/shape.mojo`, `gpu/wgmma.mojo` and
-`gpu/mfma.mojo`, picked in `scorers.mojo`; the select in
-`gpu/select.mojo`) share the operand struct (`operands.mojo`), the rows
-scored and their bounds (`plan.mojo`), the FP8 decode (`fp8.mojo`) and the
-candidate order (`rank.mojo`).
+CPU, where MAX has none; `index/` holds it (its docstring maps the files).
 
-Every GPU kernel is declared once, next to its body, as a
-`gpu_kernel.GpuKernel` (name, operands, threads, shared words, phases,
-grid rule), and launched by `gpu_kernel.launch_kernel`: as
-`parallel.gpu_kernel` when its threads never communicate (the writers,
-the plan), as `gpu_kernel.gpu_block_kernel` when they cooperate (phases
-separated by barriers, registers across them, shared memory, atomics,
-collectives: the scorers, the select, the step's scan); on the CPU both
-run over an emulated grid, the phased one with an emulation that refuses a
-missing barrier, a race with an atomic or a lane left out of a collective. `gpu-report` and the compile tests compile the
-same declarations.
+Each GPU kernel is declared once (`grid/`), run on a GPU or an emulated
+grid on the CPU, and compiled by `gpu-report` and the compile tests.
 """

@@ -21,28 +21,12 @@ touches besides its state:
   scope.
 
 **The emulation** runs a block's phase `p` for every thread (in
-descending order) before phase `p + 1`, which is exact for
-barrier-separated code, and blocks one after another in a shuffled order
-(`block_order`), so code that depends on block order fails. A missing
-barrier would still give the right answer in some thread order, so the
-emulation does not rely on order: it stamps every shared word with its last
-writer, readers and atomic users (phase, thread) and fails the launch on
-
-- a read of a word another thread wrote in the same phase,
-- a write to a word another thread read or wrote in the same phase,
-- a plain read or write of a word another thread used atomically in the
-  same phase (atomics among themselves are exact in any order),
-- a read (or atomic) of a word no phase of this block has written (shared
-  memory starts undefined on a GPU),
-- an index outside the launch's shared words,
-- a collective one of whose lanes offered no value in that phase, and
-- a thread reading a collective's result that no collective gave it.
-
-The race check idea is the one of GPU race detectors (NVIDIA's
-compute-sanitizer racecheck): shadow state per shared word, checked at each
-access between two barriers. A profiled launch (`profile_kernel`) also
-records every access with its source location (`profile`); the GPU build
-has no recording code.
+descending order) before phase `p + 1`, exact for barrier-separated code,
+and blocks in a shuffled order (`block_order`), so code that depends on
+block order fails. It fails a launch on a race, a read of a word never
+written, an index out of range or a collective lane left out
+(`BlockShared` lists the rules). A profiled launch (`profile_kernel`)
+records every access by source location; the GPU build records nothing.
 """
 
 from max.gpu.memory import AddressSpace
@@ -165,6 +149,25 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
     atomic stamps and the report (`shadow_words`); an access that breaks the
     phase model is recorded there (the first one) and the launch fails after
     the phase.
+
+    A missing barrier would still give the right answer in some thread
+    order, so the emulation does not rely on order: it stamps every shared
+    word with its last writer, readers and atomic users (phase, thread) and
+    fails the launch on
+
+    - a read of a word another thread wrote in the same phase,
+    - a write to a word another thread read or wrote in the same phase,
+    - a plain read or write of a word another thread used atomically in the
+      same phase (atomics among themselves are exact in any order),
+    - a read (or atomic) of a word no phase of this block has written (shared
+      memory starts undefined on a GPU),
+    - an index outside the launch's shared words,
+    - a collective one of whose lanes offered no value in that phase, and
+    - a thread reading a collective's result that no collective gave it.
+
+    The race check idea is the one of GPU race detectors (NVIDIA's
+    compute-sanitizer racecheck): shadow state per shared word, checked at
+    each access between two barriers.
 
     Parameters:
         origin: Origin of the pointers (`MutAnyOrigin` in kernels, as

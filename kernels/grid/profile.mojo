@@ -18,11 +18,9 @@ thread of a warp is one request. For each request:
 - **atomics**: the most lanes of the request on one word (they
   serialize on a GPU).
 
-Per launch: blocks and phases (a barrier after each phase but the last),
-the per-phase critical path (the most shared accesses any one thread made
-in that phase, over every block) and the accesses of the busiest and the
-idlest block. These are the counts Nsight Compute reports as shared
-wavefronts per request and bank conflicts, computed the way its
+Per launch, `LaunchProfile` adds barriers, the critical path and the
+busiest and idlest blocks. These are the counts Nsight Compute reports as
+shared wavefronts per request and bank conflicts, computed the way its
 documentation defines them; the emulation knows no timing.
 
 Only host code records (the GPU build of every kernel has no recording
@@ -242,6 +240,11 @@ struct LaunchProfile(Movable):
     `record` is called by `BlockShared` for every access; the emulation
     calls `close_phase` after each phase of each block and
     `close_block` after each block.
+
+    Per launch: blocks and phases (a barrier after each phase but the
+    last), the per-phase critical path (the most shared accesses any one
+    thread made in that phase, over every block) and the accesses of the
+    busiest and the idlest block.
     """
 
     var kernel: String

@@ -1,15 +1,10 @@
 """`mla_kpool.index_top_k`: score the paged FP8 key cache, keep each query's top k.
 
-The indexer of a sparse-attention layer (DeepSeek-V3.2's, and GLM-5-Next's
-over pooled keys) scores every key a query token may see and hands the ids
-of the `k` best to sparse attention. This is MAX 26.7's
-`mo.mla.indexer.ragged.float8.paged` (same parameters, same operands in the
-same order), under this package's own name so that MAX's builtin stays in
-place for the GPUs it serves. This file holds the contract and the
-registration with its operand checks; the kernels are the CPU path
-(`cpu/tasks.mojo`) and the GPU path (`gpu/launches.mojo`), over the
-operands of `operands.mojo` and the rows planned by
-`plan.mojo`.
+The indexer of a sparse-attention layer (DeepSeek-V3.2's, GLM-5-Next's
+over pooled keys): MAX 26.7's `mo.mla.indexer.ragged.float8.paged` (same
+parameters and operands, in order) under this package's own name, leaving
+MAX's builtin to the GPUs it serves. Here: the contract, the registration
+and its operand checks; the kernels: `cpu/tasks.mojo`, `gpu/launches.mojo`.
 
 Score of query row `t` (of request `b`) for candidate `j`:
 
@@ -24,23 +19,14 @@ row `t` see candidates `[0, bound)`:
 
 Output row `t`: the ids of the `m = min(k, bound)` best candidates in
 descending score, ties by ascending id (a NaN score ranks as `-inf`), then
-`-1`. Deterministic: the same operands give the same rows on every run.
+`-1`, the same rows on every run (key layout: `MLAKPoolIndexTopK.execute`).
 
-Key layout, by the row width `W` of `k_blocks`: `W == depth` puts candidate
-`j` on cache row `j` (`kpool == 1`, or one pooled key per row); `W == depth
-/ kpool` (GLM-5-Next) spreads pool `j` over rows `kpool * j + r`, row `r`
-holding dims `[r * W, (r + 1) * W)`, its scale on row `kpool * j`. Cache row
-`x` of request `b` is slot `x % page_size` of block
-`k_lookup_table[b, x // page_size]`, its scale likewise through
-`k_scales_lookup_table`; blocks start every `page_stride` elements (`-1`:
-packed), which may run past the bound view of a larger arena.
-
-Metadata is not trusted. Requests are scored only while the offsets are
-well formed: `input_row_offsets[0] == 0` and non-decreasing up to
-`input_row_offsets[b + 1] <= T`. A request is skipped (its rows `-1`) if its
-cache length reads negative, or a page it needs lies past the lookup
-tables or names a block past `k_blocks` / `k_scales`. Every other row is
-`-1` too. Nothing outside the operands is ever read.
+Metadata is not trusted: a request is scored only while the offsets are
+well formed up to it (`input_row_offsets[0] == 0`, non-decreasing,
+`input_row_offsets[b + 1] <= T`), and skipped (rows `-1`) if its cache
+length reads negative or a page it needs lies past the lookup tables or
+names a block past `k_blocks` / `k_scales`. Every other row is `-1` too.
+Nothing outside the operands is ever read.
 """
 
 import extensibility
@@ -116,6 +102,18 @@ struct MLAKPoolIndexTopK:
         ctx: DeviceContext,
     ) raises:
         """Writes each query row's top-k candidate ids (see the module doc).
+
+        Key layout, by the row width `W` of `k_blocks`: `W == depth` puts candidate
+        `j` on cache row `j` (`kpool == 1`, or one pooled key per row); `W == depth
+        / kpool` (GLM-5-Next) spreads pool `j` over rows `kpool * j + r`, row `r`
+        holding dims `[r * W, (r + 1) * W)`, its scale on row `kpool * j`. Cache row
+        `x` of request `b` is slot `x % page_size` of block
+        `k_lookup_table[b, x // page_size]`, its scale likewise through
+        `k_scales_lookup_table`; blocks start every `page_stride` elements (`-1`:
+        packed), which may run past the bound view of a larger arena.
+
+        The operands are `operands.IndexOperands`; the rows each query
+        scores are planned by `plan.mojo`.
 
         Parameters:
             num_heads: Query heads `H`.

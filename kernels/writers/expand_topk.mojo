@@ -1,8 +1,7 @@
 """`mo.mla.kpool.expand_topk`: expand the indexer's selected pools into positions.
 
-The indexer scores pools and picks `pool_topk` of them per query token;
-attention reads tokens. Pool `p` covers positions `p * kpool` to
-`p * kpool + kpool - 1`, so each selected id widens into `kpool` positions.
+The indexer picks `pool_topk` pools per query token; attention reads
+tokens: pool `p` widens into positions `p * kpool .. p * kpool + kpool - 1`.
 
 Token row `t` belongs to request `b` when `input_row_offsets[b] <= t <
 input_row_offsets[b + 1]`; its query position is `c + local` (`c =
@@ -26,14 +25,8 @@ So valid positions always come first and a column is never a clamped or
 invented position. A row is all `-1` when no request owns it (past the last
 offset, or in the span of a request with bad metadata: decreasing offsets,
 offsets past `total_tokens`, a negative cache length) and when its
-positions would not fit int32 (`visible > 2^31`).
-
-A row's request is found by binary search over `input_row_offsets` (the
-last `b` with `input_row_offsets[b] <= t`), exact for the non-decreasing
-offsets of any real batch. When the offsets decrease somewhere the spans of
-valid requests may overlap or be missed by the search: each row then holds
-all `-1` or the expansion for some valid request whose span holds it, and
-nothing is ever read or written out of bounds.
+positions would not fit int32 (`visible > 2^31`). Nothing is ever read or
+written out of bounds (`query_visible` finds a row's request).
 """
 
 import extensibility
@@ -151,6 +144,12 @@ def query_visible(op: ExpandTopK, row: Int) -> Int:
     or does not hold `row`, its cache length is negative, or `visible`
     exceeds `POSITION_LIMIT`. Never reads outside `input_row_offsets[0 :
     batch + 1]` and `cache_lengths[0 : batch]`.
+
+    The search is exact for the non-decreasing offsets of any real batch.
+    When the offsets decrease somewhere the spans of valid requests may
+    overlap or be missed by the search: each row then holds all `-1` or
+    the expansion for some valid request whose span holds it, and nothing
+    is ever read or written out of bounds.
     """
     var b = last_span_at(op.input_row_offsets, op.batch, row)
     if b < 0 or b >= op.batch:

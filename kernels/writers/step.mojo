@@ -22,32 +22,11 @@ tokens are written into it, inside the op, so callers cannot order the
 writers wrongly. Two requests of one call on the same ring slot are a
 caller error with no defined result (as with the separate writers).
 
-The op holds ring_close's operand struct (built by the same constructor as
-ring_close's) and derives compress's and seed_tail's from it, and runs the
-writers' code on them, so the paths cannot drift apart: the CPU path runs
-`close_requests`, `compress_rows` and `seed_requests` over ranges, the GPU
-path runs `ring_close_lane`, `seed_tail_lane` and `compress_lane`.
-
-GPU launches. The prefix sum of pool counts is the only dependency across
-requests: a compress row must know which request owns it. Two launches on
-one stream, which the stream orders:
-
-1. `kpool_step_scan_kernel`, one block of `SCAN_THREADS` threads writing
-   `pool_row_offsets`: each thread sums the pool counts of a contiguous
-   run of requests, a block exclusive prefix sum (`block_phases`) gives
-   each run its start, and each thread writes its run's offsets. The
-   critical path is a run and the collective, not the batch (a run is one
-   request up to a batch of 1024). The CPU path scans serially
-   (`scan_pool_rows`); the two agree bit for bit (64-bit sums, stored
-   modulo 2^32).
-2. `kpool_step_kernel` over `batch + total_tokens // kpool` rows, several
-   per block (`gpu_rows`: 16 bytes of channels per thread). Row `b <
-   batch` closes request `b` and then seeds it: the thread that pools
-   channels `ch` from the ring is the one that later overwrites channels
-   `ch` of that ring slot, so reading before writing needs no barrier. Row
-   `batch + i` writes output row `i`, finding its owner by binary search
-   over the offsets launch 1 wrote. Folding the scan into this launch would
-   make every compress row redo it.
+The op derives compress's and seed_tail's operands from ring_close's
+(built by ring_close's constructor; `StepOperands`) and runs the writers'
+own code on them (`step_cpu`, `step_thread`): the paths cannot drift. A
+GPU runs two launches the stream orders: `StepScanKernel` (the prefix sum
+of pool counts, the only dependency across requests), then `StepKernel`.
 """
 
 import extensibility
@@ -223,7 +202,9 @@ def scan_pool_rows(op: Step):
 def step_cpu(op: Step):
     """CPU step: the scan, then one parallel region for everything else.
 
-    The scan runs on the calling thread. Then part `i` of
+    It runs the writers' code over ranges: `close_requests`,
+    `compress_rows` and `seed_requests`. The scan runs on the calling
+    thread. Then part `i` of
     `num_physical_cores()` equal parts is a range of requests (closed, then
     seeded) and a range of output rows (compressed): an equal share of the
     rows before `pool_row_offsets[batch]` and of those after. The separate
@@ -271,7 +252,16 @@ comptime SCAN_THREADS = 1024
 
 
 def step_scan_phase[phase: Int](thread: Int, mut lane: Lane, op: Step):
-    """One thread of launch 1 (see the module), phase `phase`.
+    """One thread of launch 1 (`StepScanKernel`), phase `phase`.
+
+    `kpool_step_scan_kernel`, one block of `SCAN_THREADS` threads writing
+    `pool_row_offsets`: each thread sums the pool counts of a contiguous
+    run of requests, a block exclusive prefix sum (`block_phases`) gives
+    each run its start, and each thread writes its run's offsets. The
+    critical path is a run and the collective, not the batch (a run is one
+    request up to a batch of 1024). The CPU path scans serially
+    (`scan_pool_rows`); the two agree bit for bit (64-bit sums, stored
+    modulo 2^32).
 
     Phase 0: the thread offers the 64-bit sum of its run's pool counts to
     the block's exclusive prefix sum. Phase 1: from that prefix it writes
@@ -317,7 +307,7 @@ def note_scan_phase[phase: Int](thread: Int, s: Shared, op: Step):
 
 
 def step_thread(block: Int, thread: Int, s: Shared, op: Step):
-    """One GPU thread of launch 2 (see the module): a request or a row.
+    """One GPU thread of launch 2 (`StepKernel`): a request or a row.
 
     Row `r < batch` of the launch's row space (`gpu_rows.row_lane`):
     `ring_close_lane`, then `seed_tail_lane` (the same channels, so each
@@ -379,7 +369,17 @@ struct StepScanKernel[Op: type_of(Step)](GpuKernel):
 
 struct StepKernel[Op: type_of(Step)](GpuKernel):
     """The step's launch 2: requests then output rows, as many per block as
-    `gpu_rows.gpu_rows_per_block`, 16 bytes of channels per thread."""
+    `gpu_rows.gpu_rows_per_block`, 16 bytes of channels per thread.
+
+    `kpool_step_kernel` over `batch + total_tokens // kpool` rows, several
+    per block (`gpu_rows`: 16 bytes of channels per thread). Row `b <
+    batch` closes request `b` and then seeds it: the thread that pools
+    channels `ch` from the ring is the one that later overwrites channels
+    `ch` of that ring slot, so reading before writing needs no barrier. Row
+    `batch + i` writes output row `i`, finding its owner by binary search
+    over the offsets launch 1 wrote. Folding the scan into this launch would
+    make every compress row redo it.
+    """
 
     comptime Operands = Self.Op
     comptime name = "kpool_step_kernel"

@@ -10,12 +10,8 @@ float32 walk only in the float32 rounding of its sums, as the pair form
 does; AMX reads its bfloat16 inputs with denormals as zero, and no e4m3fn
 value is a bfloat16 denormal.
 
-The block: for one query row, 32 heads (two A tiles of 16 heads x 32 dims,
-rows of the row's `[heads, depth]` bfloat16 query) against the prefill
-tile's 32 candidates (two B tiles of 16 dim pairs x 16 candidates: the
-pair form's transposed key words, as they are), four float32 C tiles over
-the depth, stored to a `[32 heads, 32 candidates]` scratch and folded into
-the row's totals by `fold_heads` (ReLU keeping a NaN, times the weights).
+The block (`score_row_amx`): one query row's 32 heads against the prefill
+tile's 32 candidates, on four float32 C tiles.
 
 The host's compilation target does not name AMX (MAX and `mojo` build for
 a target without `amx-tile` even where the CPU has it), so the tile
@@ -213,6 +209,14 @@ def score_row_amx[
     totals: Ptr[DType.float32],
 ):
     """Adds one row's weighted ReLU head dots over a key tile to its totals.
+
+    For one query row, 32 heads (two A tiles of 16 heads x 32 dims,
+    rows of the row's `[heads, depth]` bfloat16 query) against the prefill
+    tile's 32 candidates (two B tiles of 16 dim pairs x 16 candidates: the
+    pair form's transposed key words, as they are), four float32 C tiles over
+    the depth, stored to a `[32 heads, 32 candidates]` scratch and folded into
+    the row's totals by `fold_heads` (ReLU keeping a NaN, times the weights).
+
 
     Needs `amx_begin` on this thread and `amx_ready()` in this process.
 

@@ -6,39 +6,18 @@ Each launch is a kernel declaration (`gpu_kernel.GpuKernel`): `PlanKernel`,
 the scorer's (`scorers.ScoreKernel`: `SimtScore`, `WgmmaScore`,
 `MfmaScore`) and `SelectKernel`.
 
-1. **Plan** (`plan_phase`, a block per request, two phases): each row's
-   request and bound, or `-1` when the contract makes the row all `-1`
-   (offsets malformed before it, a negative cache length, a page past a
-   lookup table or an arena). The block's threads share the checks of
-   the offsets before the request and of its pages, a block sum counts
-   what failed, then they write the request's rows. The offsets are read
-   on the device: nothing of the call's metadata goes to the host.
-2. **Score** (`score.index_score_phase`, a block per (row, tile of
-   `score_threads` candidates), two phases): the row's FP8 query decoded
-   once into shared memory, then a thread per candidate reads its key's
-   bytes (16 per load where aligned; decoded by the hardware's FP8
-   conversion on NVIDIA GPUs) and keeps up to `PASS_HEADS` per-head dot
-   products in registers per pass over the key, with the NaN-keeping
-   ReLU, the head weights and the key's scale applied there, into a
-   float32 workspace row (`index_score_thread`, untiled, for shapes whose
-   query does not fit the block's shared memory). The launch's shape is
-   `shape.mojo`'s. That is the `"simt"` scorer (`SimtScore`); the tensor
-   scorers (`wgmma.mojo` on sm_90, `mfma.mojo` on gfx942)
-   fill the same workspace row, as `scorers.mojo` picks.
-3. **Select** (`select.select_phase`, a block per row): the top
-   `k` ids of the workspace row in the contract's order.
+1. **Plan** (`PlanKernel`, a block per request): each row's request and
+   bound, or `-1` where the contract makes the row all `-1`; the offsets
+   are read on the device: nothing of the call's metadata goes to the host.
+2. **Score** (the scorer's `ScoreKernel`): a float32 workspace row of
+   scores per query row (`index_top_k_gpu` has the FP32 scorer's walk).
+3. **Select** (`SelectKernel`, a block per row, or several): the top `k`
+   ids of the workspace row in the contract's order.
 
-Rows go through in windows: the workspace holds `window` rows of
-`candidates` scores, `candidates` being the most any row can see (the
-lookup tables' pages), and `window` is what `GPU_WORKSPACE_BYTES` allows, so
-a 128K-token context never needs a `T x P` matrix at once. Grids are on the
-x axis only: a window's score launch has `rows * tiles` blocks, far below
-2^31 - 1 (`check_launch` refuses anything past it), so long contexts cannot
-overflow a grid dimension.
+Rows go through in windows (`window_rows`), so a long context never needs
+a `T x P` matrix at once nor overflows a grid dimension (x axis only).
 
-A decode reads each visible key once per query row (once per request); a
-prefill reads a request's keys once per row, from the L2 cache after the
-first. It has run on an NVIDIA H200 (docs/performance.md).
+It has run on an NVIDIA H200 (docs/performance.md).
 """
 from max.gpu.host import DeviceContext
 from std.math import ceildiv, max, min
@@ -210,7 +189,14 @@ def select_row[
 
 
 struct PlanKernel[Op: type_of(IndexTopK)](GpuKernel):
-    """Launch 1: a block per request writes its rows' plans (`plan_phase`)."""
+    """Launch 1: a block per request writes its rows' plans (`plan_phase`,
+    two phases): each row's request and bound, or `-1` when the contract
+    makes the row all `-1` (offsets malformed before it, a negative cache
+    length, a page past a lookup table or an arena). The block's threads
+    share the checks of the offsets before the request and of its pages, a
+    block sum counts what failed, then they write the request's rows. The
+    offsets are read on the device: nothing of the call's metadata goes to
+    the host."""
 
     comptime Operands = Self.Op
     comptime name = "mla_kpool_index_plan_kernel"
@@ -344,7 +330,16 @@ def _select_phase_host[
 
 
 def window_rows(candidates: Int, total_tokens: Int) -> Int:
-    """Rows per window: as many as `GPU_WORKSPACE_BYTES` of scores hold."""
+    """Rows per window: as many as `GPU_WORKSPACE_BYTES` of scores hold.
+
+    Rows go through in windows: the workspace holds `window` rows of
+    `candidates` scores, `candidates` being the most any row can see (the
+    lookup tables' pages), and `window` is what `GPU_WORKSPACE_BYTES`
+    allows, so a 128K-token context never needs a `T x P` matrix at once.
+    Grids are on the x axis only: a window's score launch has `rows *
+    tiles` blocks, far below 2^31 - 1 (`check_launch` refuses anything
+    past it), so long contexts cannot overflow a grid dimension.
+    """
     var per_row = max(candidates, 1) * 4
     return max(1, min(total_tokens, GPU_WORKSPACE_BYTES // per_row))
 
@@ -361,6 +356,23 @@ def index_top_k_gpu[
     ctx: DeviceContext,
 ) raises:
     """Runs the three launches over every window of rows.
+
+    The score launch (`score.index_score_phase`, a block per (row, tile
+    of `score_threads` candidates), two phases): the row's FP8 query
+    decoded once into shared memory, then a thread per candidate reads its
+    key's bytes (16 per load where aligned; decoded by the hardware's FP8
+    conversion on NVIDIA GPUs) and keeps up to `PASS_HEADS` per-head dot
+    products in registers per pass over the key, with the NaN-keeping
+    ReLU, the head weights and the key's scale applied there, into a
+    float32 workspace row (`index_score_thread`, untiled, for shapes whose
+    query does not fit the block's shared memory). The launch's shape is
+    `shape.mojo`'s. That is the `"simt"` scorer (`SimtScore`); the tensor
+    scorers (`wgmma.mojo` on sm_90, `mfma.mojo` on gfx942) fill the same
+    workspace row, as `scorers.mojo` picks.
+
+    A decode reads each visible key once per query row (once per
+    request); a prefill reads a request's keys once per row, from the L2
+    cache after the first.
 
     Parameters:
         emulate: Run every launch over the emulated grid on the CPU.

@@ -14,36 +14,10 @@ heads past `num_heads` zero rows. With the heads as rows, lane `l` holds
 calculator): four heads of one candidate, so a lane sums its heads in
 registers, and only the 4 lanes `l % 16 + 16 g` share a candidate.
 
-**Operands straight from global memory.** Lane `l` of wave `w` holds
-row `l % 16` of A (head `16 c + l % 16`) and column `l % 16` of B (the
-wave's candidate `l % 16`), 8 bytes of K per instruction. Since a dot
-product may take K in any order as long as both operands take the same
-one, lane group `g = l / 16` holds bytes `8 S g ..< 8 S (g + 1)` of its
-rows (`S` = instructions per chunk), 8 of them per instruction: one
-contiguous run per lane (two 16-byte loads at depth 128), no shared-memory
-staging and no barrier before the product. A key is read once per block;
-the query row once per wave, from the cache.
-
-**e4m3fn bytes on an e4m3fnuz instruction** (`fn_to_fnuz_words`): for
-every byte but `0x80`, `0x7F`, `0xFF`, the e4m3fnuz value is the e4m3fn
-value halved (bias 8 instead of 7). The fragment loader clears `0x80`
-(e4m3fn's -0, e4m3fnuz's NaN) to `0x00`, and each dot product is
-multiplied by 4 (exact). `0x7F` / `0xFF` (NaN in e4m3fn) read as +-240
-in e4m3fnuz, so each lane also looks for them in its key and query bytes:
-a NaN key byte makes that candidate's score NaN, a NaN query byte the
-whole row's (through a flag per thread in shared memory), as in the FP32
-scorers.
-
-Phases (`gpu_kernel.gpu_block_kernel`):
-
-- `0`: each wave issues `ceil(H / 16) * S` MFMAs; per head chunk, each
-  lane scales its 4 registers by 4, applies the NaN-keeping ReLU and the
-  head weights and adds them to its partial sum (chunks, then registers,
-  ascending), then stores the partial in shared word `4 m + l / 16` of its
-  candidate `m = 16 w + l % 16`.
-- `1`: a thread per candidate adds its 4 partial sums in a fixed order and
-  multiplies by the key's scale (once, after the head sum); NaN if wave
-  0's lanes saw a NaN query byte.
+The operands come straight from global memory, a contiguous run of K
+per lane, with no shared-memory staging (`row_fragment`); the e4m3fn
+bytes go to an e4m3fnuz instruction (`fn_to_fnuz_words`); `MfmaScore`
+has the phases.
 
 Numerics: products of e4m3 values are exact; the MFMA adds them with its
 own adder (CDNA3 FP8 MFMA: fewer bits than a float32 FMA chain), the head
@@ -111,7 +85,7 @@ def mfma_chunks[num_heads: Int]() -> Int:
 
 @always_inline
 def mfma_phases[num_heads: Int]() -> Int:
-    """Phases of the scorer (module docs): the products, then the sum.
+    """Phases of the scorer (`MfmaScore`): the products, then the sum.
 
     Two for any `num_heads`: the chunks run in one phase, since their
     operands come from global memory, not from shared tiles.
@@ -175,10 +149,20 @@ def fn_to_fnuz_words[
     """Clears every `0x80` byte of `x` to `0x00`, leaving the others.
 
     e4m3fn's `0x80` is -0 and e4m3fnuz's is its only NaN; every other
-    byte keeps its meaning up to a factor of 2 (module docs). Per byte,
+    byte keeps its meaning up to a factor of 2 (below). Per byte,
     `(b & 0x7F) + 0x7F` has bit 7 set unless the magnitude is 0 (and never
     carries into the next byte), so the mask keeps the sign bit of every
     byte with a nonzero magnitude.
+
+    **e4m3fn bytes on an e4m3fnuz instruction** (`fn_to_fnuz_words`): for
+    every byte but `0x80`, `0x7F`, `0xFF`, the e4m3fnuz value is the e4m3fn
+    value halved (bias 8 instead of 7). The fragment loader clears `0x80`
+    (e4m3fn's -0, e4m3fnuz's NaN) to `0x00`, and each dot product is
+    multiplied by 4 (exact). `0x7F` / `0xFF` (NaN in e4m3fn) read as +-240
+    in e4m3fnuz, so each lane also looks for them in its key and query bytes:
+    a NaN key byte makes that candidate's score NaN, a NaN query byte the
+    whole row's (through a flag per thread in shared memory), as in the FP32
+    scorers.
 
     Parameters:
         width: Words.
@@ -222,6 +206,17 @@ def row_fragment[
     DType.uint64, fragment_width[steps]()
 ]:
     """Lane group `group`'s bytes of one row: its operand registers.
+
+    **Operands straight from global memory.** Lane `l` of wave `w` holds
+    row `l % 16` of A (head `16 c + l % 16`) and column `l % 16` of B (the
+    wave's candidate `l % 16`), 8 bytes of K per instruction. Since a dot
+    product may take K in any order as long as both operands take the same
+    one, lane group `g = l / 16` holds bytes `8 S g ..< 8 S (g + 1)` of its
+    rows (`S` = instructions per chunk), 8 of them per instruction: one
+    contiguous run per lane (two 16-byte loads at depth 128), no shared-memory
+    staging and no barrier before the product. A key is read once per block;
+    the query row once per wave, from the cache.
+
 
     Bytes `8 steps group ..< 8 steps (group + 1)` of the row, zero past
     `depth` and for a row that is not `valid` (a padding head, a candidate
@@ -387,7 +382,7 @@ def multiply_tile(
 def index_mfma_phase(
     phase: Int, block: Int, thread: Int, s: Shared, op: IndexTopK
 ):
-    """One phase of the MFMA scorer (module docs).
+    """One phase of the MFMA scorer (`MfmaScore`).
 
     Block `block` scores window row `block / mfma_tiles(op)` against
     candidates `64 * (block % tiles) ..< + 64`, with `MFMA_THREADS`
@@ -432,7 +427,19 @@ def index_mfma_phase(
 
 struct MfmaScore[Op: type_of(IndexTopK)](GpuKernel):
     """The `"mfma"` scorer's launch (gfx942): `MFMA_WAVES` waves per (window
-    row, tile of `MFMA_TILE` candidates), `index_mfma_phase`."""
+    row, tile of `MFMA_TILE` candidates), `index_mfma_phase`.
+
+    Phases (`gpu_kernel.gpu_block_kernel`):
+
+    - `0`: each wave issues `ceil(H / 16) * S` MFMAs; per head chunk, each
+      lane scales its 4 registers by 4, applies the NaN-keeping ReLU and the
+      head weights and adds them to its partial sum (chunks, then registers,
+      ascending), then stores the partial in shared word `4 m + l / 16` of its
+      candidate `m = 16 w + l % 16`.
+    - `1`: a thread per candidate adds its 4 partial sums in a fixed order and
+      multiplies by the key's scale (once, after the head sum); NaN if wave
+      0's lanes saw a NaN query byte.
+    """
 
     comptime Operands = Self.Op
     comptime name = "mla_kpool_index_mfma_score_kernel"

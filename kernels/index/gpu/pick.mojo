@@ -248,7 +248,29 @@ def pick_phase[
     row: PickCandidates[MutAnyOrigin],
 ):
     """One thread's share of phase `phase` of a pick of `row`'s top `k`
-    into the pairs (module docs, steps 1-3).
+    into the pairs (steps 1-3 of the select).
+
+    1. **Load**: a row of at most `CACHE_WORDS` candidates is read from
+       global memory once, as its `score_order` keys, into shared memory
+       (sized at launch from the workspace's row width); a longer row is
+       read from global memory in each pass instead.
+    2. **Radix select** of the k-th largest key, 8 bits at a time from the
+       top (4 passes of 3 phases). *Count*: every thread adds the digits
+       of its keys (ids `t, t + 512, ..`) that match the prefix fixed so
+       far to a shared histogram of 256 buckets with `atomic_add` (two
+       histograms alternate, so one is cleared while the other is read).
+       *Offer*: thread `t < 256` offers bucket `255 - t`'s count to a
+       block exclusive prefix sum: its result is the number of matching
+       keys in higher buckets. *Decide*: the one thread whose bucket holds
+       the `need`-th key records the longer prefix and what is left of
+       `need`. After 4 passes the block knows the k-th key `K` and how
+       many keys equal to `K` the top k takes.
+    3. **Collect** (2 phases): each thread owns a contiguous run of ids
+       and offers its count of keys above `K` and at `K` (packed in one
+       64-bit value) to a block exclusive prefix sum; then writes its
+       selected (key, id) pairs to their places: keys above `K` in id
+       order, then the lowest-id `need` keys at `K` after all `m - need`
+       of them. Ties are taken in id order because the runs are.
 
     Parameters:
         phase: The phase, `0 ..< PICK_PHASES`.

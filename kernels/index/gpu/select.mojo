@@ -8,81 +8,20 @@ descending score order, ties by ascending id, then `-1` (the contract of
 A block of `SELECT_THREADS` (512) threads selects one row, in phases of
 the kernel model (`grid/block_phases`: compile-time phases, per-thread
 state in registers, shared-memory atomics, block collectives), each phase
-below followed by a barrier. Steps 1-3 are a *pick* (`pick`): the
-row's top `k` into shared memory, unsorted.
+below followed by a barrier (`select_phase` walks through them):
 
-1. **Load**: a row of at most `CACHE_WORDS` candidates is read from global
-   memory once, as its `score_order` keys, into shared memory (sized at
-   launch from the workspace's row width); a longer row is read from
-   global memory in each pass instead.
-2. **Radix select** of the k-th largest key, 8 bits at a time from the top
-   (4 passes of 3 phases). *Count*: every thread adds the digits of its
-   keys (ids `t, t + 512, ..`) that match the prefix fixed so far to a
-   shared histogram of 256 buckets with `atomic_add` (two histograms
-   alternate, so one is cleared while the other is read). *Offer*: thread
-   `t < 256` offers bucket `255 - t`'s count to a block exclusive prefix
-   sum: its result is the number of matching keys in higher buckets.
-   *Decide*: the one thread whose bucket holds the `need`-th key records
-   the longer prefix and what is left of `need`. After 4 passes the block
-   knows the k-th key `K` and how many keys equal to `K` the top k takes.
-3. **Collect** (2 phases): each thread owns a contiguous run of ids and
-   offers its count of keys above `K` and at `K` (packed in one 64-bit
-   value) to a block exclusive prefix sum; then writes its selected
-   (key, id) pairs to their places: keys above `K` in id order, then the
-   lowest-id `need` keys at `K` after all `m - need` of them. Ties are
-   taken in id order because the runs are.
-4. **Split rows** (a call of fewer than `SPLIT_ROWS` rows and a workspace
-   row of at least `SPLIT_MIN_CANDIDATES` and `4 k` candidates: the
-   split kernel, `select_slices` blocks per row, `MAX_SLICES` or fewer
-   to keep one wave of blocks in all; every row of the launch, short ones
-   too). Before the pick, the row's blocks count it together:
-   each block counts its slice's keys by their top `WIDE_BITS` bits (a
-   *wide digit*, 4,096 buckets) into a shared histogram with shared
-   atomics, adds the buckets it filled to the row's histogram in global
-   memory (`publish_add`), and arrives at the row's counter
-   (`block_phases.arrive`); a block maximum tells the last to arrive. That
-   block alone goes on: it takes the row's histogram (and re-zeroes it and
-   the counter for the next launch), finds by a block exclusive prefix sum
-   over the buckets, highest first, the bucket `B` that holds the m-th key
-   and how many keys `n` lie in `B` or above, and, if they fit in the row
-   cache, compacts those `n` (key, id) pairs into it in id order (a count
-   per thread's run, a prefix sum, a scatter): its pick then runs over
-   `n` candidates, not the row (at GLM-5-Next's decode, 16 rows of 8,192
-   candidates, k 512: 16 blocks per row, and about `k` plus one bucket's
-   keys left to pick). When they do not fit (ties or a narrow spread of
-   scores), it picks over the whole row. Blocks of unsplit rows skip these
-   phases.
-5. **Sort** by key descending, id ascending, and write the ids (then
-   `-1`). Up to `RANK_SORT_PAIRS` pairs, one phase ranks by counting: a
-   thread per pair counts the pairs that rank before it (every thread
-   reads the same pair at once, a broadcast) and writes its id at that
-   rank, no barrier between. More pairs (`m` is known to the whole block
-   at run time), a bitonic sort of the `m` pairs padded to `S =
-   next_power_of_two(m)`: the compare-exchange steps of stages up to `S`
-   (the steps of larger stages, up to `sort_width(k)`, do nothing), then a
-   phase writes the ids. Ranking costs `m` compares a pair, the sort
-   about `log2(S)^2 / 2` compare-exchanges and a barrier each step: at
-   512 pairs that is 512 against 45.
+1-3. a *pick* (`pick.pick_phase`: load, radix select, collect): the row's
+   top `k` into shared memory, unsorted;
+4. for a split row, before the pick, its blocks count it together and the
+   last to arrive alone goes on, over the row's compacted candidates
+   where they fit the row cache (`_split_phase`);
+5. a sort by key descending, id ascending, and the write of the ids, then
+   `-1`: by ranking up to `RANK_SORT_PAIRS` pairs, else a bitonic sort.
 
 Grid: `select_slices` blocks per row, on the x axis (2^31 - 1 blocks).
-Radix select, bitonic sort and ranking by counting are the textbook GPU
-methods (Alabi et al.,
-"Fast k-selection algorithms for graphics processing units", 2012;
-Batcher's bitonic sorter, 1968); a wide first digit counted with shared
-atomics and refined only inside the bucket that holds the k-th key is how
-the fast GPU top-k kernels count (FlashInfer's `RadixTopK`, MAX's
-`nn.topk_bitonic`), and blocks of one row that merge their histograms in
-global memory is FlashInfer's multi-block radix top-k, here without a
-grid-wide barrier: the last block to arrive finishes the row alone.
-
-**Shared memory** (`select_shared_words`, sized at launch): two
-histograms (2 x 256 words), the state (4 words), the pairs (2 x
-`sort_width(k)` words), the row cache (the workspace's row width, at most
-`CACHE_WORDS`; a split row's wide histogram, then its compacted pairs,
-live there), and the block collectives' 33 words (16 64-bit partials from
-an even word): 9,765 words (39,060 bytes) for k 512 at the GLM-5-Next
-decode shape, 12,837 (51,348 bytes, past the 48 KiB of static shared
-memory, within an MI300X workgroup's 64 KiB) for k 2048.
+Shared memory: `select_shared_words` (sized at launch), at most
+`select_max_words`. Two launches of a split select share its workspace
+words (`split_words`): the last block re-zeroes them for the next.
 """
 
 from std.bit import log2_floor, next_power_of_two
@@ -278,6 +217,14 @@ def select_collective(phase: Int, split: Bool) -> Int:
 def select_shared_words(k: Int, candidates: Int) -> Int:
     """Shared words of a select launch over rows of `candidates` columns.
 
+    Two histograms (2 x 256 words), the state (4 words), the pairs (2 x
+    `sort_width(k)` words), the row cache (the workspace's row width, at
+    most `CACHE_WORDS`; a split row's wide histogram, then its compacted
+    pairs, live there), and the block collectives' 33 words (16 64-bit
+    partials from an even word): 9,765 words (39,060 bytes) for k 512 at
+    the GLM-5-Next decode shape, 12,837 (51,348 bytes, past the 48 KiB of
+    static shared memory, within an MI300X workgroup's 64 KiB) for k 2048.
+
     Args:
         k: Ids per output row.
         candidates: The workspace's row width (the longest row).
@@ -391,7 +338,29 @@ def _split_phase[
     slice: Int,
 ):
     """Phase `phase` (`_CLEAR ..< _PICK`) of a split row's count and
-    compaction (module docs, step 4).
+    compaction (step 4 of the select).
+
+    A split row (a call of fewer than `SPLIT_ROWS` rows and a workspace
+    row of at least `SPLIT_MIN_CANDIDATES` and `4 k` candidates: the
+    split kernel, `select_slices` blocks per row, `MAX_SLICES` or fewer
+    to keep one wave of blocks in all; every row of the launch, short ones
+    too) is counted by its blocks together before the pick: each block
+    counts its slice's keys by their top `WIDE_BITS` bits (a *wide
+    digit*, 4,096 buckets) into a shared histogram with shared atomics,
+    adds the buckets it filled to the row's histogram in global memory
+    (`publish_add`), and arrives at the row's counter
+    (`block_phases.arrive`); a block maximum tells the last to arrive.
+    That block alone goes on: it takes the row's histogram (and re-zeroes
+    it and the counter for the next launch), finds by a block exclusive
+    prefix sum over the buckets, highest first, the bucket `B` that holds
+    the m-th key and how many keys `n` lie in `B` or above, and, if they
+    fit in the row cache, compacts those `n` (key, id) pairs into it in id
+    order (a count per thread's run, a prefix sum, a scatter): its pick
+    then runs over `n` candidates, not the row (at GLM-5-Next's decode, 16
+    rows of 8,192 candidates, k 512: 16 blocks per row, and about `k` plus
+    one bucket's keys left to pick). When they do not fit (ties or a
+    narrow spread of scores), it picks over the whole row. Blocks of
+    unsplit rows skip these phases.
 
     Two shared sites stay above 2-way, as the data decides: the wide
     histogram's atomics (keys of one digit serialize on its word; distinct
@@ -532,10 +501,33 @@ def select_phase[
     through scratch memory.
 
     A split launch's phases `_CLEAR ..< _PICK` count each row over its
-    blocks and let the last to arrive compact its candidates; the
-    selecting block (every block unsplit) then picks the top `k` (of the
-    compacted candidates, or of the whole row) into the pairs, sorts them
-    and writes the output, while a split row's other blocks idle.
+    blocks and let the last to arrive compact its candidates
+    (`_split_phase`); the selecting block (every block unsplit) then picks
+    the top `k` (of the compacted candidates, or of the whole row) into
+    the pairs (`pick.pick_phase`), sorts them and writes the output, while
+    a split row's other blocks idle.
+
+    The sort (step 5), by key descending, id ascending, then the write of
+    the ids (then `-1`): up to `RANK_SORT_PAIRS` pairs, one phase ranks by
+    counting (`_rank_write`): a thread per pair counts the pairs that rank
+    before it (every thread reads the same pair at once, a broadcast) and
+    writes its id at that rank, no barrier between. More pairs (`m` is
+    known to the whole block at run time), a bitonic sort of the `m` pairs
+    padded to `S = next_power_of_two(m)`: the compare-exchange steps of
+    stages up to `S` (the steps of larger stages, up to `sort_width(k)`,
+    do nothing), then a phase writes the ids. Ranking costs `m` compares a
+    pair, the sort about `log2(S)^2 / 2` compare-exchanges and a barrier
+    each step: at 512 pairs that is 512 against 45.
+
+    Radix select, bitonic sort and ranking by counting are the textbook
+    GPU methods (Alabi et al., "Fast k-selection algorithms for graphics
+    processing units", 2012; Batcher's bitonic sorter, 1968); a wide first
+    digit counted with shared atomics and refined only inside the bucket
+    that holds the k-th key is how the fast GPU top-k kernels count
+    (FlashInfer's `RadixTopK`, MAX's `nn.topk_bitonic`), and blocks of one
+    row that merge their histograms in global memory is FlashInfer's
+    multi-block radix top-k, here without a grid-wide barrier: the last
+    block to arrive finishes the row alone.
 
     Parameters:
         phase: The phase, `0 ..< select_phases(k, split)`.

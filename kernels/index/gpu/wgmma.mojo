@@ -13,36 +13,9 @@ steps of 32 (rounded up, the padding zero). This is how DeepGEMM's SM90
 `fp8_paged_mqa_logits` lays the product out (64 keys as M per warpgroup,
 heads as N); the code here is this package's own.
 
-At decode a tile takes one row (R = 1: each row has its own request and
-keys). At prefill (`wgmma_groups_rows`) it takes `group_rows` consecutive
-rows (4 at 32 heads, 2 at 64: N up to `WGMMA_GROUP_N` = 128), so the
-tile's keys are read and staged once for R rows instead of once per row.
-The rows of a group may belong to several requests (a request's rows are
-consecutive): a *segment* is a request's rows in the group, and each
-segment stages its request's keys and runs its own product, of which only
-its rows keep the sums.
-
-Phases (`gpu_kernel.gpu_block_kernel`), for segment `s` of `R`, chunk `c`
-of `C` (C > 1 only when R = 1):
-
-- stage: for `s = 0`, the chunk's query heads of every row of the group;
-  for `c = 0`, the segment's keys; each as e4m3fn bytes in shared memory,
-  K-major, in the unswizzled core-matrix layout `tile_byte` (8 rows x 16
-  bytes per core matrix); keys past the segment's bound, heads past
-  `num_heads` and rows of no request are zero. Then the generic-to-async
-  proxy fence, so `wgmma` sees the stores.
-- multiply: the warpgroup issues the `depth / 32` chained `wgmma`s; each
-  thread takes its accumulator registers (candidates `16 w + g`,
-  `16 w + g + 8`, columns `8 i + 2 q`, `+ 1`), applies the NaN-keeping
-  ReLU and its row's head weights, and adds its sums for the segment's
-  rows to its own shared words.
-- last: a thread per (row, candidate) adds the four partial sums (one
-  per thread of the quad that held the candidate) in a fixed order and
-  multiplies by the key's scale: the scale once after the head sum, as
-  DeepGEMM does.
-
-A segment with nothing to score (no row, or all its rows' bounds at or
-below the tile) skips its phases as a block.
+At decode a tile takes one row (R = 1); at prefill (`wgmma_groups_rows`)
+`group_rows` consecutive rows, one product per request among them
+(`Segment`). `WgmmaScore` has the phases and the shared layout.
 
 Numerics: the products of e4m3 values are exact, but the tensor core adds
 them with fewer bits than a float32 FMA chain (docs/ops.md derives the
@@ -96,7 +69,17 @@ from .emulated.wgmma import WGMMA_FP8_K, wgmma_e4m3_model
 @fieldwise_init
 struct Segment(Copyable, TrivialRegisterPassable):
     """The rows of a tile's group that belong to one request: one product
-    over the request's keys serves them all."""
+    over the request's keys serves them all.
+
+    At decode a tile takes one row (R = 1: each row has its own request and
+    keys). At prefill (`wgmma_groups_rows`) it takes `group_rows` consecutive
+    rows (4 at 32 heads, 2 at 64: N up to `WGMMA_GROUP_N` = 128), so the
+    tile's keys are read and staged once for R rows instead of once per row.
+    The rows of a group may belong to several requests (a request's rows are
+    consecutive): a *segment* is a request's rows in the group, and each
+    segment stages its request's keys and runs its own product, of which only
+    its rows keep the sums.
+    """
 
     var request: Int
     """Their request."""
@@ -473,7 +456,7 @@ def while_multiplying[
 def index_wgmma_phase[
     Shape: type_of(TileShape), phase: Int
 ](block: Int, thread: Int, s: Shared, op: IndexTopK):
-    """One phase of the tensor-core scorer (module docs) for the window
+    """One phase of the tensor-core scorer (`WgmmaScore`) for the window
     rows from `Shape.rows * (block / spans)`, candidates from
     `64 * Shape.span * (block % spans)` (`spans`: blocks per row group).
 
@@ -497,6 +480,28 @@ struct WgmmaScore[Op: type_of(IndexTopK), grouped: Bool = False](GpuKernel):
     """The `"wgmma"` scorer's launch (sm_90): a warpgroup per (group of
     `Shape.rows` window rows, span of `Shape.span` tiles of `WGMMA_TILE`
     candidates), `index_wgmma_phase`.
+
+    Phases (`gpu_kernel.gpu_block_kernel`), for segment `s` of `R`, chunk `c`
+    of `C` (C > 1 only when R = 1):
+
+    - stage: for `s = 0`, the chunk's query heads of every row of the group;
+      for `c = 0`, the segment's keys; each as e4m3fn bytes in shared memory,
+      K-major, in the unswizzled core-matrix layout `tile_byte` (8 rows x 16
+      bytes per core matrix); keys past the segment's bound, heads past
+      `num_heads` and rows of no request are zero. Then the generic-to-async
+      proxy fence, so `wgmma` sees the stores.
+    - multiply: the warpgroup issues the `depth / 32` chained `wgmma`s; each
+      thread takes its accumulator registers (candidates `16 w + g`,
+      `16 w + g + 8`, columns `8 i + 2 q`, `+ 1`), applies the NaN-keeping
+      ReLU and its row's head weights, and adds its sums for the segment's
+      rows to its own shared words.
+    - last: a thread per (row, candidate) adds the four partial sums (one
+      per thread of the quad that held the candidate) in a fixed order and
+      multiplies by the key's scale: the scale once after the head sum, as
+      DeepGEMM does.
+
+    A segment with nothing to score (no row, or all its rows' bounds at or
+    below the tile) skips its phases as a block.
 
     Parameters:
         Op: The operand struct.

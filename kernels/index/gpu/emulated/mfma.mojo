@@ -10,29 +10,15 @@ layouts printed by AMD's matrix instruction calculator
 (`amd_matrix_instruction_calculator --architecture cdna3 --instruction
 v_mfma_f32_16x16x32_fp8_fp8 --detail-instruction --register-layout`),
 never from the scorer, so a scorer whose fragments disagree with the
-hardware's gives wrong scores under emulation too:
+hardware's gives wrong scores under emulation too (the model's docstring
+has the layouts).
 
-- **A** (`src0`, 2 VGPRs = 8 bytes per lane): lane `16 (k / 8) + i` holds
-  `A[i][k]` in byte `k % 8` (bits `8 (k % 8)` up), for `i < 16`, `k < 32`.
-- **B** (`src1`, 8 bytes per lane): lane `16 (k / 8) + j` holds `B[k][j]`
-  in byte `k % 8`.
-- **D / C** (4 VGPRs per lane): `D[i][j]` is register `i % 4` of lane
-  `16 (i / 4) + j`.
-
-The operands are FP8 **e4m3fnuz** on CDNA3 (gfx950 switched to OCP
-e4m3fn): 1 sign, 4 exponent bits with bias 8, 3 mantissa bits, no
-infinities, no negative zero, and the single NaN `0x80`
-(`decode_e4m3fnuz`). The model sums each output's 32 products in float32
-in ascending `k` and adds the sum to `C`: an exact FP32 model, not the
+The operands are FP8 e4m3fnuz on CDNA3 (`decode_e4m3fnuz`). The model
+sums each output's 32 products in float32 in ascending `k` and adds the
+sum to `C`: an exact FP32 model, not the
 hardware's adder (which, per the CDNA3 ISA's FP8 notes and bit-exact
 studies such as microsoft/MMA-Sim, adds groups of products with fewer
 bits). Tests keep every sum exact, where both agree.
-
-The model receives every lane's operand registers at once: on a GPU the
-64 lanes hold them side by side; on the emulated grid lanes are threads
-run one after another, so the caller gathers them (the MFMA scorer calls
-its own per-lane fragment loader for each lane; the loader reads only
-the op's inputs, which no phase writes).
 """
 
 from std.memory import bitcast
@@ -66,6 +52,7 @@ def _pow2(e: Int) -> Float32:
 def decode_e4m3fnuz(byte: UInt8) -> Float32:
     """One FP8 e4m3fnuz byte as float32, exactly.
 
+    The operands of CDNA3's FP8 MFMA (gfx950 switched to OCP e4m3fn).
     e4m3fnuz (CDNA3 ISA, "FP8 and BF8 formats"; LLVM's `Float8E4M3FNUZ`):
     sign bit 7, exponent bits 3-6 with bias 8, mantissa bits 0-2. Exponent
     0 is subnormal, `m * 2^-10`; otherwise `(1 + m / 8) * 2^(e - 8)`, up to
@@ -150,7 +137,20 @@ def mfma_f32_16x16x32_fp8_model(
 
     `D = A x B + C` with A `[16, 32]` and B `[32, 16]` e4m3fnuz, D and C
     `[16, 16]` float32, each spread over the wave's registers as the CDNA3
-    ISA lays them out (module docs).
+    ISA lays them out:
+
+    - **A** (`src0`, 2 VGPRs = 8 bytes per lane): lane `16 (k / 8) + i` holds
+      `A[i][k]` in byte `k % 8` (bits `8 (k % 8)` up), for `i < 16`, `k < 32`.
+    - **B** (`src1`, 8 bytes per lane): lane `16 (k / 8) + j` holds `B[k][j]`
+      in byte `k % 8`.
+    - **D / C** (4 VGPRs per lane): `D[i][j]` is register `i % 4` of lane
+      `16 (i / 4) + j`.
+
+    The model receives every lane's operand registers at once: on a GPU the
+    64 lanes hold them side by side; on the emulated grid lanes are threads
+    run one after another, so the caller gathers them (the MFMA scorer calls
+    its own per-lane fragment loader for each lane; the loader reads only
+    the op's inputs, which no phase writes).
 
     Args:
         a: Every lane's A operand (src0): lane `l`'s 8 bytes, byte 0 in

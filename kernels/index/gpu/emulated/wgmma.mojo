@@ -7,21 +7,8 @@ NVIDIA's PTX ISA ("Asynchronous Warpgroup Level Matrix Multiply-Accumulate
 Instructions": the matrix descriptor format, the shared-memory matrix
 layouts and the register fragments of `.m64nNk32`), never from the scorer,
 so a scorer whose tiles, descriptors or fragment reading disagree with the
-hardware's gives wrong scores under emulation too:
-
-- **Descriptor** (64 bits): start address bits 0-13, leading dimension
-  byte offset (LBO) bits 16-29, stride dimension byte offset (SBO) bits
-  32-45, each a byte value shifted right by 4; base offset bits 49-51;
-  swizzle mode bits 62-63 (0: none, 1: 128-byte, 2: 64-byte, 3: 32-byte).
-- **K-major layout without swizzle**: the matrix is made of *core
-  matrices* of 8 rows x 16 bytes, each stored as 128 contiguous bytes (row
-  `r` of the core matrix at byte `16 * r`). The core matrix holding row
-  `r` and byte `k` of a row sits `(r / 8) * SBO + (k / 16) * LBO` bytes past
-  the start address.
-- **Accumulator fragment of `m64nNk32`**: thread `T` of the warpgroup
-  (`w = T / 32`, lane `l = T % 32`, `g = l / 4`, `q = l % 4`) holds `N / 2`
-  float32 registers; register `i` is element `(16 w + g + 8 ((i / 2) % 2),
-  8 (i / 4) + 2 q + i % 2)` of `D` (row of A, column of B).
+hardware's gives wrong scores under emulation too: `decode_descriptor`,
+`kmajor_byte` and `accumulator_element` hold the formats it reads.
 
 The model sums each step's 32 products in float32 in ascending `k` and adds
 the sum to the register: an exact FP32 model, not the hardware's
@@ -59,6 +46,11 @@ struct WgmmaDescriptor(Copyable, TrivialRegisterPassable):
 def decode_descriptor(desc: Int64) -> WgmmaDescriptor:
     """The fields of a 64-bit descriptor (PTX ISA's matrix descriptor format).
 
+    **Descriptor** (64 bits): start address bits 0-13, leading dimension
+    byte offset (LBO) bits 16-29, stride dimension byte offset (SBO) bits
+    32-45, each a byte value shifted right by 4; base offset bits 49-51;
+    swizzle mode bits 62-63 (0: none, 1: 128-byte, 2: 64-byte, 3: 32-byte).
+
     Args:
         desc: The descriptor as the instruction receives it.
 
@@ -78,6 +70,12 @@ def decode_descriptor(desc: Int64) -> WgmmaDescriptor:
 
 def kmajor_byte(desc: WgmmaDescriptor, row: Int, k: Int) -> Int:
     """Shared byte of element `(row, k)` of a K-major, unswizzled operand.
+
+    **K-major layout without swizzle**: the matrix is made of *core
+    matrices* of 8 rows x 16 bytes, each stored as 128 contiguous bytes (row
+    `r` of the core matrix at byte `16 * r`). The core matrix holding row
+    `r` and byte `k` of a row sits `(r / 8) * SBO + (k / 16) * LBO` bytes past
+    the start address.
 
     Args:
         desc: The operand's descriptor fields.
@@ -104,6 +102,11 @@ def accumulator_element(thread: Int, register: Int) -> Tuple[Int, Int]:
 
     The `m64nNk*` float32 accumulator fragment (PTX ISA, "Matrix Fragments
     for wgmma .m64nNk32").
+
+    **Accumulator fragment of `m64nNk32`**: thread `T` of the warpgroup
+    (`w = T / 32`, lane `l = T % 32`, `g = l / 4`, `q = l % 4`) holds `N / 2`
+    float32 registers; register `i` is element `(16 w + g + 8 ((i / 2) % 2),
+    8 (i / 4) + 2 q + i % 2)` of `D` (row of A, column of B).
 
     Args:
         thread: Thread of the warpgroup, 0 to 127.
