@@ -408,15 +408,13 @@ def memory_ops(code: str) -> dict:
     """
     sass = _SASS_INSTRUCTION.findall(code)
     if sass:
-        mnemonics, classify = sass, _sass_op
-
-        def barrier(m: str) -> bool:
-            return m.startswith("BAR.SYNC") or m == "BAR"
+        mnemonics, classify, barriers = sass, _sass_op, ("BAR.SYNC", "BAR")
     else:
-        mnemonics, classify = _AMD_INSTRUCTION.findall(code), _amd_op
+        mnemonics = _AMD_INSTRUCTION.findall(code)
+        classify, barriers = _amd_op, ("s_barrier",)
 
-        def barrier(m: str) -> bool:
-            return m == "s_barrier"
+    def barrier(m: str) -> bool:
+        return m in barriers or m.startswith("BAR.SYNC.")
 
     segments = [{"instructions": 0, "ops": Counter()}]
     for m in mnemonics:
