@@ -312,6 +312,15 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         return self._load(i)
 
     @always_inline
+    def unrecorded(self) -> Self:
+        """This view, its accesses not recorded by a profile: an emulator
+        gathering the registers of a wave's other lanes reads what those
+        lanes load, which is theirs to record, not this thread's."""
+        var quiet = self
+        quiet.profile = no_profile().unsafe_origin_cast[Self.origin]()
+        return quiet
+
+    @always_inline
     def tensor_operand_load(self, i: Int) -> UInt32:
         """Word `i` as a tensor-core instruction reads its shared operand
         (wgmma's descriptor): checked when emulated like any read, but
@@ -422,15 +431,26 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
 
     @always_inline
     def _note_global[
-        kind: Int
-    ](self, site: SourceLocation, at: Int, bytes: Int):
-        """Records a global access of `bytes` bytes at address `at`, if the
-        launch is profiled (host code only, as `_note`)."""
+        dtype: DType, at: Origin, //, kind: Int
+    ](
+        self,
+        site: SourceLocation,
+        ptr: Pointer[Scalar[dtype], at],
+        i: Int,
+        bytes: Int,
+        skip: Int = 0,
+    ):
+        """Records a global access of `bytes` bytes at element `i` of `ptr`
+        plus `skip` bytes, if the launch is profiled (host code only, as
+        `_note`). The address is computed inside the guard: outside a
+        profile build nothing of it is left, not even an unused
+        pointer-to-integer cast (which changed ptxas's registers)."""
         comptime if PROFILE_BUILD:
             comptime if not is_gpu():
                 if Int(self.profile) != 0:
+                    var address = Int(ptr) + i * size_of[dtype]() + skip
                     self.profile[].record_global(
-                        site, kind, self.thread, at, bytes
+                        site, kind, self.thread, address, bytes
                     )
 
     @always_inline
@@ -451,10 +471,13 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
             alignment: Bytes `ptr + i` is a multiple of.
         """
         self._note_global[ACCESS_LOAD](
-            call_location(),
-            Int(ptr) + i * size_of[dtype](),
-            width * size_of[dtype](),
+            call_location(), ptr, i, width * size_of[dtype]()
         )
+        comptime if width == 1:
+            # A scalar load as `ptr[i]` makes it: a one-lane vector load
+            # kept the wgmma scorer's byte loads from combining (42
+            # registers to 48 on sm_90a).
+            return ptr[unsafe_offset=i]
         return ptr.unsafe_offset(i).unsafe_load[
             width=width, alignment=alignment
         ](0)
@@ -481,9 +504,7 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         comptime piece = min(bytes, 16)
         var site = call_location()
         comptime for p in range(0, bytes, piece):
-            self._note_global[ACCESS_LOAD](
-                site, Int(ptr) + i * size_of[dtype]() + p, piece
-            )
+            self._note_global[ACCESS_LOAD](site, ptr, i, piece, p)
 
     @always_inline
     def note_global_store[
@@ -502,9 +523,7 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         comptime piece = min(bytes, 16)
         var site = call_location()
         comptime for p in range(0, bytes, piece):
-            self._note_global[ACCESS_STORE](
-                site, Int(ptr) + i * size_of[dtype]() + p, piece
-            )
+            self._note_global[ACCESS_STORE](site, ptr, i, piece, p)
 
     @always_inline
     def global_store[
@@ -529,9 +548,7 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
             alignment: Bytes `ptr + i` is a multiple of.
         """
         self._note_global[ACCESS_STORE](
-            call_location(),
-            Int(ptr) + i * size_of[dtype](),
-            width * size_of[dtype](),
+            call_location(), ptr, i, width * size_of[dtype]()
         )
         ptr.unsafe_offset(i).unsafe_store[width=width, alignment=alignment](
             0, value

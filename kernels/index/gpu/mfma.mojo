@@ -188,21 +188,23 @@ def fragment_width[steps: Int]() -> Int:
 
 
 @always_inline
-def load_unit(at: Ptr[DType.uint8], count: Int) -> UInt64:
+def load_unit(s: Shared, at: Ptr[DType.uint8], count: Int) -> UInt64:
     """Bytes `0 ..< min(count, 8)` of `at` as a little-endian uint64, the
     rest zero: one 8-byte load when whole and aligned, else byte loads."""
     if count >= 8 and is_aligned[8](at):
-        return bitcast[DType.uint64, 1](at.unsafe_load[width=8, alignment=8](0))
+        return bitcast[DType.uint64, 1](
+            s.global_load[width=8, alignment=8](at, 0)
+        )
     var bytes = SIMD[DType.uint8, 8](0)
     for i in range(min(count, 8)):
-        bytes[i] = at[unsafe_offset=i]
+        bytes[i] = s.global_load(at, i)[0]
     return bitcast[DType.uint64, 1](bytes)
 
 
 @always_inline
 def row_fragment[
     steps: Int, depth: Int
-](src: Ptr[DType.uint8], valid: Bool, group: Int) -> SIMD[
+](s: Shared, src: Ptr[DType.uint8], valid: Bool, group: Int) -> SIMD[
     DType.uint64, fragment_width[steps]()
 ]:
     """Lane group `group`'s bytes of one row: its operand registers.
@@ -231,6 +233,7 @@ def row_fragment[
         depth: The row's bytes.
 
     Args:
+        s: The thread's view (its loads recorded by a profiled emulation).
         src: The row's first byte (read only when `valid`).
         valid: Whether the row exists.
         group: The lane's group along K, `lane / 16`.
@@ -249,12 +252,12 @@ def row_fragment[
         comptime if width == steps:
             if whole:
                 words = bitcast[DType.uint64, width](
-                    at.unsafe_load[width=n, alignment=align](0)
+                    s.global_load[width=n, alignment=align](at, 0)
                 )
         if width != steps or not whole:
-            comptime for s in range(steps):
-                words[s] = load_unit(
-                    at.unsafe_offset(8 * s), depth - first - 8 * s
+            comptime for i in range(steps):
+                words[i] = load_unit(
+                    s, at.unsafe_offset(8 * i), depth - first - 8 * i
                 )
     return bitcast[DType.uint64, width](
         fn_to_fnuz_words(bitcast[DType.uint32, 2 * width](words))
@@ -263,7 +266,13 @@ def row_fragment[
 
 @always_inline
 def key_fragment(
-    op: IndexTopK, b: Int, j0: Int, bound: Int, wave: Int, lane: Int
+    s: Shared,
+    op: IndexTopK,
+    b: Int,
+    j0: Int,
+    bound: Int,
+    wave: Int,
+    lane: Int,
 ) -> SIMD[DType.uint64, fragment_width[mfma_steps[op.depth]()]()]:
     """Lane `lane` of wave `wave`'s B operands (one uint64 per instruction):
     candidate `j0 + 16 wave + lane % 16`, lane group `lane / 16`."""
@@ -273,12 +282,12 @@ def key_fragment(
     var src = op.k_blocks
     if valid:
         src = op.k_blocks.unsafe_offset(candidate_at(op, b, j).key)
-    return row_fragment[steps, op.depth](src, valid, lane // MFMA_N)
+    return row_fragment[steps, op.depth](s, src, valid, lane // MFMA_N)
 
 
 @always_inline
 def query_fragment(
-    op: IndexTopK, t: Int, chunk: Int, lane: Int
+    s: Shared, op: IndexTopK, t: Int, chunk: Int, lane: Int
 ) -> SIMD[DType.uint64, fragment_width[mfma_steps[op.depth]()]()]:
     """Lane `lane`'s A operands for head chunk `chunk` (one uint64 per
     instruction): head `16 chunk + lane % 16` of row `t`, lane group
@@ -289,13 +298,14 @@ def query_fragment(
     var src = op.q
     if valid:
         src = op.q.unsafe_offset((t * op.num_heads + h) * op.depth)
-    return row_fragment[steps, op.depth](src, valid, lane // MFMA_M)
+    return row_fragment[steps, op.depth](s, src, valid, lane // MFMA_M)
 
 
 @always_inline
 def add_heads[
     num_heads: Int
 ](
+    s: Shared,
     acc: SIMD[DType.float32, MFMA_ACC],
     chunk: Int,
     lane: Int,
@@ -315,7 +325,7 @@ def add_heads[
             var v = acc[r] * 4
             # ReLU that keeps a NaN a NaN, as the other scorers'.
             var relu = Float32(0) if v < 0 else v
-            sum += relu * weights[unsafe_offset=h]
+            sum += relu * s.global_load(weights, h)[0]
     return sum
 
 
@@ -337,12 +347,12 @@ def multiply_tile(
     var partial = Float32(0)
     # e4m3fnuz has no NaN where e4m3fn has 0x7F / 0xFF: the lanes note
     # them, and the score becomes NaN as the FP32 scorers' would.
-    var key = key_fragment(op, b, j0, bound, wave, lane)
+    var key = key_fragment(s, op, b, j0, bound, wave, lane)
     var key_nan = has_nan_byte(key)
     var query_nan = False
     comptime if is_amd_gpu():
         for c in range(chunks):
-            var query = query_fragment(op, t, c, lane)
+            var query = query_fragment(s, op, t, c, lane)
             query_nan = query_nan or has_nan_byte(query)
             var acc = SIMD[DType.float32, MFMA_ACC](0)
             comptime for step in range(steps):
@@ -354,24 +364,26 @@ def multiply_tile(
                     acc,
                 )
                 acc = d
-            partial = add_heads[heads](acc, c, lane, weights, partial)
+            partial = add_heads[heads](s, acc, c, lane, weights, partial)
     else:
         # Emulated: lanes are threads run one after another, so gather
         # every lane's registers (the loaders the GPU lanes run, which read
-        # only the op's inputs) and let the ISA model pick the elements.
+        # only the op's inputs) and let the ISA model pick the elements;
+        # a profile records only this lane's own loads.
+        var others = s.unrecorded()
         for c in range(chunks):
             query_nan = query_nan or has_nan_byte(
-                query_fragment(op, t, c, lane)
+                query_fragment(s, op, t, c, lane)
             )
             var acc = SIMD[DType.float32, MFMA_ACC](0)
             comptime for step in range(steps):
                 var a = SIMD[DType.uint64, MFMA_LANES](0)
                 var k = SIMD[DType.uint64, MFMA_LANES](0)
                 for l in range(MFMA_LANES):
-                    a[l] = query_fragment(op, t, c, l)[step]
-                    k[l] = key_fragment(op, b, j0, bound, wave, l)[step]
+                    a[l] = query_fragment(others, op, t, c, l)[step]
+                    k[l] = key_fragment(others, op, b, j0, bound, wave, l)[step]
                 acc = mfma_f32_16x16x32_fp8_model(a, k, lane, acc)
-            partial = add_heads[heads](acc, c, lane, weights, partial)
+            partial = add_heads[heads](s, acc, c, lane, weights, partial)
     if key_nan:
         partial = Float32(FloatLiteral.nan)
     var m = MFMA_N * wave + lane % MFMA_N
@@ -420,9 +432,8 @@ def index_mfma_phase(
         row_nan |= s.load(nan_word(lane))
     if row_nan != 0:
         total = Float32(FloatLiteral.nan)
-    op.work.scores[unsafe_offset=row * op.work.candidates + j] = (
-        total * op.k_scales[unsafe_offset=candidate_at(op, b, j).scale]
-    )
+    var scale = s.global_load(op.k_scales, candidate_at(op, b, j).scale)
+    s.global_store(op.work.scores, row * op.work.candidates + j, total * scale)
 
 
 struct MfmaScore[Op: type_of(IndexTopK)](GpuKernel):

@@ -230,7 +230,7 @@ def add_partials[
             # ReLU that keeps a NaN a NaN, as the other scorers'.
             var relu = Float32(0) if v < 0 else v
             sums[2 * member + (i // 2) % 2] += (
-                relu * op.qs[unsafe_offset=(first_t + member) * heads + h]
+                relu * s.global_load(op.qs, (first_t + member) * heads + h)[0]
             )
     comptime for member in range(Shape.rows):
         if (members >> member) & 1 != 0:
@@ -271,11 +271,13 @@ def write_scores[
         # consecutive 16 bytes (four scalar loads were 4-way conflicts).
         var sums = s.load_f32x[4](partials + 4 * e)
         var total = (sums[0] + sums[1]) + (sums[2] + sums[3])
-        op.work.scores[
-            unsafe_offset=(first_row + member) * op.work.candidates + j
-        ] = (
+        s.global_store(
+            op.work.scores,
+            (first_row + member) * op.work.candidates + j,
             total
-            * op.k_scales[unsafe_offset=candidate_at(op, row.request, j).scale]
+            * s.global_load(
+                op.k_scales, candidate_at(op, row.request, j).scale
+            )[0],
         )
 
 

@@ -205,7 +205,9 @@ def tile_unit[units: Int](u: Int) -> Tuple[Int, Int]:
 @always_inline
 def unit_words[
     depth: Int
-](src: Ptr[DType.uint8], unit: Int, valid: Bool) -> SIMD[DType.uint32, 4]:
+](s: Shared, src: Ptr[DType.uint8], unit: Int, valid: Bool) -> SIMD[
+    DType.uint32, 4
+]:
     """Bytes `16 unit ..< 16 unit + 16` of a row, as the 4 words its tile
     holds (the caller stores them at `tile_byte(row, 16 unit) / 4`).
 
@@ -216,13 +218,12 @@ def unit_words[
     var bytes = SIMD[DType.uint8, 16](0)
     var first = 16 * unit
     if valid:
-        var at = src.unsafe_offset(first)
-        if first + 16 <= depth and is_aligned[16](at):
-            bytes = at.unsafe_load[width=16, alignment=16](0)
+        if first + 16 <= depth and is_aligned[16](src.unsafe_offset(first)):
+            bytes = s.global_load[width=16, alignment=16](src, first)
         else:
             comptime for i in range(16):  # unrolled: no local memory
                 if first + i < depth:
-                    bytes[i] = at[unsafe_offset=i]
+                    bytes[i] = s.global_load(src, first + i)[0]
     return bitcast[DType.uint32, 4](bytes)
 
 
@@ -273,7 +274,7 @@ def stage_query[
             src = op.q.unsafe_offset(((t0 + r) * heads + h) * Shape.depth)
         s.store_words[4](
             Shape.query_word + tile_byte[Shape.kp](c, 16 * unit) // 4,
-            unit_words[Shape.depth](src, unit, valid),
+            unit_words[Shape.depth](s, src, unit, valid),
         )
 
 
@@ -302,7 +303,7 @@ def stage_keys[
             src = op.k_blocks.unsafe_offset(candidate_at(op, request, j).key)
         s.store_words[4](
             buf * Shape.key_words + tile_byte[Shape.kp](m, 16 * at[1]) // 4,
-            unit_words[Shape.depth](src, at[1], valid),
+            unit_words[Shape.depth](s, src, at[1], valid),
         )
 
 
