@@ -33,7 +33,7 @@ import extensibility
 from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
 from std.math import ceildiv, iota, max, min
-from std.sys import is_gpu
+from std.sys import is_gpu, size_of
 
 from ..grid.operands import (
     ANY,
@@ -191,6 +191,62 @@ def _valid(p: Int, complete: Int) -> Bool:
 
 
 @always_inline
+def _run_width[pool_topk: Int, threads: Int]() -> Int:
+    """Ids of every thread's run when they are all alike and 2 or 4 of them
+    (one 8- or 16-byte load a run), else 1 (a load an id)."""
+    comptime width = pool_topk // threads
+    comptime if pool_topk % threads == 0 and (width == 2 or width == 4):
+        return width
+    return 1
+
+
+@always_inline
+def _run_ids[
+    dtype: DType, //, pool_topk: Int, threads: Int
+](s: Shared, ids: Ptr[dtype], first: Int) -> SIMD[
+    dtype, _run_width[pool_topk, threads]()
+]:
+    """A thread's run of ids from `first` in one vector load, where runs
+    are alike (`_run_width`) and the row is aligned to them: a warp's
+    lanes then read consecutive 8 or 16 bytes, every byte of each sector
+    (an id at a time, lanes 8 bytes apart used half of each). Zeros where
+    the load is not made (`_run_id` then loads an id at a time)."""
+    comptime width = _run_width[pool_topk, threads]()
+    comptime bytes = width * size_of[dtype]()
+    var run = SIMD[dtype, width](0)
+    comptime if width > 1 and bytes <= 16:
+        if (Int(ids) & (bytes - 1)) == 0:
+            run = s.global_load[width=width, alignment=bytes](ids, first)
+    return run
+
+
+@always_inline
+def _run_id[
+    dtype: DType, //, pool_topk: Int, threads: Int
+](
+    s: Shared,
+    ids: Ptr[dtype],
+    run: SIMD[dtype, _run_width[pool_topk, threads]()],
+    j: Int,
+    first: Int,
+) -> Int:
+    """Id `j` of the row: from `run` (`_run_ids` from `first`) where it
+    was loaded whole, else loaded alone."""
+    comptime width = _run_width[pool_topk, threads]()
+    comptime bytes = width * size_of[dtype]()
+    comptime if width > 1 and bytes <= 16:
+        if (Int(ids) & (bytes - 1)) == 0:
+            # A lane picked by comparisons: a vector indexed at run time
+            # went through local memory (16 bytes of stack on sm_90a).
+            var id = Int(run[0])
+            comptime for l in range(1, width):
+                if j - first == l:
+                    id = Int(run[l])
+            return id
+    return Int(s.global_load(ids, j))
+
+
+@always_inline
 def store_run[count: Int](dest: Ptr[DType.int32], first: Int):
     """Stores the `count` positions `first, first + 1, ...` at `dest`."""
     comptime full = count // CPU_STORE_WIDTH
@@ -312,15 +368,20 @@ def expand_topk_phase[
         note_query_visible(s, op, row)
         var complete = state.visible // kpool
         var count = 0
+        var run_ids = _run_ids[pool_topk, threads](s, ids, run[0])
         for j in range(run[0], run[1]):
-            if _valid(Int(s.global_load(ids, j)), complete):
+            if _valid(
+                _run_id[pool_topk, threads](s, ids, run_ids, j, run[0]),
+                complete,
+            ):
                 count += 1
         lane.offer(UInt64(count))
     elif phase == 1:
         var complete = state.visible // kpool
         var at = Int(lane.result())
+        var run_ids = _run_ids[pool_topk, threads](s, ids, run[0])
         for j in range(run[0], run[1]):
-            var p = Int(s.global_load(ids, j))
+            var p = _run_id[pool_topk, threads](s, ids, run_ids, j, run[0])
             if _valid(p, complete):
                 s.store(at, UInt32(p))
                 at += 1
