@@ -313,9 +313,8 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
 
     @always_inline
     def unrecorded(self) -> Self:
-        """This view, its accesses not recorded by a profile: an emulator
-        gathering the registers of a wave's other lanes reads what those
-        lanes load, which is theirs to record, not this thread's."""
+        """This view, not recorded by a profile (an emulator gathering
+        other lanes' registers: their loads are theirs to record)."""
         var quiet = self
         quiet.profile = no_profile().unsafe_origin_cast[Self.origin]()
         return quiet
@@ -440,11 +439,9 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         bytes: Int,
         skip: Int = 0,
     ):
-        """Records a global access of `bytes` bytes at element `i` of `ptr`
-        plus `skip` bytes, if the launch is profiled (host code only, as
-        `_note`). The address is computed inside the guard: outside a
-        profile build nothing of it is left, not even an unused
-        pointer-to-integer cast (which changed ptxas's registers)."""
+        """Records `bytes` bytes at element `i` of `ptr` plus `skip` bytes,
+        if profiled (host only, as `_note`). The address is computed in the
+        guard: an unused cast outside it changed ptxas's registers."""
         comptime if PROFILE_BUILD:
             comptime if not is_gpu():
                 if Int(self.profile) != 0:

@@ -146,7 +146,15 @@ def quad_keys(
 ) -> SIMD[DType.uint32, 4]:
     """The order keys of candidates `first ..< first + 4` (`first` a
     multiple of 4): one 16-byte load when the row starts on 16 bytes and
-    all 4 are in it, else a load each; 0 past `bound`."""
+    all 4 are in it, else a load each; 0 past `bound`.
+
+    The compaction reads a thread's run of quads in order (so that kept
+    candidates land in id order), so a warp's lanes are a run apart: each
+    request uses half of each 32-byte sector (the profile's 50%), and the
+    thread's next quad takes the other half from L1. Every byte of the row
+    leaves L2 once (the profile's first-touched sectors); coalescing the
+    requests would need the lanes' runs interleaved and a warp scan to
+    keep the order."""
     var keys = SIMD[DType.uint32, 4](0)
     if aligned and first + 4 <= bound:
         var v = s.global_load[width=4, alignment=16](scores, first)

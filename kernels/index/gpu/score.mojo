@@ -360,6 +360,11 @@ def index_score_phase(
     head weights (read from global memory: the same few words for the
     whole block), the heads summed by one halving tree over `HP` lanes,
     then the key's scale.
+
+    A thread per candidate: a warp's lanes read keys `D` bytes apart, 16
+    at a time, so each request uses half of each sector (the profile's
+    50%) and the key's next 16 bytes come from L1; each key byte leaves
+    L2 once. The tensor scorers stage keys with whole-sector loads.
     """
     comptime hp = padded_heads_pow2[op.num_heads]()
     comptime heads = op.num_heads
