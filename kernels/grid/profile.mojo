@@ -234,6 +234,35 @@ def request_counts(
     return out^
 
 
+def warp_requests(
+    threads: List[Int], sites: List[Int], warp: Int
+) -> List[List[Int]]:
+    """A phase's accesses (access `a` by thread `threads[a]` at site
+    `sites[a]`, in program order) grouped into warp requests, as a GPU
+    issues them: the `n`-th access of a site by each thread of a warp is
+    one request. Each request lists its accesses, requests in the order
+    their first access came."""
+    # (thread, site) -> accesses so far; request key -> its index.
+    var seen = Dict[Int, Int]()
+    var index = Dict[Int, Int]()
+    var out = List[List[Int]]()
+    var site_count = 1
+    for site in sites:
+        site_count = max(site_count, site + 1)
+    for a in range(len(threads)):
+        var mine = threads[a] * site_count + sites[a]
+        var n = seen.get(mine, 0)
+        seen[mine] = n + 1
+        var key = (n * site_count + sites[a]) * 65536 + threads[a] // warp
+        var at = index.get(key, -1)
+        if at < 0:
+            at = len(out)
+            index[key] = at
+            out.append(List[Int]())
+        out[at].append(a)
+    return out^
+
+
 struct LaunchProfile(Movable):
     """A launch's shared-memory profile, filled by the emulation.
 
@@ -399,44 +428,26 @@ struct LaunchProfile(Movable):
             )
         for entry in cold.items():
             self.phase_cold[phase] = max(self.phase_cold[phase], entry.value)
-        var seen = Dict[Int, Int]()
-        var requests = Dict[Int, List[Int]]()
-        var order = List[Int]()
-        var site_count = len(self.global_sites)
-        for a in range(len(self.global_pending)):
-            ref access = self.global_pending[a]
-            var mine = access.thread * site_count + access.site
-            var n = seen.get(mine, 0)
-            seen[mine] = n + 1
-            var key = (n * site_count + access.site) * 65536 + (
-                access.thread // self.warp
-            )
-            if key not in requests:
-                requests[key] = List[Int]()
-                order.append(key)
-            try:
-                requests[key].append(a)
-            except:
-                pass
-        for key in order:
-            try:
-                ref members = requests[key]
-                var addresses = List[Int]()
-                ref first = self.global_pending[members[0]]
-                for m in members:
-                    addresses.append(self.global_pending[m].address)
-                ref g = self.global_sites[first.site]
-                var sectors = request_sectors(addresses, first.bytes)
-                var asked = request_bytes(addresses, first.bytes)
-                g.requests += 1
-                g.sectors += sectors
-                g.bytes_requested += asked
-                if asked == first.bytes:
-                    g.uniform_requests += 1
-                    g.uniform_sectors += sectors
-                    g.uniform_bytes += asked
-            except:
-                pass
+        var threads = List[Int]()
+        var sites = List[Int]()
+        for access in self.global_pending:
+            threads.append(access.thread)
+            sites.append(access.site)
+        for members in warp_requests(threads, sites, self.warp):
+            var addresses = List[Int]()
+            ref first = self.global_pending[members[0]]
+            for m in members:
+                addresses.append(self.global_pending[m].address)
+            ref g = self.global_sites[first.site]
+            var sectors = request_sectors(addresses, first.bytes)
+            var asked = request_bytes(addresses, first.bytes)
+            g.requests += 1
+            g.sectors += sectors
+            g.bytes_requested += asked
+            if asked == first.bytes:
+                g.uniform_requests += 1
+                g.uniform_sectors += sectors
+                g.uniform_bytes += asked
         self.global_pending.clear()
 
     def close_phase(mut self, phase: Int):
@@ -445,52 +456,33 @@ struct LaunchProfile(Movable):
         The `n`-th access of a site by each thread of a warp is one
         request (threads of a warp run the same instruction stream).
         """
-        # (thread, site) -> accesses so far; request key -> its accesses.
-        var seen = Dict[Int, Int]()
-        var requests = Dict[Int, List[Int]]()
-        var order = List[Int]()
         var per_thread = Dict[Int, Int]()
-        var site_count = len(self.sites)
-        for a in range(len(self.pending)):
-            ref access = self.pending[a]
-            var mine = access.thread * site_count + access.site
-            var n = seen.get(mine, 0)
-            seen[mine] = n + 1
+        var threads = List[Int]()
+        var sites = List[Int]()
+        for access in self.pending:
             per_thread[access.thread] = per_thread.get(access.thread, 0) + 1
-            var key = (n * site_count + access.site) * 65536 + (
-                access.thread // self.warp
-            )
-            if key not in requests:
-                requests[key] = List[Int]()
-                order.append(key)
-            try:
-                requests[key].append(a)
-            except:
-                pass
-        for key in order:
-            try:
-                ref members = requests[key]
-                var lanes = List[Int]()
-                var words = List[Int]()
-                var site = self.pending[members[0]].site
-                var width = self.pending[members[0]].width
-                for m in members:
-                    lanes.append(self.pending[m].thread % self.warp)
-                    words.append(self.pending[m].word)
-                var c = request_counts(lanes, words, width, self.warp)
-                ref s = self.sites[site]
-                s.requests += 1
-                s.wavefronts += c.wavefronts
-                s.ideal_wavefronts += c.ideal
-                s.worst_ways = max(s.worst_ways, c.ways)
-                if s.kind == ACCESS_ATOMIC:
-                    s.max_lanes_per_address = max(
-                        s.max_lanes_per_address, c.max_lanes
-                    )
-                    s.atomic_lanes += c.lanes
-                    s.atomic_addresses += c.addresses
-            except:
-                pass
+            threads.append(access.thread)
+            sites.append(access.site)
+        for members in warp_requests(threads, sites, self.warp):
+            var lanes = List[Int]()
+            var words = List[Int]()
+            var site = self.pending[members[0]].site
+            var width = self.pending[members[0]].width
+            for m in members:
+                lanes.append(self.pending[m].thread % self.warp)
+                words.append(self.pending[m].word)
+            var c = request_counts(lanes, words, width, self.warp)
+            ref s = self.sites[site]
+            s.requests += 1
+            s.wavefronts += c.wavefronts
+            s.ideal_wavefronts += c.ideal
+            s.worst_ways = max(s.worst_ways, c.ways)
+            if s.kind == ACCESS_ATOMIC:
+                s.max_lanes_per_address = max(
+                    s.max_lanes_per_address, c.max_lanes
+                )
+                s.atomic_lanes += c.lanes
+                s.atomic_addresses += c.addresses
         var most = 0
         for entry in per_thread.items():
             most = max(most, entry.value)
