@@ -126,6 +126,13 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         # Ctrl-C: one line, and the shell's status for an interrupt.
         print(f"\n{args.prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader left (`| head`): stop writing, quietly. Python would
+        # flush stdout again at exit and fail the same way: point it at
+        # /dev/null first.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

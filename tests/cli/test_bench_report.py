@@ -201,17 +201,19 @@ def test_markdown_of_several_runs_gives_medians_and_ranges(
     [
         (None, "cannot read"),
         ("[{", "not valid JSON"),
-        ('{"op": "ring_close"}', "must be a JSON list of records"),
+        ('{"op": "ring_close"}', "must be a non-empty JSON list of records"),
         ('[{"op": "ring_close"}]', "record 0 lacks 'dtype', 'batch'"),
+        ("[]", "must be a non-empty JSON list of records"),
+        ("\xff", "not UTF-8 text (byte 0)"),
     ],
-    ids=["missing", "not-json", "not-list", "lacks-fields"],
+    ids=["missing", "not-json", "not-list", "lacks-fields", "empty", "binary"],
 )
 def test_markdown_bad_file_exits_2(
     tmp_path, capsys, no_runner, content, message
 ):
     path = tmp_path / "bench.json"
     if content is not None:
-        path.write_text(content)
+        path.write_bytes(content.encode("latin-1"))
     # The program name as it was started, as argparse's own errors say.
     assert main(["bench", "--markdown", str(path)], prog="mla-kpool") == 2
     err = capsys.readouterr().err

@@ -108,6 +108,30 @@ BAD_SCHEDULES = [
         _small(max_running=2),
         "calls[0][2]: request 2 needs a ring slot but all 2 are held",
     ),
+    # Sizes past the command line's bounds, refused before any planning
+    # (a prompt of 10^20 tokens planned for minutes in ever more memory).
+    BadSchedule(
+        "huge-prompt",
+        {"requests": [{"prompt": 10**20}]},
+        "requests[0].prompt must be at most 16,777,216, got 100,000,000,000"
+        ",000,000,000: a request's tokens are planned in memory",
+    ),
+    BadSchedule(
+        "huge-generate",
+        {"requests": [{"prompt": 8, "generate": 10**12}]},
+        "requests[0].generate must be at most 16,777,216",
+    ),
+    BadSchedule(
+        "kpool-past-the-kernels",
+        {"requests": [{"prompt": 8}], "kpool": 100000},
+        "kpool must be at most 1,024, got 100,000: kpool is a compile-time"
+        " parameter of the kernels",
+    ),
+    BadSchedule(
+        "head-dim-past-the-kernels",
+        {"requests": [{"prompt": 8}], "head_dim": 5000},
+        "head_dim must be at most 1,024",
+    ),
 ]
 
 
@@ -129,6 +153,15 @@ def test_missing_schedule_file(tmp_path, capsys):
     path = tmp_path / "nowhere.json"
     assert cli.main(["demo", "--schedule", str(path)]) == 2
     assert "cannot read: No such file" in capsys.readouterr().err
+
+
+def test_a_schedule_file_that_is_not_text(tmp_path, capsys):
+    path = tmp_path / "binary.json"
+    path.write_bytes(b"\xff\xfe")
+    assert cli.main(["demo", "--schedule", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: not UTF-8 text (byte 0): a schedule is JSON" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,8 @@ of the driver's lines, and the estimate worked by hand.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -73,6 +75,8 @@ def _launch(kernel: str, *sites: dict, loads: tuple = ()) -> dict:
             "barriers_per_block": 1,
             "block_threads": 256,
             "shared_bytes": 16384,
+            "busiest_block_accesses": 900,
+            "idlest_block_accesses": 700,
             "phase_path": [1, 4],
             "phase_global": [0, 2],
             "phase_cold": [0, 1],
@@ -143,6 +147,13 @@ def test_a_record_has_the_documented_fields():
     # 16 of 512 blocks emulated: their distinct bytes, 32 times.
     assert g["launch_bytes"] == 32_000_000
     assert g["bound_bytes"] == WORKLOADS["glm5-next-decode"]["bytes"]
+    assert (
+        record["busiest_block_accesses"],
+        record["idlest_block_accesses"],
+    ) == (
+        900,
+        700,
+    )
     assert set(record["estimate_us"]) == {"H100", "H200"}
     assert set(record["waves"]) == {"H100", "H200"}
 
@@ -269,6 +280,52 @@ def test_registers_come_from_a_gpu_report_json(tmp_path):
         )
     )
     assert report_registers(str(report), "sm_90a") == {"k": 56}
+    # A report of other targets says so rather than being ignored.
+    with pytest.raises(ValueError, match="no sm_100a kernel.*gfx942, sm_90a"):
+        report_registers(str(report), "sm_100a")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{}", "not gpu-report's JSON"),
+        ("[1, 2]", "not gpu-report's JSON"),
+        ("\xff\xfe", "not JSON"),
+        ('{"kernels": [{"arch": "gfx942", "registers": 9}]}', "no sm_90a"),
+    ],
+)
+def test_a_bad_report_is_a_usage_error(text, message, tmp_path, capsys):
+    report = tmp_path / "r.json"
+    report.write_bytes(text.encode("latin-1"))
+    argv = ["gpu-profile", "--report", str(report)]
+    assert main(argv, prog="python -m mla_kpool") == 2
+    err = capsys.readouterr().err
+    assert f"argument --report: {report}: " in err and message in err, err
+    assert "Traceback" not in err
+
+
+def test_a_closed_pipe_ends_the_table_quietly(tmp_path):
+    """``gpu-profile | head -1``: the stand-in driver's launches printed
+    into a pipe the reader closes after one line; no traceback, status 0."""
+    fake = tmp_path / "mojo"
+    lines = "\n".join(json.dumps(x) for x in [CONFLICTED, CLEAN] * 200)
+    fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{lines}\nEOF\n")
+    fake.chmod(0o755)
+    script = (
+        "import mla_kpool.gpu_profile as g, sys;"
+        f"g.mojo_command = lambda: {str(fake)!r};"
+        "from mla_kpool.__main__ import main; sys.exit(main(['gpu-profile']))"
+    )
+    proc = subprocess.run(
+        f'{sys.executable} -c "{script}" | head -1',
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("workload"), proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize(

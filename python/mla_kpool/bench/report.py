@@ -196,13 +196,22 @@ def load_records(path: str) -> list[Record]:
             :data:`TABLE_FIELDS`.
     """
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except OSError as err:
         raise ResultsError(f"{path}: cannot read: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise ResultsError(
+            f"{path}: not UTF-8 text (byte {err.start}): --json writes JSON"
+        ) from err
     except json.JSONDecodeError as err:
         raise ResultsError(f"{path}: not valid JSON: {err}") from err
-    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+    if not data or not isinstance(data, list):
+        raise ResultsError(
+            f"{path}: must be a non-empty JSON list of records, as --json"
+            " writes"
+        )
+    if not all(isinstance(r, dict) for r in data):
         raise ResultsError(
             f"{path}: must be a JSON list of records, as --json writes"
         )

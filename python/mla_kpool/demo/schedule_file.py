@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._argtypes import MAX_HEAD_DIM, MAX_KPOOL
 from .workload import DTYPES, Request, ScheduleError
 
 __all__ = ["load_schedule", "parse_schedule"]
@@ -40,11 +41,36 @@ _TOP_KEYS = (*_SIZES, "dtype", "requests", "calls")
 
 _REQUEST_KEYS = ("prompt", "generate", "cached_prefix")
 
+#: Most tokens a request's prompt or generation may have: 16 times the
+#: longest context served today, and small enough that the demo plans
+#: the file in seconds before it says how long a run it would be.
+MAX_REQUEST_TOKENS = 2**24
 
-def _int(value: Any, where: str, minimum: int) -> int:
+#: The settings' bounds, as the command line's options have them, with
+#: their reasons.
+_LIMITS = {
+    "kpool": (MAX_KPOOL, "kpool is a compile-time parameter of the kernels"),
+    "head_dim": (
+        MAX_HEAD_DIM,
+        "head_dim is a compile-time parameter of the kernels",
+    ),
+}
+
+
+def _int(
+    value: Any,
+    where: str,
+    minimum: int,
+    maximum: int | None = None,
+    why: str = "",
+) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ScheduleError(
             f"{where} must be an integer >= {minimum}, got {value!r}"
+        )
+    if maximum is not None and value > maximum:
+        raise ScheduleError(
+            f"{where} must be at most {maximum:,}, got {value:,}: {why}"
         )
     return value
 
@@ -67,8 +93,11 @@ def _request(obj: Any, where: str) -> Request:
     _keys(obj, _REQUEST_KEYS, where)
     if "prompt" not in obj:
         raise ScheduleError(f'{where} needs "prompt"')
-    prompt = _int(obj["prompt"], f"{where}.prompt", 1)
-    generate = _int(obj.get("generate", 0), f"{where}.generate", 0)
+    why = "a request's tokens are planned in memory"
+    prompt = _int(obj["prompt"], f"{where}.prompt", 1, MAX_REQUEST_TOKENS, why)
+    generate = _int(
+        obj.get("generate", 0), f"{where}.generate", 0, MAX_REQUEST_TOKENS, why
+    )
     prefix = _int(obj.get("cached_prefix", 0), f"{where}.cached_prefix", 0)
     if prefix >= prompt:
         raise ScheduleError(
@@ -135,7 +164,11 @@ def parse_schedule(data: Any) -> ScheduleFile:
         calls = tuple(
             _call(c, f"calls[{i}]") for i, c in enumerate(data["calls"])
         )
-    settings = {n: _int(data[n], n, 1) for n in _SIZES if n in data}
+    settings = {
+        n: _int(data[n], n, 1, *_LIMITS.get(n, (None, "")))
+        for n in _SIZES
+        if n in data
+    }
     if "dtype" in data:
         if data["dtype"] not in DTYPES:
             raise ScheduleError(
@@ -172,9 +205,13 @@ def load_schedule(path: str | Path) -> ScheduleFile:
             :func:`parse_schedule`; the message starts with the path.
     """
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise ScheduleError(f"{path}: cannot read: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise ScheduleError(
+            f"{path}: not UTF-8 text (byte {err.start}): a schedule is JSON"
+        ) from err
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:

@@ -187,7 +187,9 @@ def launch_record(
         not uniform);
         ``launch_bytes``: distinct bytes scaled to the grid;
         ``bound_bytes``: the roofline's for the whole call; ``sites``),
-        ``phase_path``, ``phase_global``, ``waves`` and ``estimate_us`` per
+        ``busiest_block_accesses`` and ``idlest_block_accesses`` (shared
+        accesses of the emulated blocks: the imbalance), ``phase_path``,
+        ``phase_global``, ``waves`` and ``estimate_us`` per
         GPU of the arch, and ``estimate_parts_us``.
     """
     p = line["profile"]
@@ -248,6 +250,8 @@ def launch_record(
             "bound_bytes": workload["bytes"] if workload else None,
             "sites": glob["sites"],
         },
+        "busiest_block_accesses": p["busiest_block_accesses"],
+        "idlest_block_accesses": p["idlest_block_accesses"],
         "phase_path": p["phase_path"],
         "phase_global": p["phase_global"],
         "waves": waves,
@@ -385,16 +389,36 @@ def report_registers(path: str, arch: str) -> dict[str, int]:
     The most of any of a kernel's configurations compiled for ``arch``.
 
     Raises:
-        OSError, ValueError, KeyError: If the file cannot be read or is
-            not gpu-report's JSON.
+        ValueError: Naming the file, if it cannot be read, is not JSON, is
+            not gpu-report's (rows under ``kernels``) or has no row of
+            ``arch`` with registers.
     """
-    doc = json.loads(Path(path).read_text())
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ValueError(f"cannot read it: {err.strerror}") from err
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError("not JSON") from err
+    rows = doc.get("kernels") if isinstance(doc, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(
+            "not gpu-report's JSON (no list of kernel rows under"
+            ' "kernels"); write one with gpu-report --json'
+        )
     out: dict[str, int] = {}
-    for row in doc["kernels"]:
-        if row["arch"] == arch and row.get("registers") is not None:
-            out[row["kernel"]] = max(
-                out.get(row["kernel"], 0), row["registers"]
+    for row in rows:
+        registers = row.get("registers")
+        if row.get("arch") == arch and isinstance(registers, int):
+            out[str(row.get("kernel"))] = max(
+                out.get(str(row.get("kernel")), 0), registers
             )
+    if not out:
+        found = sorted({str(r.get("arch")) for r in rows})
+        raise ValueError(
+            f"no {arch} kernel with registers in it (it has"
+            f" {', '.join(found) or 'none'}); run gpu-report --arch {arch}"
+            " --json"
+        )
     return out
 
 
@@ -415,12 +439,8 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         try:
             registers = report_registers(args.report, args.arch)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            return usage_error(
-                args,
-                f"argument --report: {args.report!r} is not a readable"
-                f" gpu-report --json file: {e}",
-            )
+        except ValueError as e:
+            return usage_error(args, f"argument --report: {args.report}: {e}")
     say(f"emulating the GPU launches for {args.arch} ({RUN_TIME})...")
     start = time.perf_counter()
     argv = [mojo, "run", "-D", PROFILE_DEFINE, "-I", str(KERNELS.parent)]
