@@ -437,15 +437,14 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         ptr: Pointer[Scalar[dtype], at],
         i: Int,
         bytes: Int,
-        skip: Int = 0,
     ):
-        """Records `bytes` bytes at element `i` of `ptr` plus `skip` bytes,
-        if profiled (host only, as `_note`). The address is computed in the
-        guard: an unused cast outside it changed ptxas's registers."""
+        """Records `bytes` bytes at element `i` of `ptr`, if profiled (host
+        only, as `_note`). The address is computed in the guard: an unused
+        cast outside it changed ptxas's registers."""
         comptime if PROFILE_BUILD:
             comptime if not is_gpu():
                 if Int(self.profile) != 0:
-                    var address = Int(ptr) + i * size_of[dtype]() + skip
+                    var address = Int(ptr) + i * size_of[dtype]()
                     self.profile[].record_global(
                         site, kind, self.thread, address, bytes
                     )
@@ -464,7 +463,8 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         Parameters:
             dtype: Element type.
             at: Origin of `ptr`.
-            width: Elements (a power of two, at most 16 bytes in all).
+            width: Elements (a power of two; the profile counts a load
+                wider than 16 bytes as the 16-byte loads a GPU makes).
             alignment: Bytes `ptr + i` is a multiple of.
         """
         self._note_global[ACCESS_LOAD](
@@ -488,20 +488,18 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         load in code shared with the CPU path, which takes no view (the
         writers' member loads, `pooling._member`, and their metadata reads).
 
-        Host code only, as `_note_global`: a GPU build has nothing of it. A
-        load wider than 16 bytes is recorded as the 16-byte loads a GPU
-        makes of it, one request each.
+        Host code only, as `_note_global`: a GPU build has nothing of it
+        (the profile counts a load wider than 16 bytes as the 16-byte
+        loads a GPU makes of it).
 
         Parameters:
             dtype: Element type.
             at: Origin of `ptr`.
             width: Elements (a power of two).
         """
-        comptime bytes = width * size_of[dtype]()
-        comptime piece = min(bytes, 16)
-        var site = call_location()
-        comptime for p in range(0, bytes, piece):
-            self._note_global[ACCESS_LOAD](site, ptr, i, piece, p)
+        self._note_global[ACCESS_LOAD](
+            call_location(), ptr, i, width * size_of[dtype]()
+        )
 
     @always_inline
     def note_global_store[
@@ -516,11 +514,9 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
             at: Origin of `ptr`.
             width: Elements (a power of two).
         """
-        comptime bytes = width * size_of[dtype]()
-        comptime piece = min(bytes, 16)
-        var site = call_location()
-        comptime for p in range(0, bytes, piece):
-            self._note_global[ACCESS_STORE](site, ptr, i, piece, p)
+        self._note_global[ACCESS_STORE](
+            call_location(), ptr, i, width * size_of[dtype]()
+        )
 
     @always_inline
     def global_store[

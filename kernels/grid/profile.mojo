@@ -384,7 +384,19 @@ struct LaunchProfile(Movable):
     ):
         """Notes one global access of `bytes` bytes at `address` by
         `thread`, and the bytes it touches among the launch's distinct
-        bytes read or written."""
+        bytes read or written.
+
+        An access wider than 16 bytes is the instructions a GPU runs for
+        it: one access of `4 * MAX_ACCESS_WORDS` bytes each, as `record`
+        counts shared ones.
+        """
+        comptime most = 4 * MAX_ACCESS_WORDS
+        if bytes > most:
+            for b in range(0, bytes, most):
+                self.record_global(
+                    site, kind, thread, address + b, min(most, bytes - b)
+                )
+            return
         var name = site_name(String(site))
         var id = self.global_ids.get(name, -1)
         if id < 0:

@@ -45,6 +45,7 @@ comptime COALESCED = 5
 comptime STRIDED = 6
 comptime GLOBAL_STORE = 7
 comptime GLOBAL_UNIFORM = 8
+comptime GLOBAL_WIDE = 9
 
 
 @fieldwise_init
@@ -102,6 +103,9 @@ struct Planted[pattern: Int](GpuKernel):
                 _ = s.global_load(op.data, t)
             elif Self.pattern == STRIDED:
                 _ = s.global_load(op.data, 8 * t)
+            elif Self.pattern == GLOBAL_WIDE:
+                var v = s.global_load[width=8, alignment=32](op.data, 8 * t)
+                op.out[unsafe_offset=0] += UInt32(v[0])
             elif Self.pattern == GLOBAL_UNIFORM:
                 op.out[unsafe_offset=0] += UInt32(s.global_load(op.data, 0)[0])
             else:
@@ -218,6 +222,17 @@ def test_a_uniform_load_is_one_sector_served_once() raises:
     assert_equal(g.uniform_requests, 2)
     assert_equal(g.uniform_sectors, 2)
     assert_equal(g.uniform_bytes, 8)
+
+
+def test_a_32_byte_load_is_two_16_byte_requests() raises:
+    # As a GPU runs it: two 16-byte loads a lane, each request 32 lanes a
+    # sector apart, half of each sector asked for.
+    var p = _profile[GLOBAL_WIDE](32)
+    ref g = p.global_sites[_global(p)]
+    assert_equal(g.requests, 4)
+    assert_equal(g.sectors, 128)
+    assert_equal(g.bytes_requested, 4 * 32 * 16)
+    assert_true('"bytes_read": 2048' in p.json(), p.json())
 
 
 def test_a_global_store_counts_its_bytes_written() raises:

@@ -226,7 +226,10 @@ def row_fragment[
     (bytes `8 s ..< 8 s + 8` of the run) feeds instruction `s` of the
     chunk. One vector load where `steps` is a power of two and the run is
     whole and aligned, else 8-byte units (a key's address depends on the
-    runtime page stride, and depths need not be powers of two).
+    runtime page stride, and depths need not be powers of two). At depth
+    128 the run is 32 bytes, two 16-byte loads on a GPU: each request's
+    lanes are rows apart and use half of each sector (the profile's
+    49%), the lane's other load the rest, from L1.
 
     Parameters:
         steps: Instructions per chunk (`mfma_steps`).
