@@ -13,8 +13,10 @@ thread of a warp is one request. For each request:
   `32 / w` lanes at a time (a 16-byte access: a quarter of a 32-lane
   warp), and each such group takes as many wavefronts as the most
   distinct words any one bank holds among its lanes (lanes reading the
-  same word share it, a broadcast). A conflict-free request takes one
-  wavefront per group; its **ways** are that most-loaded bank's count;
+  same word share it, a broadcast); a wide load whose lane pairs agree
+  serves twice the lanes a group (`request_counts`). A conflict-free
+  request takes one wavefront per group; its **ways** are that
+  most-loaded bank's count;
 - **atomics**: the most lanes of the request on one word (they
   serialize on a GPU).
 
@@ -178,16 +180,45 @@ struct RequestCounts(Copyable, Movable):
         self.lanes = 0
 
 
+def lanes_paired(lanes: List[Int], words: List[Int]) -> Bool:
+    """Whether every lane's partner `n ^ 1`, or every lane's partner
+    `n ^ 2`, is in the request on the same word."""
+    var word_of = Dict[Int, Int]()
+    for a in range(len(lanes)):
+        word_of[lanes[a]] = words[a]
+    for mask in [1, 2]:
+        var paired = True
+        for entry in word_of.items():
+            if word_of.get(entry.key ^ mask, -1) != entry.value:
+                paired = False
+                break
+        if paired:
+            return True
+    return False
+
+
 def request_counts(
-    lanes: List[Int], words: List[Int], width: Int, warp: Int
+    lanes: List[Int],
+    words: List[Int],
+    width: Int,
+    warp: Int,
+    kind: Int = ACCESS_STORE,
 ) -> RequestCounts:
     """What one warp request costs shared memory.
+
+    A wide load on a 32-lane warp whose lanes pair up on one address
+    (`n` and `n ^ 1`, or `n` and `n ^ 2`, for every lane: a broadcast
+    included) returns two lanes' registers at once, so twice the lanes
+    share a wavefront (NVIDIA's rule for `LDS.64`/`LDS.128`, stated for
+    compute capability 7.x on its developer forum, "Unexpected shared
+    memory bank conflict", 2019; taken to hold on Hopper, unmeasured).
 
     Args:
         lanes: Each access's lane in its warp (`thread % warp`).
         words: Each access's first word (its `width` words follow).
         width: Words per access (1, 2 or 4).
         warp: Lanes per warp (32 on NVIDIA, 64 on AMD).
+        kind: `ACCESS_LOAD`, `ACCESS_STORE` or `ACCESS_ATOMIC`.
 
     Returns:
         Wavefronts (summed over the groups of `BANKS / width` lanes a
@@ -197,6 +228,13 @@ def request_counts(
     """
     var out = RequestCounts()
     var per_group = max(BANKS // max(width, 1), 1)
+    if (
+        kind == ACCESS_LOAD
+        and width > 1
+        and warp == 32
+        and lanes_paired(lanes, words)
+    ):
+        per_group *= 2
     var groups = (warp + per_group - 1) // per_group
     for g in range(groups):
         # bank -> distinct first words of the accesses on it.
@@ -483,8 +521,8 @@ struct LaunchProfile(Movable):
             for m in members:
                 lanes.append(self.pending[m].thread % self.warp)
                 words.append(self.pending[m].word)
-            var c = request_counts(lanes, words, width, self.warp)
             ref s = self.sites[site]
+            var c = request_counts(lanes, words, width, self.warp, s.kind)
             s.requests += 1
             s.wavefronts += c.wavefronts
             s.ideal_wavefronts += c.ideal

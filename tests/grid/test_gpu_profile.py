@@ -244,6 +244,20 @@ def test_the_estimate_by_hand():
     assert estimate_us(_bare(grid=264, blocks=264), h100, 255)["waves"] == 2
 
 
+def test_a_thread_waits_for_each_of_its_accesses_in_turn():
+    # Phase 0's busiest thread: 3 global accesses, 1 of them cold, and 2
+    # shared: 480 + 2 * 40 (L1 hits) + 2 * 30, issue 5 * 4, barrier 40;
+    # phase 1: barrier 40. 720 cycles at 1.98 GHz.
+    chain = _bare(phase_path=[2, 0], phase_global=[3, 0], phase_cold=[1, 0])
+    est = estimate_us(chain, COST_MODELS["H100"])
+    assert est["latency"] == pytest.approx(720 / 1980)
+    # Twice the chain, twice its latency less the barriers'.
+    longer = _bare(phase_path=[4, 0], phase_global=[6, 0], phase_cold=[2, 0])
+    assert estimate_us(longer, COST_MODELS["H100"])["latency"] == (
+        pytest.approx((720 + 640) / 1980)
+    )
+
+
 def test_l2_traffic_is_the_sectors_blocks_touch_first():
     # 171,875 sectors of 32 bytes: 5.5 MB at 5.5 TB/s, 1 us; sectors a
     # block touched before are its L1's.

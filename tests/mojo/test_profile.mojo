@@ -6,7 +6,8 @@ answer, counted here by hand:
 
 - a stride of 32 words: every lane of a warp on bank 0, 32 distinct
   words: 32 wavefronts a request, 32-way;
-- a broadcast: every lane reads word 0: one wavefront;
+- a broadcast: every lane reads word 0: one wavefront; a 16-byte load
+  every lane pair shares: two lanes a bank slot, half the wavefronts;
 - 16-byte stores of consecutive words: a quarter warp's 8 lanes cover
   the 32 banks once: 4 wavefronts a 32-lane request, no conflict;
 - 16-byte stores 8 words apart: a quarter warp's 8 lanes on 16 of the
@@ -27,6 +28,8 @@ from kernels.grid.block_phases import Lane, Shared
 from kernels.grid.gpu_kernel import GpuKernel, kernel_code, profile_kernel
 from kernels.grid.operands import KernelOperands
 from kernels.grid.profile import (
+    ACCESS_LOAD,
+    ACCESS_STORE,
     LaunchProfile,
     request_counts,
     request_bytes,
@@ -330,6 +333,49 @@ def test_request_counts_by_hand() raises:
     assert_equal(c.ways, 2)
     assert_equal(c.max_lanes, 2)
     assert_equal(c.addresses, 2)
+
+
+def _lanes(n: Int) -> List[Int]:
+    var out = List[Int]()
+    for lane in range(n):
+        out.append(lane)
+    return out^
+
+
+def test_a_wide_load_on_paired_lanes_packs_two_lanes() raises:
+    # Every lane reads words 0-3: lane pairs agree, so 16 lanes share a
+    # wavefront: 2, not the 4 of distinct 16-byte loads.
+    var all_zero = List[Int](length=32, fill=0)
+    assert_equal(
+        request_counts(_lanes(32), all_zero, 4, 32, ACCESS_LOAD).wavefronts, 2
+    )
+    # Stores do not pack.
+    assert_equal(
+        request_counts(_lanes(32), all_zero, 4, 32, ACCESS_STORE).wavefronts,
+        4,
+    )
+    # Lanes n and n ^ 1 on one 16-byte chunk, 16 chunks on the 32 banks
+    # four times over: 2 wavefronts.
+    var pairs = List[Int]()
+    var quads = List[Int]()
+    for lane in range(32):
+        pairs.append(4 * (lane // 2))
+        # Lane n on chunk n % 4: no pair agrees (lanes 0 and 4 do, but
+        # not as partners), so it stays 4 (the forum's example).
+        quads.append(4 * (lane % 4))
+    assert_equal(
+        request_counts(_lanes(32), pairs, 4, 32, ACCESS_LOAD).wavefronts, 2
+    )
+    assert_equal(
+        request_counts(_lanes(32), quads, 4, 32, ACCESS_LOAD).wavefronts, 4
+    )
+    # A 64-lane wave: no packing counted (the rule is NVIDIA's).
+    assert_equal(
+        request_counts(
+            _lanes(64), List[Int](length=64, fill=0), 4, 64, ACCESS_LOAD
+        ).wavefronts,
+        8,
+    )
 
 
 def main() raises:

@@ -1,13 +1,15 @@
 """An estimated kernel time per launch, from the emulated profile's counts.
 
 A launch's time on a GPU is estimated as its busiest throughput (HBM,
-L2, shared memory) plus the latency its phases expose once per wave:
+L2, shared memory) plus the latency its phases' serial chains expose
+once per wave:
 
     time = floor + max(dram / HBM, l2 / L2, wavefronts / shared)
                  + waves * sum over phases of
-                   (barrier + [cold global access] * dram_latency
-                            + [shared access] * shared_latency
-                            + path * issue)
+                   (barrier + cold * dram_latency
+                            + (global - cold) * l1_latency
+                            + shared * shared_latency
+                            + (global + shared) * issue)
 
 - ``dram``: the launch's distinct bytes read and written (what HBM must
   move at least; L2 hits between blocks are not modelled beyond that);
@@ -19,20 +21,24 @@ L2, shared memory) plus the latency its phases expose once per wave:
   (:func:`mla_kpool.gpu_report.occupancy.occupancy_by_gpu`, from the
   block's threads and shared bytes, and its registers when a gpu-report
   JSON gives them; otherwise the register limit is lifted).
-- Per phase: a barrier, one exposed memory latency if a thread of it
-  touches a sector its block has not (a cold access; the loads of a loop
-  overlap, and a sector touched before is taken for an L1 hit), one
-  shared latency if it touches shared memory, and the phase's critical
-  path (the most shared and global accesses one thread makes) at
-  ``issue`` cycles each.
+- Per phase, the serial chain of its busiest thread: ``global``,
+  ``cold`` and ``shared`` are the most global accesses, global accesses
+  to a sector the block had not touched, and shared accesses any one
+  thread made in the phase (each maximum over threads on its own, so
+  an upper bound). Each access waits for the one before it: a thread
+  overlaps none of its own accesses, only other warps' (Hong and Kim's
+  analytical model, ISCA 2009, charges a warp's memory instructions one
+  after another the same way). A cold access waits for DRAM, a warm
+  one for L1, a shared one for shared memory.
 
 It is an estimate: it knows nothing of instruction issue besides memory
-accesses, of ptxas's scheduling (a wgmma serialized, registers spilled),
-of L1 hits, of overlap between a wave's tail and the next wave, or of the
-gaps between launches. :data:`COST_MODELS` holds the constants, each with
-its source; ``benchmarks/gpu_run.sh``'s constants item measures them on
-the first GPU at hand, and they are fixed before any comparison with a
-measured time, never fitted per kernel.
+accesses (FP32 FMAs, tensor-core instructions), of ptxas's scheduling (a
+loop's loads overlapped, a wgmma serialized), of L1 capacity, of overlap
+between a wave's tail and the next wave, or of the gaps between launches.
+:data:`COST_MODELS` holds the constants, each with its source;
+``benchmarks/gpu_run.sh``'s constants item measures them on the first
+GPU at hand, and they are fixed before any comparison with a measured
+time, never fitted per kernel.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class CostModel:
         clock_ghz: The SM (CU) clock under load.
         l2_tbps: L2 to SM bandwidth, all SMs together.
         dram_latency_cycles: A global load that misses L2.
+        l1_latency_cycles: A global load that hits L1.
         shared_latency_cycles: A shared-memory load.
         barrier_cycles: A block barrier every warp reaches together.
         issue_cycles: Cycles one thread's access adds to its phase's
@@ -69,6 +76,7 @@ class CostModel:
     clock_ghz: float
     l2_tbps: float
     dram_latency_cycles: int
+    l1_latency_cycles: int
     shared_latency_cycles: int
     barrier_cycles: int
     issue_cycles: int
@@ -81,16 +89,18 @@ class CostModel:
 #: and Tons of Bandwidth", 2023), the H200 the same die; MI300X: AMD's
 #: 17.2 TB/s peak of its Infinity Cache (CDNA 3 white paper). Latencies,
 #: Hopper: Luo et al., "Benchmarking and Dissecting the Nvidia Hopper GPU
-#: Architecture" (IPDPS 2024): shared memory about 30 cycles, global
-#: memory about 480; MI300X: LDS about 64 cycles and HBM about 800 (Chips
-#: and Cheese, "Testing AMD's Giant MI300X", 2024, read off its latency
-#: plots). Barrier, issue and floor: assumptions (40 cycles, 4 cycles,
-#: 2 us) until the constants item of ``benchmarks/gpu_run.sh`` measures
-#: them.
+#: Architecture" (IPDPS 2024): shared memory about 30 cycles, L1 hits
+#: about 40, global memory about 480; MI300X: LDS about 64 cycles, vector
+#: L1 hits about 120 and HBM about 800 (Chips and Cheese, "Testing AMD's
+#: Giant MI300X", 2024, read off its latency plots). Barrier, issue and
+#: floor: assumptions (40 cycles, 4 cycles, 2 us) until the constants
+#: item of ``benchmarks/gpu_run.sh`` measures them.
 COST_MODELS = {
-    "H100": CostModel("H100", "sm_90a", 1.98, 5.5, 480, 30, 40, 4, 2.0),
-    "H200": CostModel("H200", "sm_90a", 1.98, 5.5, 480, 30, 40, 4, 2.0),
-    "MI300X": CostModel("MI300X", "gfx942", 2.1, 17.2, 800, 64, 40, 4, 2.0),
+    "H100": CostModel("H100", "sm_90a", 1.98, 5.5, 480, 40, 30, 40, 4, 2.0),
+    "H200": CostModel("H200", "sm_90a", 1.98, 5.5, 480, 40, 30, 40, 4, 2.0),
+    "MI300X": CostModel(
+        "MI300X", "gfx942", 2.1, 17.2, 800, 120, 64, 40, 4, 2.0
+    ),
 }
 
 
@@ -145,16 +155,17 @@ def estimate_us(
     l2 = counts["l2_bytes"] / (model.l2_tbps * 1e6)
     shared = counts["wavefronts"] / (spec.units * clock)
     phase_cycles = 0.0
-    for path, reach, cold in zip(
+    for shared_path, reach, cold in zip(
         profile["phase_path"],
         profile["phase_global"],
         profile["phase_cold"],
         strict=True,
     ):
         phase_cycles += model.barrier_cycles
-        phase_cycles += model.dram_latency_cycles if cold else 0
-        phase_cycles += model.shared_latency_cycles if path else 0
-        phase_cycles += (path + reach) * model.issue_cycles
+        phase_cycles += cold * model.dram_latency_cycles
+        phase_cycles += (reach - cold) * model.l1_latency_cycles
+        phase_cycles += shared_path * model.shared_latency_cycles
+        phase_cycles += (shared_path + reach) * model.issue_cycles
     waves = _waves(profile, model, registers)
     latency = waves * phase_cycles / clock
     return {
