@@ -231,7 +231,7 @@ def compress_lane(lane: RowLane, s: Shared, op: Compress):
 
 struct CompressKernel[Op: type_of(Compress)](GpuKernel):
     """The compress launch: `gpu_rows.gpu_rows_per_block` output rows per
-    block, 16 bytes of channels per thread."""
+    block, 4 channels per thread."""
 
     comptime Operands = Self.Op
     comptime name = "kpool_compress_kernel"

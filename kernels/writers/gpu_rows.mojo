@@ -2,17 +2,17 @@
 
 Every writer's GPU work is rows of `head_dim` channels (a request's closed
 pool, an output row, a stashed position), each channel independent. A
-thread takes `gpu_channel_width` consecutive channels, 16 bytes of keys (8
-bfloat16 or float16, 4 float32), so each member row is read with 16-byte
-loads and each output row written with 16-byte stores; a row takes
-`gpu_row_threads` threads (16 at bfloat16 x 128 channels), and a block of
+thread takes `gpu_channel_width` consecutive channels, 4: the 16 bytes of
+one float32 ape load (8 channels of 16-bit keys used half of each ape
+sector a request), so a warp's every load and store is one contiguous
+run; a row takes `gpu_row_threads` threads (32 at 128 channels), and a block of
 `GPU_WRITER_THREADS` threads covers several rows (`gpu_rows_per_block`),
 so a decode batch of 64 requests is 16 blocks of 64 threads rather than
 64 blocks each under a warp, and a batch of 4096 keeps every thread of its
 blocks busy. A head wider than 1024 threads' channels strides, each
 thread taking channels `first`, `first + stride`, ...
 
-The 16-byte accesses need 16-byte aligned rows: a row's offset is a
+The vector accesses need 16-byte aligned rows: a row's offset is a
 multiple of the channel width (it divides `head_dim`), and the operand
 base pointers are checked at run time (`gpu_aligned`); a call whose
 tensors are not aligned (a view MAX hands at an odd offset) takes the
@@ -47,9 +47,10 @@ keeps 32 blocks of a full SM busy."""
 
 @always_inline
 def gpu_channel_width[dtype: DType, head_dim: Int]() -> Int:
-    """Channels per thread: 16 bytes of `dtype`, halved until it divides
+    """Channels per thread: 16 bytes of float32 (the ape's, and the keys'
+    at float32; 8 bytes of 16-bit keys), halved until it divides
     `head_dim` (1 for an odd head)."""
-    var width = max(GPU_ACCESS_BYTES // size_of[dtype](), 1)
+    var width = max(GPU_ACCESS_BYTES // max(size_of[dtype](), 4), 1)
     while width > 1 and head_dim % width != 0:
         width //= 2
     return width

@@ -282,11 +282,8 @@ def pool_channels[
     thread's view `s` records them beside it (`note_global_load`: the gate
     and ape in pass 1, whose key load is dead, all three in pass 2).
 
-    At 16-bit keys a thread's 8 channels of float32 ape are 32 bytes, two
-    16-byte loads, so each request uses half of each sector of the ape
-    row (the profile's 50%); the other half is the next load's, and the
-    ape (`kpool x head_dim` floats, 2 KiB at kpool 4) is read by every
-    block from L1 and L2, not HBM.
+    The ape (`kpool x head_dim` floats, 2 KiB at kpool 4) is read by
+    every block from L1 and L2, not HBM.
 
     Parameters:
         dtype: Key and gate dtype (float32, bfloat16 or float16).

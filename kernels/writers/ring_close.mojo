@@ -290,8 +290,8 @@ def note_plan_close(s: Shared, b: Int, op: RingClose):
 def ring_close_lane(lane: RowLane, s: Shared, op: RingClose):
     """One GPU thread of ring_close: its channels of request `lane.row`.
 
-    The thread's request and channels are `gpu_rows.row_lane`'s (16 bytes
-    of channels per thread, several requests per block); the caller skips
+    The thread's request and channels are `gpu_rows.row_lane`'s (4
+    channels per thread, several requests per block); the caller skips
     rows past the batch. The request's first thread writes
     `closed_pool[b]`. A request with nothing to close writes -1 and zeros
     and never touches the ring. Global memory goes through the thread's
@@ -328,7 +328,7 @@ def ring_close_aligned(op: RingClose) -> Bool:
 
 struct RingCloseKernel[Op: type_of(RingClose)](GpuKernel):
     """The ring_close launch: `gpu_rows.gpu_rows_per_block` requests per
-    block, 16 bytes of channels per thread."""
+    block, 4 channels per thread."""
 
     comptime Operands = Self.Op
     comptime name = "kpool_ring_close_kernel"

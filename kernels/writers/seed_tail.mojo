@@ -222,7 +222,7 @@ def seed_tail_lane(lane: RowLane, s: Shared, op: SeedTail):
 
 struct SeedTailKernel[Op: type_of(SeedTail)](GpuKernel):
     """The seed_tail launch: `gpu_rows.gpu_rows_per_block` requests per
-    block, 16 bytes of channels per thread."""
+    block, 4 channels per thread."""
 
     comptime Operands = Self.Op
     comptime name = "kpool_seed_tail_kernel"

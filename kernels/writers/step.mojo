@@ -374,10 +374,10 @@ struct StepScanKernel[Op: type_of(Step)](GpuKernel):
 
 struct StepKernel[Op: type_of(Step)](GpuKernel):
     """The step's launch 2: requests then output rows, as many per block as
-    `gpu_rows.gpu_rows_per_block`, 16 bytes of channels per thread.
+    `gpu_rows.gpu_rows_per_block`, 4 channels per thread.
 
     `kpool_step_kernel` over `batch + total_tokens // kpool` rows, several
-    per block (`gpu_rows`: 16 bytes of channels per thread). Row `b <
+    per block (`gpu_rows`: 4 channels per thread). Row `b <
     batch` closes request `b` and then seeds it: the thread that pools
     channels `ch` from the ring is the one that later overwrites channels
     `ch` of that ring slot, so reading before writing needs no barrier. Row
