@@ -330,7 +330,7 @@ def test_tiny_index_bench_run(tmp_path, capsys, monkeypatch):
         )
         assert "blas" in r and r["git_commit"] == head_commit()
     captured = capsys.readouterr()
-    assert "3 configurations, 1 graphs to compile" in captured.err
+    assert "3 configurations, 1 graph to compile" in captured.err
     head, rows = table_cells(captured.out)
     assert head[0] == "phase"
     assert [r[0] for r in rows] == ["decode", "prefill", "prefill-16k"]

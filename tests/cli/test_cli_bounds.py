@@ -103,8 +103,14 @@ def test_a_long_demo_states_its_size_and_asks(capsys):
     assert "in 29,928 calls" in err
     assert "more than the 2,000 calls a run on cpu makes unasked" in err
     assert "--long-run" in err
+    assert "lower --requests" in err
     config, plan_ = demo.build_plan(_demo_args("--token-budget", "1"))
     demo.check_size(config, plan_, long_run=True)  # no error: asked for
+    # Requests from a schedule file: the advice names the file's requests.
+    with pytest.raises(demo.DemoError) as refused:
+        demo.check_size(config, plan_, long_run=False, scheduled=True)
+    assert "fewer requests in the schedule" in str(refused.value)
+    assert "--requests" not in str(refused.value)
 
 
 def test_the_default_workloads_run_unasked():

@@ -532,7 +532,9 @@ def measure_all(args: argparse.Namespace) -> list[Record]:
 def describe_size(todo: list[Case]) -> str:
     """``"<n> configurations, <g> graphs to compile"`` for a run of ``todo``."""
     graphs = graphs_to_compile(todo)
-    return f"{len(todo)} configurations, {graphs} graphs to compile"
+    configs = "configuration" if len(todo) == 1 else "configurations"
+    noun = "graph" if graphs == 1 else "graphs"
+    return f"{len(todo)} {configs}, {graphs} {noun} to compile"
 
 
 def check_size(args: argparse.Namespace, todo: list[Case]) -> str | None:

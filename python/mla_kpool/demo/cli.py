@@ -366,13 +366,17 @@ def describe_size(plan_: Plan) -> str:
     )
 
 
-def check_size(config: Config, plan_: Plan, long_run: bool) -> None:
+def check_size(
+    config: Config, plan_: Plan, long_run: bool, scheduled: bool = False
+) -> None:
     """Refuses a run too large for this machine, or larger than asked for.
 
     Args:
         config: The run's configuration.
         plan_: Its calls.
         long_run: Whether ``--long-run`` was given.
+        scheduled: Whether the requests come from ``--schedule`` (the
+            advice then names the file, not ``--requests``).
 
     Raises:
         DemoError: If, without ``long_run``, the plan makes more calls
@@ -384,6 +388,9 @@ def check_size(config: Config, plan_: Plan, long_run: bool) -> None:
             widened rows (:data:`BYTES_PER_EXPANDED_ID` a position) would
             not fit in the memory this machine has available.
     """
+    fewer = (
+        "fewer requests in the schedule" if scheduled else "lower --requests"
+    )
     limit = LONG_RUN_CALLS[config.device]
     calls = len(plan_.calls)
     if calls > limit and not long_run:
@@ -391,7 +398,7 @@ def check_size(config: Config, plan_: Plan, long_run: bool) -> None:
             f"this workload is {describe_size(plan_)}, more than the"
             f" {limit:,} calls a run on {config.device} makes unasked; add"
             " --long-run"
-            " to run it, or lower --requests, or raise --token-budget"
+            f" to run it, or {fewer}, or raise --token-budget"
         )
     rows = [sum(e.tokens for e in call) for call in plan_.calls]
     width = expand_topk_width(config.pool_topk, config.kpool)
@@ -403,7 +410,7 @@ def check_size(config: Config, plan_: Plan, long_run: bool) -> None:
             f" with --kpool {config.kpool} and --pool-topk"
             f" {config.pool_topk}), more than the {limit:,} a run on"
             f" {config.device} writes unasked (hours); add --long-run to run"
-            " it, or lower --kpool, --pool-topk or --requests"
+            f" it, or lower --kpool or --pool-topk, or {fewer}"
         )
     have = available_memory()
     if have is None:
@@ -476,7 +483,7 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
                     f"--inject-fault {args.inject_fault}: no call in this "
                     f"workload offers a place for it"
                 )
-        check_size(config, plan_, args.long_run)
+        check_size(config, plan_, args.long_run, args.schedule is not None)
         runner = _runner_on(config.device, runner)
     except (DemoError, ScheduleError) as e:
         return usage_error(args, str(e))
