@@ -73,7 +73,11 @@ as gpu-profile's driver and the profile's tests run. Every other build
 all: a branch on `is_gpu()` alone stayed in the GPU build long enough to
 change ptxas's allocation (ring_close 64 registers to 74 on sm_90a)."""
 
-comptime Shared = BlockShared[MutAnyOrigin]
+comptime SHARED_CHECKED = not is_gpu()
+"""Whether shared accesses are checked: on the host (the emulation), never
+on a GPU, whose build has no checking code."""
+
+comptime Shared = BlockShared[MutAnyOrigin, SHARED_CHECKED]
 """The view a phased body receives."""
 
 comptime _NONE: Int64 = 0
@@ -140,11 +144,12 @@ def _stamp_thread(stamp: Int64) -> Int:
     return Int(stamp & 0xFFFFFFFF) - 1
 
 
-struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
+struct BlockShared[origin: MutOrigin, checked: Bool](TrivialRegisterPassable):
     """One thread's view of its block's shared memory in one phase.
 
-    On a GPU, `words` is the block's shared memory and `checked` is false:
-    loads, stores and atomics are plain (one uniform branch each). Emulated,
+    On a GPU, `words` is the block's shared memory and `checked` is false
+    (`SHARED_CHECKED`): loads, stores and atomics are plain, with no
+    checking code. Emulated,
     `shadow` holds each word's last write stamp, then its read stamps, its
     atomic stamps and the report (`shadow_words`); an access that breaks the
     phase model is recorded there (the first one) and the launch fails after
@@ -172,11 +177,11 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
     Parameters:
         origin: Origin of the pointers (`MutAnyOrigin` in kernels, as
             `Shared`).
+        checked: Whether each access is checked against `shadow`.
     """
 
     var words: Pointer[UInt32, Self.origin]
     var shadow: Pointer[Int64, Self.origin]
-    var checked: Bool
     var size: Int
     var phase: Int
     var thread: Int
@@ -188,7 +193,6 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         out self,
         words: Pointer[UInt32, Self.origin],
         shadow: Pointer[Int64, Self.origin],
-        checked: Bool,
         size: Int,
         phase: Int,
         thread: Int,
@@ -198,7 +202,6 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         `profile` only when its address is not 0 (host code only)."""
         self.words = words
         self.shadow = shadow
-        self.checked = checked
         self.size = size
         self.phase = phase
         self.thread = thread
@@ -290,7 +293,7 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
     @always_inline
     def _load(self, i: Int) -> UInt32:
         """Word `i`, checked when emulated, not recorded."""
-        if self.checked:
+        comptime if Self.checked:
             if not self._in_range(i):
                 return 0
             self._check_read(i)
@@ -299,7 +302,7 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
     @always_inline
     def _store(self, i: Int, value: UInt32):
         """Sets word `i`, checked when emulated, not recorded."""
-        if self.checked:
+        comptime if Self.checked:
             if not self._in_range(i):
                 return
             self._check_write(i)
@@ -342,7 +345,7 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
                 multiple of it.
         """
         self._note[width, ACCESS_STORE](call_location(), i)
-        if self.checked:
+        comptime if Self.checked:
             comptime for w in range(width):
                 self._store(i + w, value[w])
         else:
@@ -359,7 +362,7 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
         is a race the emulation reports.
         """
         self._note[1, ACCESS_ATOMIC](call_location(), i)
-        if self.checked:
+        comptime if Self.checked:
             if not self._in_range(i):
                 return 0
             self._check_atomic(i)
@@ -380,7 +383,7 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
     def atomic_max(self, i: Int, value: UInt32):
         """Raises word `i` to `value` atomically (relaxed) if it is lower."""
         self._note[1, ACCESS_ATOMIC](call_location(), i)
-        if self.checked:
+        comptime if Self.checked:
             if not self._in_range(i):
                 return
             self._check_atomic(i)
@@ -411,7 +414,7 @@ struct BlockShared[origin: MutOrigin](TrivialRegisterPassable):
             width: Lanes (a power of two); `i` must be a multiple of it.
         """
         self._note[width, ACCESS_LOAD](call_location(), i)
-        if self.checked:
+        comptime if Self.checked:
             var lanes = SIMD[DType.float32, width]()
             comptime for w in range(width):
                 lanes[w] = bitcast[DType.float32, 1](self._load(i + w))

@@ -172,7 +172,6 @@ def no_shared(thread: Int) -> Shared:
     return Shared(
         Pointer[UInt32, MutAnyOrigin](unsafe_from_address=none),
         Pointer[Int64, MutAnyOrigin](unsafe_from_address=none),
-        False,
         0,
         0,
         thread,
@@ -345,7 +344,7 @@ def _emulate[
                     t,
                     states[t],
                     lanes[t],
-                    Shared(word_ptr, shadow_ptr, True, size, p, t, profile),
+                    Shared(word_ptr, shadow_ptr, size, p, t, profile),
                     op,
                 )
             if report[unsafe_offset=0] != 0:
@@ -413,7 +412,7 @@ def gpu_block_kernel[name: StaticString, K: GpuKernel](op: K.Operands):
             t,
             state,
             lane,
-            Shared(words, words.unsafe_bitcast[Int64](), False, size, p, t),
+            Shared(words, words.unsafe_bitcast[Int64](), size, p, t),
             op,
         )
         comptime kind = K.collective(p)

@@ -115,14 +115,14 @@ def test_amdgcn_gfx942() raises:
 
 
 def test_block_threads() raises:
-    # 16 bytes of channels a thread, rows packed into blocks of 64 threads,
-    # a row over 1024 threads' channels strides.
+    # 4 channels a thread (16 bytes of float32 ape), rows packed into
+    # blocks of 64 threads, a row over 1024 threads' channels strides.
     assert_equal(RingCloseKernel[RingClose].block_threads, 64)
-    assert_equal(RingCloseKernel[RingClose].rows_per_block, 4)
+    assert_equal(RingCloseKernel[RingClose].rows_per_block, 2)
     comptime Wide = RingCloseKernel[
         RingCloseOperands[BF16, U32, U32, U32, 4, 1088, Any]
     ]
-    assert_equal(Wide.block_threads, 136)
+    assert_equal(Wide.block_threads, 272)
     assert_equal(Wide.rows_per_block, 1)
     comptime OddWide = RingCloseKernel[
         RingCloseOperands[DType.float32, U32, U32, U32, 4, 2049, Any]
@@ -134,17 +134,17 @@ def test_block_threads() raises:
     ]
     assert_equal(Single.block_threads, 64)
     assert_equal(Single.rows_per_block, 64)
-    # float16 x 96: 8 channels a thread, 12 threads a row, 5 rows a block.
+    # float16 x 96: 4 channels a thread, 24 threads a row, 2 rows a block.
     comptime F16Rows = CompressKernel[
         CompressOperands[DType.float16, U32, U32, U32, 4, 96, Any]
     ]
-    assert_equal(F16Rows.block_threads, 60)
-    assert_equal(F16Rows.rows_per_block, 5)
+    assert_equal(F16Rows.block_threads, 48)
+    assert_equal(F16Rows.rows_per_block, 2)
     # The fused step: one block of 1024 threads scans (a block prefix sum,
     # so whole warps), then rows of requests and pools.
     assert_equal(StepScanKernel[Step].block_threads, 1024)
-    assert_equal(StepKernel[WideStep].block_threads, 136)
-    assert_equal(StepKernel[Step].rows_per_block, 4)
+    assert_equal(StepKernel[WideStep].block_threads, 272)
+    assert_equal(StepKernel[Step].rows_per_block, 2)
     # expand_topk: a block per token row, an id a thread up to 256 threads,
     # whole 64-thread groups; past the shared ids' limit a warp per row.
     assert_equal(row_width[4, 512, True](), 2051)

@@ -35,7 +35,7 @@ from std.sys import has_accelerator
 from std.sys.info import is_nvidia_gpu
 from std.testing import TestSuite, assert_equal, assert_true
 
-from kernels.grid.block_phases import Shared
+from kernels.grid.block_phases import Shared, shadow_words
 from kernels.index.fp8 import decode_e4m3
 from kernels.index.gpu.wgmma_tiles import (
     CORE_BYTES,
@@ -147,13 +147,15 @@ def _exact(row: Int, col: Int) -> Float32:
 
 def _model_registers(mut words: List[UInt32]) -> List[Float32]:
     """Every thread's registers after the two instructions, by the model."""
-    var shadow = List[Int64](length=1, fill=0)
+    # Every word written by thread 0 in phase 0 (its stamp), read in phase 1.
+    var shadow = List[Int64](length=shadow_words(WORDS), fill=0)
+    for i in range(WORDS):
+        shadow[i] = (Int64(1) << 32) | 1
     var s = Shared(
         words.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
         shadow.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
-        False,
         WORDS,
-        0,
+        1,
         0,
     )
     var out = List[Float32](length=128 * (N // 2), fill=0.0)

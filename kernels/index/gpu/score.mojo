@@ -13,7 +13,7 @@ key's scale, and write a float32 workspace row.
 
 from std.math import ceildiv, min
 
-from ...grid.block_phases import Shared
+from ...grid.block_phases import SHARED_CHECKED, Shared
 from ...grid.gpu_kernel import GpuKernel
 from ..fp8 import decode_e4m3_gpu
 from .shape import (
@@ -277,10 +277,10 @@ def shared_f32x[width: Int](s: Shared, i: Int) -> SIMD[DType.float32, width]:
 
     The emulation's checks are a call rather than inline code: the tiled
     scorer reads its query at `D` places per pass, and inlined checks
-    made the body too large for the compiler to inline into the kernel,
-    which then kept them (and its arguments in memory) on the GPU too.
+    made its body too large for the compiler to inline (the GPU build has
+    no checks: `SHARED_CHECKED`).
     """
-    if s.checked:
+    comptime if SHARED_CHECKED:
         return _checked_f32x[width](s, i)
     # The alignment makes it one vector load (without it LLVM splits it).
     return (
