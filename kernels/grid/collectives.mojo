@@ -84,10 +84,11 @@ struct Lane(Copyable, Defaultable, TrivialRegisterPassable):
 
     A phase whose table entry has a collective after it (`phases.Phase`)
     must `offer` a value in every thread, and only such a phase may; the
-    next phase reads the result with `result()`. On a GPU the flags are never read, and the
-    compiler drops them; emulated they find a lane that offered nothing
-    (its value would be stale or undefined on a GPU) and a result read
-    where no collective gave one.
+    next phase reads the result with `result()`. On a GPU the flags are
+    never read, and the compiler drops them; emulated they find a lane
+    that offered nothing (its value would be stale or undefined on a GPU),
+    an offer no collective takes and a result read where no collective
+    gave one.
     """
 
     var value: UInt64
@@ -285,10 +286,9 @@ def check_lanes(
     kind: Int,
     mut lanes: List[Lane],
 ) raises:
-    """Fails the launch if a thread read a result no collective gave it
-    (only the phase right after a collective may read its result) or
-    offered a value where the kernel's phase table has no collective after
-    the phase; a phase with none then ends its lanes' results.
+    """Fails the launch if a thread read a result anywhere but in the phase
+    right after its collective, or offered a value in a phase the kernel's
+    phase table gives no collective; a phase with none ends the results.
 
     Args:
         kernel: Name of the kernel, for messages.
@@ -306,21 +306,17 @@ def check_lanes(
     for t in range(len(lanes)):
         if lanes[t].stale_read:
             raise Error(
-                place,
-                t,
-                " read a collective result that no collective gave it (the"
-                " phase table has no collective after the phase before)",
+                place, t, " read a collective result that no collective gave it"
             )
-        if kind == NO_COLLECTIVE and lanes[t].offered:
-            raise Error(
-                place,
-                t,
-                " offered a value, but the phase table has no collective"
-                " after phase ",
-                name,
-            )
-    if kind == NO_COLLECTIVE:
-        for t in range(len(lanes)):
+        if kind == NO_COLLECTIVE:
+            if lanes[t].offered:
+                raise Error(
+                    place,
+                    t,
+                    " offered a value, but the phase table has no collective"
+                    " after phase ",
+                    name,
+                )
             lanes[t].fresh = False
 
 

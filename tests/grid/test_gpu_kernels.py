@@ -105,7 +105,7 @@ SELECT_MUTANTS = [
         # The histogram a pass counts into is cleared in that pass, while
         # other threads add to it.
         "clear_the_counted_histogram",
-        "comptime other = _HIST + ((p + 1) % 2) * RADIX_BUCKETS",
+        "comptime other = HISTOGRAMS + ((p + 1) % 2) * RADIX_BUCKETS",
         "comptime other = hist",
         r"one of them atomic \(a race\)|missing barrier",
     ),

@@ -168,8 +168,9 @@ def select_row[
     """Window row `row`'s scores, bound, split words and output ids.
 
     An unsplit select reads the row's bound from the plan in its first
-    phase (`load`) and keeps it in `state` (every phase read the same two words again after
-    its barrier: 41-53 registers on sm_90a, 32 with it kept). A split
+    phase (`load`) and keeps it in `state` (every phase read the same two
+    words again after its barrier: 41-53 registers on sm_90a, 32 with it
+    kept). A split
     select reads it in each phase: kept, it took 40 registers to 48, half
     an SM's warps instead of three quarters.
     """

@@ -444,14 +444,14 @@ struct MfmaScore[Op: type_of(IndexTopK)](GpuKernel):
 
     Phases (`gpu_kernel.gpu_block_kernel`):
 
-    - `products`: each wave issues `ceil(H / 16) * S` MFMAs; per head chunk, each
-      lane scales its 4 registers by 4, applies the NaN-keeping ReLU and the
-      head weights and adds them to its partial sum (chunks, then registers,
-      ascending), then stores the partial in shared word `4 m + l / 16` of its
-      candidate `m = 16 w + l % 16`.
-    - `sum`: a thread per candidate adds its 4 partial sums in a fixed order and
-      multiplies by the key's scale (once, after the head sum); NaN if wave
-      0's lanes saw a NaN query byte.
+    - `products`: each wave issues `ceil(H / 16) * S` MFMAs; per head
+      chunk, each lane scales its 4 registers by 4, applies the NaN-keeping
+      ReLU and the head weights and adds them to its partial sum (chunks,
+      then registers, ascending), then stores the partial in shared word
+      `4 m + l / 16` of its candidate `m = 16 w + l % 16`.
+    - `sum`: a thread per candidate adds its 4 partial sums in a fixed
+      order and multiplies by the key's scale (once, after the head sum);
+      NaN if wave 0's lanes saw a NaN query byte.
     """
 
     comptime Operands = Self.Op

@@ -45,11 +45,12 @@ comptime CACHE_WORDS = 8192
 """The longest row kept in shared memory (32 KiB of keys)."""
 
 
-comptime _HIST = 0
-"""Pass `p` counts digit `d` at `_HIST + (p % 2) * RADIX_BUCKETS + d`."""
+comptime HISTOGRAMS = 0
+"""The radix histograms' first word: pass `p` counts digit `d` at
+`HISTOGRAMS + (p % 2) * RADIX_BUCKETS + d`."""
 
 
-comptime _STATE = _HIST + 2 * RADIX_BUCKETS
+comptime _STATE = HISTOGRAMS + 2 * RADIX_BUCKETS
 """(prefix, need): the bits of the k-th key fixed so far, and how many keys
 with that prefix the top k still takes."""
 
@@ -277,7 +278,7 @@ def pick_phase[
     comptime p = table.round(phase)
     comptime if table.named(phase, "load"):
         if thread < RADIX_BUCKETS:
-            s.store(_HIST + thread, 0)
+            s.store(HISTOGRAMS + thread, 0)
         if row.cached() and not row.compact:
             for j in range(thread, row.bound, SELECT_THREADS):
                 s.store(
@@ -290,7 +291,7 @@ def pick_phase[
     elif table.named(phase, "count"):
         _count[k, p](thread, state, s, row, take_all)
     elif table.named(phase, "offer"):
-        comptime hist = _HIST + (p % 2) * RADIX_BUCKETS
+        comptime hist = HISTOGRAMS + (p % 2) * RADIX_BUCKETS
         state.count = 0
         if thread < RADIX_BUCKETS and not take_all:
             state.count = s.load(hist + RADIX_BUCKETS - 1 - thread)
@@ -359,8 +360,8 @@ def _count[
         row: The block's row.
         take_all: Whether every candidate is taken (nothing to count).
     """
-    comptime hist = _HIST + (p % 2) * RADIX_BUCKETS
-    comptime other = _HIST + ((p + 1) % 2) * RADIX_BUCKETS
+    comptime hist = HISTOGRAMS + (p % 2) * RADIX_BUCKETS
+    comptime other = HISTOGRAMS + ((p + 1) % 2) * RADIX_BUCKETS
     if thread < RADIX_BUCKETS:
         s.store(other + thread, 0)
     if take_all:

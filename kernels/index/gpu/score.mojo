@@ -344,8 +344,7 @@ def pass_sum[
 
 
 comptime TILED_PHASES = Phases(Phase("stage"), Phase("score"))
-"""The tiled scorer's phases (`index_score_phase`): the query staged, then
-the candidates scored. The untiled scorer has one, `score`."""
+"""The tiled scorer's phases: the query staged, the candidates scored."""
 
 
 @always_inline

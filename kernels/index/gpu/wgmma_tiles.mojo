@@ -135,20 +135,14 @@ struct TileShape[heads: Int, depth: Int, rows: Int, span: Int]:
     """Shared words of the block."""
     comptime partial_word = Self.words - Self.buffers * Self.partial_words
     """First word of the partial sums (the last of the block's words)."""
-    comptime phase_table = wgmma_phases(Self.chunks, Self.pairs)
-    """The block's phases (`wgmma_phases`)."""
+    comptime phase_table = _phases(Self.chunks, Self.pairs)
+    """Phases (`_phases`)."""
 
 
-def wgmma_phases(chunks: Int, pairs: Int) -> Phases:
-    """A wgmma block's phases: with several chunks of heads, a stage and a
-    multiply per chunk, then the write of the scores; with one, the stage
-    of the query and the first pair, a phase per pair, then the write of
-    the last pair's scores.
-
-    Args:
-        chunks: Products per tile (`wgmma_chunks`).
-        pairs: (segment, tile) pairs of a block (one chunk of heads).
-    """
+def _phases(chunks: Int, pairs: Int) -> Phases:
+    """A block's phases: a stage and a multiply per chunk of heads, then
+    the scores written; or, with one chunk, the query and the first pair
+    staged, a phase per pair, then the last pair's scores written."""
     if chunks > 1:
         var chunk = Phases(Phase("stage"), Phase("multiply"))
         return chunk.repeat(chunks).then(Phases(Phase("write")))
