@@ -4,8 +4,8 @@ A cooperative kernel (`gpu_kernel.GpuKernel`) runs its body in phases, a
 block barrier after each. Its `phase_table` lists them in order, each with
 its name and the collective that follows it (`NO_COLLECTIVE`: none). The
 launcher and the emulator unroll the table, the collective after phase `p`
-is `phase_table.collective(p)`, the kernel's `phases` is its `count()`, and
-the body dispatches on names:
+is `phase_table.collective(p)`, `gpu_kernel.phase_count` is its `count()`,
+and the body dispatches on names:
 
     comptime SCAN_PHASES = Phases(
         Phase("count", BLOCK_EXCLUSIVE_SUM), Phase("write")
@@ -19,8 +19,9 @@ which time phase `p` is. Tables join with `then` (the select's is its
 split count's, a pick's, the sort's). A name the table lacks is a compile
 error, so a misspelt name cannot silently match nothing.
 
-Tables are compile-time values: read them in `comptime` expressions only
-(a kernel never holds one).
+Tables are compile-time values, read in `comptime` expressions only: a
+table is not implicitly copyable, so a run-time read fails to compile
+rather than putting a table in a kernel.
 """
 
 from std.os import abort

@@ -118,6 +118,23 @@ SELECT_MUTANTS = [
         "offered no value to the collective",
     ),
     (
+        # The collect's table entry loses its prefix sum: the phase still
+        # offers its counts, to no collective.
+        "collect_without_a_collective",
+        'Phase("collect", BLOCK_EXCLUSIVE_SUM)',
+        'Phase("collect")',
+        r"phase 13 \(collect\) thread \d+ offered a value, but the phase"
+        " table has no collective after phase collect",
+    ),
+    (
+        # A body names a phase its table does not have: a compile error,
+        # not a branch that never runs.
+        "misspelt_phase_name",
+        'elif table.named(phase, "collect"):',
+        'elif table.named(phase, "colect"):',
+        "no phase is called 'colect'",
+    ),
+    (
         # A split row's first block selects instead of its last to arrive:
         # the shuffled block order runs it before some of the others, so
         # it takes a histogram they have not added to yet (and re-zeroes

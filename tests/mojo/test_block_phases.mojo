@@ -4,6 +4,7 @@ Each feature is a small kernel declared as a `GpuKernel`, run over the
 emulated grid with answers computed here in plain loops, then with a fault
 planted that the emulation must refuse (or, for block order, expose):
 
+- phase tables: counts, collectives, names and rounds of a joined table;
 - phases and shared memory: a block sum in two phases; the barrier left
   out, a word read before any write, a word overwritten after another
   thread read it, an index past the block's words;
@@ -38,6 +39,7 @@ from kernels.grid.block_phases import (
     BLOCK_MAX,
     BLOCK_SUM,
     EMULATED_WARP,
+    NO_COLLECTIVE,
     WARP_BALLOT,
     WARP_BROADCAST,
     WARP_EXCLUSIVE_SUM,
@@ -104,6 +106,35 @@ def _error[K: GpuKernel](op: K.Operands, grid: Int) -> String:
 
 def _value(b: Int, t: Int) -> UInt32:
     return UInt32(100 * b + t * t + 1)
+
+
+# --- phase tables --------------------------------------------------------
+
+
+def test_a_phase_table_answers_by_name() raises:
+    comptime pass_ = Phases(Phase("count"), Phase("offer", BLOCK_SUM))
+    comptime table = (
+        Phases(Phase("load"))
+        .then(pass_.repeat(2))
+        .then(Phases(Phase("step", times=3), Phase("idle", times=0)))
+        .then(Phases(Phase("write")))
+    )
+    # load, count, offer, count, offer, step, step, step, write
+    comptime count = table.count()
+    comptime offers = table.collective(4)
+    comptime steps = table.collective(5)
+    comptime second = table.round(3)
+    comptime third = table.round(7)
+    comptime write = table.index("write")
+    comptime is_step = table.named(6, "step")
+    comptime is_idle = table.named(6, "idle")
+    assert_equal(count, 9)
+    assert_equal(offers, BLOCK_SUM)
+    assert_equal(steps, NO_COLLECTIVE)
+    assert_equal(second, 1)
+    assert_equal(third, 2)
+    assert_equal(write, 8)
+    assert_true(is_step and not is_idle)
 
 
 # --- phases and shared memory -------------------------------------------
