@@ -15,7 +15,7 @@ touches besides its state:
   space on a GPU).
 - **`Lane`** (in `collectives`, re-exported here with the collective
   kinds): the thread's value in a **collective** that runs after a phase
-  (`GpuKernel.collective(p)`).
+  (`GpuKernel.phase_table`).
 - **Blocks that meet through global memory**: `publish_add`,
   `publish_fence`, `arrive`, `acquire_fence`, `read_published`, at GPU
   scope.

@@ -1,15 +1,17 @@
 """The collectives a phase of a cooperative kernel may end with.
 
-A kernel declares the collective after a phase (`GpuKernel.collective`):
-every thread `offer`s a 64-bit value in that phase through its `Lane`, the
-collective runs between the phases, and later phases read the `result()`.
+A kernel's phase table (`GpuKernel.phase_table`, `phases.Phases`) names
+the collective after a phase: every thread `offer`s a 64-bit value in that
+phase through its `Lane`, the collective runs between the phases, and the
+next phase reads the `result()`.
 Warp ones (sum, max, exclusive prefix sum, broadcast of lane 0, ballot)
 and block ones (sum, max, exclusive prefix sum). On a GPU they are
 butterflies and scans of MAX's warp shuffles (`max.gpu.primitives.warp`),
 the block ones with a 64-bit partial per warp in shared memory after the
 kernel's own words and a barrier (`gpu_collective`); emulated they are
 computed over the lanes gathered (`emulate_collective`), and a lane that
-offered nothing or a result no collective gave fails the launch. The warp
+offered nothing, an offer with no collective after it or a result no
+collective gave fails the launch. The warp
 is the target's (32 lanes on NVIDIA, 64 on AMD); emulated it is
 `EMULATED_WARP`, so a kernel reads its width from `warp_lanes()`.
 """
@@ -28,7 +30,7 @@ comptime MAX_WARPS = 32
 """Warps of the largest block (1024 threads of 32 lanes): the words a block
 collective keeps per warp bound its scratch."""
 
-# The collectives a phase may end with (`GpuKernel.collective`).
+# The collectives a phase may end with (`phases.Phase.collective`).
 comptime NO_COLLECTIVE = 0
 comptime WARP_SUM = 1
 """Every lane gets the sum of its warp's values."""
@@ -80,12 +82,13 @@ def scratch_start(words: Int) -> Int:
 struct Lane(Copyable, Defaultable, TrivialRegisterPassable):
     """A thread's value in the collective after a phase, then its result.
 
-    A phase whose kernel declares a collective after it (`GpuKernel.
-    collective`) must `offer` a value in every thread; the next phases read
-    the result with `result()`. On a GPU the flags are never read, and the
-    compiler drops them; emulated they find a lane that offered nothing
-    (its value would be stale or undefined on a GPU) and a result read
-    where no collective gave one.
+    A phase whose table entry has a collective after it (`phases.Phase`)
+    must `offer` a value in every thread, and only such a phase may; the
+    next phase reads the result with `result()`. On a GPU the flags are
+    never read, and the compiler drops them; emulated they find a lane
+    that offered nothing (its value would be stale or undefined on a GPU),
+    an offer no collective takes and a result read where no collective
+    gave one.
     """
 
     var value: UInt64
@@ -219,6 +222,7 @@ def emulate_collective(
     kind: Int,
     block: Int,
     phase: Int,
+    name: StaticString,
     mut lanes: List[Lane],
 ) raises:
     """Runs collective `kind` over a block's lanes, on the CPU.
@@ -228,6 +232,7 @@ def emulate_collective(
         kind: The collective.
         block: The block, for messages.
         phase: The phase it follows, for messages.
+        name: That phase's name in the kernel's table, for messages.
         lanes: The block's lanes, thread by thread.
 
     Raises:
@@ -243,7 +248,9 @@ def emulate_collective(
                 block,
                 " phase ",
                 phase,
-                " thread ",
+                " (",
+                name,
+                ") thread ",
                 t,
                 " offered no value to the collective after the phase (its"
                 " lane would be stale on a GPU)",
@@ -272,31 +279,45 @@ def emulate_collective(
 
 
 def check_lanes(
-    kernel: StaticString, block: Int, phase: Int, lanes: List[Lane]
+    kernel: StaticString,
+    block: Int,
+    phase: Int,
+    name: StaticString,
+    kind: Int,
+    mut lanes: List[Lane],
 ) raises:
-    """Fails the launch if a thread read a result no collective gave it.
+    """Fails the launch if a thread read a result anywhere but in the phase
+    right after its collective, or offered a value in a phase the kernel's
+    phase table gives no collective; a phase with none ends the results.
 
     Args:
         kernel: Name of the kernel, for messages.
         block: The block.
         phase: The phase just run.
+        name: Its name in the kernel's phase table.
+        kind: The collective after it in the table (`NO_COLLECTIVE`: none).
         lanes: The block's lanes.
 
     Raises:
-        Error: Naming the first such thread.
+        Error: Naming the kernel, block, phase and the first such thread.
     """
+    var place = String(kernel, ": block ", block, " phase ", phase)
+    place += String(" (", name, ") thread ")
     for t in range(len(lanes)):
         if lanes[t].stale_read:
             raise Error(
-                kernel,
-                ": block ",
-                block,
-                " phase ",
-                phase,
-                " thread ",
-                t,
-                " read a collective result that no collective gave it",
+                place, t, " read a collective result that no collective gave it"
             )
+        if kind == NO_COLLECTIVE:
+            if lanes[t].offered:
+                raise Error(
+                    place,
+                    t,
+                    " offered a value, but the phase table has no collective"
+                    " after phase ",
+                    name,
+                )
+            lanes[t].fresh = False
 
 
 @always_inline

@@ -1,8 +1,9 @@
 """Every GPU kernel of the package, declared once: `GpuKernel`.
 
 A kernel's declaration is a struct of this trait, next to its body: its
-operand type, name, threads per block, shared words, phases, how its grid
-follows the call, and the body itself. Everything that needs those facts
+operand type, name, threads per block, shared words, phase table
+(`phases.Phases`: each phase's name and the collective after it), how its
+grid follows the call, and the body itself. Everything that needs those facts
 reads the declaration:
 
 - the op's `execute` launches it with `launch_kernel` (on a GPU or over
@@ -50,6 +51,7 @@ from .block_phases import (
     violation,
 )
 from .operands import KernelOperands, check_kernel_layout
+from .phases import Phase, Phases
 from .profile import LaunchProfile
 from .parallel import check_launch, gpu_kernel, launch
 
@@ -76,7 +78,10 @@ trait GpuKernel:
     """The op's operand struct, the kernel's one argument."""
     comptime State: Copyable & Defaultable & Deinitable = NoState
     """What a thread keeps across barriers (in registers on a GPU, in a
-    per-thread array emulated); starts as `State()` in every block."""
+    per-thread array emulated); starts as `State()` in every block. A
+    kernel with a `phase_table` whose `run_phase` names `Self.State`
+    declares it, `NoState` too: Mojo 1.2 reports the default as a
+    recursive reference there."""
     comptime name: StaticString
     """Kernel name: the entry symbol's prefix, as profiles show it."""
     comptime block_threads: Int
@@ -87,8 +92,10 @@ trait GpuKernel:
     comptime dynamic_shared: Bool = False
     """Whether shared memory is sized at launch (`launch_shared_words`),
     past the 48 KiB of static shared memory where the GPU allows."""
-    comptime phases: Int = 1
-    """Phases of the body, a block barrier after each (1: no barrier)."""
+    comptime phase_table: Phases = Phases(Phase("run"))
+    """The body's phases in order, each with its name and the collective
+    after it (`phases.Phases`), a block barrier after each but the last
+    (one phase: no barrier). `phase_count` says how many."""
     comptime grid_rows: StaticString
     """What `rows` counts, for the report (`"batch"`, `"tokens"`, ...)."""
     comptime rows_per_block: Int = 1
@@ -124,12 +131,6 @@ trait GpuKernel:
         return Self.shared_words
 
     @staticmethod
-    def collective(phase: Int) -> Int:
-        """The collective after `phase` (`block_phases.NO_COLLECTIVE`,
-        `WARP_SUM`, ...), evaluated at compile time."""
-        return NO_COLLECTIVE
-
-    @staticmethod
     def run(phase: Int, block: Int, thread: Int, s: Shared, op: Self.Operands):
         """One thread's work in one phase (`s` is empty without shared
         words), for a kernel with no per-thread state or collectives."""
@@ -146,15 +147,23 @@ trait GpuKernel:
         s: Shared,
         op: Self.Operands,
     ):
-        """One thread's work in phase `phase`: `run` unless the kernel
-        keeps state across barriers or ends a phase with a collective."""
+        """One thread's work in phase `phase` (its name:
+        `phase_table.name(phase)`): `run` unless the kernel keeps state
+        across barriers or ends a phase with a collective."""
         Self.run(phase, block, thread, s, op)
+
+
+@always_inline
+def phase_count[K: GpuKernel]() -> Int:
+    """Phases of `K`: its phase table's length."""
+    comptime n = K.phase_table.count()
+    return n
 
 
 @always_inline
 def is_phased[K: GpuKernel]() -> Bool:
     """Whether `K` runs as a phased kernel (shared memory or barriers)."""
-    return K.shared_words > 0 or K.phases > 1
+    return K.shared_words > 0 or phase_count[K]() > 1
 
 
 def grid_blocks[K: GpuKernel](op: K.Operands) -> Int:
@@ -185,8 +194,8 @@ def _thread[K: GpuKernel](block: Int, thread: Int, op: K.Operands):
 def scratch_words[K: GpuKernel]() -> Int:
     """Shared words `K`'s block collectives use after its own (0 if it has
     none): `block_phases.collective_scratch_words`."""
-    comptime for p in range(K.phases):
-        comptime if is_block_collective(K.collective(p)):
+    comptime for p in range(phase_count[K]()):
+        comptime if is_block_collective(K.phase_table.collective(p)):
             return collective_scratch_words(K.block_threads)
     return 0
 
@@ -198,14 +207,14 @@ def block_shared_words[K: GpuKernel]() -> Int:
 
 
 def _check_declaration[K: GpuKernel]():
-    comptime for p in range(K.phases):
-        comptime if K.collective(p) != NO_COLLECTIVE:
+    comptime for p in range(phase_count[K]()):
+        comptime if K.phase_table.collective(p) != NO_COLLECTIVE:
             comptime assert K.block_threads % 64 == 0, (
                 "a kernel with collectives needs block_threads a multiple of"
                 " 64 (whole warps on every target)"
             )
             comptime assert (
-                p + 1 < K.phases
+                p + 1 < phase_count[K]()
             ), "a collective runs between phases: none after the last"
     comptime assert (
         K.dynamic_shared or 4 * block_shared_words[K]() <= STATIC_SHARED_BYTES
@@ -243,7 +252,8 @@ def emulate_kernel[K: GpuKernel](op: K.Operands, grid: Int) raises:
     before its collective, then phase `p + 1`, as the barrier between them
     makes a GPU do. Each thread's `State` lives in a per-thread array across
     the phases. Each block's shared words start as `0xDEADBEEF` with no
-    writer; every access and collective is checked (`block_phases`).
+    writer; every access and collective is checked (`block_phases`), and
+    each lane's offers and reads against the phase table (`check_lanes`).
 
     Parameters:
         K: The kernel's declaration.
@@ -256,7 +266,9 @@ def emulate_kernel[K: GpuKernel](op: K.Operands, grid: Int) raises:
         Error: For a launch shape a GPU refuses (`check_launch`), shared
             words past the declared most, or after the first phase with an
             access or collective that breaks the model, naming the block,
-            phase, thread(s) and word.
+            phase, thread(s) and word; an offer where the phase table has
+            no collective after the phase, or a read of a result where
+            the phase before has none, naming the kernel and the phase.
     """
     _emulate[K](op, grid, no_profile(), 0)
 
@@ -294,7 +306,7 @@ def profile_kernel[
     var profile = LaunchProfile(
         String(K.name),
         warp,
-        K.phases,
+        phase_count[K](),
         grid,
         K.block_threads,
         4 * (launch_words[K](op) + scratch_words[K]()),
@@ -337,7 +349,7 @@ def _emulate[
         for t in range(threads):
             states[t] = K.State()
             lanes[t] = Lane()
-        comptime for p in range(K.phases):
+        comptime for p in range(phase_count[K]()):
             for t in reversed(range(threads)):
                 K.run_phase[p](
                     b,
@@ -351,10 +363,11 @@ def _emulate[
                 raise Error(violation(K.name, b, report))
             if Int(profile) != 0:
                 profile[].close_phase(p)
-            check_lanes(K.name, b, p, lanes)
-            comptime kind = K.collective(p)
+            comptime kind = K.phase_table.collective(p)
+            comptime name = K.phase_table.name(p)
+            check_lanes(K.name, b, p, name, kind, lanes)
             comptime if kind != NO_COLLECTIVE:
-                emulate_collective(K.name, kind, b, p, lanes)
+                emulate_collective(K.name, kind, b, p, name, lanes)
         if Int(profile) != 0:
             profile[].close_block()
     # The views point into these lists: they must outlive every body call.
@@ -406,7 +419,7 @@ def gpu_block_kernel[name: StaticString, K: GpuKernel](op: K.Operands):
     var t = Int(thread_idx.x)
     var state = K.State()
     var lane = Lane()
-    comptime for p in range(K.phases):
+    comptime for p in range(phase_count[K]()):
         K.run_phase[p](
             b,
             t,
@@ -415,7 +428,7 @@ def gpu_block_kernel[name: StaticString, K: GpuKernel](op: K.Operands):
             Shared(words, words.unsafe_bitcast[Int64](), size, p, t),
             op,
         )
-        comptime kind = K.collective(p)
+        comptime kind = K.phase_table.collective(p)
         comptime if kind != NO_COLLECTIVE:
             gpu_collective[kind](
                 lane,
@@ -423,7 +436,7 @@ def gpu_block_kernel[name: StaticString, K: GpuKernel](op: K.Operands):
                 K.block_threads,
                 words.unsafe_offset(scratch_start(size)),
             )
-        comptime if p + 1 < K.phases:
+        comptime if p + 1 < phase_count[K]():
             barrier()
 
 

@@ -45,7 +45,6 @@ from ..grid.operands import (
 )
 from ..grid.block_phases import (
     BLOCK_EXCLUSIVE_SUM,
-    NO_COLLECTIVE,
     PROFILE_BUILD,
     Lane,
     Shared,
@@ -53,6 +52,7 @@ from ..grid.block_phases import (
 from ..grid.collectives import thread_run
 from ..grid.gpu_kernel import GpuKernel, launch_kernel
 from ..grid.parallel import cpu_for_each_range
+from ..grid.phases import Phase, Phases
 from ..grid.ragged import Field, Ptr, last_span_at, read_index, token_span
 from .gpu_rows import note_last_span_at, note_span, profiled
 
@@ -328,8 +328,14 @@ struct ExpandState(Copyable, Defaultable, TrivialRegisterPassable):
     """Positions the row's query sees (`query_visible`)."""
 
     def __init__(out self):
-        """Before phase 0."""
+        """Before the first phase."""
         self.visible = 0
+
+
+comptime EXPAND_PHASES = Phases(
+    Phase("count", BLOCK_EXCLUSIVE_SUM), Phase("compact"), Phase("write")
+)
+"""The compacting kernel's phases (`expand_topk_phase`)."""
 
 
 def expand_topk_phase[
@@ -347,13 +353,13 @@ def expand_topk_phase[
     A stream compaction (a block prefix sum of valid-id counts, as in
     CUB's `BlockScan`-based select), then coalesced stores:
 
-    - phase 0: the thread counts the valid ids of its contiguous run of the
-      row (`collectives.thread_run`) and offers the count to the block's
-      exclusive prefix sum;
-    - phase 1: from that prefix it writes its valid ids, in order, to
+    - `count`: the thread counts the valid ids of its contiguous run of
+      the row (`collectives.thread_run`) and offers the count to the
+      block's exclusive prefix sum;
+    - `compact`: from that prefix it writes its valid ids, in order, to
       shared words `prefix ..`; the last thread writes the row's valid
       total to word `pool_topk`;
-    - phase 2: thread `i` writes columns `i, i + T, ...`: column `c` below
+    - `write`: thread `i` writes columns `i, i + T, ...`: column `c` below
       `total * kpool` is member `c % kpool` of compacted id `c / kpool`,
       then the tail's positions, then `-1`.
     """
@@ -363,7 +369,7 @@ def expand_topk_phase[
     comptime threads = gpu_expand_threads[pool_topk]()
     var ids = op.pool_ids.unsafe_offset(row * pool_topk)
     var run = thread_run(thread, threads, pool_topk)
-    comptime if phase == 0:
+    comptime if EXPAND_PHASES.named(phase, "count"):
         state.visible = query_visible(op, row)
         note_query_visible(s, op, row)
         var complete = state.visible // kpool
@@ -376,7 +382,7 @@ def expand_topk_phase[
             ):
                 count += 1
         lane.offer(UInt64(count))
-    elif phase == 1:
+    elif EXPAND_PHASES.named(phase, "compact"):
         var complete = state.visible // kpool
         var at = Int(lane.result())
         var run_ids = _run_ids[pool_topk, threads](s, ids, run[0])
@@ -412,19 +418,13 @@ struct ExpandTopKKernel[Op: type_of(ExpandTopK)](GpuKernel):
     comptime name = "kpool_expand_topk_kernel"
     comptime block_threads = gpu_expand_threads[Self.Op.pool_topk]()
     comptime shared_words = Self.Op.pool_topk + 1
-    comptime phases = 3
+    comptime phase_table = EXPAND_PHASES
     comptime grid_rows = "tokens"
 
     @staticmethod
     def rows(op: Self.Operands) -> Int:
         """Token rows (none when rows have no columns)."""
         return op.total_tokens if Self.Op.width > 0 else 0
-
-    @staticmethod
-    def collective(phase: Int) -> Int:
-        """The block's exclusive prefix sum of the runs' counts after
-        phase 0."""
-        return BLOCK_EXCLUSIVE_SUM if phase == 0 else NO_COLLECTIVE
 
     @staticmethod
     def run_phase[

@@ -46,14 +46,14 @@ from ..grid.operands import (
 )
 from ..grid.block_phases import (
     BLOCK_EXCLUSIVE_SUM,
-    NO_COLLECTIVE,
     PROFILE_BUILD,
     Lane,
     Shared,
 )
 from ..grid.collectives import thread_run
-from ..grid.gpu_kernel import GpuKernel, launch_kernel
+from ..grid.gpu_kernel import GpuKernel, NoState, launch_kernel
 from ..grid.parallel import cpu_for_each_range
+from ..grid.phases import Phase, Phases
 from .gpu_rows import (
     RowLane,
     gpu_rows_per_block,
@@ -251,6 +251,13 @@ comptime SCAN_THREADS = 1024
 """Threads of the scan launch's one block: a run of requests each."""
 
 
+comptime SCAN_PHASES = Phases(
+    Phase("count", BLOCK_EXCLUSIVE_SUM), Phase("write")
+)
+"""The scan's phases: each run's pool count offered to a block exclusive
+prefix sum, then the run's offsets written from its prefix."""
+
+
 def step_scan_phase[phase: Int](thread: Int, mut lane: Lane, op: Step):
     """One thread of launch 1 (`StepScanKernel`), phase `phase`.
 
@@ -263,8 +270,8 @@ def step_scan_phase[phase: Int](thread: Int, mut lane: Lane, op: Step):
     (`scan_pool_rows`); the two agree bit for bit (64-bit sums, stored
     modulo 2^32).
 
-    Phase 0: the thread offers the 64-bit sum of its run's pool counts to
-    the block's exclusive prefix sum. Phase 1: from that prefix it writes
+    `count`: the thread offers the 64-bit sum of its run's pool counts to
+    the block's exclusive prefix sum. `write`: from that prefix it writes
     `pool_row_offsets[b + 1]` for each request `b` of its run (modulo
     2^32, as `scan_pool_rows`), thread 0 also `pool_row_offsets[0] = 0`.
 
@@ -274,7 +281,7 @@ def step_scan_phase[phase: Int](thread: Int, mut lane: Lane, op: Step):
     microsecond of the step's traffic.
     """
     var run = thread_run(thread, SCAN_THREADS, op.close.call.batch)
-    comptime if phase == 0:
+    comptime if SCAN_PHASES.named(phase, "count"):
         var total: UInt64 = 0
         for b in range(run[0], run[1]):
             total += UInt64(step_pool_count(op, b))
@@ -296,18 +303,19 @@ def note_scan_phase[phase: Int](thread: Int, s: Shared, op: Step):
 
     The scan's body is docs/kernels.md's example, word for word, so it
     takes no view: its thread's reads of each request's metadata
-    (`step_pool_count`) and, in phase 1, its writes of `pool_row_offsets`
+    (`step_pool_count`) and, in `write`, its writes of `pool_row_offsets`
     are noted beside it, in the same order per site.
     """
     comptime if PROFILE_BUILD:
         comptime if not is_gpu():
             var run = thread_run(thread, SCAN_THREADS, op.close.call.batch)
-            comptime if phase == 1:
+            comptime writes = SCAN_PHASES.named(phase, "write")
+            comptime if writes:
                 if thread == 0:
                     s.note_global_store(op.pool_row_offsets, 0)
             for b in range(run[0], run[1]):
                 note_pool_count(s, op, b)
-                comptime if phase == 1:
+                comptime if writes:
                     s.note_global_store(op.pool_row_offsets, b + 1)
 
 
@@ -342,19 +350,15 @@ struct StepScanKernel[Op: type_of(Step)](GpuKernel):
 
     comptime Operands = Self.Op
     comptime name = "kpool_step_scan_kernel"
+    comptime State = NoState
     comptime block_threads = SCAN_THREADS
-    comptime phases = 2
+    comptime phase_table = SCAN_PHASES
     comptime grid_rows = "1"
 
     @staticmethod
     def rows(op: Self.Operands) -> Int:
         """One."""
         return 1
-
-    @staticmethod
-    def collective(phase: Int) -> Int:
-        """A block exclusive prefix sum of the runs' counts after phase 0."""
-        return BLOCK_EXCLUSIVE_SUM if phase == 0 else NO_COLLECTIVE
 
     @staticmethod
     def run_phase[

@@ -105,7 +105,7 @@ SELECT_MUTANTS = [
         # The histogram a pass counts into is cleared in that pass, while
         # other threads add to it.
         "clear_the_counted_histogram",
-        "comptime other = _HIST + ((p + 1) % 2) * RADIX_BUCKETS",
+        "comptime other = HISTOGRAMS + ((p + 1) % 2) * RADIX_BUCKETS",
         "comptime other = hist",
         r"one of them atomic \(a race\)|missing barrier",
     ),
@@ -116,6 +116,23 @@ SELECT_MUTANTS = [
         "    lane.offer(above << 32 | ties)",
         "    if above + ties > 0:\n        lane.offer(above << 32 | ties)",
         "offered no value to the collective",
+    ),
+    (
+        # The collect's table entry loses its prefix sum: the phase still
+        # offers its counts, to no collective.
+        "collect_without_a_collective",
+        'Phase("collect", BLOCK_EXCLUSIVE_SUM)',
+        'Phase("collect")',
+        r"phase 13 \(collect\) thread \d+ offered a value, but the phase"
+        " table has no collective after phase collect",
+    ),
+    (
+        # A body names a phase its table does not have: a compile error,
+        # not a branch that never runs.
+        "misspelt_phase_name",
+        'elif table.named(phase, "collect"):',
+        'elif table.named(phase, "colect"):',
+        "no phase is called 'colect'",
     ),
     (
         # A split row's first block selects instead of its last to arrive:

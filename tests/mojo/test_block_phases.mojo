@@ -4,6 +4,7 @@ Each feature is a small kernel declared as a `GpuKernel`, run over the
 emulated grid with answers computed here in plain loops, then with a fault
 planted that the emulation must refuse (or, for block order, expose):
 
+- phase tables: counts, collectives, names and rounds of a joined table;
 - phases and shared memory: a block sum in two phases; the barrier left
   out, a word read before any write, a word overwritten after another
   thread read it, an index past the block's words;
@@ -12,7 +13,9 @@ planted that the emulation must refuse (or, for block order, expose):
 - per-thread state across barriers: a value kept in `State` from phase 0
   to phase 2;
 - collectives: every kind against the same reduction written out here; a
-  lane that offers nothing, a result read where no collective gave one;
+  lane that offers nothing, an offer in a phase whose table entry has no
+  collective, a result read where no collective gave one, and one read a
+  phase too late;
 - shared memory sized at launch: the words follow the call; a launch that
   asks more than the declared most, an index past the launch's words;
 - rows over several blocks: a row summed by blocks that meet through
@@ -49,6 +52,7 @@ from kernels.grid.block_phases import (
 )
 from kernels.grid.gpu_kernel import GpuKernel, emulate_kernel, kernel_code
 from kernels.grid.operands import KernelOperands
+from kernels.grid.phases import Phase, Phases
 from kernels.grid.ragged import Field, Ptr
 
 comptime BLOCK = 8
@@ -104,6 +108,35 @@ def _value(b: Int, t: Int) -> UInt32:
     return UInt32(100 * b + t * t + 1)
 
 
+# --- phase tables --------------------------------------------------------
+
+
+def test_a_phase_table_answers_by_name() raises:
+    comptime pass_ = Phases(Phase("count"), Phase("offer", BLOCK_SUM))
+    comptime table = (
+        Phases(Phase("load"))
+        .then(pass_.repeat(2))
+        .then(Phases(Phase("step", times=3), Phase("idle", times=0)))
+        .then(Phases(Phase("write")))
+    )
+    # load, count, offer, count, offer, step, step, step, write
+    comptime count = table.count()
+    comptime offers = table.collective(4)
+    comptime steps = table.collective(5)
+    comptime second = table.round(3)
+    comptime third = table.round(7)
+    comptime write = table.index("write")
+    comptime is_step = table.named(6, "step")
+    comptime is_idle = table.named(6, "idle")
+    assert_equal(count, 9)
+    assert_equal(offers, BLOCK_SUM)
+    assert_equal(steps, NO_COLLECTIVE)
+    assert_equal(second, 1)
+    assert_equal(third, 2)
+    assert_equal(write, 8)
+    assert_true(is_step and not is_idle)
+
+
 # --- phases and shared memory -------------------------------------------
 
 
@@ -117,7 +150,7 @@ struct BlockSum(GpuKernel):
     comptime name = "block_sum"
     comptime block_threads = BLOCK
     comptime shared_words = BLOCK + 1
-    comptime phases = 2
+    comptime phase_table = Phases(Phase("store"), Phase("sum"))
     comptime grid_rows = "blocks"
 
     @staticmethod
@@ -223,7 +256,7 @@ struct Histogram(GpuKernel):
     comptime name = "histogram"
     comptime block_threads = HIST_THREADS
     comptime shared_words = BUCKETS + 1
-    comptime phases = 3
+    comptime phase_table = Phases(Phase("clear"), Phase("count"), Phase("out"))
     comptime grid_rows = "1"
 
     @staticmethod
@@ -309,16 +342,20 @@ def _lane_value(b: Int, t: Int) -> UInt64:
 
 
 struct Collective[kind: Int](GpuKernel):
-    """Phase 0 keeps a value in `State`; phase 1 offers it to the
-    collective `kind`; phase 2 writes the result. Faults: 1 thread 6
-    offers nothing; 2 thread 9 reads a result in phase 1, before any
-    collective."""
+    """Phase `keep` keeps a value in `State`; `offer` offers it to the
+    collective `kind`; `write` writes the result; `after` does nothing.
+    Faults: 1 thread 6 offers nothing; 2 thread 9 reads a result in
+    `offer`, before any collective; 3 thread 4 offers in `keep`, whose
+    table entry has no collective; 4 thread 2 reads the result again in
+    `after`, a phase after the one that follows the collective."""
 
     comptime Operands = Op
     comptime State = Kept
     comptime name = "collective"
     comptime block_threads = LANES
-    comptime phases = 3
+    comptime phase_table = Phases(
+        Phase("keep"), Phase("offer", Self.kind), Phase("write"), Phase("after")
+    )
     comptime grid_rows = "blocks"
 
     @staticmethod
@@ -326,22 +363,24 @@ struct Collective[kind: Int](GpuKernel):
         return op.n
 
     @staticmethod
-    def collective(phase: Int) -> Int:
-        return Self.kind if phase == 1 else NO_COLLECTIVE
-
-    @staticmethod
     def run_phase[
         phase: Int
     ](b: Int, t: Int, mut state: Kept, mut lane: Lane, s: Shared, op: Op):
-        comptime if phase == 0:
+        comptime table = Self.phase_table
+        comptime if table.named(phase, "keep"):
             state.mine = _lane_value(b, t)
-        elif phase == 1:
+            if op.fault == 3 and t == 4:
+                lane.offer(state.mine)
+        elif table.named(phase, "offer"):
             if op.fault == 2 and t == 9:
                 _ = lane.result()
             if op.fault != 1 or t != 6:
                 lane.offer(state.mine)
-        else:
+        elif table.named(phase, "write"):
             op.out[unsafe_offset=b * LANES + t] = UInt32(lane.result())
+        else:
+            if op.fault == 4 and t == 2:
+                _ = lane.result()
 
 
 def _want(kind: Int, b: Int, t: Int) -> UInt64:
@@ -401,8 +440,18 @@ def test_a_lane_that_offers_nothing_is_refused() raises:
     var m = Buffers(LANES, List[UInt32]())
     var error = _error[Collective[WARP_SUM]](m.op(1, 1), 1)
     assert_true(
-        "collective: block 0 phase 1 thread 6 offered no value to the"
+        "collective: block 0 phase 1 (offer) thread 6 offered no value to the"
         " collective" in error,
+        error,
+    )
+
+
+def test_an_offer_with_no_collective_in_the_table_is_refused() raises:
+    var m = Buffers(LANES, List[UInt32]())
+    var error = _error[Collective[WARP_SUM]](m.op(1, 3), 1)
+    assert_true(
+        "collective: block 0 phase 0 (keep) thread 4 offered a value, but"
+        " the phase table has no collective after phase keep" in error,
         error,
     )
 
@@ -411,8 +460,18 @@ def test_a_result_no_collective_gave_is_refused() raises:
     var m = Buffers(LANES, List[UInt32]())
     var error = _error[Collective[BLOCK_SUM]](m.op(1, 2), 1)
     assert_true(
-        "block 0 phase 1 thread 9 read a collective result that no"
-        " collective gave it" in error,
+        "collective: block 0 phase 1 (offer) thread 9 read a collective"
+        " result that no collective gave it" in error,
+        error,
+    )
+
+
+def test_a_result_read_past_the_phase_after_its_collective_is_refused() raises:
+    var m = Buffers(LANES, List[UInt32]())
+    var error = _error[Collective[BLOCK_SUM]](m.op(1, 4), 1)
+    assert_true(
+        "collective: block 0 phase 3 (after) thread 2 read a collective"
+        " result that no collective gave it" in error,
         error,
     )
 
@@ -433,7 +492,7 @@ struct Reverse(GpuKernel):
     comptime block_threads = 64
     comptime shared_words = MOST_WORDS
     comptime dynamic_shared = True
-    comptime phases = 2
+    comptime phase_table = Phases(Phase("store"), Phase("reverse"))
     comptime grid_rows = "1"
 
     @staticmethod
@@ -501,7 +560,9 @@ struct SplitSum(GpuKernel):
     comptime State = Arrival
     comptime name = "split_sum"
     comptime block_threads = SPLIT_THREADS
-    comptime phases = 3
+    comptime phase_table = Phases(
+        Phase("partial", BLOCK_SUM), Phase("arrive", BLOCK_MAX), Phase("merge")
+    )
     comptime grid_rows = "blocks"
 
     @staticmethod
@@ -509,22 +570,17 @@ struct SplitSum(GpuKernel):
         return op.n // 1000
 
     @staticmethod
-    def collective(phase: Int) -> Int:
-        return BLOCK_SUM if phase == 0 else (
-            BLOCK_MAX if phase == 1 else NO_COLLECTIVE
-        )
-
-    @staticmethod
     def run_phase[
         phase: Int
     ](b: Int, t: Int, mut state: Arrival, mut lane: Lane, s: Shared, op: Op):
         var blocks = op.n // 1000
-        comptime if phase == 0:
+        comptime table = Self.phase_table
+        comptime if table.named(phase, "partial"):
             var partial: UInt64 = 0
             for i in range(b * 1000 + t, (b + 1) * 1000, SPLIT_THREADS):
                 partial += UInt64(op.input[unsafe_offset=i])
             lane.offer(partial)
-        elif phase == 1:
+        elif table.named(phase, "arrive"):
             var arrived: UInt64 = 0
             if t == 0:
                 op.out[unsafe_offset=1 + b] = UInt32(lane.result())

@@ -36,7 +36,6 @@ from kernels.index.gpu.select import (
     SELECT_THREADS,
     SelectState,
     WindowRow,
-    select_collective,
     select_max_words,
     select_phase,
     select_phases,
@@ -86,7 +85,7 @@ struct SelectTest[k: Int, split: Bool](GpuKernel):
     comptime block_threads = SELECT_THREADS
     comptime shared_words = select_max_words(Self.k)
     comptime dynamic_shared = True
-    comptime phases = select_phases(Self.k, Self.split)
+    comptime phase_table = select_phases(Self.k, Self.split)
     comptime grid_rows = "rows"
     comptime grid_columns = "slices"
 
@@ -101,10 +100,6 @@ struct SelectTest[k: Int, split: Bool](GpuKernel):
     @staticmethod
     def launch_shared_words(op: Select) -> Int:
         return select_shared_words(Self.k, op.width)
-
-    @staticmethod
-    def collective(phase: Int) -> Int:
-        return select_collective(phase, Self.split)
 
     @staticmethod
     def run_phase[

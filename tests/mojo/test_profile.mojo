@@ -25,8 +25,14 @@ answer, counted here by hand:
 from std.testing import TestSuite, assert_equal, assert_true
 
 from kernels.grid.block_phases import Lane, Shared
-from kernels.grid.gpu_kernel import GpuKernel, kernel_code, profile_kernel
+from kernels.grid.gpu_kernel import (
+    GpuKernel,
+    NoState,
+    kernel_code,
+    profile_kernel,
+)
 from kernels.grid.operands import KernelOperands
+from kernels.grid.phases import Phase, Phases
 from kernels.grid.profile import (
     ACCESS_LOAD,
     ACCESS_STORE,
@@ -68,9 +74,10 @@ struct Planted[pattern: Int](GpuKernel):
 
     comptime Operands = Op
     comptime name = "planted"
+    comptime State = NoState
     comptime block_threads = THREADS
     comptime shared_words = 32 * THREADS
-    comptime phases = 2
+    comptime phase_table = Phases(Phase("fill"), Phase("planted"))
     comptime grid_rows = "1"
 
     @staticmethod
@@ -88,7 +95,7 @@ struct Planted[pattern: Int](GpuKernel):
         s: Shared,
         op: Op,
     ):
-        comptime if phase == 0:
+        comptime if Self.phase_table.named(phase, "fill"):
             for w in range(32):
                 s.store(t * 32 + w, UInt32(t))
         else:

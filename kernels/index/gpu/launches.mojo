@@ -23,8 +23,9 @@ from max.gpu.host import DeviceContext
 from std.math import ceildiv, max, min
 from std.sys import is_gpu
 
-from ...grid.block_phases import BLOCK_SUM, NO_COLLECTIVE, Lane, Shared
-from ...grid.gpu_kernel import GpuKernel, launch_kernel
+from ...grid.block_phases import BLOCK_SUM, Lane, Shared
+from ...grid.gpu_kernel import GpuKernel, NoState, launch_kernel
+from ...grid.phases import Phase, Phases
 from ..operands import IndexTopK
 from ..plan import (
     candidate_bound,
@@ -38,7 +39,6 @@ from .select import (
     SELECT_THREADS,
     SelectState,
     WindowRow,
-    select_collective,
     select_max_words,
     select_phase,
     select_phases,
@@ -56,6 +56,11 @@ comptime GPU_WORKSPACE_BYTES = 1 << 28
 
 comptime PLAN_THREADS = 256
 """Threads per block of the plan launch (a request per block)."""
+
+
+comptime PLAN_PHASES = Phases(Phase("check", BLOCK_SUM), Phase("write"))
+"""The plan's phases (`plan_phase`): the checks, their failures counted by
+a block sum, then the rows."""
 
 
 def _write_plan(op: IndexTopK, first: Int, end: Int, thread: Int, b: Int):
@@ -89,32 +94,33 @@ def plan_phase[
     of the first malformed request (block 0 when `offsets[0] != 0`) or by
     the last request's block. With no requests block 0 writes every row.
 
-    Phase 0: each thread checks its share of the ends before `b` and of
+    `check`: each thread checks its share of the ends before `b` and of
     `b`'s pages and offers the failures (before `b` in the high 32 bits,
-    `b`'s own in the low) to a block sum. Phase 1: the rows are written.
+    `b`'s own in the low) to a block sum. `write`: the rows are written.
 
     Parameters:
-        phase: 0 or 1.
+        phase: The phase of `PLAN_PHASES`.
 
     Args:
         block: The request `b` (0 with no requests).
         thread: The thread, `0 ..< PLAN_THREADS`.
-        lane: The thread's lane in the block sum after phase 0.
+        lane: The thread's lane in the block sum after `check`.
         op: The call.
     """
     var b = block
     var batch = op.scored_requests
     var offsets = op.input_row_offsets
     var tokens = op.total_tokens
+    comptime checks = PLAN_PHASES.named(phase, "check")
     if b >= batch:
         # No requests: every row is all -1 (`scored_prefix` walks none).
-        comptime if phase == 0:
+        comptime if checks:
             lane.offer(0)
         else:
             _write_plan(op, 0, tokens, thread, -1)
         return
     var own = end_well_formed(offsets, b, tokens)
-    comptime if phase == 0:
+    comptime if checks:
         var before: UInt64 = 0
         if thread == 0 and read_index(offsets, 0) != 0:
             before = 1
@@ -161,15 +167,16 @@ def select_row[
 ]:
     """Window row `row`'s scores, bound, split words and output ids.
 
-    An unsplit select reads the row's bound from the plan in phase 0 and
-    keeps it in `state` (every phase read the same two words again after
-    its barrier: 41-53 registers on sm_90a, 32 with it kept). A split
+    An unsplit select reads the row's bound from the plan in its first
+    phase (`load`) and keeps it in `state` (every phase read the same two
+    words again after its barrier: 41-53 registers on sm_90a, 32 with it
+    kept). A split
     select reads it in each phase: kept, it took 40 registers to 48, half
     an SM's warps instead of three quarters.
     """
     var t = op.work.first_row + row
     var bound: Int
-    comptime if split or phase == 0:
+    comptime if split or select_phases(op.k, split).named(phase, "load"):
         var b = Int(s.global_load(op.work.plan, 2 * t))
         bound = 0
         if b >= 0:
@@ -200,19 +207,15 @@ struct PlanKernel[Op: type_of(IndexTopK)](GpuKernel):
 
     comptime Operands = Self.Op
     comptime name = "mla_kpool_index_plan_kernel"
+    comptime State = NoState
     comptime block_threads = PLAN_THREADS
-    comptime phases = 2
+    comptime phase_table = PLAN_PHASES
     comptime grid_rows = "batch"
 
     @staticmethod
     def rows(op: Self.Operands) -> Int:
         """Requests `B` (one block with none)."""
         return max(op.scored_requests, 1)
-
-    @staticmethod
-    def collective(phase: Int) -> Int:
-        """A block sum of the failed checks after phase 0."""
-        return BLOCK_SUM if phase == 0 else NO_COLLECTIVE
 
     @staticmethod
     def run_phase[
@@ -248,7 +251,7 @@ struct SelectKernel[Op: type_of(IndexTopK), split: Bool](GpuKernel):
     comptime block_threads = SELECT_THREADS
     comptime shared_words = select_max_words(Self.Op.k)
     comptime dynamic_shared = True
-    comptime phases = select_phases(Self.Op.k, Self.split)
+    comptime phase_table = select_phases(Self.Op.k, Self.split)
     comptime grid_rows = "window_rows"
     comptime grid_columns = "select_slices" if Self.split else "1"
 
@@ -266,11 +269,6 @@ struct SelectKernel[Op: type_of(IndexTopK), split: Bool](GpuKernel):
     def launch_shared_words(op: Self.Operands) -> Int:
         """The pairs and a row cache as wide as the workspace's rows."""
         return select_shared_words(Self.Op.k, op.work.candidates)
-
-    @staticmethod
-    def collective(phase: Int) -> Int:
-        """`select_collective`."""
-        return select_collective(phase, Self.split)
 
     @staticmethod
     @always_inline

@@ -36,6 +36,7 @@ from std.sys.info import is_amd_gpu
 
 from ...grid.block_phases import Shared
 from ...grid.gpu_kernel import GpuKernel
+from ...grid.phases import Phase, Phases
 from .score import candidate_at, candidate_tile, is_aligned
 from ..operands import IndexTopK
 from .emulated.mfma import (
@@ -83,14 +84,10 @@ def mfma_chunks[num_heads: Int]() -> Int:
     return ceildiv(num_heads, MFMA_HEADS)
 
 
-@always_inline
-def mfma_phases[num_heads: Int]() -> Int:
-    """Phases of the scorer (`MfmaScore`): the products, then the sum.
-
-    Two for any `num_heads`: the chunks run in one phase, since their
-    operands come from global memory, not from shared tiles.
-    """
-    return 2
+comptime MFMA_PHASES = Phases(Phase("products"), Phase("sum"))
+"""The scorer's phases (`MfmaScore`): the products, then the sum, for any
+`num_heads`: the chunks run in one phase, since their operands come from
+global memory, not from shared tiles."""
 
 
 @always_inline
@@ -401,12 +398,13 @@ def index_mfma_phase(
 
     Block `block` scores window row `block / mfma_tiles(op)` against
     candidates `64 * (block % tiles) ..< + 64`, with `MFMA_THREADS`
-    threads, `mfma_phases` phases and `mfma_words` shared words; it writes
+    threads, `MFMA_PHASES` and `mfma_words` shared words; it writes
     `op.work.scores[row * candidates + j]` (float32) for the candidates below
     the row's bound (`op.work.plan`).
 
     Args:
-        phase: 0 (products) or 1 (sum and scale).
+        phase: The phase of `MFMA_PHASES`: `products`, or `sum` (and
+            scale).
         block: Block of the launch.
         thread: Thread of the block, 0 to 255.
         s: The block's shared words.
@@ -418,7 +416,8 @@ def index_mfma_phase(
         return
     var row, t, b = tile.row, tile.t, tile.request
     var bound, j0 = tile.bound, tile.first
-    if phase == 0:
+    comptime products = MFMA_PHASES.index("products")
+    if phase == products:
         multiply_tile(s, thread, op, t, b, j0, bound)
         return
     var j = j0 + thread
@@ -445,21 +444,21 @@ struct MfmaScore[Op: type_of(IndexTopK)](GpuKernel):
 
     Phases (`gpu_kernel.gpu_block_kernel`):
 
-    - `0`: each wave issues `ceil(H / 16) * S` MFMAs; per head chunk, each
-      lane scales its 4 registers by 4, applies the NaN-keeping ReLU and the
-      head weights and adds them to its partial sum (chunks, then registers,
-      ascending), then stores the partial in shared word `4 m + l / 16` of its
-      candidate `m = 16 w + l % 16`.
-    - `1`: a thread per candidate adds its 4 partial sums in a fixed order and
-      multiplies by the key's scale (once, after the head sum); NaN if wave
-      0's lanes saw a NaN query byte.
+    - `products`: each wave issues `ceil(H / 16) * S` MFMAs; per head
+      chunk, each lane scales its 4 registers by 4, applies the NaN-keeping
+      ReLU and the head weights and adds them to its partial sum (chunks,
+      then registers, ascending), then stores the partial in shared word
+      `4 m + l / 16` of its candidate `m = 16 w + l % 16`.
+    - `sum`: a thread per candidate adds its 4 partial sums in a fixed
+      order and multiplies by the key's scale (once, after the head sum);
+      NaN if wave 0's lanes saw a NaN query byte.
     """
 
     comptime Operands = Self.Op
     comptime name = "mla_kpool_index_mfma_score_kernel"
     comptime block_threads = MFMA_THREADS
     comptime shared_words = mfma_words[Self.Op.num_heads, Self.Op.depth]()
-    comptime phases = mfma_phases[Self.Op.num_heads]()
+    comptime phase_table = MFMA_PHASES
     comptime grid_rows = "window_rows"
     comptime rows_per_block = 1
     comptime grid_columns = "candidates"

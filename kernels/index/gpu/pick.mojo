@@ -3,12 +3,12 @@ split row's last block compacted) into shared memory, unsorted: the load,
 radix select and collect of the GPU select (`select` has the whole
 select and its docs: the split, the sort, the output).
 
-A pick runs `PICK_PHASES` phases of the kernel model (`grid/block_phases`):
-the load (a row of at most `CACHE_WORDS` keys into shared memory), 4 radix
-passes of 8 bits (count with shared atomics, offer the bucket counts to a
-block exclusive prefix sum, decide the k-th key's bucket), the collect's
-count (a block exclusive prefix sum of each thread's counts above and at
-the k-th key) and its scatter of the (key, id) pairs.
+A pick runs the phases of `PICK_PHASES` (`grid/phases`): the load (a row
+of at most `CACHE_WORDS` keys into shared memory), 4 radix passes of 8
+bits (count with shared atomics, offer the bucket counts to a block
+exclusive prefix sum, decide the k-th key's bucket), the collect's count
+(a block exclusive prefix sum of each thread's counts above and at the
+k-th key) and its scatter of the (key, id) pairs.
 
 **Shared memory** (words from 0): two radix histograms (2 x 256), the
 state (prefix, need), the split select's state (2 words), the pairs' keys
@@ -18,13 +18,9 @@ and ids (2 x `sort_width(k)`), then the row cache (`row_cache_words`).
 from std.bit import next_power_of_two
 from std.math import ceildiv, max, min
 
-from ...grid.block_phases import (
-    BLOCK_EXCLUSIVE_SUM,
-    NO_COLLECTIVE,
-    Lane,
-    Shared,
-)
+from ...grid.block_phases import BLOCK_EXCLUSIVE_SUM, Lane, Shared
 from ...grid.collectives import thread_run
+from ...grid.phases import Phase, Phases
 from ...grid.ragged import Field
 from ..rank import score_order
 
@@ -41,7 +37,7 @@ comptime RADIX_BUCKETS = 1 << DIGIT_BITS
 """Buckets of one digit."""
 
 
-comptime _PASSES = 32 // DIGIT_BITS
+comptime RADIX_PASSES = 32 // DIGIT_BITS
 """Radix passes over a 32-bit key."""
 
 
@@ -49,11 +45,12 @@ comptime CACHE_WORDS = 8192
 """The longest row kept in shared memory (32 KiB of keys)."""
 
 
-comptime _HIST = 0
-"""Pass `p` counts digit `d` at `_HIST + (p % 2) * RADIX_BUCKETS + d`."""
+comptime HISTOGRAMS = 0
+"""The radix histograms' first word: pass `p` counts digit `d` at
+`HISTOGRAMS + (p % 2) * RADIX_BUCKETS + d`."""
 
 
-comptime _STATE = _HIST + 2 * RADIX_BUCKETS
+comptime _STATE = HISTOGRAMS + 2 * RADIX_BUCKETS
 """(prefix, need): the bits of the k-th key fixed so far, and how many keys
 with that prefix the top k still takes."""
 
@@ -67,24 +64,14 @@ comptime PAIRS = WIDE_STATE + 2
 """The pairs' keys (`sort_width(k)` words), then their ids."""
 
 
-# The phases of a pick: load, 3 per pass, count-and-offer, scatter.
-comptime _LOAD = 0
-
-
-comptime _FIRST_PASS = 1
-
-
-comptime _PASS_PHASES = 3
-
-
-comptime _COLLECT = _FIRST_PASS + _PASSES * _PASS_PHASES
-
-
-comptime _SCATTER = _COLLECT + 1
-
-
-comptime PICK_PHASES = _SCATTER + 1
-"""Phases of one pick."""
+comptime PICK_PHASES = Phases(Phase("load")).then(
+    Phases(
+        Phase("count"), Phase("offer", BLOCK_EXCLUSIVE_SUM), Phase("decide")
+    ).repeat(RADIX_PASSES)
+).then(Phases(Phase("collect", BLOCK_EXCLUSIVE_SUM), Phase("scatter")))
+"""A pick's phases (`pick_phase`): the load; per radix pass a count, an
+offer of the bucket counts to a block exclusive prefix sum and a decision;
+the collect's count, offered to another, and its scatter."""
 
 
 @always_inline
@@ -95,17 +82,6 @@ def sort_width(k: Int) -> Int:
         k: Ids per output row.
     """
     return next_power_of_two(k)
-
-
-def pick_collective(phase: Int) -> Int:
-    """The collective after pick phase `phase`: a block exclusive prefix sum
-    after each pass's offer and after the collect's count."""
-    if phase == _COLLECT:
-        return BLOCK_EXCLUSIVE_SUM
-    var p = phase - _FIRST_PASS
-    if 0 <= p < _PASSES * _PASS_PHASES and p % _PASS_PHASES == 1:
-        return BLOCK_EXCLUSIVE_SUM
-    return NO_COLLECTIVE
 
 
 def cache_start(k: Int) -> Int:
@@ -281,13 +257,13 @@ def pick_phase[
        of them. Ties are taken in id order because the runs are.
 
     Parameters:
-        phase: The phase, `0 ..< PICK_PHASES`.
+        phase: The phase of `PICK_PHASES`.
         k: Ids per output row.
 
     Args:
         thread: The thread.
         state: The thread's registers.
-        lane: The thread's lane in the collectives (`pick_collective`).
+        lane: The thread's lane in the collectives (`PICK_PHASES`).
         s: The block's shared words.
         row: The pick's candidates.
     """
@@ -297,9 +273,12 @@ def pick_phase[
     var m = min(k, row.bound)
     # Every candidate is taken: no radix passes, no threshold.
     var take_all = row.bound <= k
-    comptime if phase == _LOAD:
+    comptime table = PICK_PHASES
+    # The radix pass of a count, an offer or a decision.
+    comptime p = table.round(phase)
+    comptime if table.named(phase, "load"):
         if thread < RADIX_BUCKETS:
-            s.store(_HIST + thread, 0)
+            s.store(HISTOGRAMS + thread, 0)
         if row.cached() and not row.compact:
             for j in range(thread, row.bound, SELECT_THREADS):
                 s.store(
@@ -309,20 +288,17 @@ def pick_phase[
         state.prefix = 0
         state.need = UInt32(m)
         state.pairs = UInt32(m)
-    elif phase < _COLLECT:
-        comptime p = (phase - _FIRST_PASS) // _PASS_PHASES
-        comptime step = (phase - _FIRST_PASS) % _PASS_PHASES
-        comptime hist = _HIST + (p % 2) * RADIX_BUCKETS
-        comptime if step == 0:
-            _count[k, p](thread, state, s, row, take_all)
-        elif step == 1:
-            state.count = 0
-            if thread < RADIX_BUCKETS and not take_all:
-                state.count = s.load(hist + RADIX_BUCKETS - 1 - thread)
-            lane.offer(UInt64(state.count))
-        else:
-            _decide[p](thread, state, lane, s, take_all)
-    elif phase == _COLLECT:
+    elif table.named(phase, "count"):
+        _count[k, p](thread, state, s, row, take_all)
+    elif table.named(phase, "offer"):
+        comptime hist = HISTOGRAMS + (p % 2) * RADIX_BUCKETS
+        state.count = 0
+        if thread < RADIX_BUCKETS and not take_all:
+            state.count = s.load(hist + RADIX_BUCKETS - 1 - thread)
+        lane.offer(UInt64(state.count))
+    elif table.named(phase, "decide"):
+        _decide[p](thread, state, lane, s, take_all)
+    elif table.named(phase, "collect"):
         _count_run[k](thread, state, lane, s, row, take_all)
     else:
         _scatter_run[k](thread, state, lane, s, row, m, take_all)
@@ -384,8 +360,8 @@ def _count[
         row: The block's row.
         take_all: Whether every candidate is taken (nothing to count).
     """
-    comptime hist = _HIST + (p % 2) * RADIX_BUCKETS
-    comptime other = _HIST + ((p + 1) % 2) * RADIX_BUCKETS
+    comptime hist = HISTOGRAMS + (p % 2) * RADIX_BUCKETS
+    comptime other = HISTOGRAMS + ((p + 1) % 2) * RADIX_BUCKETS
     if thread < RADIX_BUCKETS:
         s.store(other + thread, 0)
     if take_all:

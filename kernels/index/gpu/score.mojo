@@ -15,6 +15,7 @@ from std.math import ceildiv, min
 
 from ...grid.block_phases import SHARED_CHECKED, Shared
 from ...grid.gpu_kernel import GpuKernel
+from ...grid.phases import Phase, Phases
 from ..fp8 import decode_e4m3_gpu
 from .shape import (
     key_chunk,
@@ -342,16 +343,20 @@ def pass_sum[
     return halving_sum[heads](relu * w)
 
 
+comptime TILED_PHASES = Phases(Phase("stage"), Phase("score"))
+"""The tiled scorer's phases: the query staged, the candidates scored."""
+
+
 @always_inline
 def index_score_phase(
     phase: Int, block: Int, thread: Int, s: Shared, op: IndexTopK
 ):
     """The tiled scorer: one row's query in shared memory, heads in registers.
 
-    Phase 0: the block's threads decode the row's `[H, D]` FP8 query into
+    `stage`: the block's threads decode the row's `[H, D]` FP8 query into
     shared memory once, as float32 (heads padded to a power of two `HP`
     with zeros), dim-major, each dim's heads in `score_passes` groups of
-    `pass_heads` (group `p` holds the heads `h % passes == p`). Phase 1:
+    `pass_heads` (group `p` holds the heads `h % passes == p`). `score`:
     each thread scores one candidate of the block's tile: per group, it
     reads the key's `D` bytes (`key_chunk` at a time where the key is
     aligned to that, else a byte at a time) and, for each dim, adds the
@@ -378,7 +383,8 @@ def index_score_phase(
     var b = Int(s.global_load(op.work.plan, 2 * t))
     if b < 0:
         return
-    if phase == 0:
+    comptime stage = TILED_PHASES.index("stage")
+    if phase == stage:
         stage_query[hp, depth, passes, group](
             s, thread, threads, op.q.unsafe_offset(t * heads * depth), heads
         )
@@ -423,7 +429,9 @@ struct SimtScore[Op: type_of(IndexTopK)](GpuKernel):
     comptime shared_words = (
         tile_words[Self.Op.num_heads, Self.Op.depth]() if Self.tiled else 0
     )
-    comptime phases = 2 if Self.tiled else 1
+    comptime phase_table = (
+        materialize[TILED_PHASES]() if Self.tiled else Phases(Phase("score"))
+    )
     comptime grid_rows = "window_rows"
     comptime rows_per_block = 1
     comptime grid_columns = "candidates"

@@ -5,10 +5,10 @@ candidates) in a workspace; output: the row's `m = min(k, bound)` ids in
 descending score order, ties by ascending id, then `-1` (the contract of
 `index_top_k`, with NaN ranking as `-inf`, below every number).
 
-A block of `SELECT_THREADS` (512) threads selects one row, in phases of
-the kernel model (`grid/block_phases`: compile-time phases, per-thread
-state in registers, shared-memory atomics, block collectives), each phase
-below followed by a barrier (`select_phase` walks through them):
+A block of `SELECT_THREADS` (512) threads selects one row, in the phases
+of `select_phases` (`grid/phases`; per-thread state in registers,
+shared-memory atomics, block collectives), each followed by a barrier
+(`select_phase` walks through them):
 
 1-3. a *pick* (`pick.pick_phase`: load, radix select, collect): the row's
    top `k` into shared memory, unsorted;
@@ -40,6 +40,7 @@ from ...grid.block_phases import (
     read_published,
 )
 from ...grid.collectives import thread_run
+from ...grid.phases import Phase, Phases
 from ...grid.ragged import Field
 from ..rank import ordered_rank_key, score_order
 from .pick import (
@@ -51,7 +52,6 @@ from .pick import (
     PickCandidates,
     SelectState,
     cache_start,
-    pick_collective,
     pick_phase,
     quad_keys,
     quads,
@@ -102,35 +102,20 @@ slots, unmeasured on a GPU: at 512 pairs ranking issues 512 compares a
 thread in 16 warps, the sort 45 steps in 8."""
 
 
-# The phases of a split row's count before the pick (step 4).
-comptime _CLEAR = 0
-
-
-comptime _COUNT = 1
-
-
-comptime _FLUSH = 2
-
-
-comptime _ARRIVE = 3
-
-
-comptime _TAKE = 4
-
-
-comptime _OFFER = 5
-
-
-comptime _DECIDE = 6
-
-
-comptime _FILTER = 7
-
-
-comptime _COMPACT = 8
-
-
-comptime _PICK = 9
+comptime SPLIT_PHASES = Phases(
+    Phase("clear"),
+    Phase("count_wide"),
+    Phase("flush"),
+    Phase("arrive", BLOCK_MAX),
+    Phase("take"),
+    Phase("offer_wide", BLOCK_EXCLUSIVE_SUM),
+    Phase("decide_wide"),
+    Phase("filter", BLOCK_EXCLUSIVE_SUM),
+    Phase("compact"),
+)
+"""A split row's count and compaction before the pick (step 4,
+`_split_phase`): a block maximum after the arrival tells the last block,
+block exclusive prefix sums place the wide buckets and the kept runs."""
 
 
 def select_slices(candidates: Int, total_tokens: Int, k: Int) -> Int:
@@ -177,41 +162,17 @@ def _sort_steps(k: Int) -> Int:
     return n * (n + 1) // 2
 
 
-@always_inline
-def _pick_start(split: Bool) -> Int:
-    """The first phase of the pick: after a split row's count."""
-    return _PICK if split else 0
-
-
-def select_phases(k: Int, split: Bool) -> Int:
-    """Phases of the select for `k`: a split row's count (`split` only), a
+def select_phases(k: Int, split: Bool) -> Phases:
+    """The select's phases for `k`: a split row's count (`split` only), a
     pick, the sort steps and the write.
 
     Args:
         k: Ids per output row, `1 ..= TOP_K_LIMIT`.
         split: Whether the launch's rows are split (`select_slices > 1`).
     """
-    return _pick_start(split) + PICK_PHASES + _sort_steps(k) + 1
-
-
-def select_collective(phase: Int, split: Bool) -> Int:
-    """The collective after `phase`: for a split launch a block maximum
-    after the arrival (which block of a row is last) and block exclusive
-    prefix sums over the wide buckets and the compaction's runs; the
-    pick's.
-
-    Args:
-        phase: The phase.
-        split: Whether the launch's rows are split.
-    """
-    if split and phase == _ARRIVE:
-        return BLOCK_MAX
-    if split and (phase == _OFFER or phase == _FILTER):
-        return BLOCK_EXCLUSIVE_SUM
-    var p = phase - _pick_start(split)
-    if 0 <= p < PICK_PHASES:
-        return pick_collective(p)
-    return NO_COLLECTIVE
+    var sort = Phases(Phase("sort_step", times=_sort_steps(k)), Phase("write"))
+    var count = materialize[SPLIT_PHASES]() if split else Phases()
+    return count.then(materialize[PICK_PHASES]()).then(sort)
 
 
 def select_shared_words(k: Int, candidates: Int) -> Int:
@@ -337,7 +298,7 @@ def _split_phase[
     whole: WindowRow[MutAnyOrigin],
     slice: Int,
 ):
-    """Phase `phase` (`_CLEAR ..< _PICK`) of a split row's count and
+    """Phase `phase` of `SPLIT_PHASES`: a split row's count and
     compaction (step 4 of the select).
 
     A split row (a call of fewer than `SPLIT_ROWS` rows and a workspace
@@ -369,32 +330,33 @@ def _split_phase[
     at DeepSeek-V3.2's decode, a few hundred requests a row).
     """
     comptime wide = cache_start(k)
+    comptime table = SPLIT_PHASES
     var m = min(k, whole.bound)
-    comptime if phase == _CLEAR:
+    comptime if table.named(phase, "clear"):
         debug_assert(
             row_cache_words(whole.width) >= WIDE_BUCKETS,
             "a split row's cache holds its wide histogram (select_slices)",
         )
         for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
             s.store(wide + _wide_word(i), 0)
-    elif phase == _COUNT:
+    elif table.named(phase, "count_wide"):
         var ids = _slice_of(whole, slice)
         for j in range(ids[0] + thread, ids[1], SELECT_THREADS):
             var key = score_order(s.global_load(whole.scores, j))
             _ = s.atomic_add(wide + _wide_word(_wide_digit(key)), 1)
-    elif phase == _FLUSH:
+    elif table.named(phase, "flush"):
         for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
             var count = s.load(wide + _wide_word(i))
             if count != 0:
                 publish_add(whole.split, 1 + i, count)
         publish_fence()
-    elif phase == _ARRIVE:
+    elif table.named(phase, "arrive"):
         var last: UInt64 = 0
         if thread == 0:
             var before = arrive(whole.split)
             last = 1 if Int(before) == whole.slices - 1 else 0
         lane.offer(last)
-    elif phase == _TAKE:
+    elif table.named(phase, "take"):
         state.selects = lane.result() != 0
         if state.selects:
             acquire_fence()
@@ -410,7 +372,7 @@ def _split_phase[
                     # No key is taken: no bucket, no candidate.
                     s.store(WIDE_STATE, UInt32(WIDE_BUCKETS))
                     s.store(WIDE_STATE + 1, 0)
-    elif phase == _OFFER:
+    elif table.named(phase, "offer_wide"):
         # Thread t sums buckets from the top: `W - 1 - 8 t` down 8.
         state.count = 0
         if state.selects:
@@ -418,7 +380,7 @@ def _split_phase[
             for i in range(_BUCKETS_PER_THREAD):
                 state.count += s.load(wide + _wide_word(top - i))
         lane.offer(UInt64(state.count))
-    elif phase == _DECIDE:
+    elif table.named(phase, "decide_wide"):
         if not state.selects:
             return
         var above = Int(lane.result())
@@ -431,7 +393,7 @@ def _split_phase[
                     s.store(WIDE_STATE + 1, UInt32(above + count))
                     break
                 above += count
-    elif phase == _FILTER:
+    elif table.named(phase, "filter"):
         var kept: UInt64 = 0
         if state.selects and _pick_row[True](whole, s, k).compact:
             var bucket = Int(s.load(WIDE_STATE))
@@ -444,7 +406,7 @@ def _split_phase[
                         kept += 1
         lane.offer(kept)
     else:
-        comptime assert phase == _COMPACT
+        comptime assert table.named(phase, "compact")
         if not state.selects:
             return
         var row = _pick_row[True](whole, s, k)
@@ -500,9 +462,9 @@ def select_phase[
     large as a function, called once per phase, its arguments passed
     through scratch memory.
 
-    A split launch's phases `_CLEAR ..< _PICK` count each row over its
-    blocks and let the last to arrive compact its candidates
-    (`_split_phase`); the selecting block (every block unsplit) then picks
+    A split launch's `SPLIT_PHASES` count each row over its blocks and
+    let the last to arrive compact its candidates (`_split_phase`); the
+    selecting block (every block unsplit) then picks
     the top `k` (of the compacted candidates, or of the whole row) into
     the pairs (`pick.pick_phase`), sorts them and writes the output, while
     a split row's other blocks idle.
@@ -530,7 +492,7 @@ def select_phase[
     block to arrive finishes the row alone.
 
     Parameters:
-        phase: The phase, `0 ..< select_phases(k, split)`.
+        phase: The phase of `select_phases(k, split)`.
         k: Ids per output row, `1 ..= TOP_K_LIMIT`.
         split: Whether rows are split over blocks (`whole.slices > 1`;
             an unsplit launch has no count phases).
@@ -538,31 +500,35 @@ def select_phase[
     Args:
         thread: The thread, `0 ..< SELECT_THREADS`.
         state: The thread's registers.
-        lane: The thread's lane in the collectives (`select_collective`).
+        lane: The thread's lane in the collectives (`select_phases`).
         s: The block's shared words (`select_shared_words`).
         whole: The window row.
         slice: The block's slice of the row, `0 ..< whole.slices`.
     """
-    comptime first_sort_step = _pick_start(split) + PICK_PHASES
+    comptime table = select_phases(k, split)
+    comptime name = table.name(phase)
     var selects = not split or state.selects
-    comptime if split and phase < _PICK:
+    comptime if SPLIT_PHASES.has(name):
+        # The split count comes first: its phases are the table's.
         _split_phase[phase, k](thread, state, lane, s, whole, slice)
-    elif phase < first_sort_step:
-        comptime p = phase - _pick_start(split)
+    elif PICK_PHASES.has(name):
+        comptime p = phase - table.index("load")
+        comptime offers = PICK_PHASES.collective(p) != NO_COLLECTIVE
         if selects:
             pick_phase[p, k](
                 thread, state, lane, s, _pick_row[split](whole, s, k)
             )
-        elif pick_collective(p) != NO_COLLECTIVE:
+        elif offers:
             lane.offer(0)
     else:
         if not selects:
             return
         var m = Int(state.pairs)
         var ranks = m <= RANK_SORT_PAIRS
-        comptime if phase < select_phases(k, split) - 1:
+        comptime if table.named(phase, "sort_step"):
+            comptime step = table.round(phase)
             if not ranks:
-                _bitonic_step[k](thread, phase - first_sort_step, s, m)
+                _bitonic_step[k](thread, step, s, m)
             return
         if ranks:
             _rank_write[k](thread, s, m, whole.ids)

@@ -42,7 +42,7 @@ from std.sys import inlined_assembly
 from std.sys.info import is_nvidia_gpu
 
 from ...grid.block_phases import Lane, Shared
-from ...grid.gpu_kernel import GpuKernel
+from ...grid.gpu_kernel import GpuKernel, NoState
 from .score import candidate_at
 from ..operands import IndexTopK
 from .wgmma_tiles import (
@@ -286,18 +286,19 @@ def chunked_phase[
     Shape: type_of(TileShape), phase: Int
 ](thread: Int, s: Shared, op: IndexTopK, row: Int, first: Int):
     """A phase of a block of one row and one tile whose heads take several
-    products: phase `2c` stages chunk `c`'s query heads (and, for `c = 0`,
-    the keys), `2c + 1` multiplies it, `2C` writes the scores."""
-    comptime chunks = Shape.chunks
+    products (`wgmma_phases`): chunk `c`'s `stage` stages its query heads
+    (and, for `c = 0`, the keys), its `multiply` multiplies it, and
+    `write` writes the scores."""
+    comptime table = Shape.phase_table
     var segment = segment_at[1](op, row, 0)
     var active = uniform(segment.active(first))
     if not active:
         return
-    comptime if phase == 2 * chunks:
+    comptime if table.named(phase, "write"):
         write_scores[1](thread, s, op, row, first, 1, Shape.partial_word)
         return
-    comptime chunk = phase // 2
-    comptime if phase % 2 == 1:
+    comptime chunk = table.round(phase)
+    comptime if table.named(phase, "multiply"):
         var acc = issue_product[Shape, chunk](s, thread, 0)
         await_product(acc)
         add_partials[Shape, chunk](
@@ -316,28 +317,28 @@ def chunked_phase[
 def pipelined_phase[
     Shape: type_of(TileShape), phase: Int
 ](thread: Int, s: Shared, op: IndexTopK, first_row: Int, block_first: Int):
-    """A phase of a block with one chunk of heads: its pairs (segment
-    `p / span`, tile `p % span`) in turn, double-buffered.
+    """A phase of a block with one chunk of heads (`wgmma_phases`): its
+    pairs (segment `p / span`, tile `p % span`) in turn, double-buffered.
 
-    Phase 0 stages every row's query and pair 0's keys. Phase `i` (1 ..
-    pairs) issues pair `i - 1`'s product on key buffer `(i - 1) % 2`,
-    stages pair `i`'s keys into the other buffer and writes pair `i - 2`'s
-    scores while the tensor cores work, then waits and adds pair `i - 1`'s
-    partial sums to set `(i - 1) % 2`. The last phase writes the last
-    pair's scores. A pair with nothing to score is skipped by the block.
+    `stage` stages every row's query and pair 0's keys. Pair `p`'s phase
+    issues its product on key buffer `p % 2`, stages pair `p + 1`'s keys
+    into the other buffer and writes pair `p - 1`'s scores while the
+    tensor cores work, then waits and adds pair `p`'s partial sums to set
+    `p % 2`. `write` writes the last pair's scores. A pair with nothing to
+    score is skipped by the block.
     """
-    comptime rows = Shape.rows
-    comptime span = Shape.span
-    comptime pairs = Shape.pairs
-    comptime if phase == 0:
+    comptime table = Shape.phase_table
+    comptime if table.named(phase, "stage"):
         stage_query[Shape, 0](s, thread, op, first_row)
         _ = stage_pair[Shape](0, thread, s, op, first_row, block_first)
         async_fence()
         return
+    # `write` is the pair after the last: it only writes that one's scores.
+    comptime p = phase - table.index("pair")
     comptime if is_nvidia_gpu():
-        pair_phase[Shape](phase - 1, thread, s, op, first_row, block_first)
+        pair_phase[Shape](p, thread, s, op, first_row, block_first)
     else:
-        pair_phase_host[Shape](phase - 1, thread, s, op, first_row, block_first)
+        pair_phase_host[Shape](p, thread, s, op, first_row, block_first)
 
 
 @no_inline
@@ -369,7 +370,7 @@ def pair_phase[
     first_row: Int,
     block_first: Int,
 ):
-    """Phase `p + 1` of `pipelined_phase`: pair `p`'s product, and what the
+    """Pair `p`'s phase of `pipelined_phase`: its product, and what the
     threads do while it runs (`while_multiplying`). `p` is a run-time
     value (a constant once inlined on a GPU)."""
     comptime rows = Shape.rows
@@ -527,9 +528,10 @@ struct WgmmaScore[Op: type_of(IndexTopK), grouped: Bool = False](GpuKernel):
     ]
     """The block's rows, tiles and shared memory."""
     comptime name = _GROUP_NAME if Self.many else _ROW_NAME
+    comptime State = NoState
     comptime block_threads = WGMMA_THREADS
     comptime shared_words = Self.Shape.words
-    comptime phases = Self.Shape.phases
+    comptime phase_table = materialize[Self.Shape.phase_table]()
     comptime grid_rows = "window_rows"
     comptime rows_per_block = Self.Shape.rows
     comptime grid_columns = "candidates"

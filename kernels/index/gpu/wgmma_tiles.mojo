@@ -16,6 +16,7 @@ from std.sys.info import is_nvidia_gpu
 
 from ...grid.block_phases import Shared
 from ...grid.gpu_kernel import STATIC_SHARED_BYTES
+from ...grid.phases import Phase, Phases
 from .score import candidate_at, is_aligned
 from ..operands import IndexTopK
 from ...grid.ragged import Ptr
@@ -134,11 +135,18 @@ struct TileShape[heads: Int, depth: Int, rows: Int, span: Int]:
     """Shared words of the block."""
     comptime partial_word = Self.words - Self.buffers * Self.partial_words
     """First word of the partial sums (the last of the block's words)."""
-    comptime phases = (
-        2 * Self.chunks + 1 if Self.chunks > 1 else Self.pairs + 2
-    )
-    """Phases: stage and multiply per chunk then the sum; or stage the
-    first pair, a phase per pair, and the last pair's sum."""
+    comptime phase_table = _phases(Self.chunks, Self.pairs)
+    """Phases (`_phases`)."""
+
+
+def _phases(chunks: Int, pairs: Int) -> Phases:
+    """A block's phases: a stage and a multiply per chunk of heads, then
+    the scores written; or, with one chunk, the query and the first pair
+    staged, a phase per pair, then the last pair's scores written."""
+    if chunks > 1:
+        var chunk = Phases(Phase("stage"), Phase("multiply"))
+        return chunk.repeat(chunks).then(Phases(Phase("write")))
+    return Phases(Phase("stage"), Phase("pair", times=pairs), Phase("write"))
 
 
 def wgmma_tile_flops[num_heads: Int, depth: Int]() -> Int:

@@ -25,6 +25,7 @@ from kernels.writers.expand_topk import ExpandTopKKernel, ExpandTopKOperands
 from kernels.grid.gpu_kernel import (
     GpuKernel,
     block_shared_words,
+    phase_count,
     host_bytes,
     kernel_code,
 )
@@ -121,7 +122,7 @@ struct Manifest(Movable):
             ', "dynamic_shared": ',
             "true" if K.dynamic_shared else "false",
             ', "phases": ',
-            K.phases,
+            phase_count[K](),
             ', "grid": {"rows": ',
             _json_string(K.grid_rows),
             ', "rows_per_block": ',
