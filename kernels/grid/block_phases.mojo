@@ -16,9 +16,9 @@ touches besides its state:
 - **`Lane`** (in `collectives`, re-exported here with the collective
   kinds): the thread's value in a **collective** that runs after a phase
   (`GpuKernel.phase_table`).
-- **Blocks that meet through global memory**: `publish_add`,
-  `publish_fence`, `arrive`, `acquire_fence`, `read_published`, at GPU
-  scope.
+- **Blocks that meet through global memory** (`publish`, re-exported
+  here): `publish_add`, `publish_fence`, `arrive`, `acquire_fence`,
+  `read_published`, at GPU scope.
 
 **The emulation** runs a block's phase `p` for every thread (in
 descending order) before phase `p + 1`, exact for barrier-separated code,
@@ -30,7 +30,7 @@ records every access by source location; the GPU build records nothing.
 """
 
 from max.gpu.memory import AddressSpace
-from std.atomic import Atomic, Ordering, fence
+from std.atomic import Atomic, Ordering
 from std.math import max, min
 from std.memory import bitcast
 from std.reflection import SourceLocation, call_location
@@ -65,6 +65,16 @@ from .collectives import (
     warp_lanes,
 )
 from .profile import ACCESS_ATOMIC, ACCESS_LOAD, ACCESS_STORE, LaunchProfile
+
+# How blocks meet through global memory, for the kernels that import it
+# with the shared view.
+from .publish import (
+    acquire_fence,
+    arrive,
+    publish_add,
+    publish_fence,
+    read_published,
+)
 
 comptime PROFILE_BUILD = is_defined["MLA_KPOOL_PROFILE"]()
 """Whether this build records profiles: `mojo run -D MLA_KPOOL_PROFILE`,
@@ -113,18 +123,6 @@ def _block_scope() -> StaticString:
         return "block"
     elif is_amd_gpu():
         return "workgroup"
-    return ""
-
-
-@always_inline
-def _gpu_scope() -> StaticString:
-    """The scope of blocks meeting through global memory: the GPU (`.gpu`
-    in PTX, the agent on AMD), not the system a fence would otherwise
-    wait for."""
-    comptime if is_nvidia_gpu():
-        return "device"
-    elif is_amd_gpu():
-        return "agent"
     return ""
 
 
@@ -208,15 +206,20 @@ struct BlockShared[origin: MutOrigin, checked: Bool](TrivialRegisterPassable):
         self.profile = profile.unsafe_origin_cast[Self.origin]()
 
     @always_inline
-    def _note[width: Int, kind: Int](self, site: SourceLocation, i: Int):
-        """Records an access at `site` in the launch's profile, if any.
+    def _note[
+        width: Int, kind: Int
+    ](self, site: SourceLocation, i: Int, buffer: StaticString = ""):
+        """Records an access at `site` (of the named `buffer`, if any) in
+        the launch's profile, if any.
 
         Compiled for the host only: the GPU build has no recording code.
         """
         comptime if PROFILE_BUILD:
             comptime if not is_gpu():
                 if Int(self.profile) != 0:
-                    self.profile[].record(site, kind, self.thread, i, width)
+                    self.profile[].record(
+                        site, kind, self.thread, i, width, buffer
+                    )
 
     def _report(self, kind: Int, word: Int, other: Int):
         var report = self.shadow.unsafe_offset(_SHADOWS * self.size)
@@ -311,7 +314,15 @@ struct BlockShared[origin: MutOrigin, checked: Bool](TrivialRegisterPassable):
     @always_inline
     def load(self, i: Int) -> UInt32:
         """Word `i` (0 if the emulation refused the access)."""
-        self._note[1, ACCESS_LOAD](call_location(), i)
+        return self.load_at(call_location(), i)
+
+    @always_inline
+    def load_at(
+        self, site: SourceLocation, i: Int, buffer: StaticString = ""
+    ) -> UInt32:
+        """`load`, recorded at `site` as an access of `buffer` (what a
+        named buffer, `shared_buffer.SharedBuffer`, calls)."""
+        self._note[1, ACCESS_LOAD](site, i, buffer)
         return self._load(i)
 
     @always_inline
@@ -333,7 +344,18 @@ struct BlockShared[origin: MutOrigin, checked: Bool](TrivialRegisterPassable):
     @always_inline
     def store(self, i: Int, value: UInt32):
         """Sets word `i` (dropped if the emulation refused the access)."""
-        self._note[1, ACCESS_STORE](call_location(), i)
+        self.store_at(call_location(), i, value)
+
+    @always_inline
+    def store_at(
+        self,
+        site: SourceLocation,
+        i: Int,
+        value: UInt32,
+        buffer: StaticString = "",
+    ):
+        """`store`, recorded at `site` as an access of `buffer`."""
+        self._note[1, ACCESS_STORE](site, i, buffer)
         self._store(i, value)
 
     @always_inline
@@ -344,7 +366,20 @@ struct BlockShared[origin: MutOrigin, checked: Bool](TrivialRegisterPassable):
             width: Words (a power of two, at most 4); `i` must be a
                 multiple of it.
         """
-        self._note[width, ACCESS_STORE](call_location(), i)
+        self.store_words_at[width](call_location(), i, value)
+
+    @always_inline
+    def store_words_at[
+        width: Int
+    ](
+        self,
+        site: SourceLocation,
+        i: Int,
+        value: SIMD[DType.uint32, width],
+        buffer: StaticString = "",
+    ):
+        """`store_words`, recorded at `site` as an access of `buffer`."""
+        self._note[width, ACCESS_STORE](site, i, buffer)
         comptime if Self.checked:
             comptime for w in range(width):
                 self._store(i + w, value[w])
@@ -361,7 +396,18 @@ struct BlockShared[origin: MutOrigin, checked: Bool](TrivialRegisterPassable):
         histogram); a plain access of it by another thread in that phase
         is a race the emulation reports.
         """
-        self._note[1, ACCESS_ATOMIC](call_location(), i)
+        return self.atomic_add_at(call_location(), i, value)
+
+    @always_inline
+    def atomic_add_at(
+        self,
+        site: SourceLocation,
+        i: Int,
+        value: UInt32,
+        buffer: StaticString = "",
+    ) -> UInt32:
+        """`atomic_add`, recorded at `site` as an access of `buffer`."""
+        self._note[1, ACCESS_ATOMIC](site, i, buffer)
         comptime if Self.checked:
             if not self._in_range(i):
                 return 0
@@ -413,7 +459,16 @@ struct BlockShared[origin: MutOrigin, checked: Bool](TrivialRegisterPassable):
         Parameters:
             width: Lanes (a power of two); `i` must be a multiple of it.
         """
-        self._note[width, ACCESS_LOAD](call_location(), i)
+        return self.load_f32x_at[width](call_location(), i)
+
+    @always_inline
+    def load_f32x_at[
+        width: Int
+    ](self, site: SourceLocation, i: Int, buffer: StaticString = "") -> SIMD[
+        DType.float32, width
+    ]:
+        """`load_f32x`, recorded at `site` as an access of `buffer`."""
+        self._note[width, ACCESS_LOAD](site, i, buffer)
         comptime if Self.checked:
             var lanes = SIMD[DType.float32, width]()
             comptime for w in range(width):
@@ -428,8 +483,7 @@ struct BlockShared[origin: MutOrigin, checked: Bool](TrivialRegisterPassable):
     @always_inline
     def store_f32(self, i: Int, value: Float32):
         """Stores `value`'s bit pattern in word `i`."""
-        self._note[1, ACCESS_STORE](call_location(), i)
-        self._store(i, bitcast[DType.uint32, 1](value))
+        self.store_at(call_location(), i, bitcast[DType.uint32, 1](value))
 
     @always_inline
     def _note_global[
@@ -578,6 +632,8 @@ def violation(
         report[unsafe_offset=2],
     )
     if kind == _KIND_OUT_OF_RANGE:
+        if word < 0:
+            return String(place, " used a word outside its shared buffer")
         return String(place, " used shared word ", word, " out of range")
     if kind == _KIND_UNWRITTEN:
         return String(
@@ -634,65 +690,3 @@ def block_order(grid: Int) -> List[Int]:
         order[i] = order[j]
         order[j] = moved
     return order^
-
-
-@always_inline
-def publish_fence():
-    """Orders this thread's global writes before a later `arrive` of its
-    block (a release fence): each thread that wrote a block's part calls it
-    before the barrier that precedes the arrival."""
-    fence[Ordering.RELEASE, scope=_gpu_scope()]()
-
-
-@always_inline
-def publish_add(ptr: Pointer[UInt32, MutAnyOrigin], i: Int, value: UInt32):
-    """Adds `value` to word `i` of global memory that several blocks add to
-    (a relaxed atomic at GPU scope: `atom.relaxed.gpu.global.add` on
-    NVIDIA). Like a plain write of a block's part, it is ordered before
-    the block's `arrive` by `publish_fence`, and the last block to arrive
-    reads the sum with `read_published`.
-
-    Args:
-        ptr: The words, in global memory.
-        i: The word.
-        value: What to add.
-    """
-    _ = Atomic[UInt32, scope=_gpu_scope()].fetch_add[ordering=Ordering.RELAXED](
-        ptr.unsafe_offset(i), value
-    )
-
-
-@always_inline
-def read_published(ptr: Pointer[UInt32, MutAnyOrigin], i: Int) -> UInt32:
-    """Word `i` another block published: a strong (relaxed) load, served
-    from the L2 cache rather than a stale line of this SM's L1. The last
-    block to `arrive` reads the others' parts this way, after an acquire
-    fence (`acquire_fence`)."""
-    return Atomic[UInt32, scope=_gpu_scope()].load[ordering=Ordering.RELAXED](
-        ptr.unsafe_offset(i)
-    )
-
-
-@always_inline
-def acquire_fence():
-    """Orders the arrival the block observed (through its barrier) before
-    this thread's reads of the other blocks' parts."""
-    fence[Ordering.ACQUIRE, scope=_gpu_scope()]()
-
-
-@always_inline
-def arrive(counter: Pointer[UInt32, MutAnyOrigin]) -> UInt32:
-    """Adds one to a global counter (acquire-release); the count before.
-
-    How blocks that split a row meet through global memory: each block
-    writes its part, then one thread arrives; the thread that sees
-    `blocks - 1` arrived last and may read every part (the release of the
-    others' arrivals orders their writes before its acquire). The caller
-    resets the counter for the next launch.
-
-    Args:
-        counter: A word in global memory, zero before the launch.
-    """
-    return Atomic[UInt32, scope=_gpu_scope()].fetch_add[
-        ordering=Ordering.ACQUIRE_RELEASE
-    ](counter, 1)

@@ -87,6 +87,8 @@ struct SiteCounts(Copyable, Movable):
 
     var name: String
     """`file.mojo:line:column` of the access."""
+    var buffer: String
+    """The named shared buffer it accesses (`shared_buffer`), or ""."""
     var kind: Int
     """`ACCESS_LOAD`, `ACCESS_STORE` or `ACCESS_ATOMIC`."""
     var width: Int
@@ -392,15 +394,19 @@ struct LaunchProfile(Movable):
         thread: Int,
         word: Int,
         width: Int,
+        buffer: StaticString = "",
     ):
-        """Notes one access of `width` words at `word` by `thread`.
+        """Notes one access of `width` words at `word` by `thread` (of the
+        named `buffer`, if any).
 
         A vector wider than 16 bytes is the instructions a GPU runs for it:
         one access of `MAX_ACCESS_WORDS` words each.
         """
         if width > MAX_ACCESS_WORDS:
             for w in range(0, width, MAX_ACCESS_WORDS):
-                self.record(site, kind, thread, word + w, MAX_ACCESS_WORDS)
+                self.record(
+                    site, kind, thread, word + w, MAX_ACCESS_WORDS, buffer
+                )
             return
         var name = site_name(String(site))
         var id = self.site_ids.get(name, -1)
@@ -408,7 +414,9 @@ struct LaunchProfile(Movable):
             id = len(self.sites)
             self.site_ids[name] = id
             self.sites.append(
-                SiteCounts(name^, kind, width, 0, 0, 0, 0, 0, 0, 0)
+                SiteCounts(
+                    name^, String(buffer), kind, width, 0, 0, 0, 0, 0, 0, 0
+                )
             )
         self.pending.append(Access(thread, id, word, width))
 
@@ -605,6 +613,8 @@ struct LaunchProfile(Movable):
                 ", " if i else "",
                 '{"site": "',
                 s.name,
+                '", "buffer": "',
+                s.buffer,
                 '", "access": "',
                 access_name(s.kind),
                 '", "width_words": ',

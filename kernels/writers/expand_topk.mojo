@@ -53,6 +53,7 @@ from ..grid.collectives import thread_run
 from ..grid.gpu_kernel import GpuKernel, launch_kernel
 from ..grid.parallel import cpu_for_each_range
 from ..grid.phases import Phase, Phases
+from ..grid.shared_buffer import Buffer
 from ..grid.ragged import Field, Ptr, last_span_at, read_index, token_span
 from .gpu_rows import note_last_span_at, note_span, profiled
 
@@ -357,8 +358,8 @@ def expand_topk_phase[
       the row (`collectives.thread_run`) and offers the count to the
       block's exclusive prefix sum;
     - `compact`: from that prefix it writes its valid ids, in order, to
-      shared words `prefix ..`; the last thread writes the row's valid
-      total to word `pool_topk`;
+      `kept_ids` from `prefix`; the last thread writes the row's valid
+      total to `kept_total`;
     - `write`: thread `i` writes columns `i, i + T, ...`: column `c` below
       `total * kpool` is member `c % kpool` of compacted id `c / kpool`,
       then the tail's positions, then `-1`.
@@ -369,6 +370,9 @@ def expand_topk_phase[
     comptime threads = gpu_expand_threads[pool_topk]()
     var ids = op.pool_ids.unsafe_offset(row * pool_topk)
     var run = thread_run(thread, threads, pool_topk)
+    # Shared memory: the row's valid ids compacted, then how many.
+    var kept_ids = Buffer["kept_ids"](s, 0, pool_topk)
+    var kept_total = Buffer["kept_total"](s, pool_topk, 1)
     comptime if EXPAND_PHASES.named(phase, "count"):
         state.visible = query_visible(op, row)
         note_query_visible(s, op, row)
@@ -389,12 +393,12 @@ def expand_topk_phase[
         for j in range(run[0], run[1]):
             var p = _run_id[pool_topk, threads](s, ids, run_ids, j, run[0])
             if _valid(p, complete):
-                s.store(at, UInt32(p))
+                kept_ids.store(at, UInt32(p))
                 at += 1
         if thread == threads - 1:
-            s.store(pool_topk, UInt32(at))
+            kept_total.store(0, UInt32(at))
     else:
-        var filled = Int(s.load(pool_topk)) * kpool
+        var filled = Int(kept_total.load(0)) * kpool
         var partial = 0
         comptime if op.always_select_tail:
             partial = state.visible % kpool
@@ -402,7 +406,9 @@ def expand_topk_phase[
         for col in range(thread, width, threads):
             var value = Int32(-1)
             if col < filled:
-                value = Int32(Int(s.load(col // kpool)) * kpool + col % kpool)
+                value = Int32(
+                    Int(kept_ids.load(col // kpool)) * kpool + col % kpool
+                )
             elif col < filled + partial:
                 value = Int32(state.visible - partial + col - filled)
             s.global_store(dest, col, value)

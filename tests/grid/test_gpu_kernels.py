@@ -97,16 +97,16 @@ SELECT_MUTANTS = [
         # emulation's one-thread-at-a-time order, so only the shared-word
         # stamps see two threads adding to one bucket.
         "count_without_atomics",
-        "_ = s.atomic_add(hist + digit, 1)",
-        "s.store(hist + digit, s.load(hist + digit) + 1)",
+        "_ = hist.atomic_add(digit, 1)",
+        "hist.store(digit, hist.load(digit) + 1)",
         "missing barrier",
     ),
     (
         # The histogram a pass counts into is cleared in that pass, while
         # other threads add to it.
         "clear_the_counted_histogram",
-        "comptime other = HISTOGRAMS + ((p + 1) % 2) * RADIX_BUCKETS",
-        "comptime other = hist",
+        "shared.histogram(p + 1).store(thread, 0)",
+        "shared.histogram(p).store(thread, 0)",
         r"one of them atomic \(a race\)|missing barrier",
     ),
     (
@@ -149,8 +149,8 @@ SELECT_MUTANTS = [
         # keys pass the filter than the recorded count, so the pick reads
         # pairs nobody compacted, or misses keys.
         "wide_bucket_off_by_one",
-        "s.store(WIDE_STATE, UInt32(top - i))",
-        "s.store(WIDE_STATE, UInt32(top - i + 1))",
+        "decided.store(WIDE_BUCKET, UInt32(top - i))",
+        "decided.store(WIDE_BUCKET, UInt32(top - i + 1))",
         r"slot \d+: got|before any thread wrote|out of range",
     ),
     (
@@ -174,8 +174,8 @@ SELECT_MUTANTS = [
         # The rank sort counts the pairs ranked after each pair, not
         # before: the right ids, in reverse order.
         "rank_in_reverse",
-        "if ordered_rank_key(s.load(PAIRS + j), s.load(id_at + j)) > mine:",
-        "if ordered_rank_key(s.load(PAIRS + j), s.load(id_at + j)) < mine:",
+        "if ordered_rank_key(keys.load(j), pair_ids.load(j)) > mine:",
+        "if ordered_rank_key(keys.load(j), pair_ids.load(j)) < mine:",
         r"slot \d+: got",
     ),
     (

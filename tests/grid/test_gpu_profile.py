@@ -107,7 +107,7 @@ CONFLICTED = _launch(
 )
 CLEAN = _launch(
     "mla_kpool_index_select_kernel",
-    _site("kernels/index/gpu/pick.mojo:218:26", 2, 100),
+    _site("kernels/index/gpu/pick.mojo:218:26", 2, 100, buffer="pair_keys"),
     _site(
         "kernels/index/gpu/pick.mojo:358:29",
         1,
@@ -135,8 +135,11 @@ def test_a_record_has_the_documented_fields():
     assert record["blocks"] == 512 and record["sampled_blocks"] == 16
     assert record["shared"]["worst"][0] == {
         "site": "kernels/index/gpu/pick.mojo:218:26",
+        "buffer": "pair_keys",
         "ways": 2,
     }
+    # A site of no named buffer (a driver of an older profile) has none.
+    assert RECORDS[0]["shared"]["worst"][0]["buffer"] == ""
     # 36 lanes on 4 words: 9 a word on average, 18 at most.
     assert record["atomics"] == {
         "max_lanes_per_address": 18,
@@ -178,6 +181,8 @@ def test_the_table_names_the_worst_sites_and_the_estimates():
     # 100 requests at 2 wavefronts and 10 at 1: 210 / 110; 45 sectors
     # over 15 global requests; the uniform ones not in the efficiency.
     assert clean.split()[5:10] == ["1.91", "2", "18", "3.0", "100%"]
+    # A site of a named buffer says which.
+    assert clean.endswith("kernels/index/gpu/pick.mojo:218:26 (pair_keys)")
     assert notes == [
         "  32-way: kernels/index/gpu/score.mojo:332:24 (store, 4"
         " bytes a lane; 2,048 requests, 65,536 wavefronts for 2,048) in"

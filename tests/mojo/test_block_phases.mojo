@@ -51,6 +51,7 @@ from kernels.grid.block_phases import (
     block_order,
 )
 from kernels.grid.gpu_kernel import GpuKernel, emulate_kernel, kernel_code
+from kernels.grid.shared_buffer import Buffer
 from kernels.grid.operands import KernelOperands
 from kernels.grid.phases import Phase, Phases
 from kernels.grid.ragged import Field, Ptr
@@ -144,7 +145,7 @@ struct BlockSum(GpuKernel):
     """Phase 0: each thread stores its value; phase 1: thread 0 adds them.
     Faults: 1 the barrier left out (one phase), 2 a word nobody wrote, 3 a
     word overwritten after another thread read it, 4 an index past the
-    words."""
+    words, 5 an index past a named buffer."""
 
     comptime Operands = Op
     comptime name = "block_sum"
@@ -177,6 +178,10 @@ struct BlockSum(GpuKernel):
                 s.store(3, 7)
         elif op.fault == 4 and p == 0 and t == 5:
             s.store(BLOCK + 2, 1)
+        elif op.fault == 5 and p == 0 and t == 5:
+            # Past the named buffer of the values, into the block's last
+            # word (its own buffer): inside the block's words.
+            Buffer["values"](s, 0, BLOCK).store(BLOCK, 1)
         elif p == 0:
             s.store(t, _value(b, t))
         elif t == 0:
@@ -236,6 +241,16 @@ def test_an_index_past_the_shared_words_is_refused() raises:
     var error = _error[BlockSum](m.op(1, 4), 1)
     assert_true(
         "block 0 phase 0 thread 5 used shared word 10 out of range" in error,
+        error,
+    )
+
+
+def test_an_index_past_a_named_buffer_is_refused() raises:
+    var m = Buffers(1, List[UInt32]())
+    var error = _error[BlockSum](m.op(1, 5), 1)
+    assert_true(
+        "block 0 phase 0 thread 5 used a word outside its shared buffer"
+        in error,
         error,
     )
 

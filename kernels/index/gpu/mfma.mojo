@@ -35,6 +35,7 @@ from std.memory import bitcast
 from std.sys.info import is_amd_gpu
 
 from ...grid.block_phases import Shared
+from ...grid.shared_buffer import Buffer
 from ...grid.gpu_kernel import GpuKernel
 from ...grid.phases import Phase, Phases
 from .score import candidate_at, candidate_tile, is_aligned
@@ -93,15 +94,23 @@ global memory, not from shared tiles."""
 @always_inline
 def mfma_words[num_heads: Int, depth: Int]() -> Int:
     """Shared `UInt32` words of the scorer, whatever the shape (2 KiB): 4
-    partial sums per candidate, then a NaN flag per thread (`nan_word`)."""
+    partial sums per candidate, then a NaN flag per thread (`group_sums`,
+    `query_nans`)."""
     return MFMA_GROUPS * MFMA_TILE + MFMA_THREADS
 
 
 @always_inline
-def nan_word(thread: Int) -> Int:
-    """The shared word where `thread` says whether its query bytes hold a
-    NaN."""
-    return MFMA_GROUPS * MFMA_TILE + thread
+def group_sums(s: Shared) -> Buffer["group_sums"]:
+    """The scorer's partial sums: 4 per candidate (one per group of heads
+    a lane holds), the first of its shared words."""
+    return Buffer["group_sums"](s, 0, MFMA_GROUPS * MFMA_TILE)
+
+
+@always_inline
+def query_nans(s: Shared) -> Buffer["query_nans"]:
+    """A word per thread: whether its query bytes hold a NaN (after the
+    sums)."""
+    return Buffer["query_nans"](s, MFMA_GROUPS * MFMA_TILE, MFMA_THREADS)
 
 
 @always_inline
@@ -387,8 +396,8 @@ def multiply_tile(
     if key_nan:
         partial = Float32(FloatLiteral.nan)
     var m = MFMA_N * wave + lane % MFMA_N
-    s.store_f32(MFMA_GROUPS * m + lane // MFMA_N, partial)
-    s.store(nan_word(thread), UInt32(1) if query_nan else UInt32(0))
+    group_sums(s).store_f32(MFMA_GROUPS * m + lane // MFMA_N, partial)
+    query_nans(s).store(thread, UInt32(1) if query_nan else UInt32(0))
 
 
 def index_mfma_phase(
@@ -426,12 +435,12 @@ def index_mfma_phase(
     # One 16-byte load of the candidate's four group sums: consecutive
     # threads read consecutive 16 bytes (four scalar loads were 4-way).
     comptime assert MFMA_GROUPS == 4, "a candidate's sums are 16 bytes"
-    var sums = s.load_f32x[4](MFMA_GROUPS * thread)
+    var sums = group_sums(s).load_f32x[4](MFMA_GROUPS * thread)
     var total = (sums[0] + sums[1]) + (sums[2] + sums[3])
     # Every wave loads the whole query row: wave 0's lanes hold all of it.
     var row_nan = UInt32(0)
     for lane in range(MFMA_LANES):
-        row_nan |= s.load(nan_word(lane))
+        row_nan |= query_nans(s).load(lane)
     if row_nan != 0:
         total = Float32(FloatLiteral.nan)
     var scale = s.global_load(op.k_scales, candidate_at(op, b, j).scale)

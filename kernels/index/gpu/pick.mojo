@@ -10,17 +10,24 @@ exclusive prefix sum, decide the k-th key's bucket), the collect's count
 (a block exclusive prefix sum of each thread's counts above and at the
 k-th key) and its scatter of the (key, id) pairs.
 
-**Shared memory** (words from 0): two radix histograms (2 x 256), the
-state (prefix, need), the split select's state (2 words), the pairs' keys
-and ids (2 x `sort_width(k)`), then the row cache (`row_cache_words`).
+**Shared memory** is `SelectShared`'s named buffers: two radix
+histograms, the pass state, the split select's state, the pairs' keys and
+ids, then the row cache (`row_cache_words`).
 """
 
 from std.bit import next_power_of_two
 from std.math import ceildiv, max, min
 
-from ...grid.block_phases import BLOCK_EXCLUSIVE_SUM, Lane, Shared
+from ...grid.block_phases import (
+    BLOCK_EXCLUSIVE_SUM,
+    SHARED_CHECKED,
+    BlockShared,
+    Lane,
+    Shared,
+)
 from ...grid.collectives import thread_run
 from ...grid.phases import Phase, Phases
+from ...grid.shared_buffer import Buffer, SharedBuffer
 from ...grid.ragged import Field
 from ..rank import score_order
 
@@ -96,6 +103,97 @@ def row_cache_words(candidates: Int) -> Int:
         candidates: The workspace's row width (the longest row).
     """
     return min(max(candidates, 0), CACHE_WORDS)
+
+
+comptime STATE_PREFIX = 0
+"""`SelectShared.state`'s word of the bits of the k-th key fixed so far."""
+
+comptime STATE_NEED = 1
+"""`SelectShared.state`'s word of how many keys with that prefix the top
+k still takes."""
+
+comptime WIDE_BUCKET = 0
+"""`SelectShared.wide_state`'s word of a split row's threshold bucket."""
+
+comptime WIDE_KEPT = 1
+"""`SelectShared.wide_state`'s word of the candidates at or above it."""
+
+
+comptime SelectShared[k: Int] = SelectLayout[MutAnyOrigin, k]
+"""The select's shared memory, as its phases name it."""
+
+
+@fieldwise_init
+struct SelectLayout[origin: MutOrigin, k: Int](TrivialRegisterPassable):
+    """The select's shared memory by name, for `k` and a launch's row
+    cache of `cache_words` (`select.select_shared_words` sizes it all).
+
+    Parameters:
+        origin: Origin of the view's pointers (`MutAnyOrigin`:
+            `SelectShared`).
+        k: Ids per output row.
+    """
+
+    var s: BlockShared[Self.origin, SHARED_CHECKED]
+    """The block's words."""
+    var cache_words: Int
+    """Words of row cache (`row_cache_words` of the workspace's width)."""
+
+    @always_inline
+    def histogram(self, p: Int) -> SharedBuffer[Self.origin, "histogram"]:
+        """Radix pass `p`'s count by digit (two alternate: one is cleared
+        while the other is read)."""
+        return SharedBuffer[Self.origin, "histogram"](
+            self.s, HISTOGRAMS + (p % 2) * RADIX_BUCKETS, RADIX_BUCKETS
+        )
+
+    @always_inline
+    def state(self) -> SharedBuffer[Self.origin, "state"]:
+        """The pass state: `STATE_PREFIX`, `STATE_NEED`."""
+        return SharedBuffer[Self.origin, "state"](self.s, _STATE, 2)
+
+    @always_inline
+    def wide_state(self) -> SharedBuffer[Self.origin, "wide_state"]:
+        """A split row's decision: `WIDE_BUCKET`, `WIDE_KEPT`."""
+        return SharedBuffer[Self.origin, "wide_state"](self.s, WIDE_STATE, 2)
+
+    @always_inline
+    def pair_keys(self) -> SharedBuffer[Self.origin, "pair_keys"]:
+        """The picked pairs' keys (`sort_width(k)`, padded for the sort)."""
+        return SharedBuffer[Self.origin, "pair_keys"](
+            self.s, PAIRS, sort_width(Self.k)
+        )
+
+    @always_inline
+    def pair_ids(self) -> SharedBuffer[Self.origin, "pair_ids"]:
+        """The picked pairs' ids, beside their keys."""
+        return SharedBuffer[Self.origin, "pair_ids"](
+            self.s, PAIRS + sort_width(Self.k), sort_width(Self.k)
+        )
+
+    @always_inline
+    def row_keys(self) -> SharedBuffer[Self.origin, "row_keys"]:
+        """The row cache: a row's keys (a compacted row's in its first
+        half, `row_ids` after)."""
+        return SharedBuffer[Self.origin, "row_keys"](
+            self.s, cache_start(Self.k), self.cache_words
+        )
+
+    @always_inline
+    def row_ids(self) -> SharedBuffer[Self.origin, "row_ids"]:
+        """A compacted row's ids: the row cache's second half."""
+        var half = self.cache_words // 2
+        return SharedBuffer[Self.origin, "row_ids"](
+            self.s, cache_start(Self.k) + half, half
+        )
+
+    @always_inline
+    def wide_histogram(self) -> SharedBuffer[Self.origin, "wide_histogram"]:
+        """A split row's count by wide digit, in the row cache before its
+        compaction (`select._wide_word` places the buckets)."""
+        return SharedBuffer[Self.origin, "wide_histogram"](
+            self.s, cache_start(Self.k), self.cache_words
+        )
 
 
 @always_inline
@@ -189,10 +287,8 @@ struct PickCandidates[origin: MutOrigin](Copyable, TrivialRegisterPassable):
     var cache: Int
     """Words of row cache this launch has (`select_shared_words`)."""
     var compact: Bool
-    """Whether the candidates are in shared memory already: keys from the
-    row cache's first word, ids from `ids_at`, in id order."""
-    var ids_at: Int
-    """The shared word of a compacted pick's first id."""
+    """Whether the candidates are in shared memory already, in id order:
+    keys in the row cache's first half, ids in its second."""
 
     @always_inline
     def cached(self) -> Bool:
@@ -200,18 +296,18 @@ struct PickCandidates[origin: MutOrigin](Copyable, TrivialRegisterPassable):
         return self.compact or self.bound <= self.cache
 
     @always_inline
-    def key[k: Int](self, s: Shared, j: Int) -> UInt32:
+    def key[k: Int](self, shared: SelectShared[k], j: Int) -> UInt32:
         """Candidate `j`'s key, from the cache or from global memory."""
         if self.cached():
-            return s.load(cache_start(k) + j)
-        return score_order(s.global_load(self.scores, j))
+            return shared.row_keys().load(j)
+        return score_order(shared.s.global_load(self.scores, j))
 
     @always_inline
-    def id[k: Int](self, s: Shared, j: Int) -> UInt32:
+    def id[k: Int](self, shared: SelectShared[k], j: Int) -> UInt32:
         """Candidate `j`'s id: its place in the row, or (compacted) the id
         kept beside its key."""
         if self.compact:
-            return s.load(self.ids_at + j)
+            return shared.row_ids().load(j)
         return UInt32(j)
 
 
@@ -273,41 +369,45 @@ def pick_phase[
     var m = min(k, row.bound)
     # Every candidate is taken: no radix passes, no threshold.
     var take_all = row.bound <= k
+    var shared = SelectShared[k](s, row.cache)
     comptime table = PICK_PHASES
     # The radix pass of a count, an offer or a decision.
     comptime p = table.round(phase)
     comptime if table.named(phase, "load"):
         if thread < RADIX_BUCKETS:
-            s.store(HISTOGRAMS + thread, 0)
+            shared.histogram(0).store(thread, 0)
         if row.cached() and not row.compact:
+            var keys = shared.row_keys()
             for j in range(thread, row.bound, SELECT_THREADS):
-                s.store(
-                    cache_start(k) + j,
-                    score_order(s.global_load(row.scores, j)),
-                )
+                keys.store(j, score_order(s.global_load(row.scores, j)))
         state.prefix = 0
         state.need = UInt32(m)
         state.pairs = UInt32(m)
     elif table.named(phase, "count"):
-        _count[k, p](thread, state, s, row, take_all)
+        _count[k, p](thread, state, shared, row, take_all)
     elif table.named(phase, "offer"):
-        comptime hist = HISTOGRAMS + (p % 2) * RADIX_BUCKETS
         state.count = 0
         if thread < RADIX_BUCKETS and not take_all:
-            state.count = s.load(hist + RADIX_BUCKETS - 1 - thread)
+            state.count = shared.histogram(p).load(RADIX_BUCKETS - 1 - thread)
         lane.offer(UInt64(state.count))
     elif table.named(phase, "decide"):
-        _decide[p](thread, state, lane, s, take_all)
+        _decide[p](thread, state, lane, shared.state(), take_all)
     elif table.named(phase, "collect"):
-        _count_run[k](thread, state, lane, s, row, take_all)
+        _count_run[k](thread, state, lane, shared, row, take_all)
     else:
-        _scatter_run[k](thread, state, lane, s, row, m, take_all)
+        _scatter_run[k](thread, state, lane, shared, row, m, take_all)
 
 
 @always_inline
 def _decide[
     p: Int
-](thread: Int, state: SelectState, mut lane: Lane, s: Shared, take_all: Bool,):
+](
+    thread: Int,
+    state: SelectState,
+    mut lane: Lane,
+    words: Buffer["state"],
+    take_all: Bool,
+):
     """Pass `p`'s decision: the thread whose bucket holds the `need`-th key
     records the prefix with that bucket's digit and the keys still needed.
 
@@ -318,7 +418,7 @@ def _decide[
         thread: The thread; bucket `255 - thread` is its own.
         state: The thread's registers (its bucket's count).
         lane: The offer's result: matching keys in higher buckets.
-        s: The block's shared words.
+        words: The pass state.
         take_all: Whether every candidate is taken (nothing to decide).
     """
     if thread >= RADIX_BUCKETS or take_all:
@@ -326,8 +426,8 @@ def _decide[
     var above = UInt32(lane.result())
     if above < state.need and state.need <= above + state.count:
         var digit = UInt32(RADIX_BUCKETS - 1 - thread)
-        s.store(_STATE, state.prefix | (digit << UInt32(_shift(p))))
-        s.store(_STATE + 1, state.need - above)
+        words.store(STATE_PREFIX, state.prefix | (digit << UInt32(_shift(p))))
+        words.store(STATE_NEED, state.need - above)
 
 
 @always_inline
@@ -336,7 +436,7 @@ def _count[
 ](
     thread: Int,
     mut state: SelectState,
-    s: Shared,
+    shared: SelectShared[k],
     row: PickCandidates[MutAnyOrigin],
     take_all: Bool,
 ):
@@ -356,29 +456,28 @@ def _count[
     Args:
         thread: The thread.
         state: The thread's registers.
-        s: The block's shared words.
+        shared: The block's shared memory.
         row: The block's row.
         take_all: Whether every candidate is taken (nothing to count).
     """
-    comptime hist = HISTOGRAMS + (p % 2) * RADIX_BUCKETS
-    comptime other = HISTOGRAMS + ((p + 1) % 2) * RADIX_BUCKETS
+    var hist = shared.histogram(p)
     if thread < RADIX_BUCKETS:
-        s.store(other + thread, 0)
+        shared.histogram(p + 1).store(thread, 0)
     if take_all:
         return
     comptime if p > 0:
-        state.prefix = s.load(_STATE)
-        state.need = s.load(_STATE + 1)
+        state.prefix = shared.state().load(STATE_PREFIX)
+        state.need = shared.state().load(STATE_NEED)
     comptime shift = _shift(p)
     # The bits above this pass's digit (none in pass 0).
     comptime mask = UInt32(
         (UInt64(0xFFFFFFFF) << UInt64(shift + DIGIT_BITS)) & 0xFFFFFFFF
     )
     for j in range(thread, row.bound, SELECT_THREADS):
-        var key = row.key[k](s, j)
+        var key = row.key[k](shared, j)
         if key & mask == state.prefix:
             var digit = Int((key >> UInt32(shift)) & (RADIX_BUCKETS - 1))
-            _ = s.atomic_add(hist + digit, 1)
+            _ = hist.atomic_add(digit, 1)
 
 
 @always_inline
@@ -396,20 +495,20 @@ def _count_run[
     thread: Int,
     mut state: SelectState,
     mut lane: Lane,
-    s: Shared,
+    shared: SelectShared[k],
     row: PickCandidates[MutAnyOrigin],
     take_all: Bool,
 ):
     """Takes the k-th key `K` and `need`, then offers this run's counts of
     keys above `K` (high 32 bits) and at it (low 32 bits)."""
     if not take_all:
-        state.prefix = s.load(_STATE)
-        state.need = s.load(_STATE + 1)
+        state.prefix = shared.state().load(STATE_PREFIX)
+        state.need = shared.state().load(STATE_NEED)
     var above: UInt64 = 0
     var ties: UInt64 = 0
     var run = thread_run[odd=True](thread, SELECT_THREADS, row.bound)
     for j in range(run[0], run[1]):
-        var kind = _selected(row.key[k](s, j), state.prefix, take_all)
+        var kind = _selected(row.key[k](shared, j), state.prefix, take_all)
         if kind == 2:
             above += 1
         elif kind == 1:
@@ -424,7 +523,7 @@ def _scatter_run[
     thread: Int,
     state: SelectState,
     mut lane: Lane,
-    s: Shared,
+    shared: SelectShared[k],
     row: PickCandidates[MutAnyOrigin],
     m: Int,
     take_all: Bool,
@@ -447,7 +546,7 @@ def _scatter_run[
     var above_total = m - need
     var run = thread_run[odd=True](thread, SELECT_THREADS, row.bound)
     for j in range(run[0], run[1]):
-        var key = row.key[k](s, j)
+        var key = row.key[k](shared, j)
         var kind = _selected(key, state.prefix, take_all)
         var slot = -1
         if kind == 2:
@@ -458,9 +557,9 @@ def _scatter_run[
                 slot = above_total + tie
             tie += 1
         if slot >= 0:
-            s.store(PAIRS + slot, key)
-            s.store(PAIRS + sort_width(k) + slot, row.id[k](s, j))
+            shared.pair_keys().store(slot, key)
+            shared.pair_ids().store(slot, row.id[k](shared, j))
     # Padding ranks after every pair: key 0 (no score), the largest id.
     for i in range(m + thread, next_power_of_two(max(m, 1)), SELECT_THREADS):
-        s.store(PAIRS + i, 0)
-        s.store(PAIRS + sort_width(k) + i, 0xFFFFFFFF)
+        shared.pair_keys().store(i, 0)
+        shared.pair_ids().store(i, 0xFFFFFFFF)

@@ -14,6 +14,7 @@ key's scale, and write a float32 workspace row.
 from std.math import ceildiv, min
 
 from ...grid.block_phases import SHARED_CHECKED, Shared
+from ...grid.shared_buffer import Buffer
 from ...grid.gpu_kernel import GpuKernel
 from ...grid.phases import Phase, Phases
 from ..fp8 import decode_e4m3_gpu
@@ -236,6 +237,7 @@ def stage_query[
     against the block's keys.
     """
     comptime chunks = depth // 16
+    var tile = query_tile(s)
     comptime if depth % 16 != 0:
         # A depth of no 16-byte pieces: a byte a thread, dims in order.
         for x in range(thread, hp * depth, threads):
@@ -244,7 +246,9 @@ def stage_query[
             var value = Float32(0)
             if h < heads:
                 value = decode_e4m3_gpu[1](s.global_load(query, x))[0]
-            s.store_f32((d * passes + h % passes) * group + h // passes, value)
+            tile.store_f32(
+                (d * passes + h % passes) * group + h // passes, value
+            )
         return
     var aligned = is_aligned[16](query)
     for u in range(thread, hp * chunks, threads):
@@ -260,21 +264,32 @@ def stage_query[
                     bytes[i] = s.global_load(query, at + i)[0]
         var values = decode_e4m3_gpu[16](bytes)  # zero bytes past `heads`
         comptime for i in range(16):
-            s.store_f32(
+            tile.store_f32(
                 ((first + i) * passes + h % passes) * group + h // passes,
                 values[i],
             )
 
 
+@always_inline
+def query_tile(s: Shared) -> Buffer["query"]:
+    """The tiled scorer's shared memory: its row's decoded query, every
+    word of the block's (`stage_query` lays it out)."""
+    return Buffer["query"](s, 0, s.size)
+
+
 @no_inline
-def _checked_f32x[width: Int](s: Shared, i: Int) -> SIMD[DType.float32, width]:
-    """`s.load_f32x` out of line: the emulation's checked read."""
-    return s.load_f32x[width](i)
+def _checked_f32x[
+    width: Int
+](tile: Buffer["query"], i: Int) -> SIMD[DType.float32, width]:
+    """`tile.load_f32x` out of line: the emulation's checked read."""
+    return tile.load_f32x[width](i)
 
 
 @always_inline
-def shared_f32x[width: Int](s: Shared, i: Int) -> SIMD[DType.float32, width]:
-    """Shared words `i ..< i + width` as float32 lanes (`s.load_f32x`).
+def shared_f32x[
+    width: Int
+](tile: Buffer["query"], i: Int) -> SIMD[DType.float32, width]:
+    """Query words `i ..< i + width` as float32 lanes (`load_f32x`).
 
     The emulation's checks are a call rather than inline code: the tiled
     scorer reads its query at `D` places per pass, and inlined checks
@@ -282,10 +297,10 @@ def shared_f32x[width: Int](s: Shared, i: Int) -> SIMD[DType.float32, width]:
     no checks: `SHARED_CHECKED`).
     """
     comptime if SHARED_CHECKED:
-        return _checked_f32x[width](s, i)
+        return _checked_f32x[width](tile, i)
     # The alignment makes it one vector load (without it LLVM splits it).
     return (
-        s.words.unsafe_offset(i)
+        tile.s.words.unsafe_offset(tile.start + i)
         .unsafe_bitcast[Float32]()
         .unsafe_load[width=width, alignment=min(4 * width, 16)](0)
     )
@@ -303,10 +318,11 @@ def score_pass[
     `chunk` bytes per load (`key` must be a multiple of `chunk` bytes).
     """
     var acc = SIMD[DType.float32, heads](0)
+    var tile = query_tile(s)
     for c in range(0, depth, chunk):
         var k = load_e4m3[chunk](s, key, c, True)
         comptime for i in range(chunk):
-            acc = shared_f32x[heads](s, ((c + i) * passes + p) * heads).fma(
+            acc = shared_f32x[heads](tile, ((c + i) * passes + p) * heads).fma(
                 k[i], acc
             )
     return acc

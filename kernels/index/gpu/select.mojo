@@ -45,11 +45,12 @@ from ...grid.ragged import Field
 from ..rank import ordered_rank_key, score_order
 from .pick import (
     CACHE_WORDS,
-    PAIRS,
     PICK_PHASES,
     SELECT_THREADS,
-    WIDE_STATE,
+    WIDE_BUCKET,
+    WIDE_KEPT,
     PickCandidates,
+    SelectShared,
     SelectState,
     cache_start,
     pick_phase,
@@ -265,26 +266,17 @@ def _capacity(whole: WindowRow[MutAnyOrigin]) -> Int:
 
 @always_inline
 def _pick_row[
-    split: Bool
-](whole: WindowRow[MutAnyOrigin], s: Shared, k: Int) -> PickCandidates[
-    MutAnyOrigin
-]:
+    split: Bool, k: Int
+](whole: WindowRow[MutAnyOrigin], s: Shared) -> PickCandidates[MutAnyOrigin]:
     """What the selecting block picks from: a split row's compacted pairs
     when they fit the row cache, else the whole row."""
     var cache = row_cache_words(whole.width)
     comptime if split:
-        var n = Int(s.load(WIDE_STATE + 1))
+        var shared = SelectShared[k](s, cache)
+        var n = Int(shared.wide_state().load(WIDE_KEPT))
         if n <= _capacity(whole):
-            return PickCandidates[MutAnyOrigin](
-                whole.scores,
-                n,
-                cache,
-                True,
-                cache_start(k) + _capacity(whole),
-            )
-    return PickCandidates[MutAnyOrigin](
-        whole.scores, whole.bound, cache, False, 0
-    )
+            return PickCandidates[MutAnyOrigin](whole.scores, n, cache, True)
+    return PickCandidates[MutAnyOrigin](whole.scores, whole.bound, cache, False)
 
 
 @always_inline
@@ -329,7 +321,9 @@ def _split_phase[
     writes its kept keys from its own offset, up to 4-way in the profile
     at DeepSeek-V3.2's decode, a few hundred requests a row).
     """
-    comptime wide = cache_start(k)
+    var shared = SelectShared[k](s, row_cache_words(whole.width))
+    var wide = shared.wide_histogram()
+    var decided = shared.wide_state()
     comptime table = SPLIT_PHASES
     var m = min(k, whole.bound)
     comptime if table.named(phase, "clear"):
@@ -338,15 +332,15 @@ def _split_phase[
             "a split row's cache holds its wide histogram (select_slices)",
         )
         for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
-            s.store(wide + _wide_word(i), 0)
+            wide.store(_wide_word(i), 0)
     elif table.named(phase, "count_wide"):
         var ids = _slice_of(whole, slice)
         for j in range(ids[0] + thread, ids[1], SELECT_THREADS):
             var key = score_order(s.global_load(whole.scores, j))
-            _ = s.atomic_add(wide + _wide_word(_wide_digit(key)), 1)
+            _ = wide.atomic_add(_wide_word(_wide_digit(key)), 1)
     elif table.named(phase, "flush"):
         for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
-            var count = s.load(wide + _wide_word(i))
+            var count = wide.load(_wide_word(i))
             if count != 0:
                 publish_add(whole.split, 1 + i, count)
         publish_fence()
@@ -361,24 +355,22 @@ def _split_phase[
         if state.selects:
             acquire_fence()
             for i in range(thread, WIDE_BUCKETS, SELECT_THREADS):
-                s.store(
-                    wide + _wide_word(i), read_published(whole.split, 1 + i)
-                )
+                wide.store(_wide_word(i), read_published(whole.split, 1 + i))
                 # Every block has added its part: zero for the next launch.
                 s.global_store(whole.split, 1 + i, 0)
             if thread == 0:
                 s.global_store(whole.split, 0, 0)
                 if m == 0:
                     # No key is taken: no bucket, no candidate.
-                    s.store(WIDE_STATE, UInt32(WIDE_BUCKETS))
-                    s.store(WIDE_STATE + 1, 0)
+                    decided.store(WIDE_BUCKET, UInt32(WIDE_BUCKETS))
+                    decided.store(WIDE_KEPT, 0)
     elif table.named(phase, "offer_wide"):
         # Thread t sums buckets from the top: `W - 1 - 8 t` down 8.
         state.count = 0
         if state.selects:
             var top = WIDE_BUCKETS - 1 - _BUCKETS_PER_THREAD * thread
             for i in range(_BUCKETS_PER_THREAD):
-                state.count += s.load(wide + _wide_word(top - i))
+                state.count += wide.load(_wide_word(top - i))
         lane.offer(UInt64(state.count))
     elif table.named(phase, "decide_wide"):
         if not state.selects:
@@ -387,16 +379,16 @@ def _split_phase[
         if above < m and m <= above + Int(state.count):
             var top = WIDE_BUCKETS - 1 - _BUCKETS_PER_THREAD * thread
             for i in range(_BUCKETS_PER_THREAD):
-                var count = Int(s.load(wide + _wide_word(top - i)))
+                var count = Int(wide.load(_wide_word(top - i)))
                 if above + count >= m:
-                    s.store(WIDE_STATE, UInt32(top - i))
-                    s.store(WIDE_STATE + 1, UInt32(above + count))
+                    decided.store(WIDE_BUCKET, UInt32(top - i))
+                    decided.store(WIDE_KEPT, UInt32(above + count))
                     break
                 above += count
     elif table.named(phase, "filter"):
         var kept: UInt64 = 0
-        if state.selects and _pick_row[True](whole, s, k).compact:
-            var bucket = Int(s.load(WIDE_STATE))
+        if state.selects and _pick_row[True, k](whole, s).compact:
+            var bucket = Int(decided.load(WIDE_BUCKET))
             var aligned = starts_aligned(whole.scores)
             var run = thread_run(thread, SELECT_THREADS, quads(whole.bound))
             for q in range(run[0], run[1]):
@@ -409,10 +401,10 @@ def _split_phase[
         comptime assert table.named(phase, "compact")
         if not state.selects:
             return
-        var row = _pick_row[True](whole, s, k)
+        var row = _pick_row[True, k](whole, s)
         if not row.compact:
             return
-        var bucket = Int(s.load(WIDE_STATE))
+        var bucket = Int(decided.load(WIDE_BUCKET))
         var at = Int(lane.result())
         var aligned = starts_aligned(whole.scores)
         var run = thread_run(thread, SELECT_THREADS, quads(whole.bound))
@@ -420,8 +412,8 @@ def _split_phase[
             var quad = _kept_quad(s, whole, q, bucket, aligned)
             comptime for l in range(4):
                 if quad[1][l]:
-                    s.store(wide + at, quad[0][l])
-                    s.store(row.ids_at + at, UInt32(4 * q + l))
+                    shared.row_keys().store(at, quad[0][l])
+                    shared.row_ids().store(at, UInt32(4 * q + l))
                     at += 1
 
 
@@ -516,7 +508,7 @@ def select_phase[
         comptime offers = PICK_PHASES.collective(p) != NO_COLLECTIVE
         if selects:
             pick_phase[p, k](
-                thread, state, lane, s, _pick_row[split](whole, s, k)
+                thread, state, lane, s, _pick_row[split, k](whole, s)
             )
         elif offers:
             lane.offer(0)
@@ -528,22 +520,33 @@ def select_phase[
         comptime if table.named(phase, "sort_step"):
             comptime step = table.round(phase)
             if not ranks:
-                _bitonic_step[k](thread, step, s, m)
+                _bitonic_step[k](
+                    thread,
+                    step,
+                    SelectShared[k](s, row_cache_words(whole.width)),
+                    m,
+                )
             return
+        var shared = SelectShared[k](s, row_cache_words(whole.width))
         if ranks:
-            _rank_write[k](thread, s, m, whole.ids)
+            _rank_write[k](thread, shared, m, whole.ids)
             return
         for i in range(thread, k, SELECT_THREADS):
             var id = Int32(-1)
             if i < m:
-                id = Int32(s.load(PAIRS + sort_width(k) + i))
+                id = Int32(shared.pair_ids().load(i))
             s.global_store(whole.ids, i, id)
 
 
 @always_inline
 def _rank_write[
     k: Int
-](thread: Int, s: Shared, m: Int, ids: Field[DType.int32, MutAnyOrigin]):
+](
+    thread: Int,
+    shared: SelectShared[k],
+    m: Int,
+    ids: Field[DType.int32, MutAnyOrigin],
+):
     """Writes each of the `m` pairs' id at its rank, then `-1` up to `k`.
 
     A pair's rank is the number of pairs that rank before it: each thread
@@ -557,21 +560,22 @@ def _rank_write[
 
     Args:
         thread: The thread.
-        s: The block's shared words (the pairs).
+        shared: The block's shared memory (the pairs).
         m: Pairs selected, `min(k, bound)`, at most `RANK_SORT_PAIRS`.
         ids: The row's `k` output ids.
     """
-    comptime id_at = PAIRS + sort_width(k)
+    var keys = shared.pair_keys()
+    var pair_ids = shared.pair_ids()
     for i in range(thread, m, SELECT_THREADS):
-        var id = s.load(id_at + i)
-        var mine = ordered_rank_key(s.load(PAIRS + i), id)
+        var id = pair_ids.load(i)
+        var mine = ordered_rank_key(keys.load(i), id)
         var rank = 0
         for j in range(m):
-            if ordered_rank_key(s.load(PAIRS + j), s.load(id_at + j)) > mine:
+            if ordered_rank_key(keys.load(j), pair_ids.load(j)) > mine:
                 rank += 1
-        s.global_store(ids, rank, Int32(id))
+        shared.s.global_store(ids, rank, Int32(id))
     for i in range(m + thread, k, SELECT_THREADS):
-        s.global_store(ids, i, -1)
+        shared.s.global_store(ids, i, -1)
 
 
 @always_inline
@@ -581,7 +585,9 @@ def _after(key_a: UInt32, id_a: UInt32, key_b: UInt32, id_b: UInt32) -> Bool:
 
 
 @always_inline
-def _bitonic_step[k: Int](thread: Int, step: Int, s: Shared, m: Int):
+def _bitonic_step[
+    k: Int
+](thread: Int, step: Int, shared: SelectShared[k], m: Int):
     """Compare-exchange step `step` of the bitonic sort of the pairs.
 
     Steps run stage by stage (`size` = 2, 4, .., `sort_width(k)`), each
@@ -596,7 +602,7 @@ def _bitonic_step[k: Int](thread: Int, step: Int, s: Shared, m: Int):
     Args:
         thread: The thread.
         step: The step, `0 ..< _sort_steps(k)`.
-        s: The block's shared words.
+        shared: The block's shared memory (the pairs).
         m: Pairs selected, `min(k, bound)`.
     """
     var size = 2
@@ -608,18 +614,19 @@ def _bitonic_step[k: Int](thread: Int, step: Int, s: Shared, m: Int):
     if size > width:
         return
     var stride = size >> (left + 1)
-    comptime ids = PAIRS + sort_width(k)
+    var keys = shared.pair_keys()
+    var ids = shared.pair_ids()
     for c in range(thread, width // 2, SELECT_THREADS):
         var i = ((c & ~(stride - 1)) << 1) | (c & (stride - 1))
         var j = i + stride
-        var ka = s.load(PAIRS + i)
-        var ia = s.load(ids + i)
-        var kb = s.load(PAIRS + j)
-        var ib = s.load(ids + j)
+        var ka = keys.load(i)
+        var ia = ids.load(i)
+        var kb = keys.load(j)
+        var ib = ids.load(j)
         # Best first within blocks of `size` whose bit `size` is 0, worst
         # first in the others; the last stage sorts the whole area.
         if _after(ka, ia, kb, ib) == ((i & size) == 0):
-            s.store(PAIRS + i, kb)
-            s.store(ids + i, ib)
-            s.store(PAIRS + j, ka)
-            s.store(ids + j, ia)
+            keys.store(i, kb)
+            ids.store(i, ib)
+            keys.store(j, ka)
+            ids.store(j, ia)

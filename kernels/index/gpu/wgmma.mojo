@@ -41,6 +41,7 @@ from std.math import ceildiv, max
 from std.sys import inlined_assembly
 from std.sys.info import is_nvidia_gpu
 
+from ...grid.shared_buffer import Buffer
 from ...grid.block_phases import Lane, Shared
 from ...grid.gpu_kernel import GpuKernel, NoState
 from .score import candidate_at
@@ -130,10 +131,10 @@ def uniform(flag: Bool) -> Bool:
 @always_inline
 def issue_product[
     Shape: type_of(TileShape), chunk: Int
-](s: Shared, thread: Int, keys_word: Int) -> SIMD[
+](s: Shared, thread: Int, buf: Int) -> SIMD[
     DType.float32, Shape.rows * chunk_n[Shape.heads, chunk]() // 2
 ]:
-    """Issues chunk `chunk`'s product of the key tile at `keys_word` with
+    """Issues chunk `chunk`'s product of key buffer `buf`'s tile with
     the query tile (every row of the block): the `kp / 32` chained
     `wgmma`s, committed as a group and not waited for (`await_product`).
 
@@ -150,8 +151,8 @@ def issue_product[
     var base = 0
     comptime if is_nvidia_gpu():
         base = Int(s.words.unsafe_address_space_cast[AddressSpace.SHARED]())
-    var keys = base + 4 * keys_word
-    var query = base + 4 * Shape.query_word
+    var keys = base + 4 * Shape.key_tile(s, buf).start
+    var query = base + 4 * Shape.query_tile(s).start
     var acc = SIMD[DType.float32, width](0)
     # The same descriptors for the hardware and for the model: only the
     # instruction differs between the GPU and the emulated grid.
@@ -206,11 +207,11 @@ def add_partials[
     op: IndexTopK,
     first_row: Int,
     members: Int,
-    partials: Int,
+    partials: Buffer["partials"],
 ):
     """A thread's share of a landed product: for each of its two
     candidates, the ReLU'd, weighted heads of each `members` row (bit
-    `r`: row `r` of the block), added to its own partial-sum words from
+    `r`: row `r` of the block), added to its own partial-sum words in
     `partials` (4 per row and candidate: one per thread of a quad)."""
     comptime heads = Shape.heads
     comptime cn = chunk_n[heads, chunk]()
@@ -236,11 +237,13 @@ def add_partials[
         if (members >> member) & 1 != 0:
             comptime for r in range(2):
                 var m = 16 * (thread // 32) + lane // 4 + 8 * r
-                var word = partials + 4 * (member * WGMMA_TILE + m) + quad
+                var word = 4 * (member * WGMMA_TILE + m) + quad
                 comptime if chunk == 0:
-                    s.store_f32(word, sums[2 * member + r])
+                    partials.store_f32(word, sums[2 * member + r])
                 else:
-                    s.store_f32(word, s.load_f32(word) + sums[2 * member + r])
+                    partials.store_f32(
+                        word, partials.load_f32(word) + sums[2 * member + r]
+                    )
 
 
 @always_inline
@@ -253,14 +256,14 @@ def write_scores[
     first_row: Int,
     first: Int,
     members: Int,
-    partials: Int,
+    partials: Buffer["partials"],
 ):
     """A tile's scores: a thread per (`members` row, candidate from
     `first`) adds its four partial sums (one per thread of the quad that
     held the candidate) in a fixed order and multiplies by the key's
-    scale, once after the head sum, as DeepGEMM does. `partials` is a
-    multiple of 4 (`tile_words` keeps every region 16-byte aligned)."""
-    debug_assert(partials % 4 == 0, "partial sums are 16-byte aligned")
+    scale, once after the head sum, as DeepGEMM does. `partials` starts
+    on 16 bytes (`tile_words` keeps every region 16-byte aligned)."""
+    debug_assert(partials.start % 4 == 0, "partial sums are 16-byte aligned")
     for e in range(thread, rows * WGMMA_TILE, WGMMA_THREADS):
         var member = e // WGMMA_TILE
         var row = tile_row(op, first_row + member)
@@ -269,7 +272,7 @@ def write_scores[
             continue
         # One 16-byte load of the four sums: consecutive threads read
         # consecutive 16 bytes (four scalar loads were 4-way conflicts).
-        var sums = s.load_f32x[4](partials + 4 * e)
+        var sums = partials.load_f32x[4](4 * e)
         var total = (sums[0] + sums[1]) + (sums[2] + sums[3])
         s.global_store(
             op.work.scores,
@@ -295,14 +298,14 @@ def chunked_phase[
     if not active:
         return
     comptime if table.named(phase, "write"):
-        write_scores[1](thread, s, op, row, first, 1, Shape.partial_word)
+        write_scores[1](thread, s, op, row, first, 1, Shape.partials(s, 0))
         return
     comptime chunk = table.round(phase)
     comptime if table.named(phase, "multiply"):
         var acc = issue_product[Shape, chunk](s, thread, 0)
         await_product(acc)
         add_partials[Shape, chunk](
-            acc, s, thread, op, row, 1, Shape.partial_word
+            acc, s, thread, op, row, 1, Shape.partials(s, 0)
         )
         return
     comptime if chunk == 0:
@@ -381,9 +384,7 @@ def pair_phase[
             # The accumulators live only in this branch: defined by the
             # wgmmas alone (ptxas serializes a chain whose accumulators
             # other instructions define, advisory C7515).
-            var acc = issue_product[Shape, 0](
-                s, thread, (p % 2) * Shape.key_words
-            )
+            var acc = issue_product[Shape, 0](s, thread, p % 2)
             while_multiplying[Shape](p, thread, s, op, first_row, block_first)
             await_product(acc)
             add_partials[Shape, 0](
@@ -393,7 +394,7 @@ def pair_phase[
                 op,
                 first_row,
                 multiply.members,
-                Shape.partial_word + (p % 2) * Shape.partial_words,
+                Shape.partials(s, p % 2),
             )
             return
     while_multiplying[Shape](p, thread, s, op, first_row, block_first)
@@ -451,7 +452,7 @@ def while_multiplying[
             first_row,
             pair_first(block_first, p - 1, span),
             done.members,
-            Shape.partial_word + ((p - 1) % 2) * Shape.partial_words,
+            Shape.partials(s, (p - 1) % 2),
         )
 
 

@@ -17,6 +17,7 @@ from std.sys.info import is_nvidia_gpu
 from ...grid.block_phases import Shared
 from ...grid.gpu_kernel import STATIC_SHARED_BYTES
 from ...grid.phases import Phase, Phases
+from ...grid.shared_buffer import Buffer
 from .score import candidate_at, is_aligned
 from ..operands import IndexTopK
 from ...grid.ragged import Ptr
@@ -137,6 +138,26 @@ struct TileShape[heads: Int, depth: Int, rows: Int, span: Int]:
     """First word of the partial sums (the last of the block's words)."""
     comptime phase_table = _phases(Self.chunks, Self.pairs)
     """Phases (`_phases`)."""
+
+    @staticmethod
+    def key_tile(s: Shared, buf: Int) -> Buffer["key_tile"]:
+        """Key buffer `buf`: a tile's keys, `tile_byte` places each byte."""
+        return Buffer["key_tile"](s, buf * Self.key_words, Self.key_words)
+
+    @staticmethod
+    def query_tile(s: Shared) -> Buffer["query_tile"]:
+        """The rows' query heads of the chunk being multiplied."""
+        return Buffer["query_tile"](
+            s, Self.query_word, Self.partial_word - Self.query_word
+        )
+
+    @staticmethod
+    def partials(s: Shared, set: Int) -> Buffer["partials"]:
+        """Partial-sum set `set`: 4 words per row and candidate, one per
+        thread of the quad that held it."""
+        return Buffer["partials"](
+            s, Self.partial_word + set * Self.partial_words, Self.partial_words
+        )
 
 
 def _phases(chunks: Int, pairs: Int) -> Phases:
@@ -280,8 +301,8 @@ def stage_query[
         var src = op.q
         if valid:
             src = op.q.unsafe_offset(((t0 + r) * heads + h) * Shape.depth)
-        s.store_words[4](
-            Shape.query_word + tile_byte[Shape.kp](c, 16 * unit) // 4,
+        Shape.query_tile(s).store_words[4](
+            tile_byte[Shape.kp](c, 16 * unit) // 4,
             unit_words[Shape.depth](s, src, unit, valid),
         )
 
@@ -309,8 +330,8 @@ def stage_keys[
         var src = op.k_blocks
         if valid:
             src = op.k_blocks.unsafe_offset(candidate_at(op, request, j).key)
-        s.store_words[4](
-            buf * Shape.key_words + tile_byte[Shape.kp](m, 16 * at[1]) // 4,
+        Shape.key_tile(s, buf).store_words[4](
+            tile_byte[Shape.kp](m, 16 * at[1]) // 4,
             unit_words[Shape.depth](s, src, at[1], valid),
         )
 

@@ -148,6 +148,16 @@ def _worst(launch: dict[str, Any]) -> dict[str, Any] | None:
     return max(sites, key=lambda s: (s["ways"], s["wavefronts"]), default=None)
 
 
+def site_label(site: dict[str, Any]) -> str:
+    """A shared site as people read it.
+
+    Its source place and, when the kernel names the buffer it accesses,
+    the buffer: ``pick.mojo:420:28 (histogram)``.
+    """
+    buffer = site.get("buffer", "")
+    return f"{site['site']} ({buffer})" if buffer else site["site"]
+
+
 def _efficiency(sites: list[dict[str, Any]]) -> float | None:
     """Bytes asked for over the sectors' bytes, ``None`` without sectors.
 
@@ -227,7 +237,11 @@ def launch_record(
             "requests": shared["requests"],
             "wavefronts": shared["wavefronts"],
             "worst": [
-                {"site": s["site"], "ways": s["ways"]}
+                {
+                    "site": s["site"],
+                    "buffer": s.get("buffer", ""),
+                    "ways": s["ways"],
+                }
                 for s in worst[:WORST_SITES]
             ],
             "sites": shared["sites"],
@@ -306,14 +320,14 @@ def format_table(launches: list[dict[str, Any]]) -> list[str]:
                 f"{eff:.0%}" if eff is not None else "-",
                 f"{glob['launch_bytes'] / 1e6:.2f}",
                 *(_estimate_cell(launch, g) for g in gpus),
-                worst["site"] if worst else "-",
+                site_label(worst) if worst else "-",
             )
         )
         where = f"in {launch['workload']} {launch['kernel']}"
         for s in shared["sites"]:
             if s["ways"] > CLEAN_WAYS:
                 notes.append(
-                    f"  {s['ways']}-way: {s['site']} ({s['access']},"
+                    f"  {s['ways']}-way: {site_label(s)} ({s['access']},"
                     f" {4 * s['width_words']} bytes a lane; {s['requests']:,}"
                     f" requests, {s['wavefronts']:,} wavefronts for"
                     f" {s['ideal_wavefronts']:,}) {where}"
