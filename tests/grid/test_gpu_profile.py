@@ -284,21 +284,50 @@ def test_the_driver_lines_are_json_objects():
     assert parse_lines(text) == [CLEAN, CONFLICTED]
 
 
+SELECT = "mla_kpool_index_select_kernel"
+
+
 def test_registers_come_from_a_gpu_report_json(tmp_path):
     report = tmp_path / "r.json"
     report.write_text(
         json.dumps(
             {
                 "kernels": [
-                    {"arch": "sm_90a", "kernel": "k", "registers": 40},
-                    {"arch": "sm_90a", "kernel": "k", "registers": 56},
-                    {"arch": "gfx942", "kernel": "k", "registers": 90},
-                    {"arch": "sm_90a", "kernel": "j", "registers": None},
+                    {
+                        "arch": "sm_90a",
+                        "entry": f"{SELECT}_01dd432a",
+                        "registers": 40,
+                    },
+                    {
+                        "arch": "sm_90a",
+                        "entry": f"{SELECT}_76c5579d",
+                        "registers": 128,
+                    },
+                    {
+                        "arch": "gfx942",
+                        "entry": f"{SELECT}_01dd432a",
+                        "registers": 90,
+                    },
+                    {
+                        "arch": "sm_90a",
+                        "entry": "j_0123abcd",
+                        "registers": None,
+                    },
                 ]
             }
         )
     )
-    assert report_registers(str(report), "sm_90a") == {"k": 56}
+    # Keyed by the launches' kernel names, as the profile's records have
+    # them, the most of the kernel's configurations.
+    registers = report_registers(str(report), "sm_90a")
+    assert registers == {SELECT: 128}
+    assert CLEAN["profile"]["kernel"] == SELECT
+    # 56 registers x 512 threads leave two select blocks an SM, where the
+    # register limit lifted leaves four: the estimate takes them.
+    assert (
+        launch_record(CLEAN, registers)["waves"]
+        != (launch_record(CLEAN)["waves"])
+    )
     # A report of other targets says so rather than being ignored.
     with pytest.raises(ValueError, match="no sm_100a kernel.*gfx942, sm_90a"):
         report_registers(str(report), "sm_100a")

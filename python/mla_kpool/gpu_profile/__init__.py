@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import subprocess
 import sys
 import time
@@ -397,10 +398,22 @@ def verdict(launches: list[dict[str, Any]]) -> str:
     return "verdict: " + "; ".join(parts)
 
 
-def report_registers(path: str, arch: str) -> dict[str, int]:
-    """Registers per thread by kernel name, from gpu-report's ``--json``.
+def launch_name(row: dict[str, Any]) -> str:
+    """The kernel a gpu-report row compiled, as a profile names it.
 
-    The most of any of a kernel's configurations compiled for ``arch``.
+    Its entry point less the compiler's ``_<8 hex>`` suffix:
+    ``mla_kpool_index_select_kernel_01dd432a`` is
+    ``mla_kpool_index_select_kernel``.
+    """
+    entry = str(row.get("entry", ""))
+    return re.sub(r"_[0-9a-f]{8}$", "", entry)
+
+
+def report_registers(path: str, arch: str) -> dict[str, int]:
+    """Registers per thread by kernel, from gpu-report's ``--json``.
+
+    Keyed as a profile names its launches' kernels (`launch_name`); the
+    most of any of a kernel's configurations compiled for ``arch``.
 
     Raises:
         ValueError: Naming the file, if it cannot be read, is not JSON, is
@@ -422,10 +435,9 @@ def report_registers(path: str, arch: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for row in rows:
         registers = row.get("registers")
-        if row.get("arch") == arch and isinstance(registers, int):
-            out[str(row.get("kernel"))] = max(
-                out.get(str(row.get("kernel")), 0), registers
-            )
+        name = launch_name(row)
+        if row.get("arch") == arch and isinstance(registers, int) and name:
+            out[name] = max(out.get(name, 0), registers)
     if not out:
         found = sorted({str(r.get("arch")) for r in rows})
         raise ValueError(
