@@ -412,6 +412,8 @@ def test_the_command_streams_the_drivers_launches(
     out = captured.out.splitlines()
     assert out[1].startswith("glm5-next-decode  score_kernel")
     assert out[-1] == verdict(RECORDS)
+    # The legend before the verdict says what each column counts.
+    assert out[-2] == gpu_profile.LEGEND and "wf/req" in out[-2]
     assert "gpu-profile: 2 launches in" in captured.err
     doc = json.loads(out_json.read_text())
     assert doc == {"arch": "sm_90a", "launches": RECORDS}

@@ -280,6 +280,18 @@ def _estimate_cell(launch: dict[str, Any], gpu: str) -> str:
     return "-" if us is None else f"{us:.1f}"
 
 
+#: What the table's columns are, printed under it.
+LEGEND = (
+    "columns: blocks emulated/launched; bar: barriers a block; requests,"
+    " wf/req: shared-memory warp requests and wavefronts a request; ways:"
+    " the worst shared site's bank conflict (1: none); atomic: most lanes"
+    " on one shared word; sec/req: 32-byte global sectors a request; ld"
+    " eff: bytes asked for over sectors moved (uniform loads apart); MB:"
+    " distinct bytes; us: estimated launch time (a model, not a"
+    " measurement); worst site: file:line (its named buffer)"
+)
+
+
 def format_table(launches: list[dict[str, Any]]) -> list[str]:
     """A line per launch (:func:`launch_record`), then one per flaw.
 
@@ -496,6 +508,7 @@ def run(args: argparse.Namespace) -> int:
     say(f"{len(launches)} launches in {time.perf_counter() - start:.0f} s")
     for line in format_table(launches):
         print(line)
+    print(LEGEND)
     print(verdict(launches))
     if args.json:
         try:

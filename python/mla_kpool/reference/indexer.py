@@ -538,8 +538,9 @@ def _check_row(got: np.ndarray, row: RowScores, k: int) -> float | str:
     if m > 1 and np.min(step) < 0:
         s = int(np.argmin(step))
         return (
-            f"slot {s} id {ids[s]} score {row.scores[ids[s]]!r} ranks above"
-            f" slot {s + 1} id {ids[s + 1]} score {row.scores[ids[s + 1]]!r}"
+            f"slot {s} id {ids[s]} score {float(row.scores[ids[s]])!r}"
+            f" ranks above slot {s + 1} id {ids[s + 1]} score"
+            f" {float(row.scores[ids[s + 1]])!r}"
         )
     if m == row.bound:
         return np.inf
@@ -554,8 +555,9 @@ def _check_row(got: np.ndarray, row: RowScores, k: int) -> float | str:
         margin = np.inf
     if margin < 0:
         return (
-            f"selected id {worst_in} score {row.scores[worst_in]!r} but not"
-            f" id {best_out} score {row.scores[best_out]!r} (tolerance"
+            f"selected id {worst_in} score {float(row.scores[worst_in])!r}"
+            f" but not id {best_out} score {float(row.scores[best_out])!r}"
+            " (tolerance"
             f" {row.tol[worst_in]:.3g} / {row.tol[best_out]:.3g})"
         )
     return margin
