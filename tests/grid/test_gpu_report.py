@@ -528,8 +528,8 @@ def test_rooflines_grids_come_from_the_kernels_declarations(report: Report):
     # the select's 16 rows split over 16 blocks each, by the split
     # kernel; a prefill's 4,096 rows
     # a block each, by the unsplit one. The step at batch 4096: one scan
-    # block, then its requests and output rows (2 per request), 4 rows a
-    # block (16 threads of 8 bfloat16 channels a row). expand_topk: a
+    # block, then its requests and output rows (2 per request), 2 rows a
+    # block (32 threads of 4 channels a row). expand_topk: a
     # block of 256 threads per token row.
     rows = {
         (r["workload"], r["gpu"]): r["kernels"] for r in report.doc["rooflines"]
@@ -560,12 +560,12 @@ def test_rooflines_grids_come_from_the_kernels_declarations(report: Report):
     step = rows["step-b4096", "B200"]
     assert [(k["kernel"], k["grid"], k["block_threads"]) for k in step] == [
         ("scan", 1, 1024),
-        ("main", 3 * 4096 // 4, 64),
+        ("main", 3 * 4096 // 2, 64),
     ]
     for batch in (1, 64, 4096):
         close = rows[f"ring_close-b{batch}", "H200"]
         assert [(k["grid"], k["block_threads"]) for k in close] == [
-            ((batch + 3) // 4, 64)
+            ((batch + 1) // 2, 64)
         ]
         expand = rows[f"expand_topk-b{batch}", "H200"]
         assert [(k["grid"], k["block_threads"]) for k in expand] == [
