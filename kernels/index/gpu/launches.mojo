@@ -46,7 +46,7 @@ from .select import (
     select_slices,
     split_words,
 )
-from ...grid.ragged import Ptr, read_index
+from ...grid.ragged import Ptr
 
 
 comptime GPU_WORKSPACE_BYTES = 1 << 28
@@ -63,25 +63,43 @@ comptime PLAN_PHASES = Phases(Phase("check", BLOCK_SUM), Phase("write"))
 a block sum, then the rows."""
 
 
-def _write_plan(op: IndexTopK, first: Int, end: Int, thread: Int, b: Int):
+@always_inline
+def _note_end_well_formed[dtype: DType](s: Shared, offsets: Ptr[dtype], b: Int):
+    """Records `plan.end_well_formed`'s reads, `offsets[b]` and
+    `offsets[b + 1]` (code shared with the CPU path, which takes no
+    view; nothing on a GPU)."""
+    s.note_global_load(offsets, b)
+    s.note_global_load(offsets, b + 1)
+
+
+@always_inline
+def _note_page_in_arenas(s: Shared, op: IndexTopK, b: Int, page: Int):
+    """Records `plan.page_in_arenas`'s reads of the two lookup tables."""
+    s.note_global_load(op.k_lookup_table, b * op.key_pages + page)
+    s.note_global_load(op.k_scales_lookup_table, b * op.scale_pages + page)
+
+
+def _write_plan(
+    s: Shared, op: IndexTopK, first: Int, end: Int, thread: Int, b: Int
+):
     """Rows `[first, end)` planned as all `-1` (`b` -1) or as request `b`'s
     rows from its first, `first` (their bounds by `candidate_bound`)."""
     var c = 0
     var n = 0
     if b >= 0:
-        c = read_index(op.k_cache_lengths, b)
+        c = Int(s.global_load(op.k_cache_lengths, b))
         n = end - first
     for t in range(first + thread, end, PLAN_THREADS):
         var bound = 0
         if b >= 0:
             bound = candidate_bound[op.kpool, op.causal](c, n, t - first)
-        op.work.plan[unsafe_offset=2 * t] = Int64(b)
-        op.work.plan[unsafe_offset=2 * t + 1] = Int64(bound)
+        s.global_store(op.work.plan, 2 * t, Int64(b))
+        s.global_store(op.work.plan, 2 * t + 1, Int64(bound))
 
 
 def plan_phase[
     phase: Int
-](block: Int, thread: Int, mut lane: Lane, op: IndexTopK):
+](block: Int, thread: Int, mut lane: Lane, s: Shared, op: IndexTopK):
     """Block `b`'s share of the plan: request `b`'s rows, and the rows no
     request holds where `b` is the one that knows them.
 
@@ -105,6 +123,10 @@ def plan_phase[
         block: The request `b` (0 with no requests).
         thread: The thread, `0 ..< PLAN_THREADS`.
         lane: The thread's lane in the block sum after `check`.
+        s: The thread's view (its global reads and writes, recorded in a
+            profiled emulation; the checks shared with the CPU path,
+            `end_well_formed` and `page_in_arenas`, are noted beside
+            their calls).
         op: The call.
     """
     var b = block
@@ -117,25 +139,28 @@ def plan_phase[
         comptime if checks:
             lane.offer(0)
         else:
-            _write_plan(op, 0, tokens, thread, -1)
+            _write_plan(s, op, 0, tokens, thread, -1)
         return
+    _note_end_well_formed(s, offsets, b)
     var own = end_well_formed(offsets, b, tokens)
     comptime if checks:
         var before: UInt64 = 0
-        if thread == 0 and read_index(offsets, 0) != 0:
+        if thread == 0 and Int(s.global_load(offsets, 0)) != 0:
             before = 1
         for i in range(thread, b, PLAN_THREADS):
+            _note_end_well_formed(s, offsets, i)
             if not end_well_formed(offsets, i, tokens):
                 before = 1
         var unscored: UInt64 = 0
         if own:
-            var start = read_index(offsets, b)
-            var n = read_index(offsets, b + 1) - start
-            var c = read_index(op.k_cache_lengths, b)
+            var start = Int(s.global_load(offsets, b))
+            var n = Int(s.global_load(offsets, b + 1)) - start
+            var c = Int(s.global_load(op.k_cache_lengths, b))
             var pages = span_pages(op, c, n) if c >= 0 else -1
             if pages < 0:
                 unscored = 1
             for page in range(thread, max(pages, 0), PLAN_THREADS):
+                _note_page_in_arenas(s, op, b, page)
                 if not page_in_arenas(op, b, page):
                     unscored = 1
         lane.offer(before << 32 | unscored)
@@ -146,17 +171,17 @@ def plan_phase[
             # rows; block 0 here means `offsets[0] != 0`, so no row is
             # any request's.
             if b == 0:
-                _write_plan(op, 0, tokens, thread, -1)
+                _write_plan(s, op, 0, tokens, thread, -1)
             return
-        var start = read_index(offsets, b)
+        var start = Int(s.global_load(offsets, b))
         if not own:
-            _write_plan(op, start, tokens, thread, -1)
+            _write_plan(s, op, start, tokens, thread, -1)
             return
-        var end = read_index(offsets, b + 1)
+        var end = Int(s.global_load(offsets, b + 1))
         var scored = (failed & 0xFFFFFFFF) == 0
-        _write_plan(op, start, end, thread, b if scored else -1)
+        _write_plan(s, op, start, end, thread, b if scored else -1)
         if b == batch - 1:
-            _write_plan(op, end, tokens, thread, -1)
+            _write_plan(s, op, end, tokens, thread, -1)
 
 
 @always_inline
@@ -229,7 +254,7 @@ struct PlanKernel[Op: type_of(IndexTopK)](GpuKernel):
         op: Self.Operands,
     ):
         """`plan_phase`."""
-        plan_phase[phase](block, thread, lane, op)
+        plan_phase[phase](block, thread, lane, s, op)
 
 
 comptime _SELECT = "mla_kpool_index_select_kernel"
