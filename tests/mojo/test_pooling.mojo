@@ -9,7 +9,10 @@ rounds too (not subnormals where it flushes them, as AVX512-BF16's
 `vcvtneps2bf16` does, and not a NaN's payload, which such a host keeps);
 and the GPU writers' element
 accesses for tensors not 16-byte aligned (a view at an odd offset), which
-the suite's MAX buffers never reach, against the CPU path, emulated.
+the suite's MAX buffers never reach, against the CPU path, emulated: the
+ring close's, and the fused step's scan (batches of no request to runs
+of several a thread, metadata shifted off 16 bytes, uint32 and int64)
+against the prefix sum written here.
 """
 
 from std.math import iota
@@ -27,6 +30,7 @@ from kernels.writers.ring_close import (
     RingCloseOperands,
     ring_close_cpu,
 )
+from kernels.writers.step import StepOperands, StepScanKernel
 
 comptime W = 16
 
@@ -179,6 +183,96 @@ def _close_both(skip: Int) raises:
 def test_gpu_element_accesses_match_the_cpu() raises:
     _close_both(0)
     _close_both(1)
+
+
+def _expected_offsets[
+    dtype: DType
+](offsets: List[Scalar[dtype]], cache: List[Scalar[dtype]], skip: Int) -> List[
+    UInt32
+]:
+    """`pool_row_offsets` by the rule: request `b` counts the pools made
+    only of its new rows, `(c + n) // kpool - ceil(c / kpool)` (at least
+    0; 0 when `n` or `c` is negative), summed and kept modulo 2^32."""
+    var batch = len(cache) - skip
+    var out = List[UInt32](length=batch + 1, fill=0)
+    var total = 0
+    for b in range(batch):
+        var n = Int(offsets[skip + b + 1]) - Int(offsets[skip + b])
+        var c = Int(cache[skip + b])
+        if n >= 0 and c >= 0:
+            total += max((c + n) // KPOOL - (c + KPOOL - 1) // KPOOL, 0)
+        out[b + 1] = UInt32(total & 0xFFFFFFFF)
+    return out^
+
+
+def _scan_case[dtype: DType](batch: Int, skip: Int) raises:
+    # Offsets of 0 to 9 rows a request, every 7th going back by 3 (a
+    # malformed span counts 0), cache lengths 0 to 12 (int64: every 5th
+    # negative); `skip` shifts both (1: never 16-byte aligned) and the
+    # output.
+    var offsets = List[Scalar[dtype]](length=skip, fill=0)
+    var cache = List[Scalar[dtype]](length=skip, fill=0)
+    var at = 0
+    for b in range(batch + 1):
+        offsets.append(Scalar[dtype](at))
+        at += (b * 5) % 10 - (3 if b % 7 == 6 else 0)
+        at = max(at, 0)
+    for b in range(batch):
+        var c = (b * 3) % 13
+        comptime if dtype.is_signed():
+            if b % 5 == 4:
+                c = -c - 1
+        cache.append(Scalar[dtype](c))
+    var rows = List[BFloat16](length=1, fill=0)
+    var closed = List[Int32](length=1, fill=0)
+    var ape = List[Float32](length=1, fill=0)
+    var slots = List[UInt32](length=1, fill=0)
+    var first_pool = List[Int64](length=1, fill=0)
+    var written = List[UInt32](length=skip + batch + 1, fill=0xDEADBEEF)
+    comptime Op = StepOperands[BF16, dtype, dtype, U32, KPOOL, D, MutAnyOrigin]
+    var call = RaggedCall[BF16, dtype, dtype, MutAnyOrigin](
+        scratch(rows),
+        scratch(rows),
+        scratch(offsets).unsafe_offset(skip),
+        scratch(cache).unsafe_offset(skip),
+        batch,
+        at,
+    )
+    var ring = Ring[BF16, U32, MutAnyOrigin](
+        scratch(rows), scratch(slots), 1, KPOOL
+    )
+    var close = RingCloseOperands[
+        BF16, dtype, dtype, U32, KPOOL, D, MutAnyOrigin
+    ](scratch(rows), scratch(closed), scratch(ape), call, ring)
+    launch_kernel[StepScanKernel[Op], True](
+        Op(
+            close,
+            scratch(rows),
+            scratch(written).unsafe_offset(skip),
+            scratch(first_pool),
+            0,
+        ),
+        DeviceContext(api="cpu"),
+    )
+    var expected = _expected_offsets(offsets, cache, skip)
+    for i in range(batch + 1):
+        assert_equal(
+            written[skip + i],
+            expected[i],
+            String(
+                "pool_row_offsets[", i, "], batch ", batch, ", shift ", skip
+            ),
+        )
+
+
+def test_the_step_scan_matches_the_rule() raises:
+    # Batches: none, a partial quad, a quad a thread (4,096), two quads a
+    # thread with a partial last; whole and shifted metadata.
+    for batch in [0, 1, 7, 4096, 5003]:
+        for skip in [0, 1]:
+            _scan_case[DType.uint32](batch, skip)
+    _scan_case[DType.int64](4099, 0)
+    _scan_case[DType.int64](4099, 1)
 
 
 def main() raises:
