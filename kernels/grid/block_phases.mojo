@@ -559,23 +559,6 @@ struct BlockShared[origin: MutOrigin, checked: Bool](TrivialRegisterPassable):
         )
 
     @always_inline
-    def note_global_store[
-        dtype: DType, at: Origin, //, width: Int = 1
-    ](self, ptr: Pointer[Scalar[dtype], at], i: Int):
-        """`note_global_load`'s twin for a store the caller makes itself
-        (the step's scan, whose body docs/kernels.md quotes): records it,
-        stores nothing; nothing on a GPU.
-
-        Parameters:
-            dtype: Element type.
-            at: Origin of `ptr`.
-            width: Elements (a power of two).
-        """
-        self._note_global[ACCESS_STORE](
-            call_location(), ptr, i, width * size_of[dtype]()
-        )
-
-    @always_inline
     def global_store[
         dtype: DType,
         at: MutOrigin,

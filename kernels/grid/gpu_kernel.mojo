@@ -21,17 +21,24 @@ ceil(columns / columns_per_block)` blocks on the x axis, `rows` and
 whose threads do not cooperate has `shared_words = 0` and one phase and
 runs as `parallel.gpu_kernel`; the others as `gpu_block_kernel` (phases
 unrolled at compile time, per-thread `State`, collectives, static or
-dynamic shared memory), emulated by `emulate_kernel` (docs/kernels.md
-says how to write one).
+dynamic shared memory; `gpu_bounded_block_kernel` for blocks of 1,024
+threads), emulated by `emulate_kernel` (docs/kernels.md says how to
+write one).
 """
 
-from max.gpu import barrier, block_idx, thread_idx
+from max.gpu import (
+    MAX_THREADS_PER_BLOCK_METADATA,
+    barrier,
+    block_idx,
+    thread_idx,
+)
 from max.gpu.host import DeviceContext, FuncAttribute, get_gpu_target
 from max.gpu.host.compile import _compile_code
 from max.gpu.memory import AddressSpace, external_memory
 from std.math import ceildiv, max
 from std.memory import stack_allocation
 from std.sys import size_of
+from std.utils import StaticTuple
 
 from .block_phases import (
     NO_COLLECTIVE,
@@ -375,23 +382,9 @@ def _emulate[
     _ = shadow^
 
 
-@__name(t"{name}")
-def gpu_block_kernel[name: StaticString, K: GpuKernel](op: K.Operands):
-    """A phased kernel on a GPU: each phase, its collective, a barrier.
-
-    The phases are unrolled at compile time, so each is straight-line code
-    and the thread's `State` stays in registers across the barriers.
-    Shared memory is static (`K.shared_words`) or, with `K.dynamic_shared`,
-    the launch's (`K.launch_shared_words(op)` words); the scratch of the
-    block collectives follows it.
-
-    Parameters:
-        name: Kernel name (the symbol is this plus a hash).
-        K: The kernel's declaration.
-
-    Args:
-        op: The call's operands.
-    """
+@always_inline
+def _run_block[K: GpuKernel](op: K.Operands):
+    """The body of `gpu_block_kernel` and `gpu_bounded_block_kernel`."""
     var words: Pointer[UInt32, MutAnyOrigin]
     var size: Int
     comptime if K.dynamic_shared:
@@ -440,6 +433,53 @@ def gpu_block_kernel[name: StaticString, K: GpuKernel](op: K.Operands):
             barrier()
 
 
+@__name(t"{name}")
+def gpu_block_kernel[name: StaticString, K: GpuKernel](op: K.Operands):
+    """A phased kernel on a GPU: each phase, its collective, a barrier.
+
+    The phases are unrolled at compile time, so each is straight-line code
+    and the thread's `State` stays in registers across the barriers.
+    Shared memory is static (`K.shared_words`) or, with `K.dynamic_shared`,
+    the launch's (`K.launch_shared_words(op)` words); the scratch of the
+    block collectives follows it.
+
+    Parameters:
+        name: Kernel name (the symbol is this plus a hash).
+        K: The kernel's declaration.
+
+    Args:
+        op: The call's operands.
+    """
+    _run_block[K](op)
+
+
+comptime BOUNDED_THREADS = 1024
+"""Blocks of this many threads are launched through
+`gpu_bounded_block_kernel`: a thread of them may have at most 64
+registers, which ptxas keeps to only when told the block's size."""
+
+
+@__llvm_metadata(
+    MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(K.block_threads))
+)
+@__name(t"{name}")
+def gpu_bounded_block_kernel[name: StaticString, K: GpuKernel](op: K.Operands):
+    """`gpu_block_kernel` with the block's size declared to the compiler
+    (CUDA's `__launch_bounds__`), for blocks of `BOUNDED_THREADS`: without
+    it ptxas may give a thread more registers than such a block can have,
+    and the launch fails. Smaller blocks go without: declared on every
+    kernel, it moved the registers of 39 of 77 (some up, some to spills).
+
+    Parameters:
+        name: Kernel name (the symbol is this plus a hash).
+        K: The kernel's declaration.
+
+    Args:
+        op: The call's operands.
+    """
+    _run_block[K](op)
+
+
 def _dynamic_bytes[K: GpuKernel](op: K.Operands) raises -> Int:
     """Bytes of dynamic shared memory `K`'s launch for `op` asks for."""
     return 4 * (launch_words[K](op) + scratch_words[K]())
@@ -477,31 +517,43 @@ def launch_kernel[
         emulate_kernel[K](op, grid)
     else:
         check_launch(K.name, grid, K.block_threads)
-        comptime f = gpu_block_kernel[K.name, K]
-        comptime if K.dynamic_shared:
-            # The attribute is the kernel's declared most, the same for
-            # every launch; each launch asks only for what it uses.
-            comptime most = 4 * block_shared_words[K]()
-            ctx.enqueue_function[f](
-                op,
-                grid_dim=grid,
-                block_dim=K.block_threads,
-                shared_mem_bytes=_dynamic_bytes[K](op),
-                func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(
-                    UInt32(most)
-                ),
+        comptime if K.block_threads >= BOUNDED_THREADS:
+            _enqueue_block[K, gpu_bounded_block_kernel[K.name, K]](
+                op, grid, ctx
             )
         else:
-            ctx.enqueue_function[f](
-                op, grid_dim=grid, block_dim=K.block_threads
-            )
+            _enqueue_block[K, gpu_block_kernel[K.name, K]](op, grid, ctx)
+
+
+def _enqueue_block[
+    K: GpuKernel, f: def(K.Operands) thin -> None
+](op: K.Operands, grid: Int, ctx: DeviceContext) raises:
+    """Enqueues `f`, `K`'s block kernel, over `grid` blocks."""
+    comptime if K.dynamic_shared:
+        # The attribute is the kernel's declared most, the same for
+        # every launch; each launch asks only for what it uses.
+        comptime most = 4 * block_shared_words[K]()
+        ctx.enqueue_function[f](
+            op,
+            grid_dim=grid,
+            block_dim=K.block_threads,
+            shared_mem_bytes=_dynamic_bytes[K](op),
+            func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(
+                UInt32(most)
+            ),
+        )
+    else:
+        ctx.enqueue_function[f](op, grid_dim=grid, block_dim=K.block_threads)
 
 
 def kernel_code[K: GpuKernel, arch: StaticString]() raises -> String:
     """`K`'s kernel compiled for `arch` (PTX for `sm_*`, else AMDGPU asm)."""
     _check_declaration[K]()
     comptime target = get_gpu_target[arch]()
-    comptime if is_phased[K]():
+    comptime if is_phased[K]() and K.block_threads >= BOUNDED_THREADS:
+        comptime f = gpu_bounded_block_kernel[K.name, K]
+        return String(_compile_code[f, target=target]())
+    elif is_phased[K]():
         comptime f = gpu_block_kernel[K.name, K]
         return String(_compile_code[f, target=target]())
     else:

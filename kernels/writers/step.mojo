@@ -33,7 +33,9 @@ import extensibility
 from extensibility import InputTensor, OutputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
-from std.sys import is_gpu, num_physical_cores
+from std.math import ceildiv, min
+from std.memory import bitcast
+from std.sys import num_physical_cores, size_of
 
 from .compress import CompressOperands, compress_lane, compress_rows
 from ..grid.operands import (
@@ -46,7 +48,6 @@ from ..grid.operands import (
 )
 from ..grid.block_phases import (
     BLOCK_EXCLUSIVE_SUM,
-    PROFILE_BUILD,
     Lane,
     Shared,
 )
@@ -54,14 +55,14 @@ from ..grid.collectives import thread_run
 from ..grid.gpu_kernel import GpuKernel, NoState, launch_kernel
 from ..grid.parallel import cpu_for_each_range
 from ..grid.phases import Phase, Phases
+from ..grid.shared_buffer import Buffer
 from .gpu_rows import (
     RowLane,
     gpu_rows_per_block,
     gpu_writer_threads,
-    note_span,
     row_lane,
 )
-from ..grid.ragged import Field, full_pools, read_index
+from ..grid.ragged import Field, Ptr, full_pools, read_index
 from .ring_close import (
     RingCloseOperands,
     close_requests,
@@ -151,8 +152,18 @@ def seed_of(
 
 
 @always_inline
+def pool_count[kpool: Int](n: Int, c: Int) -> Int:
+    """A request's count in `pool_row_offsets` from its new rows `n` and
+    cache length `c` (the graph helper's rule): 0 when either is negative.
+    """
+    if n < 0 or c < 0:
+        return 0
+    return full_pools[kpool](c, n).count
+
+
+@always_inline
 def step_pool_count(op: Step, b: Int) -> Int:
-    """Request `b`'s count in `pool_row_offsets` (the graph helper's rule).
+    """Request `b`'s count in `pool_row_offsets` (`pool_count`).
 
     The span is not checked against `total_tokens` (the helper cannot see
     it): a request whose rows lie past the call's counts its pools, and
@@ -160,18 +171,7 @@ def step_pool_count(op: Step, b: Int) -> Int:
     """
     var offsets = op.close.call.input_row_offsets
     var n = read_index(offsets, b + 1) - read_index(offsets, b)
-    var c = read_index(op.close.call.cache_lengths, b)
-    if n < 0 or c < 0:
-        return 0
-    return full_pools[op.kpool](c, n).count
-
-
-@always_inline
-def note_pool_count(s: Shared, op: Step, b: Int):
-    """Records `step_pool_count(op, b)`'s metadata reads (host code only:
-    `gpu_rows.note_span`)."""
-    note_span(s, op.close.call.input_row_offsets, b)
-    s.note_global_load(op.close.call.cache_lengths, b)
+    return pool_count[op.kpool](n, read_index(op.close.call.cache_lengths, b))
 
 
 @always_inline
@@ -248,75 +248,259 @@ def step_cpu(op: Step):
 
 
 comptime SCAN_THREADS = 1024
-"""Threads of the scan launch's one block: a run of requests each."""
+"""Threads of the scan launch's one block: a run of request quads each."""
+
+
+comptime SCAN_QUAD = 4
+"""Requests a thread reads with one vector load of each tensor."""
 
 
 comptime SCAN_PHASES = Phases(
-    Phase("count", BLOCK_EXCLUSIVE_SUM), Phase("write")
+    Phase("stage"), Phase("count", BLOCK_EXCLUSIVE_SUM), Phase("write")
 )
-"""The scan's phases: each run's pool count offered to a block exclusive
-prefix sum, then the run's offsets written from its prefix."""
+"""The scan's phases: each run's first offset staged for the run before
+it, each run's pool count offered to a block exclusive prefix sum, then
+the run's offsets written from its prefix."""
 
 
-def step_scan_phase[phase: Int](thread: Int, mut lane: Lane, op: Step):
+@fieldwise_init
+struct ScanRun(Copyable, TrivialRegisterPassable):
+    """One scan thread's run of request quads (`SCAN_QUAD` requests each,
+    quad `q` holding requests `4 q ..< 4 q + 4`) and how it reads them.
+
+    A warp's lanes read neighbouring quads with 16-byte loads (every
+    sector used whole); the offset that ends a run's last quad starts
+    the next run's first, which the next thread stages in shared memory
+    (`run_starts`: its low words, then its high words) for the count.
+    """
+
+    var thread: Int
+    """The thread, `0 ..< SCAN_THREADS`."""
+    var first: Int
+    """The run's first quad."""
+    var end: Int
+    """One past its last quad."""
+    var quads: Int
+    """Quads of the batch, `ceil(batch / 4)`."""
+    var aligned: Bool
+    """Whether the offsets, the cache lengths and `pool_row_offsets` start
+    on 16 bytes (a whole quad is then one vector access of each)."""
+
+    def __init__(out self, thread: Int, op: Step):
+        """Thread `thread`'s run of `op`'s batch."""
+        var call = op.close.call
+        self.thread = thread
+        self.quads = ceildiv(call.batch, SCAN_QUAD)
+        var run = thread_run(thread, SCAN_THREADS, self.quads)
+        self.first = run[0]
+        self.end = run[1]
+        self.aligned = (
+            (Int(call.input_row_offsets) & 15) == 0
+            and (Int(call.cache_lengths) & 15) == 0
+            and (Int(op.pool_row_offsets) & 15) == 0
+        )
+
+
+@always_inline
+def _index_quad[
+    dtype: DType
+](s: Shared, ptr: Ptr[dtype], q: Int, entries: Int, aligned: Bool) -> SIMD[
+    dtype, SCAN_QUAD
+]:
+    """Entries `4 q ..< 4 q + 4` of an index tensor of `entries`, 0 past
+    its end: one vector load when aligned and whole, else a load each."""
+    var at = SCAN_QUAD * q
+    if aligned and at + SCAN_QUAD <= entries:
+        comptime bytes = SCAN_QUAD * size_of[dtype]()
+        return s.global_load[width=SCAN_QUAD, alignment=min(bytes, 16)](ptr, at)
+    var out = SIMD[dtype, SCAN_QUAD](0)
+    comptime for l in range(SCAN_QUAD):
+        if at + l < entries:
+            out[l] = s.global_load(ptr, at + l)
+    return out
+
+
+@always_inline
+def _run_starts(s: Shared) -> Buffer["run_starts"]:
+    """Each thread's first offset (64 bits): low words, then high words."""
+    return Buffer["run_starts"](s, 0, 2 * SCAN_THREADS)
+
+
+@always_inline
+def _stage_run_start(s: Shared, run: ScanRun, op: Step):
+    """Stages the offset that starts this thread's run, the previous
+    run's end."""
+    if run.first >= run.end:
+        return
+    var batch = op.close.call.batch
+    var start = _index_quad(
+        s, op.close.call.input_row_offsets, run.first, batch + 1, run.aligned
+    )[0]
+    var words = bitcast[DType.uint32, 2](Int64(Int(start)))
+    _run_starts(s).store(run.thread, words[0])
+    _run_starts(s).store(SCAN_THREADS + run.thread, words[1])
+
+
+@always_inline
+def _run_end(s: Shared, run: ScanRun, op: Step) -> Int:
+    """The offset that ends this thread's run (`ragged.read_index`'s
+    value): the next run's first (staged), or `offsets[batch]` after the
+    batch's last whole quad."""
+    var batch = op.close.call.batch
+    if run.end < run.quads:
+        var words = SIMD[DType.uint32, 2](
+            _run_starts(s).load(run.thread + 1),
+            _run_starts(s).load(SCAN_THREADS + run.thread + 1),
+        )
+        return Int(bitcast[DType.int64, 1](words))
+    if SCAN_QUAD * run.end <= batch:
+        return Int(s.global_load(op.close.call.input_row_offsets, batch))
+    return 0  # ends no request of the batch
+
+
+@always_inline
+def _quad_counts(
+    s: Shared,
+    run: ScanRun,
+    op: Step,
+    q: Int,
+    starts: SIMD[op.offset_dtype, SCAN_QUAD],
+    next_start: Int,
+) -> SIMD[DType.uint32, SCAN_QUAD]:
+    """Quad `q`'s pool counts (`pool_count`) modulo 2^32, 0 past the batch,
+    from its requests' starts and the start after them.
+
+    The offsets keep only their sum modulo 2^32, so 32-bit counts that
+    wrap as they add give the words of `scan_pool_rows`'s 64-bit sums.
+    With 4-byte metadata the count is worked in 32 bits: for `c = a kpool
+    + r` and `n >= 0`, `(c + n) // kpool - ceil(c / kpool)` is `n // kpool
+    + (r + n % kpool) // kpool - (1 if r > 0 else 0)`, no term past `n`
+    (the 64-bit form takes twice the registers, past the 64 a thread of
+    a 1,024-thread block may have); 8-byte metadata takes `pool_count`.
+    """
+    comptime K = op.kpool
+    var batch = op.close.call.batch
+    var c = _index_quad(s, op.close.call.cache_lengths, q, batch, run.aligned)
+    var ends = starts.shift_left[1]()
+    ends[SCAN_QUAD - 1] = Scalar[op.offset_dtype](next_start)
+    var out = SIMD[DType.uint32, SCAN_QUAD](0)
+    comptime if size_of[op.offset_dtype]() == 4 and size_of[
+        op.length_dtype
+    ]() == 4:
+        var spans = ends.ge(starts) & c.ge(0)
+        var n = ends.cast[DType.uint32]() - starts.cast[DType.uint32]()
+        var r = (c % Scalar[op.length_dtype](K)).cast[DType.uint32]()
+        var whole = n // UInt32(K) + (r + n % UInt32(K)) // UInt32(K)
+        var started = r.gt(0).cast[DType.uint32]()  # ceil's extra pool
+        out = (spans & whole.gt(started)).select(
+            whole - started, SIMD[DType.uint32, SCAN_QUAD](0)
+        )
+    else:
+        comptime for l in range(SCAN_QUAD):
+            var n = Int(ends[l]) - Int(starts[l])
+            out[l] = UInt32(pool_count[K](n, Int(c[l])) & 0xFFFFFFFF)
+    comptime for l in range(SCAN_QUAD):
+        if SCAN_QUAD * q + l >= batch:
+            out[l] = 0
+    return out
+
+
+@always_inline
+def _write_quad(
+    s: Shared,
+    run: ScanRun,
+    op: Step,
+    q: Int,
+    before: UInt32,
+    counts: SIMD[DType.uint32, SCAN_QUAD],
+):
+    """Writes `pool_row_offsets[4 q ..< 4 q + 4]` (those up to `batch`):
+    the prefix before each request of quad `q`, modulo 2^32."""
+    var prefix = SIMD[DType.uint32, SCAN_QUAD](0)
+    var total = before
+    comptime for l in range(SCAN_QUAD):
+        prefix[l] = total
+        total += counts[l]
+    var at = SCAN_QUAD * q
+    var entries = op.close.call.batch + 1
+    if run.aligned and at + SCAN_QUAD <= entries:
+        s.global_store[width=SCAN_QUAD, alignment=16](
+            op.pool_row_offsets, at, prefix
+        )
+        return
+    comptime for l in range(SCAN_QUAD):
+        if at + l < entries:
+            s.global_store(op.pool_row_offsets, at + l, prefix[l])
+
+
+@always_inline
+def _write_batch_end(s: Shared, run: ScanRun, op: Step, total: UInt32):
+    """Writes `pool_row_offsets[batch]` where no quad holds it (the batch
+    fills its last quad, or has no request): the run that ends the batch
+    writes its total, thread 0 a 0 for no request."""
+    var at = SCAN_QUAD * run.quads
+    if at != op.close.call.batch:
+        return
+    if run.first < run.end and run.end == run.quads:
+        s.global_store(op.pool_row_offsets, at, total)
+    elif run.quads == 0 and run.thread == 0:
+        s.global_store(op.pool_row_offsets, 0, UInt32(0))
+
+
+def step_scan_phase[
+    phase: Int
+](thread: Int, mut lane: Lane, s: Shared, op: Step):
     """One thread of launch 1 (`StepScanKernel`), phase `phase`.
 
     `kpool_step_scan_kernel`, one block of `SCAN_THREADS` threads writing
     `pool_row_offsets`: each thread sums the pool counts of a contiguous
-    run of requests, a block exclusive prefix sum (`block_phases`) gives
-    each run its start, and each thread writes its run's offsets. The
-    critical path is a run and the collective, not the batch (a run is one
-    request up to a batch of 1024). The CPU path scans serially
-    (`scan_pool_rows`); the two agree bit for bit (64-bit sums, stored
-    modulo 2^32).
+    run of request quads (`ScanRun`), a block exclusive prefix sum
+    (`block_phases`) gives each run its start, and each thread writes its
+    run's offsets. The critical path is a run and the collective, not
+    the batch (a run is one quad up to a batch of 4,096). The CPU path
+    scans serially (`scan_pool_rows`); the two agree bit for bit (sums
+    stored modulo 2^32).
 
-    `count`: the thread offers the 64-bit sum of its run's pool counts to
-    the block's exclusive prefix sum. `write`: from that prefix it writes
-    `pool_row_offsets[b + 1]` for each request `b` of its run (modulo
-    2^32, as `scan_pool_rows`), thread 0 also `pool_row_offsets[0] = 0`.
+    Loads and stores are 16 bytes a lane, every sector whole (4-byte
+    loads a request apart used a quarter of each: 897 requests and 14,433
+    sectors at batch 4,096, now 195 and 3,075), for one more barrier and
+    63-64 registers on sm_90a/sm_100a (32 before), which the launch bound
+    of a 1,024-thread block keeps within the 64 it allows; one block
+    runs, so occupancy does not matter.
 
-    A thread's run is contiguous, so a warp's lanes read and write words a
-    run apart (4 requests at batch 4,096: a quarter of each sector used, the
-    profile's 25%); it is one block and a few words a request, under a
-    microsecond of the step's traffic.
+    `stage`: each thread stages its run's first offset. `count`: it
+    offers its run's pool count (modulo 2^32) to the block's
+    exclusive prefix sum. `write`: from that prefix it writes
+    `pool_row_offsets[4 q ..< 4 q + 4]` for each quad `q` of its run (the
+    prefix before each request), the last run also `[batch]`.
     """
-    var run = thread_run(thread, SCAN_THREADS, op.close.call.batch)
-    comptime if SCAN_PHASES.named(phase, "count"):
-        var total: UInt64 = 0
-        for b in range(run[0], run[1]):
-            total += UInt64(step_pool_count(op, b))
-        lane.offer(total)
-    else:
-        var total = lane.result()
-        if thread == 0:
-            op.pool_row_offsets[unsafe_offset=0] = 0
-        for b in range(run[0], run[1]):
-            total += UInt64(step_pool_count(op, b))
-            op.pool_row_offsets[unsafe_offset=b + 1] = UInt32(
-                total & 0xFFFFFFFF
+    var run = ScanRun(thread, op)
+    var offsets = op.close.call.input_row_offsets
+    var entries = op.close.call.batch + 1
+    comptime if SCAN_PHASES.named(phase, "stage"):
+        _stage_run_start(s, run, op)
+        return
+    # Sums modulo 2^32 (`_quad_counts`); the block's sum in 64 bits.
+    var total: UInt32 = 0
+    comptime if SCAN_PHASES.named(phase, "write"):
+        total = UInt32(lane.result() & 0xFFFFFFFF)
+    for q in range(run.first, run.end):
+        var starts = _index_quad(s, offsets, q, entries, run.aligned)
+        var next_start: Int
+        if q + 1 < run.end:  # the next quad's first, from L1
+            next_start = Int(
+                _index_quad(s, offsets, q + 1, entries, run.aligned)[0]
             )
-
-
-@always_inline
-def note_scan_phase[phase: Int](thread: Int, s: Shared, op: Step):
-    """Records `step_scan_phase[phase]`'s global accesses (host code only).
-
-    The scan's body is docs/kernels.md's example, word for word, so it
-    takes no view: its thread's reads of each request's metadata
-    (`step_pool_count`) and, in `write`, its writes of `pool_row_offsets`
-    are noted beside it, in the same order per site.
-    """
-    comptime if PROFILE_BUILD:
-        comptime if not is_gpu():
-            var run = thread_run(thread, SCAN_THREADS, op.close.call.batch)
-            comptime writes = SCAN_PHASES.named(phase, "write")
-            comptime if writes:
-                if thread == 0:
-                    s.note_global_store(op.pool_row_offsets, 0)
-            for b in range(run[0], run[1]):
-                note_pool_count(s, op, b)
-                comptime if writes:
-                    s.note_global_store(op.pool_row_offsets, b + 1)
+        else:
+            next_start = _run_end(s, run, op)
+        var counts = _quad_counts(s, run, op, q, starts, next_start)
+        comptime if SCAN_PHASES.named(phase, "write"):
+            _write_quad(s, run, op, q, total, counts)
+        total += counts.reduce_add()
+    comptime if SCAN_PHASES.named(phase, "count"):
+        lane.offer(UInt64(total))
+    else:
+        _write_batch_end(s, run, op, total)
 
 
 def step_thread(block: Int, thread: Int, s: Shared, op: Step):
@@ -352,6 +536,7 @@ struct StepScanKernel[Op: type_of(Step)](GpuKernel):
     comptime name = "kpool_step_scan_kernel"
     comptime State = NoState
     comptime block_threads = SCAN_THREADS
+    comptime shared_words = 2 * SCAN_THREADS
     comptime phase_table = SCAN_PHASES
     comptime grid_rows = "1"
 
@@ -372,8 +557,7 @@ struct StepScanKernel[Op: type_of(Step)](GpuKernel):
         op: Self.Operands,
     ):
         """`step_scan_phase`."""
-        step_scan_phase[phase](thread, lane, op)
-        note_scan_phase[phase](thread, s, op)
+        step_scan_phase[phase](thread, lane, s, op)
 
 
 struct StepKernel[Op: type_of(Step)](GpuKernel):
