@@ -268,7 +268,7 @@ struct ScanRun(Copyable, TrivialRegisterPassable):
     """One scan thread's run of request quads (`SCAN_QUAD` requests each,
     quad `q` holding requests `4 q ..< 4 q + 4`) and how it reads them.
 
-    A warp's lanes read neighbouring quads with 16-byte loads (every
+    A warp's lanes read neighbouring quads, a vector load each (every
     sector used whole); the offset that ends a run's last quad starts
     the next run's first, which the next thread stages in shared memory
     (`run_starts`: its low words, then its high words) for the count.
@@ -461,7 +461,9 @@ def step_scan_phase[
     scans serially (`scan_pool_rows`); the two agree bit for bit (sums
     stored modulo 2^32).
 
-    Loads and stores are 16 bytes a lane, every sector whole (4-byte
+    Loads and stores are a quad a lane (16 bytes of 4-byte metadata on
+    16 bytes; a load an element off them and in a partial quad), every
+    sector whole (4-byte
     loads a request apart used a quarter of each: 897 requests and 14,433
     sectors at batch 4,096, now 195 and 3,075), for one more barrier and
     63-64 registers on sm_90a/sm_100a (32 before), which the launch bound
@@ -471,8 +473,9 @@ def step_scan_phase[
     `stage`: each thread stages its run's first offset. `count`: it
     offers its run's pool count (modulo 2^32) to the block's
     exclusive prefix sum. `write`: from that prefix it writes
-    `pool_row_offsets[4 q ..< 4 q + 4]` for each quad `q` of its run (the
-    prefix before each request), the last run also `[batch]`.
+    `pool_row_offsets[4 q ..< 4 q + 4]` (those up to `[batch]`) for each
+    quad `q` of its run, the prefix before each request; `[batch]` past
+    the last quad by the last run (thread 0 writes `[0]` for no request).
     """
     var run = ScanRun(thread, op)
     var offsets = op.close.call.input_row_offsets

@@ -11,11 +11,13 @@ and the GPU writers' element
 accesses for tensors not 16-byte aligned (a view at an odd offset), which
 the suite's MAX buffers never reach, against the CPU path, emulated: the
 ring close's, and the fused step's scan (batches of no request to runs
-of several a thread, metadata shifted off 16 bytes, uint32 and int64)
-against the prefix sum written here.
+of two quads a thread, metadata on 16 bytes and off them, 4-byte, 8-byte
+and mixed widths, sums past 2^32, offsets past 2^63; guard words around
+the output) against the prefix sum written here.
 """
 
 from std.math import iota
+from std.sys import size_of
 from std.memory import bitcast
 from std.testing import TestSuite, assert_equal, assert_true
 
@@ -185,94 +187,138 @@ def test_gpu_element_accesses_match_the_cpu() raises:
     _close_both(1)
 
 
-def _expected_offsets[
+comptime GUARD = 0xDEADBEEF
+"""What the scan's output holds outside `pool_row_offsets`."""
+
+
+def _first_on_16_bytes[dtype: DType](mut values: List[Scalar[dtype]]) -> Int:
+    """The first element of `values` that starts on 16 bytes."""
+    var address = Int(scratch(values))
+    return ((16 - address % 16) % 16) // size_of[dtype]()
+
+
+def _place[
     dtype: DType
-](offsets: List[Scalar[dtype]], cache: List[Scalar[dtype]], skip: Int) -> List[
-    UInt32
-]:
+](mut out: List[Scalar[dtype]], values: List[Int], shift: Int) -> Int:
+    """Writes `values` into `out` (8 elements longer) from its first
+    element on 16 bytes plus `shift` elements (1: never on 16 bytes), as
+    `dtype` holds them; returns where they start."""
+    var first = _first_on_16_bytes(out) + shift
+    for i in range(len(values)):
+        out[first + i] = Scalar[dtype](values[i])
+    return first
+
+
+def _expected_offsets(offsets: List[Int], cache: List[Int]) -> List[UInt32]:
     """`pool_row_offsets` by the rule: request `b` counts the pools made
     only of its new rows, `(c + n) // kpool - ceil(c / kpool)` (at least
     0; 0 when `n` or `c` is negative), summed and kept modulo 2^32."""
-    var batch = len(cache) - skip
+    var batch = len(cache)
     var out = List[UInt32](length=batch + 1, fill=0)
     var total = 0
     for b in range(batch):
-        var n = Int(offsets[skip + b + 1]) - Int(offsets[skip + b])
-        var c = Int(cache[skip + b])
+        var n = offsets[b + 1] - offsets[b]
+        var c = cache[b]
         if n >= 0 and c >= 0:
             total += max((c + n) // KPOOL - (c + KPOOL - 1) // KPOOL, 0)
         out[b + 1] = UInt32(total & 0xFFFFFFFF)
     return out^
 
 
-def _scan_case[dtype: DType](batch: Int, skip: Int) raises:
-    # Offsets of 0 to 9 rows a request, every 7th going back by 3 (a
-    # malformed span counts 0), cache lengths 0 to 12 (int64: every 5th
-    # negative); `skip` shifts both (1: never 16-byte aligned) and the
-    # output.
-    var offsets = List[Scalar[dtype]](length=skip, fill=0)
-    var cache = List[Scalar[dtype]](length=skip, fill=0)
+def _scan_case[
+    offset_dtype: DType, length_dtype: DType
+](batch: Int, shift: Int, scale: Int = 1) raises:
+    # Spans of 0 to 9 rows times `scale` (past 2^32 pools in all at scale
+    # 2^31; offsets past 2^63, read negative as `read_index` reads them,
+    # at 2^60), every 7th span going back 3 (a malformed span counts 0);
+    # cache lengths 0 to 12, every 5th negative where signed. The output
+    # sits between guard words.
+    var offsets = List[Int]()
+    var cache = List[Int]()
     var at = 0
     for b in range(batch + 1):
-        offsets.append(Scalar[dtype](at))
-        at += (b * 5) % 10 - (3 if b % 7 == 6 else 0)
-        at = max(at, 0)
+        offsets.append(at)
+        var span = (b * 7) % 10 - (3 if b % 7 == 6 else 0)
+        at += span * scale  # wraps past 2^63 at scale 2^60
     for b in range(batch):
         var c = (b * 3) % 13
-        comptime if dtype.is_signed():
+        comptime if length_dtype.is_signed():
             if b % 5 == 4:
                 c = -c - 1
-        cache.append(Scalar[dtype](c))
+        cache.append(c)
+    var offset_list = List[Scalar[offset_dtype]](length=batch + 9, fill=0)
+    var offset_at = _place(offset_list, offsets, shift)
+    var cache_list = List[Scalar[length_dtype]](length=batch + 8, fill=0)
+    var cache_at = _place(cache_list, cache, shift)
+    # What the kernel reads: the values as their dtype holds them.
+    for b in range(batch + 1):
+        offsets[b] = Int(offset_list[offset_at + b])
+    for b in range(batch):
+        cache[b] = Int(cache_list[cache_at + b])
+    var written = List[UInt32](length=batch + 9, fill=GUARD)
+    var first = _first_on_16_bytes(written) + shift
     var rows = List[BFloat16](length=1, fill=0)
     var closed = List[Int32](length=1, fill=0)
     var ape = List[Float32](length=1, fill=0)
     var slots = List[UInt32](length=1, fill=0)
     var first_pool = List[Int64](length=1, fill=0)
-    var written = List[UInt32](length=skip + batch + 1, fill=0xDEADBEEF)
-    comptime Op = StepOperands[BF16, dtype, dtype, U32, KPOOL, D, MutAnyOrigin]
-    var call = RaggedCall[BF16, dtype, dtype, MutAnyOrigin](
+    comptime Op = StepOperands[
+        BF16, offset_dtype, length_dtype, U32, KPOOL, D, MutAnyOrigin
+    ]
+    var call = RaggedCall[BF16, offset_dtype, length_dtype, MutAnyOrigin](
         scratch(rows),
         scratch(rows),
-        scratch(offsets).unsafe_offset(skip),
-        scratch(cache).unsafe_offset(skip),
+        scratch(offset_list).unsafe_offset(offset_at),
+        scratch(cache_list).unsafe_offset(cache_at),
         batch,
-        at,
+        0,
     )
     var ring = Ring[BF16, U32, MutAnyOrigin](
         scratch(rows), scratch(slots), 1, KPOOL
     )
     var close = RingCloseOperands[
-        BF16, dtype, dtype, U32, KPOOL, D, MutAnyOrigin
+        BF16, offset_dtype, length_dtype, U32, KPOOL, D, MutAnyOrigin
     ](scratch(rows), scratch(closed), scratch(ape), call, ring)
     launch_kernel[StepScanKernel[Op], True](
         Op(
             close,
             scratch(rows),
-            scratch(written).unsafe_offset(skip),
+            scratch(written).unsafe_offset(first),
             scratch(first_pool),
             0,
         ),
         DeviceContext(api="cpu"),
     )
-    var expected = _expected_offsets(offsets, cache, skip)
-    for i in range(batch + 1):
-        assert_equal(
-            written[skip + i],
-            expected[i],
-            String(
-                "pool_row_offsets[", i, "], batch ", batch, ", shift ", skip
-            ),
-        )
+    var expected = _expected_offsets(offsets, cache)
+    var label = String(
+        "batch ",
+        batch,
+        ", shift ",
+        shift,
+        ", ",
+        offset_dtype,
+        "/",
+        length_dtype,
+    )
+    for i in range(len(written)):
+        var want = UInt32(GUARD)
+        if first <= i <= first + batch:
+            want = expected[i - first]
+        assert_equal(written[i], want, String("word ", i - first, ", ", label))
 
 
 def test_the_step_scan_matches_the_rule() raises:
-    # Batches: none, a partial quad, a quad a thread (4,096), two quads a
-    # thread with a partial last; whole and shifted metadata.
-    for batch in [0, 1, 7, 4096, 5003]:
-        for skip in [0, 1]:
-            _scan_case[DType.uint32](batch, skip)
-    _scan_case[DType.int64](4099, 0)
-    _scan_case[DType.int64](4099, 1)
+    # Batches: none, a partial quad, a quad, a quad a thread (4,096), two
+    # quads a thread (8,192; 5,003 with a partial last); metadata on 16
+    # bytes and off them; 4-byte, 8-byte and mixed widths.
+    for batch in [0, 1, 4, 7, 4096, 5003, 8192]:
+        for shift in [0, 1]:
+            _scan_case[DType.uint32, DType.uint32](batch, shift)
+    for shift in [0, 1]:
+        _scan_case[DType.int32, DType.int32](4099, shift)
+        _scan_case[DType.int64, DType.int64](4099, shift, 1 << 31)
+        _scan_case[DType.uint64, DType.uint64](1027, shift, 1 << 60)
+        _scan_case[DType.uint32, DType.int64](4099, shift)
 
 
 def main() raises:
