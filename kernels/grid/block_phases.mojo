@@ -559,6 +559,17 @@ struct BlockShared[origin: MutOrigin, checked: Bool](TrivialRegisterPassable):
         )
 
     @always_inline
+    def note_span[
+        dtype: DType, at: Origin, //
+    ](self, offsets: Pointer[Scalar[dtype], at], b: Int):
+        """Records the reads of request `b`'s row span, `offsets[b]` and
+        `offsets[b + 1]`, by code shared with the CPU path
+        (`ragged.token_span`, `plan.end_well_formed`): `note_global_load`'s
+        two records, at this line."""
+        self.note_global_load(offsets, b)
+        self.note_global_load(offsets, b + 1)
+
+    @always_inline
     def global_store[
         dtype: DType,
         at: MutOrigin,

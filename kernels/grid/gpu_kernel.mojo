@@ -173,6 +173,19 @@ def is_phased[K: GpuKernel]() -> Bool:
     return K.shared_words > 0 or phase_count[K]() > 1
 
 
+comptime BOUNDED_THREADS = 1024
+"""Blocks of this many threads are launched through
+`gpu_bounded_block_kernel`: a thread of them may have at most 64
+registers, which ptxas keeps to only when told the block's size."""
+
+
+@always_inline
+def is_bounded[K: GpuKernel]() -> Bool:
+    """Whether `K`'s blocks are launched with their size declared
+    (`gpu_bounded_block_kernel`): blocks of `BOUNDED_THREADS`."""
+    return K.block_threads >= BOUNDED_THREADS
+
+
 def grid_blocks[K: GpuKernel](op: K.Operands) -> Int:
     """Blocks of `K`'s launch for `op`, by the grid rule (module docstring)."""
     return ceildiv(K.rows(op), K.rows_per_block) * ceildiv(
@@ -453,12 +466,6 @@ def gpu_block_kernel[name: StaticString, K: GpuKernel](op: K.Operands):
     _run_block[K](op)
 
 
-comptime BOUNDED_THREADS = 1024
-"""Blocks of this many threads are launched through
-`gpu_bounded_block_kernel`: a thread of them may have at most 64
-registers, which ptxas keeps to only when told the block's size."""
-
-
 @__llvm_metadata(
     MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(K.block_threads))
 )
@@ -517,7 +524,7 @@ def launch_kernel[
         emulate_kernel[K](op, grid)
     else:
         check_launch(K.name, grid, K.block_threads)
-        comptime if K.block_threads >= BOUNDED_THREADS:
+        comptime if is_bounded[K]():
             _enqueue_block[K, gpu_bounded_block_kernel[K.name, K]](
                 op, grid, ctx
             )
@@ -550,7 +557,7 @@ def kernel_code[K: GpuKernel, arch: StaticString]() raises -> String:
     """`K`'s kernel compiled for `arch` (PTX for `sm_*`, else AMDGPU asm)."""
     _check_declaration[K]()
     comptime target = get_gpu_target[arch]()
-    comptime if is_phased[K]() and K.block_threads >= BOUNDED_THREADS:
+    comptime if is_phased[K]() and is_bounded[K]():
         comptime f = gpu_bounded_block_kernel[K.name, K]
         return String(_compile_code[f, target=target]())
     elif is_phased[K]():

@@ -40,7 +40,6 @@ from .gpu_rows import (
     gpu_rows_per_block,
     gpu_writer_threads,
     note_last_span_at,
-    note_span,
     profiled,
     row_lane,
 )
@@ -186,7 +185,7 @@ def note_pool_row_of(s: Shared, op: Compress, b: Int, row: Int):
         comptime if not is_gpu():
             if b < 0 or not profiled(s):
                 return
-            note_span(s, op.call.input_row_offsets, b)
+            s.note_span(op.call.input_row_offsets, b)
             s.note_global_load(op.call.cache_lengths, b)
             s.note_global_load(op.pool_row_offsets, b)
             var span = token_span(

@@ -55,7 +55,7 @@ from ..grid.parallel import cpu_for_each_range
 from ..grid.phases import Phase, Phases
 from ..grid.shared_buffer import Buffer
 from ..grid.ragged import Field, Ptr, last_span_at, read_index, token_span
-from .gpu_rows import note_last_span_at, note_span, profiled
+from .gpu_rows import note_last_span_at, profiled
 
 comptime POSITION_LIMIT = 1 << 31
 """Most positions a query may see: its newest one must fit int32."""
@@ -178,7 +178,7 @@ def note_query_visible(s: Shared, op: ExpandTopK, row: Int):
             var b = last_span_at(op.input_row_offsets, op.batch, row)
             if b < 0 or b >= op.batch:
                 return
-            note_span(s, op.input_row_offsets, b)
+            s.note_span(op.input_row_offsets, b)
             var span = token_span(op.input_row_offsets, b, op.total_tokens)
             if not span.ok or row < span.start or row >= span.start + span.n:
                 return

@@ -173,15 +173,6 @@ def profiled(s: Shared) -> Bool:
 
 
 @always_inline
-def note_span[dtype: DType](s: Shared, input_row_offsets: Ptr[dtype], b: Int):
-    """Records `ragged.token_span`'s reads of request `b`'s offsets."""
-    comptime if PROFILE_BUILD:
-        comptime if not is_gpu():
-            s.note_global_load(input_row_offsets, b)
-            s.note_global_load(input_row_offsets, b + 1)
-
-
-@always_inline
 def note_last_span_at[
     dtype: DType
 ](s: Shared, row_offsets: Ptr[dtype], batch: Int, row: Int):

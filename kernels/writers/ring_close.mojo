@@ -38,7 +38,6 @@ from .gpu_rows import (
     gpu_aligned,
     gpu_rows_per_block,
     gpu_writer_threads,
-    note_span,
     row_lane,
 )
 from .pooling import (
@@ -281,8 +280,8 @@ def ring_close_cpu(op: RingClose):
 @always_inline
 def note_plan_close(s: Shared, b: Int, op: RingClose):
     """Records `plan_close`'s metadata reads of request `b` (host code
-    only: `gpu_rows.note_span`)."""
-    note_span(s, op.call.input_row_offsets, b)
+    only: `Shared.note_span`)."""
+    s.note_span(op.call.input_row_offsets, b)
     s.note_global_load(op.call.cache_lengths, b)
     s.note_global_load(op.ring.slot_idx, b)
 

@@ -39,7 +39,6 @@ from .gpu_rows import (
     gpu_aligned,
     gpu_rows_per_block,
     gpu_writer_threads,
-    note_span,
     row_lane,
 )
 from ..grid.ragged import (
@@ -181,8 +180,8 @@ def seed_tail_cpu(op: SeedTail):
 @always_inline
 def note_plan_stash(s: Shared, b: Int, op: SeedTail):
     """Records `plan_stash`'s metadata reads of request `b` (host code
-    only: `gpu_rows.note_span`)."""
-    note_span(s, op.call.input_row_offsets, b)
+    only: `Shared.note_span`)."""
+    s.note_span(op.call.input_row_offsets, b)
     s.note_global_load(op.call.cache_lengths, b)
     s.note_global_load(op.ring.slot_idx, b)
 

@@ -64,15 +64,6 @@ a block sum, then the rows."""
 
 
 @always_inline
-def _note_end_well_formed[dtype: DType](s: Shared, offsets: Ptr[dtype], b: Int):
-    """Records `plan.end_well_formed`'s reads, `offsets[b]` and
-    `offsets[b + 1]` (code shared with the CPU path, which takes no
-    view; nothing on a GPU)."""
-    s.note_global_load(offsets, b)
-    s.note_global_load(offsets, b + 1)
-
-
-@always_inline
 def _note_page_in_arenas(s: Shared, op: IndexTopK, b: Int, page: Int):
     """Records `plan.page_in_arenas`'s reads of the two lookup tables."""
     s.note_global_load(op.k_lookup_table, b * op.key_pages + page)
@@ -141,14 +132,14 @@ def plan_phase[
         else:
             _write_plan(s, op, 0, tokens, thread, -1)
         return
-    _note_end_well_formed(s, offsets, b)
+    s.note_span(offsets, b)
     var own = end_well_formed(offsets, b, tokens)
     comptime if checks:
         var before: UInt64 = 0
         if thread == 0 and Int(s.global_load(offsets, 0)) != 0:
             before = 1
         for i in range(thread, b, PLAN_THREADS):
-            _note_end_well_formed(s, offsets, i)
+            s.note_span(offsets, i)
             if not end_well_formed(offsets, i, tokens):
                 before = 1
         var unscored: UInt64 = 0
