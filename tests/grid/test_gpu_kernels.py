@@ -158,9 +158,18 @@ SELECT_MUTANTS = [
         # the decided count reach shared memory, so the pick reads places
         # nobody wrote, or misses the keys of that bucket.
         "compaction_without_the_bucket",
-        "_wide_digit(keys[l]) >= bucket",
-        "_wide_digit(keys[l]) > bucket",
+        "UInt64(bucket.load(WIDE_BUCKET)) << UInt64(32 - WIDE_BITS)",
+        "UInt64(bucket.load(WIDE_BUCKET) + 1) << UInt64(32 - WIDE_BITS)",
         r"slot \d+: got|missing barrier|out of range|before any thread wrote",
+    ),
+    (
+        # The odd lane of a pair places its kept keys where its partner
+        # places the partner's of the same sector: two writers of a word,
+        # or keys out of id order.
+        "compaction_odd_lane_ignores_its_partner",
+        "            next += theirs * side\n",
+        "",
+        r"slot \d+: got|race|before any thread wrote",
     ),
     (
         # The last block leaves the row's histogram as the launch left it:
@@ -198,6 +207,7 @@ _IN_SELECT = (
     "rank_in_reverse",
     "bitonic_exchange_reversed",
 )
+_IN_COMPACTION = ("compaction_odd_lane_ignores_its_partner",)
 
 
 #: The one select kernel (k, split) a planted fault's run compiles and
@@ -208,6 +218,7 @@ _SELECT_KERNEL = {
     "select_by_block_order": (512, True),
     "wide_bucket_off_by_one": (512, True),
     "compaction_without_the_bucket": (512, True),
+    "compaction_odd_lane_ignores_its_partner": (512, True),
     "histogram_left_for_the_next_launch": (512, True),
     "rank_in_reverse": (101, False),
 }
@@ -219,6 +230,8 @@ _SELECT_KERNEL = {
 )
 def test_index_select_planted_faults_fail(mutant, tmp_path: Path):
     kernel = "select" if mutant[0] in _IN_SELECT else "pick"
+    if mutant[0] in _IN_COMPACTION:
+        kernel = "compaction"
     k, split = _SELECT_KERNEL.get(mutant[0], (512, False))
     _planted_fault_fails(
         mutant,

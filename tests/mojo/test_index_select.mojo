@@ -427,7 +427,8 @@ def test_split_rows_of_every_cache_size() raises:
     """Split launches whose row cache is the least a split allows (4,096
     words: the wide histogram, then 2,048 pairs), an odd size,
     and past `CACHE_WORDS` (compaction read from global memory; with every
-    key tied, the pick over a row kept in global memory)."""
+    key tied, the pick over a row kept in global memory), and a row too
+    long for a lane pair's compaction counts at k 1."""
     seed(12)
     var smallest = List[List[Float32]]()
     smallest.append(_random(4096, 0))
@@ -442,7 +443,11 @@ def test_split_rows_of_every_cache_size() raises:
     wide.append(_random(CACHE_WORDS * 2, 0))
     wide.append(List[Float32](length=CACHE_WORDS * 2, fill=-2.0))
     wide.append(_random(CACHE_WORDS + 3, 200))
+    # Past the compaction counts' room at k 1 (a run a lane), within it at
+    # k 512 (a lane pair a sector), with ties across the lanes.
+    wide.append(_random(4 * CACHE_WORDS + 20, 60))
     _check[512, True](wide, 24)
+    _check[1, True](wide, 24)
 
 
 def test_the_select_compiles_for_every_target() raises:

@@ -10,9 +10,10 @@ exclusive prefix sum, decide the k-th key's bucket), the collect's count
 (a block exclusive prefix sum of each thread's counts above and at the
 k-th key) and its scatter of the (key, id) pairs.
 
-**Shared memory** is `SelectShared`'s named buffers: two radix
-histograms, the pass state, the split select's state, the pairs' keys and
-ids, then the row cache (`row_cache_words`).
+**Shared memory** is `SelectShared`'s named buffers: the pass state, the
+split select's state, two radix histograms, the pairs' keys and ids (a
+split row's compaction counts over both before the pick), then the row
+cache (`row_cache_words`).
 """
 
 from std.bit import next_power_of_two
@@ -52,12 +53,7 @@ comptime CACHE_WORDS = 8192
 """The longest row kept in shared memory (32 KiB of keys)."""
 
 
-comptime HISTOGRAMS = 0
-"""The radix histograms' first word: pass `p` counts digit `d` at
-`HISTOGRAMS + (p % 2) * RADIX_BUCKETS + d`."""
-
-
-comptime _STATE = HISTOGRAMS + 2 * RADIX_BUCKETS
+comptime _STATE = 0
 """(prefix, need): the bits of the k-th key fixed so far, and how many keys
 with that prefix the top k still takes."""
 
@@ -67,7 +63,12 @@ comptime WIDE_STATE = _STATE + 2
 last block decided from the row's wide histogram (`select`)."""
 
 
-comptime PAIRS = WIDE_STATE + 2
+comptime HISTOGRAMS = WIDE_STATE + 2
+"""The radix histograms' first word: pass `p` counts digit `d` at
+`HISTOGRAMS + (p % 2) * RADIX_BUCKETS + d`."""
+
+
+comptime PAIRS = HISTOGRAMS + 2 * RADIX_BUCKETS
 """The pairs' keys (`sort_width(k)` words), then their ids."""
 
 
@@ -94,6 +95,15 @@ def sort_width(k: Int) -> Int:
 def cache_start(k: Int) -> Int:
     """Shared words before the row cache: histograms, state, pairs."""
     return PAIRS + 2 * sort_width(k)
+
+
+def kept_counts_words(k: Int) -> Int:
+    """Words of `SelectLayout.kept_counts`: the histograms and the pairs.
+
+    Args:
+        k: Ids per output row.
+    """
+    return cache_start(k) - HISTOGRAMS
 
 
 def row_cache_words(candidates: Int) -> Int:
@@ -172,6 +182,14 @@ struct SelectLayout[origin: MutOrigin, k: Int](TrivialRegisterPassable):
         )
 
     @always_inline
+    def kept_counts(self) -> SharedBuffer[Self.origin, "kept_counts"]:
+        """A split row's compaction counts (`select`), over the histograms
+        and the pairs: free until the pick's load."""
+        return SharedBuffer[Self.origin, "kept_counts"](
+            self.s, HISTOGRAMS, kept_counts_words(Self.k)
+        )
+
+    @always_inline
     def row_keys(self) -> SharedBuffer[Self.origin, "row_keys"]:
         """The row cache: a row's keys (a compacted row's in its first
         half, `row_ids` after)."""
@@ -222,13 +240,8 @@ def quad_keys(
     multiple of 4): one 16-byte load when the row starts on 16 bytes and
     all 4 are in it, else a load each; 0 past `bound`.
 
-    The compaction reads a thread's run of quads in order (so that kept
-    candidates land in id order), so a warp's lanes are a run apart: each
-    request uses half of each 32-byte sector (the profile's 50%), and the
-    thread's next quad takes the other half from L1. Every byte of the row
-    leaves L2 once (the profile's first-touched sectors); coalescing the
-    requests would need the lanes' runs interleaved and a warp scan to
-    keep the order."""
+    The split select's compaction reads a quad a lane, a lane pair's two
+    quads a whole 32-byte sector (`select._compaction_lanes`)."""
     var keys = SIMD[DType.uint32, 4](0)
     if aligned and first + 4 <= bound:
         var v = s.global_load[width=4, alignment=16](scores, first)

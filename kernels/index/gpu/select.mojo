@@ -39,10 +39,10 @@ from ...grid.block_phases import (
     publish_fence,
     read_published,
 )
-from ...grid.collectives import thread_run
 from ...grid.phases import Phase, Phases
 from ...grid.ragged import Field
 from ..rank import ordered_rank_key, score_order
+from .compaction import Compaction, compaction_pass
 from .pick import (
     CACHE_WORDS,
     PICK_PHASES,
@@ -54,11 +54,8 @@ from .pick import (
     SelectState,
     cache_start,
     pick_phase,
-    quad_keys,
-    quads,
     row_cache_words,
     sort_width,
-    starts_aligned,
 )
 
 
@@ -280,6 +277,21 @@ def _pick_row[
 
 
 @always_inline
+def _compacted[
+    k: Int
+](whole: WindowRow[MutAnyOrigin], s: Shared) -> Compaction[MutAnyOrigin]:
+    """What the last block of a split row compacts: its keys in the
+    decided bucket or above."""
+    var bucket = SelectShared[k](s, row_cache_words(whole.width)).wide_state()
+    return Compaction[MutAnyOrigin](
+        whole.scores,
+        whole.bound,
+        whole.width,
+        UInt64(bucket.load(WIDE_BUCKET)) << UInt64(32 - WIDE_BITS),
+    )
+
+
+@always_inline
 def _split_phase[
     phase: Int, k: Int
 ](
@@ -308,7 +320,8 @@ def _split_phase[
     prefix sum over the buckets, highest first, the bucket `B` that holds
     the m-th key and how many keys `n` lie in `B` or above, and, if they
     fit in the row cache, compacts those `n` (key, id) pairs into it in id
-    order (a count per thread's run, a prefix sum, a scatter): its pick
+    order (a count per lane pair's run, a prefix sum, a placing:
+    `compaction`): its pick
     then runs over `n` candidates, not the row (at GLM-5-Next's decode, 16
     rows of 8,192 candidates, k 512: 16 blocks per row, and about `k` plus
     one bucket's keys left to pick). When they do not fit (ties or a
@@ -317,9 +330,8 @@ def _split_phase[
 
     Two shared sites stay above 2-way, as the data decides: the wide
     histogram's atomics (keys of one digit serialize on its word; distinct
-    digits may share a bank) and the compaction's stores (each thread
-    writes its kept keys from its own offset, up to 4-way in the profile
-    at DeepSeek-V3.2's decode, a few hundred requests a row).
+    digits may share a bank) and the compaction's stores
+    (`compaction.compaction_pass`).
     """
     var shared = SelectShared[k](s, row_cache_words(whole.width))
     var wide = shared.wide_histogram()
@@ -388,52 +400,16 @@ def _split_phase[
     elif table.named(phase, "filter"):
         var kept: UInt64 = 0
         if state.selects and _pick_row[True, k](whole, s).compact:
-            var bucket = Int(decided.load(WIDE_BUCKET))
-            var aligned = starts_aligned(whole.scores)
-            var run = thread_run(thread, SELECT_THREADS, quads(whole.bound))
-            for q in range(run[0], run[1]):
-                var quad = _kept_quad(s, whole, q, bucket, aligned)
-                comptime for l in range(4):
-                    if quad[1][l]:
-                        kept += 1
+            kept = compaction_pass[False, k](
+                thread, s, _compacted[k](whole, s), 0
+            )
         lane.offer(kept)
     else:
         comptime assert table.named(phase, "compact")
-        if not state.selects:
-            return
-        var row = _pick_row[True, k](whole, s)
-        if not row.compact:
-            return
-        var bucket = Int(decided.load(WIDE_BUCKET))
-        var at = Int(lane.result())
-        var aligned = starts_aligned(whole.scores)
-        var run = thread_run(thread, SELECT_THREADS, quads(whole.bound))
-        for q in range(run[0], run[1]):
-            var quad = _kept_quad(s, whole, q, bucket, aligned)
-            comptime for l in range(4):
-                if quad[1][l]:
-                    shared.row_keys().store(at, quad[0][l])
-                    shared.row_ids().store(at, UInt32(4 * q + l))
-                    at += 1
-
-
-@always_inline
-def _kept_quad(
-    s: Shared,
-    whole: WindowRow[MutAnyOrigin],
-    q: Int,
-    bucket: Int,
-    aligned: Bool,
-) -> Tuple[SIMD[DType.uint32, 4], SIMD[DType.bool, 4]]:
-    """Group `q`'s keys (candidates `4 q ..< 4 q + 4`, `quad_keys`) and
-    which of them the compaction keeps: in the row, and in `bucket` or
-    above. The compaction's count and its scatter read the row through
-    this one test, so they agree on every candidate."""
-    var keys = quad_keys(s, whole.scores, 4 * q, whole.bound, aligned)
-    var kept = SIMD[DType.bool, 4](fill=False)
-    comptime for l in range(4):
-        kept[l] = 4 * q + l < whole.bound and _wide_digit(keys[l]) >= bucket
-    return (keys, kept)
+        if state.selects and _pick_row[True, k](whole, s).compact:
+            _ = compaction_pass[True, k](
+                thread, s, _compacted[k](whole, s), Int(lane.result())
+            )
 
 
 @always_inline
