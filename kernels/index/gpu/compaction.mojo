@@ -14,14 +14,12 @@ from std.math import ceildiv
 from ...grid.block_phases import Shared
 from ...grid.collectives import thread_run
 from ...grid.ragged import Field
+from ..rank import score_order
 from .pick import (
     SELECT_THREADS,
     SelectShared,
     kept_counts_words,
-    quad_keys,
-    quads,
     row_cache_words,
-    starts_aligned,
 )
 
 
@@ -30,6 +28,46 @@ comptime _COUNT_BITS = 4
 
 
 comptime _COUNTS_PER_WORD = 32 // _COUNT_BITS
+
+
+@always_inline
+def _quads(bound: Int) -> Int:
+    """Groups of 4 candidates that cover `bound`, read 16 bytes at a time
+    (`_quad_keys`)."""
+    return ceildiv(bound, 4)
+
+
+@always_inline
+def _starts_aligned(scores: Field[DType.float32, MutAnyOrigin]) -> Bool:
+    """Whether a row's scores start on 16 bytes (the same for every thread
+    of the block)."""
+    return (Int(scores) & 15) == 0
+
+
+@always_inline
+def _quad_keys(
+    s: Shared,
+    scores: Field[DType.float32, MutAnyOrigin],
+    first: Int,
+    bound: Int,
+    aligned: Bool,
+) -> SIMD[DType.uint32, 4]:
+    """The order keys of candidates `first ..< first + 4` (`first` a
+    multiple of 4): one 16-byte load when the row starts on 16 bytes and
+    all 4 are in it, else a load each; 0 past `bound`.
+
+    A lane reads a quad, a lane pair's two quads a whole 32-byte sector
+    (`compaction_lanes`)."""
+    var keys = SIMD[DType.uint32, 4](0)
+    if aligned and first + 4 <= bound:
+        var v = s.global_load[width=4, alignment=16](scores, first)
+        comptime for l in range(4):
+            keys[l] = score_order(v[l])
+    else:
+        comptime for l in range(4):
+            if first + l < bound:
+                keys[l] = score_order(s.global_load(scores, first + l))
+    return keys
 
 
 @fieldwise_init
@@ -62,7 +100,7 @@ def compaction_lanes[k: Int](bound: Int) -> Int:
     Args:
         bound: Candidates of the row.
     """
-    var spans = ceildiv(quads(bound), 2)
+    var spans = ceildiv(_quads(bound), 2)
     var per_lane = ceildiv(spans, SELECT_THREADS // 2)
     var words = ceildiv(per_lane, _COUNTS_PER_WORD) * SELECT_THREADS
     return 2 if words <= kept_counts_words(k) else 1
@@ -86,11 +124,11 @@ def _count_of(word: UInt32, i: Int) -> Int:
 def _kept_quad(
     s: Shared, row: Compaction[MutAnyOrigin], q: Int, aligned: Bool
 ) -> Tuple[SIMD[DType.uint32, 4], SIMD[DType.bool, 4]]:
-    """Quad `q`'s keys (candidates `4 q ..< 4 q + 4`, `quad_keys`) and
+    """Quad `q`'s keys (candidates `4 q ..< 4 q + 4`, `_quad_keys`) and
     which of them are kept: in the row, and at `row.floor` or above. The
     count and the placing read the row through this one test, so they
     agree on every candidate."""
-    var keys = quad_keys(s, row.scores, 4 * q, row.bound, aligned)
+    var keys = _quad_keys(s, row.scores, 4 * q, row.bound, aligned)
     var kept = SIMD[DType.bool, 4](fill=False)
     comptime for l in range(4):
         kept[l] = 4 * q + l < row.bound and UInt64(keys[l]) >= row.floor
@@ -142,13 +180,13 @@ def _pass[
     """`compaction_pass` with runs shared by `lanes` lanes (1 or 2)."""
     var shared = SelectShared[k](s, row_cache_words(row.width))
     var counts = shared.kept_counts()
-    var aligned = starts_aligned(row.scores)
+    var aligned = _starts_aligned(row.scores)
     var side = thread % lanes
     var partner = thread ^ 1
     var run = thread_run(
         thread // lanes,
         SELECT_THREADS // lanes,
-        ceildiv(quads(row.bound), lanes),
+        ceildiv(_quads(row.bound), lanes),
     )
     var total: UInt64 = 0
     var word: UInt32 = 0

@@ -17,7 +17,7 @@ cache (`row_cache_words`).
 """
 
 from std.bit import next_power_of_two
-from std.math import ceildiv, max, min
+from std.math import max, min
 
 from ...grid.block_phases import (
     BLOCK_EXCLUSIVE_SUM,
@@ -212,46 +212,6 @@ struct SelectLayout[origin: MutOrigin, k: Int](TrivialRegisterPassable):
         return SharedBuffer[Self.origin, "wide_histogram"](
             self.s, cache_start(Self.k), self.cache_words
         )
-
-
-@always_inline
-def quads(bound: Int) -> Int:
-    """Groups of 4 candidates that cover `bound`, read 16 bytes at a time
-    (`quad_keys`)."""
-    return ceildiv(bound, 4)
-
-
-@always_inline
-def starts_aligned(scores: Field[DType.float32, MutAnyOrigin]) -> Bool:
-    """Whether a row's scores start on 16 bytes (the same for every thread
-    of the block)."""
-    return (Int(scores) & 15) == 0
-
-
-@always_inline
-def quad_keys(
-    s: Shared,
-    scores: Field[DType.float32, MutAnyOrigin],
-    first: Int,
-    bound: Int,
-    aligned: Bool,
-) -> SIMD[DType.uint32, 4]:
-    """The order keys of candidates `first ..< first + 4` (`first` a
-    multiple of 4): one 16-byte load when the row starts on 16 bytes and
-    all 4 are in it, else a load each; 0 past `bound`.
-
-    The split select's compaction reads a quad a lane, a lane pair's two
-    quads a whole 32-byte sector (`select._compaction_lanes`)."""
-    var keys = SIMD[DType.uint32, 4](0)
-    if aligned and first + 4 <= bound:
-        var v = s.global_load[width=4, alignment=16](scores, first)
-        comptime for l in range(4):
-            keys[l] = score_order(v[l])
-    else:
-        comptime for l in range(4):
-            if first + l < bound:
-                keys[l] = score_order(s.global_load(scores, first + l))
-    return keys
 
 
 @fieldwise_init
