@@ -524,13 +524,27 @@ struct BlockShared[origin: MutOrigin, checked: Bool](TrivialRegisterPassable):
                 wider than 16 bytes as the 16-byte loads a GPU makes).
             alignment: Bytes `ptr + i` is a multiple of.
         """
-        self._note_global[ACCESS_LOAD](
-            call_location(), ptr, i, width * size_of[dtype]()
+        return self.global_load_at[width=width, alignment=alignment](
+            call_location(), ptr, i
         )
+
+    @always_inline
+    def global_load_at[
+        dtype: DType,
+        at: Origin,
+        //,
+        width: Int = 1,
+        alignment: Int = align_of[Scalar[dtype]](),
+    ](
+        self, site: SourceLocation, ptr: Pointer[Scalar[dtype], at], i: Int
+    ) -> SIMD[dtype, width]:
+        """`global_load` (its parameters), recorded at `site`: a helper that
+        loads for its callers passes its `call_location()`, so that each
+        caller is a site."""
+        self._note_global[ACCESS_LOAD](site, ptr, i, width * size_of[dtype]())
         comptime if width == 1:
-            # A scalar load as `ptr[i]` makes it: a one-lane vector load
-            # kept the wgmma scorer's byte loads from combining (42
-            # registers to 48 on sm_90a).
+            # As `ptr[i]` makes it: a one-lane vector load kept the wgmma
+            # scorer's byte loads apart (42 -> 48 registers on sm_90a).
             return ptr[unsafe_offset=i]
         return ptr.unsafe_offset(i).unsafe_load[
             width=width, alignment=alignment

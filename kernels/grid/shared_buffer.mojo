@@ -14,7 +14,7 @@ the next unseen; the GPU build has neither the check nor the recording.
 """
 
 from std.memory import bitcast
-from std.reflection import call_location
+from std.reflection import SourceLocation, call_location
 
 from .block_phases import SHARED_CHECKED, BlockShared
 
@@ -54,6 +54,12 @@ struct SharedBuffer[origin: MutOrigin, name: StaticString](
     def load(self, i: Int) -> UInt32:
         """Word `i`."""
         return self.s.load_at(call_location(), self._word(i), Self.name)
+
+    @always_inline
+    def load_at(self, site: SourceLocation, i: Int) -> UInt32:
+        """Word `i`, recorded at `site` (a helper that loads for its
+        callers passes its own `call_location()`)."""
+        return self.s.load_at(site, self._word(i), Self.name)
 
     @always_inline
     def store(self, i: Int, value: UInt32):

@@ -23,10 +23,10 @@ writers wrongly. Two requests of one call on the same ring slot are a
 caller error with no defined result (as with the separate writers).
 
 The op derives compress's and seed_tail's operands from ring_close's
-(built by ring_close's constructor; `StepOperands`) and runs the writers'
-own code on them (`step_cpu`, `step_thread`): the paths cannot drift. A
-GPU runs two launches the stream orders: `StepScanKernel` (the prefix sum
-of pool counts, the only dependency across requests), then `StepKernel`.
+(`StepOperands`) and runs the writers' own code on them (`step_cpu`,
+`step_thread`): the paths cannot drift. A GPU runs two launches in stream
+order: `StepScanKernel` (the prefix sum of pool counts, the only dependency
+across requests), then `StepKernel`.
 """
 
 import extensibility
@@ -35,6 +35,7 @@ from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 from std.math import ceildiv, min
 from std.memory import bitcast
+from std.reflection import call_location
 from std.sys import num_physical_cores, size_of
 
 from .compress import CompressOperands, compress_lane, compress_rows
@@ -214,10 +215,9 @@ def step_cpu(op: Step):
     var batch = op.close.call.batch
     var out_rows = op.out_rows
     var parts = num_physical_cores()
-    # Rows past the last pool are only zeroed (the output's row count is an
-    # upper bound): each part gets an equal share of the pooled rows and of
-    # the rest, not an equal share of all rows, or the first part would
-    # pool them all. Any split is correct; every row is written once.
+    # Rows past the last pool are only zeroed (the row count is an upper
+    # bound): each part gets a share of the pooled rows and one of the rest,
+    # or the first part would pool them all. Every row is written once.
     var used = min(max(read_index(op.pool_row_offsets, batch), 0), out_rows)
     var spare = out_rows - used
 
@@ -306,16 +306,19 @@ def _index_quad[
 ](s: Shared, ptr: Ptr[dtype], q: Int, entries: Int, aligned: Bool) -> SIMD[
     dtype, SCAN_QUAD
 ]:
-    """Entries `4 q ..< 4 q + 4` of an index tensor of `entries`, 0 past
-    its end: one vector load when aligned and whole, else a load each."""
+    """Entries `4 q ..< 4 q + 4` of an index tensor of `entries` (0 past
+    its end; a vector load when aligned and whole), at the caller's site."""
+    var site = call_location()
     var at = SCAN_QUAD * q
     if aligned and at + SCAN_QUAD <= entries:
         comptime bytes = SCAN_QUAD * size_of[dtype]()
-        return s.global_load[width=SCAN_QUAD, alignment=min(bytes, 16)](ptr, at)
+        return s.global_load_at[width=SCAN_QUAD, alignment=min(bytes, 16)](
+            site, ptr, at
+        )
     var out = SIMD[dtype, SCAN_QUAD](0)
     comptime for l in range(SCAN_QUAD):
         if at + l < entries:
-            out[l] = s.global_load(ptr, at + l)
+            out[l] = s.global_load_at(site, ptr, at + l)
     return out
 
 

@@ -22,6 +22,7 @@ answer, counted here by hand:
 - and the same kernel compiled for sm_90a has no recording code.
 """
 
+from std.reflection import call_location
 from std.testing import TestSuite, assert_equal, assert_true
 
 from kernels.grid.block_phases import Lane, Shared
@@ -55,6 +56,15 @@ comptime STRIDED = 6
 comptime GLOBAL_STORE = 7
 comptime GLOBAL_UNIFORM = 8
 comptime GLOBAL_WIDE = 9
+comptime HELPER_SITES = 10
+
+
+@always_inline
+def _load_for_caller(
+    s: Shared, data: Field[DType.float32, MutAnyOrigin], i: Int
+) -> Float32:
+    """A helper that loads for its callers, recorded at each caller's line."""
+    return s.global_load_at(call_location(), data, i)[0]
 
 
 @fieldwise_init
@@ -116,6 +126,9 @@ struct Planted[pattern: Int](GpuKernel):
             elif Self.pattern == GLOBAL_WIDE:
                 var v = s.global_load[width=8, alignment=32](op.data, 8 * t)
                 op.out[unsafe_offset=0] += UInt32(v[0])
+            elif Self.pattern == HELPER_SITES:
+                _ = _load_for_caller(s, op.data, t)
+                _ = _load_for_caller(s, op.data, THREADS + t)
             elif Self.pattern == GLOBAL_UNIFORM:
                 op.out[unsafe_offset=0] += UInt32(s.global_load(op.data, 0)[0])
             else:
@@ -299,6 +312,18 @@ def test_a_sampled_launch_says_so() raises:
     assert_equal(p.grid, 5)
     assert_equal(p.blocks, 2)
     assert_true('"sampled_blocks": 2' in p.json(), p.json())
+
+
+def test_a_helper_passing_its_caller_names_each_call_a_site() raises:
+    var p = _profile[HELPER_SITES](32)
+    assert_equal(len(p.global_sites), 2, p.json())
+    var first = p.global_sites[0].name
+    var second = p.global_sites[1].name
+    assert_true(first.startswith("test_profile.mojo:"), first)
+    assert_true(second.startswith("test_profile.mojo:"), second)
+    assert_true(first != second, first)
+    assert_equal(p.global_sites[0].requests, 2)
+    assert_equal(p.global_sites[1].requests, 2)
 
 
 def test_sites_are_named_from_the_package_root() raises:

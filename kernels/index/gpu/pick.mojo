@@ -17,6 +17,7 @@ cache (`row_cache_words`).
 """
 
 from std.bit import next_power_of_two
+from std.reflection import call_location
 from std.math import max, min
 
 from ...grid.block_phases import (
@@ -270,10 +271,12 @@ struct PickCandidates[origin: MutOrigin](Copyable, TrivialRegisterPassable):
 
     @always_inline
     def key[k: Int](self, shared: SelectShared[k], j: Int) -> UInt32:
-        """Candidate `j`'s key, from the cache or from global memory."""
+        """Candidate `j`'s key, from the cache or from global memory (the
+        profile's site is the caller's line)."""
+        var site = call_location()
         if self.cached():
-            return shared.row_keys().load(j)
-        return score_order(shared.s.global_load(self.scores, j))
+            return shared.row_keys().load_at(site, j)
+        return score_order(shared.s.global_load_at(site, self.scores, j))
 
     @always_inline
     def id[k: Int](self, shared: SelectShared[k], j: Int) -> UInt32:
