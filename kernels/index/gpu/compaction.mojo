@@ -6,7 +6,8 @@ Two phases, a block exclusive prefix sum between them: each thread counts
 its kept candidates and notes them (`kept_counts`), then places them from
 its prefix (`compaction_pass`). Lanes read the row a pair to a 32-byte
 sector, so a warp's 16-byte loads use every byte of the sectors they
-touch.
+touch (of a row that starts on 32 bytes: a workspace row width of a
+multiple of 8).
 """
 
 from std.math import ceildiv
@@ -57,7 +58,7 @@ def _quad_keys(
     all 4 are in it, else a load each; 0 past `bound`.
 
     A lane reads a quad, a lane pair's two quads a whole 32-byte sector
-    (`compaction_lanes`)."""
+    where the row starts on 32 bytes (`compaction_lanes`)."""
     var keys = SIMD[DType.uint32, 4](0)
     if aligned and first + 4 <= bound:
         var v = s.global_load[width=4, alignment=16](scores, first)
@@ -90,9 +91,9 @@ struct Compaction[origin: MutOrigin](Copyable, TrivialRegisterPassable):
 
 def compaction_lanes[k: Int](bound: Int) -> Int:
     """Lanes that share a run of the compaction's quads: 2 when each lane's
-    counts fit `kept_counts` (`kept_counts_words(k)` words: rows of up to
-    16,384 + 64 `sort_width(k)` candidates), else 1 (a run a lane, half
-    of each sector a request).
+    counts fit `kept_counts` (`kept_counts_words(k)` words, taken 512 at a
+    time: rows of up to 16,384 (1 + sort_width(k) // 256) candidates),
+    else 1 (a run a lane, half of each sector a request).
 
     Parameters:
         k: Ids per output row.
@@ -147,7 +148,8 @@ def compaction_pass[
 
     Lanes `2 p` and `2 p + 1` share a run of spans of 2 quads, a quad a
     lane, so a warp's loads use every byte of the 32-byte sectors they
-    touch (a run a lane would use half of each). To place in id order, a
+    touch (a run a lane would use half of each; a row that starts 16
+    bytes past a sector, half as well). To place in id order, a
     lane adds its partner's kept candidates of the spans before (the odd
     lane, of its span too), from the counts its partner noted; the odd
     lane's prefix counted its partner's whole run, which it takes back

@@ -94,7 +94,7 @@ def sort_width(k: Int) -> Int:
 
 
 def cache_start(k: Int) -> Int:
-    """Shared words before the row cache: histograms, state, pairs."""
+    """Shared words before the row cache: state, histograms, pairs."""
     return PAIRS + 2 * sort_width(k)
 
 

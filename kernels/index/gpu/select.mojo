@@ -176,7 +176,7 @@ def select_phases(k: Int, split: Bool) -> Phases:
 def select_shared_words(k: Int, candidates: Int) -> Int:
     """Shared words of a select launch over rows of `candidates` columns.
 
-    Two histograms (2 x 256 words), the state (4 words), the pairs (2 x
+    The state (4 words), two histograms (2 x 256 words), the pairs (2 x
     `sort_width(k)` words), the row cache (the workspace's row width, at
     most `CACHE_WORDS`; a split row's wide histogram, then its compacted
     pairs, live there), and the block collectives' 33 words (16 64-bit
