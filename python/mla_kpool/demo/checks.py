@@ -38,9 +38,16 @@ __all__ = [
 MAX_LISTED = 5
 
 
-def plural(count: int, noun: str) -> str:
-    """``count`` and ``noun``, with an ``s`` unless ``count`` is 1."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
+def plural(count: int, noun: str, grouped: bool = False) -> str:
+    """``count`` and ``noun``, with an ``s`` unless ``count`` is 1.
+
+    Args:
+        count: How many.
+        noun: The singular noun.
+        grouped: Whether ``count`` is written with thousands separators.
+    """
+    number = f"{count:,}" if grouped else f"{count}"
+    return f"{number} {noun}{'' if count == 1 else 's'}"
 
 
 def _unlisted(where: str, bad: int, noun: str) -> list[str]:

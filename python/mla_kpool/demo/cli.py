@@ -38,6 +38,7 @@ from .checked_run import (
     model_keys,
     serve,
 )
+from .checks import plural
 from .faults import FAULT_KINDS, place_fault
 from .indexing import (
     INDEX_HEADS,
@@ -361,8 +362,10 @@ def describe_size(plan_: Plan) -> str:
     """One line on a plan's size: requests, tokens, calls."""
     tokens = sum(e.tokens for call in plan_.calls for e in call)
     return (
-        f"{len(plan_.requests):,} requests, {tokens:,} tokens in"
-        f" {len(plan_.calls):,} calls, {plan_.max_slots} ring slots"
+        f"{plural(len(plan_.requests), 'request', grouped=True)},"
+        f" {plural(tokens, 'token', grouped=True)} in"
+        f" {plural(len(plan_.calls), 'call', grouped=True)},"
+        f" {plural(plan_.max_slots, 'ring slot')}"
     )
 
 
@@ -529,7 +532,7 @@ def run(args: argparse.Namespace, *, runner: Runner | None = None) -> int:
     )
     say(
         f"models {MODELS_SOURCE[models]} ({compile_s - package_s:.1f} s); "
-        f"running {len(plan_.calls)} calls{every}..."
+        f"running {plural(len(plan_.calls), 'call')}{every}..."
     )
     described = fault.describe() if fault is not None else None
     if fault is not None:
