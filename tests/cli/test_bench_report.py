@@ -276,7 +276,9 @@ def test_plot_format_is_checked_first(tmp_path, capsys, no_runner):
     image = tmp_path / "plot.txt"
     argv = ["bench", "--markdown", str(records), "--plot", str(image)]
     assert main(argv) == 2
-    assert "--plot IMAGE must end in one of" in capsys.readouterr().err
+    assert (
+        "argument --plot: IMAGE must end in one of" in capsys.readouterr().err
+    )
     assert not image.exists()
 
 

@@ -738,7 +738,7 @@ def run(args: argparse.Namespace) -> int:
             suffix = os.path.splitext(args.plot)[1].lstrip(".").lower()
             if suffix not in kinds:
                 raise report.ResultsError(
-                    f"--plot IMAGE must end in one of "
+                    f"argument --plot: IMAGE must end in one of "
                     f"{', '.join('.' + k for k in sorted(kinds))}, "
                     f"got {args.plot!r}"
                 )
