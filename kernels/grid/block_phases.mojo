@@ -577,11 +577,11 @@ struct BlockShared[origin: MutOrigin, checked: Bool](TrivialRegisterPassable):
         dtype: DType, at: Origin, //
     ](self, offsets: Pointer[Scalar[dtype], at], b: Int):
         """Records the reads of request `b`'s row span, `offsets[b]` and
-        `offsets[b + 1]`, by code shared with the CPU path
-        (`ragged.token_span`, `plan.end_well_formed`): `note_global_load`'s
-        two records, at this line."""
-        self.note_global_load(offsets, b)
-        self.note_global_load(offsets, b + 1)
+        `offsets[b + 1]`, by code shared with the CPU path (`token_span`,
+        `plan.end_well_formed`), at the caller's line."""
+        var site = call_location()
+        self._note_global[ACCESS_LOAD](site, offsets, b, size_of[dtype]())
+        self._note_global[ACCESS_LOAD](site, offsets, b + 1, size_of[dtype]())
 
     @always_inline
     def global_store[

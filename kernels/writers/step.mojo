@@ -465,11 +465,9 @@ def step_scan_phase[
 
     Loads and stores are a quad a lane (16 bytes of 4-byte metadata on
     16 bytes; a load an element off them and in a partial quad), every
-    sector whole (4-byte loads a request apart used a quarter of each:
-    897 requests and 14,433 sectors at batch 4,096, now 195 and 3,075),
-    for one more barrier and 63-64 registers on sm_90a/sm_100a (32
-    before), which the launch bound of a 1,024-thread block keeps within
-    the 64 it allows; one block runs, so occupancy does not matter.
+    sector whole, for the `stage` phase's barrier and registers near the
+    64 the launch bound of a 1,024-thread block allows (`gpu-report`);
+    one block runs, so occupancy does not matter.
 
     `stage`: each thread stages its run's first offset. `count`: it
     offers its run's pool count (modulo 2^32) to the block's

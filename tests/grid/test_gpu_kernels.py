@@ -158,8 +158,8 @@ SELECT_MUTANTS = [
         # the decided count reach shared memory, so the pick reads places
         # nobody wrote, or misses the keys of that bucket.
         "compaction_without_the_bucket",
-        "UInt64(bucket.load(WIDE_BUCKET)) << UInt64(32 - WIDE_BITS)",
-        "UInt64(bucket.load(WIDE_BUCKET) + 1) << UInt64(32 - WIDE_BITS)",
+        "UInt64(decided.load(WIDE_BUCKET)) << UInt64(32 - WIDE_BITS)",
+        "UInt64(decided.load(WIDE_BUCKET) + 1) << UInt64(32 - WIDE_BITS)",
         r"slot \d+: got|missing barrier|out of range|before any thread wrote",
     ),
     (

@@ -115,10 +115,15 @@ def _count_word(i: Int, thread: Int) -> Int:
 
 
 @always_inline
+def _count_shift(i: Int) -> UInt32:
+    """Where span `i`'s count lies in its `kept_counts` word."""
+    return UInt32(_COUNT_BITS * (i % _COUNTS_PER_WORD))
+
+
+@always_inline
 def _count_of(word: UInt32, i: Int) -> Int:
     """Span `i`'s count in its `kept_counts` word."""
-    var shift = UInt32(_COUNT_BITS * (i % _COUNTS_PER_WORD))
-    return Int((word >> shift) & ((1 << _COUNT_BITS) - 1))
+    return Int((word >> _count_shift(i)) & ((1 << _COUNT_BITS) - 1))
 
 
 @always_inline
@@ -156,9 +161,9 @@ def compaction_pass[
     first. Rows too long for the counts (`compaction_lanes`) take runs of
     one lane. The row cache's stores fall where the scores put them: up
     to 5-way in the profile at DeepSeek-V3.2's decode (2.2 wavefronts a
-    request), as the data decides. The pair's bookkeeping sets the split
-    kernel's registers (`gpu-report`: 48 on sm_90a, 2 blocks an SM, so
-    `select.SPLIT_BLOCKS` is still one wave).
+    request), as the data decides. The pair's bookkeeping costs the split
+    kernel registers (`gpu-report`): at 2 blocks an SM,
+    `select.SPLIT_BLOCKS` is still one wave.
 
     Parameters:
         place: Whether this is the placing (else the count).
@@ -224,7 +229,7 @@ def _pass[
                 mine += UInt32(Int(quad[1][l]))
             total += UInt64(mine)
             comptime if lanes == 2:
-                word |= mine << UInt32(_COUNT_BITS * (i % _COUNTS_PER_WORD))
+                word |= mine << _count_shift(i)
                 var full = i % _COUNTS_PER_WORD == _COUNTS_PER_WORD - 1
                 if full or span + 1 == run[1]:
                     counts.store(_count_word(i, thread), word)

@@ -17,8 +17,8 @@ cache (`row_cache_words`).
 """
 
 from std.bit import next_power_of_two
-from std.reflection import call_location
 from std.math import max, min
+from std.reflection import call_location
 
 from ...grid.block_phases import (
     BLOCK_EXCLUSIVE_SUM,

@@ -41,6 +41,7 @@ from ...grid.block_phases import (
 )
 from ...grid.phases import Phase, Phases
 from ...grid.ragged import Field
+from ...grid.shared_buffer import Buffer
 from ..rank import ordered_rank_key, score_order
 from .compaction import Compaction, compaction_pass
 from .pick import (
@@ -277,17 +278,16 @@ def _pick_row[
 
 
 @always_inline
-def _compacted[
-    k: Int
-](whole: WindowRow[MutAnyOrigin], s: Shared) -> Compaction[MutAnyOrigin]:
+def _compacted(
+    whole: WindowRow[MutAnyOrigin], decided: Buffer["wide_state"]
+) -> Compaction[MutAnyOrigin]:
     """What the last block of a split row compacts: its keys in the
     decided bucket or above."""
-    var bucket = SelectShared[k](s, row_cache_words(whole.width)).wide_state()
     return Compaction[MutAnyOrigin](
         whole.scores,
         whole.bound,
         whole.width,
-        UInt64(bucket.load(WIDE_BUCKET)) << UInt64(32 - WIDE_BITS),
+        UInt64(decided.load(WIDE_BUCKET)) << UInt64(32 - WIDE_BITS),
     )
 
 
@@ -401,14 +401,14 @@ def _split_phase[
         var kept: UInt64 = 0
         if state.selects and _pick_row[True, k](whole, s).compact:
             kept = compaction_pass[False, k](
-                thread, s, _compacted[k](whole, s), 0
+                thread, s, _compacted(whole, decided), 0
             )
         lane.offer(kept)
     else:
         comptime assert table.named(phase, "compact")
         if state.selects and _pick_row[True, k](whole, s).compact:
             _ = compaction_pass[True, k](
-                thread, s, _compacted[k](whole, s), Int(lane.result())
+                thread, s, _compacted(whole, decided), Int(lane.result())
             )
 
 
